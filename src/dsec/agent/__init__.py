@@ -1,0 +1,1 @@
+"""The native in-sandbox agent (pid 1 of every container): source and build."""

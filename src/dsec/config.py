@@ -1,0 +1,90 @@
+"""Where things live and how clients find the platform.
+
+Resolution order for clients: explicit argument, then ``DSEC_URL`` / ``DSEC_API_KEY``,
+then ``~/.config/dsec/config.json`` (written by ``dsec up``), then the default URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8470
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_DATA_DIR = Path(os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+
+
+def client_config_path() -> Path:
+    base = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config"))
+    return base / "dsec" / "config.json"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str
+    api_key: str | None
+
+
+def load_client_config(url: str | None = None, api_key: str | None = None) -> ClientConfig:
+    saved: dict[str, str] = {}
+    path = client_config_path()
+    if path.is_file():
+        try:
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, dict):
+                saved = {k: str(v) for k, v in loaded.items()}
+        except (OSError, ValueError):
+            saved = {}
+    return ClientConfig(
+        url=(url or os.environ.get("DSEC_URL") or saved.get("url") or DEFAULT_URL).rstrip("/"),
+        api_key=api_key or os.environ.get("DSEC_API_KEY") or saved.get("api_key"),
+    )
+
+
+def save_client_config(url: str, api_key: str) -> Path:
+    path = client_config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"url": url, "api_key": api_key}, fh)
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class PlatformConfig:
+    """Settings of one embedded platform process (`dsec up`)."""
+
+    data_dir: Path = DEFAULT_DATA_DIR
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    edge_id: str = "e0"
+    runtime: str = "crun"
+    max_sandboxes: int = 2000
+    memory_overcommit: float = 8.0
+    crun_extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def images_dir(self) -> Path:
+        return self.data_dir / "images"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.data_dir / "sandboxes"
+
+    @property
+    def control_db(self) -> Path:
+        return self.data_dir / "control.db"
+
+    @property
+    def edge_db(self) -> Path:
+        return self.data_dir / "edge.db"

@@ -1,0 +1,1 @@
+"""Cluster-level state: store, IAM, placement (single-node: embedded SQLite)."""

@@ -1,0 +1,51 @@
+"""What the apiserver may ask of an edge. In-process today, over HTTP in cluster mode.
+
+Every method raises typed errors from ``dsec.errors`` (SandboxNotFound,
+SandboxNotRunning, ImageNotFound, AdmissionRejected, LimitExceeded, Unsupported,
+Timeout, BackendError, FileNotFound, PermissionDenied, InvalidArgument).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dsec.model import (
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    HealthInfo,
+    SandboxInfo,
+    SandboxState,
+)
+
+
+class EdgeAPI(Protocol):
+    edge_id: str
+
+    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        """Admit, build the root file system, start; returns when the sandbox runs."""
+        ...
+
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def list(
+        self,
+        *,
+        labels: dict[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> list[SandboxInfo]: ...
+
+    async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
+        """Terminate and release everything; idempotent on a stopped sandbox."""
+        ...
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes: ...
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
+    ) -> None: ...
+
+    async def health(self) -> HealthInfo: ...
+

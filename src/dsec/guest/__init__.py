@@ -1,0 +1,1 @@
+"""The agent inside VMs (stdlib only). Containers use the native agent in dsec.agent."""

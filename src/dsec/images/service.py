@@ -1,0 +1,52 @@
+"""What the platform asks of the image subsystem (implemented in dsec.images.images)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Literal, Protocol
+
+from dsec.model import ImageInfo
+
+# Called with (step description, done units, total units or None) during long work.
+Progress = Callable[[str, int, int | None], None]
+ArchiveFormat = Literal["auto", "tar", "oci"]
+Recipe = Literal["busybox", "debian-python"]
+
+
+class ImageService(Protocol):
+    async def resolve(self, ref: str) -> ImageInfo:
+        """``name[:tag]`` -> image; raises ImageNotFound with the known names."""
+        ...
+
+    async def list(self) -> list[ImageInfo]: ...
+
+    async def remove(self, ref: str) -> ImageInfo:
+        """Forget the tag; layers no image references are deleted once unmounted."""
+        ...
+
+    async def import_directory(
+        self, ref: str, path: Path, *, progress: Progress | None = None
+    ) -> ImageInfo: ...
+
+    async def import_archive(
+        self,
+        ref: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        fmt: ArchiveFormat = "auto",
+        progress: Progress | None = None,
+    ) -> ImageInfo:
+        """A plain rootfs tar, a `docker save` tar, or an OCI layout tar (whiteouts applied)."""
+        ...
+
+    async def build(
+        self, recipe: Recipe, *, ref: str | None = None, rebuild: bool = False,
+        progress: Progress | None = None,
+    ) -> ImageInfo:
+        """Built-in images: busybox:latest, debian-python:bookworm (cached)."""
+        ...
+
+    def layer_path(self, digest: str) -> Path:
+        """The verified EROFS blob of a layer on this host."""
+        ...

@@ -1,0 +1,242 @@
+"""The shared language of the platform: run specs, states, results.
+
+One spec per backend, one base for what every backend shares (paper Listing 1).
+These models are the wire format of the HTTP API too, so the SDK, the apiserver and
+the edge cannot disagree about a field. Unknown fields are refused: a typo such as
+``memory_limit=`` must fail loudly, not be ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# `name:tag` or `name` (tag defaults to latest); names like registry paths are allowed.
+IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+USER_RE = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|\d{1,10}(:\d{1,10})?)$")
+SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,16}-[0-9a-f]{16}$")
+
+MAX_OUTPUT_BYTES = 64 * 1024 * 1024
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class BackendKind(StrEnum):
+    CONTAINER = "container"
+    FNCALL = "fncall"
+    MICROVM = "microvm"
+    FULLVM = "fullvm"
+
+
+class SandboxState(StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SandboxState.STOPPED, SandboxState.FAILED)
+
+
+def parse_image_ref(ref: str) -> tuple[str, str]:
+    """Split ``name[:tag]``; the tag defaults to ``latest``."""
+    if not IMAGE_REF_RE.match(ref):
+        raise ValueError(
+            f"invalid image reference {ref!r}: expected name[:tag] with lowercase name "
+            "characters [a-z0-9._/-], for example 'busybox:latest'"
+        )
+    name, _, tag = ref.partition(":")
+    return name, tag or "latest"
+
+
+def _check_abs_path(value: str, what: str) -> str:
+    if not value.startswith("/") or "\x00" in value or len(value) > 4096:
+        raise ValueError(f"{what} must be an absolute path without NUL bytes, got {value!r}")
+    return value
+
+
+class DSecRunArgs(Strict):
+    """What every backend shares. Subclasses add what is specific to one backend."""
+
+    memory_limit_mb: int = Field(512, ge=16, le=1024 * 1024, description="hard memory limit")
+    cpu_cores_limit: float = Field(1.0, gt=0, le=1024, description="CPU quota in cores")
+    pids_limit: int = Field(1024, ge=16, le=65536, description="max processes and threads")
+    ttl_running_stop: int | None = Field(
+        300, ge=1, le=30 * 86400, description="idle seconds before an automatic stop; None=never"
+    )
+    network_rules: dict[str, bool] = Field(
+        default_factory=dict, description="egress by service name; empty = loopback only"
+    )
+    init_user: str = Field("root", description="user name in the image, or uid[:gid]")
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+
+    @field_validator("init_user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not USER_RE.match(v):
+            raise ValueError(f"init_user must be a user name or uid[:gid], got {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"invalid environment variable name {key!r}")
+            if "\x00" in val:
+                raise ValueError(f"environment variable {key} contains a NUL byte")
+        if len(v) > 1024:
+            raise ValueError("at most 1024 environment variables")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not LABEL_KEY_RE.match(key):
+                raise ValueError(f"invalid label key {key!r}: use [A-Za-z0-9._/-], <= 63 chars")
+            if len(val) > 256 or "\x00" in val:
+                raise ValueError(f"label {key} value is longer than 256 chars or has a NUL")
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
+        return v
+
+    @field_validator("network_rules")
+    @classmethod
+    def _rules(cls, v: dict[str, bool]) -> dict[str, bool]:
+        for key in v:
+            if not LABEL_KEY_RE.match(key):
+                raise ValueError(f"invalid network rule name {key!r}")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        return _check_abs_path(v, "workdir")
+
+
+class DSecContainerRunArgs(DSecRunArgs):
+    """A Linux container started from a layered image (paper Listing 1)."""
+
+    backend: Literal["container"] = "container"
+    container_image: str = Field(..., description="image reference name[:tag]")
+
+    @field_validator("container_image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        parse_image_ref(v)
+        return v
+
+
+RunArgs = Annotated[DSecContainerRunArgs, Field(discriminator="backend")]
+
+
+class SandboxInfo(Strict):
+    id: str
+    backend: BackendKind
+    state: SandboxState
+    image: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime
+    updated_at: datetime
+    reason: str | None = Field(None, description="why it failed or stopped")
+    edge: str
+    spec: DSecContainerRunArgs
+
+
+class CreateSandboxRequest(Strict):
+    spec: DSecContainerRunArgs
+    timeout: float = Field(120, gt=0, le=3600)
+
+
+class ExecRequest(Strict):
+    """One command. A string runs through ``/bin/sh -c``; a list is an argv."""
+
+    command: str | list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    timeout: float | None = Field(None, gt=0, le=86400, description="seconds; kills the command")
+    stdin: str | None = Field(None, description="text fed to the command's stdin")
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1, le=MAX_OUTPUT_BYTES)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            if not v or not v[0]:
+                raise ValueError("command argv must be a non-empty list")
+            if any("\x00" in a for a in v):
+                raise ValueError("command arguments must not contain NUL bytes")
+        elif not v.strip() or "\x00" in v:
+            raise ValueError("command must be a non-empty string without NUL bytes")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _wd(cls, v: str | None) -> str | None:
+        return None if v is None else _check_abs_path(v, "workdir")
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not USER_RE.match(v):
+            raise ValueError(f"user must be a user name or uid[:gid], got {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not ENV_KEY_RE.match(key) or "\x00" in val:
+                raise ValueError(f"invalid environment variable {key!r}")
+        return v
+
+
+class ExecResult(Strict):
+    exit_code: int = Field(description="exit status; 128+N when killed by signal N")
+    stdout: str
+    stderr: str
+    duration: float = Field(description="seconds from start to exit inside the sandbox")
+    timed_out: bool = False
+    truncated: bool = Field(False, description="output beyond max_output_bytes was dropped")
+
+
+class ImageInfo(Strict):
+    name: str
+    tag: str
+    digest: str = Field(description="digest of the image manifest")
+    layers: list[str] = Field(description="layer digests, bottom first")
+    size_bytes: int
+    created_at: datetime
+    config: dict[str, object] = Field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.tag}"
+
+
+class BuildImageRequest(Strict):
+    recipe: Literal["busybox", "debian-python"]
+    name: str | None = None
+    rebuild: bool = False
+
+
+class HealthInfo(Strict):
+    status: Literal["ok"] = "ok"
+    version: str
+    edge: str
+    sandboxes_running: int
+    capacity: int
