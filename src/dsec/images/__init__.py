@@ -1,1 +1,5 @@
-"""images"""
+"""Images: content-addressed EROFS layers, importers, builders and the host mount cache.
+
+Entry point: :class:`dsec.images.images.Images` (implements
+:class:`dsec.images.service.ImageService`).
+"""

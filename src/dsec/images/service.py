@@ -41,7 +41,11 @@ class ImageService(Protocol):
         ...
 
     async def build(
-        self, recipe: Recipe, *, ref: str | None = None, rebuild: bool = False,
+        self,
+        recipe: Recipe,
+        *,
+        ref: str | None = None,
+        rebuild: bool = False,
         progress: Progress | None = None,
     ) -> ImageInfo:
         """Built-in images: busybox:latest, debian-python:bookworm (cached)."""
