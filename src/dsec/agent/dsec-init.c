@@ -1,0 +1,1980 @@
+/*
+ * dsec-init: the in-sandbox agent, pid 1 of every container sandbox.
+ *
+ * Why native and single-threaded: density. One of these runs in every idle sandbox, so it
+ * must cost a few hundred KiB, not the megabytes of an interpreter. One poll() loop
+ * serves any number of connections; the slow or dangerous work happens in forked
+ * children so the loop never blocks:
+ *
+ *   agent (pid 1) --fork--> supervisor (subreaper, one per command) --fork--> command
+ *         |       --fork--> file-op child (switched to the caller's user)
+ *
+ * The edge passes a *listening* unix socket as fd $DSEC_AGENT_FD (default 3). Each
+ * connection carries one operation; the wire protocol is described in
+ * src/dsec/sessions/protocol.py (frame = u8 type, u32 little-endian length, payload).
+ *
+ * Hostile-root hardening: the agent is not dumpable (no ptrace, no /proc/1/fd from inside),
+ * every fd it owns is O_CLOEXEC, and forked helpers close every fd they do not need, so no
+ * command ever inherits the listening socket or another client's connection.
+ *
+ * Second mode, host side: `dsec-init crun-wrap ...` wraps every OCI runtime call (fd 3
+ * placement, crun 1.8.1 on hybrid cgroup hosts; see crun_wrap()).
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FRAME_HDR 5u
+#define MAX_FRAME (16u << 20)         /* largest frame payload we accept */
+#define CHUNK 65536u                  /* largest data frame we send */
+#define OUT_HIGH (256u * 1024u)       /* stop reading a command's pipes above this backlog */
+#define STDIN_HIGH (256u * 1024u)     /* stop reading a client above this stdin backlog */
+#define EOF_GRACE_NS (20LL * 1000000LL) /* wait this long for pipe EOF after the main exit */
+#define LINGER_NS (5LL * 1000000000LL)  /* wait this long for a client to close after a reply */
+#define KILL_PATIENCE_NS (2LL * 1000000000LL)
+#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define MAX_GROUPS 256
+
+#define EXEC_FLAG_STDIN 1u
+#define EXIT_FLAG_TIMED_OUT 1u
+#define EXIT_FLAG_TRUNCATED 2u
+#define WRITE_FLAG_PARENTS 1u
+
+/* ------------------------------------------------------------------------------------ */
+/* small helpers                                                                        */
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void put_u32(unsigned char *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put_u64(unsigned char *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const unsigned char *p)
+{
+	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get_u64(const unsigned char *p)
+{
+	return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
+}
+
+static void set_cloexec(int fd)
+{
+	int fl = fcntl(fd, F_GETFD);
+	if (fl >= 0)
+		fcntl(fd, F_SETFD, fl | FD_CLOEXEC);
+}
+
+static void set_nonblock(int fd, int on)
+{
+	int fl = fcntl(fd, F_GETFL);
+	if (fl >= 0)
+		fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
+}
+
+static void close_fd(int *fd)
+{
+	if (*fd >= 0) {
+		close(*fd);
+		*fd = -1;
+	}
+}
+
+/* Close every fd >= low (close_range, with a loop for kernels older than 5.9). */
+static void close_from(int low)
+{
+	if (close_range((unsigned)low, ~0U, 0) == 0)
+		return;
+	for (int fd = low; fd < 65536; fd++)
+		close(fd);
+}
+
+/* Move fds[0..n) to base..base+n-1 and close everything from base+n up (for children). */
+static void move_fds(const int *fds, int n, int base)
+{
+	int tmp[8];
+	for (int i = 0; i < n; i++) {
+		tmp[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 64);
+		if (tmp[i] < 0)
+			_exit(127);
+	}
+	for (int i = 0; i < n; i++)
+		if (dup2(tmp[i], base + i) < 0)
+			_exit(127);
+	close_from(base + n);
+}
+
+static int status_code(int st)
+{
+	if (WIFEXITED(st))
+		return WEXITSTATUS(st);
+	if (WIFSIGNALED(st))
+		return 128 + WTERMSIG(st);
+	return 255;
+}
+
+static void warnx(const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	dprintf(2, "dsec-init: %s\n", msg);
+}
+
+/* Growable byte buffer: data lives at p[off, off+len). */
+struct buf {
+	unsigned char *p;
+	size_t off, len, cap;
+};
+
+static int buf_add(struct buf *b, const void *d, size_t n)
+{
+	if (b->off + b->len + n > b->cap) {
+		if (b->off) {
+			memmove(b->p, b->p + b->off, b->len);
+			b->off = 0;
+		}
+		if (b->len + n > b->cap) {
+			size_t nc = b->cap ? b->cap : 4096;
+			while (nc < b->len + n)
+				nc *= 2;
+			unsigned char *np = realloc(b->p, nc);
+			if (!np)
+				return -1;
+			b->p = np;
+			b->cap = nc;
+		}
+	}
+	if (n)
+		memcpy(b->p + b->off + b->len, d, n);
+	b->len += n;
+	return 0;
+}
+
+static void buf_drop(struct buf *b, size_t n)
+{
+	b->off += n;
+	b->len -= n;
+	if (!b->len)
+		b->off = 0;
+}
+
+static void buf_free(struct buf *b)
+{
+	free(b->p);
+	memset(b, 0, sizeof *b);
+}
+
+/* Bounds-checked reader over a frame payload. */
+struct rd {
+	const unsigned char *p;
+	size_t n;
+	int bad;
+};
+
+static uint32_t rd_u32(struct rd *r)
+{
+	if (r->n < 4) {
+		r->bad = 1;
+		return 0;
+	}
+	uint32_t v = get_u32(r->p);
+	r->p += 4;
+	r->n -= 4;
+	return v;
+}
+
+static uint64_t rd_u64(struct rd *r)
+{
+	if (r->n < 8) {
+		r->bad = 1;
+		return 0;
+	}
+	uint64_t v = get_u64(r->p);
+	r->p += 8;
+	r->n -= 8;
+	return v;
+}
+
+/* Copy a length-prefixed string into *arena as a C string; NUL bytes inside are refused. */
+static char *rd_str(struct rd *r, char **arena)
+{
+	uint32_t l = rd_u32(r);
+	if (r->bad || l > r->n) {
+		r->bad = 1;
+		return NULL;
+	}
+	if (memchr(r->p, 0, l)) {
+		r->bad = 2;
+		return NULL;
+	}
+	char *s = *arena;
+	memcpy(s, r->p, l);
+	s[l] = 0;
+	*arena += l + 1;
+	r->p += l;
+	r->n -= l;
+	return s;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* users: parsed from the sandbox's own /etc/passwd and /etc/group (no NSS in a static   */
+/* binary, and the image's files are the only truth inside the sandbox)                  */
+
+struct user_info {
+	uid_t uid;
+	gid_t gid;
+	int has_name;
+	char name[256];
+	char home[1024];
+	int ngroups;
+	gid_t groups[MAX_GROUPS];
+};
+
+static char *slurp(const char *path, size_t max)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return NULL;
+	size_t cap = 4096, n = 0;
+	char *b = malloc(cap + 1);
+	while (b) {
+		if (n == cap) {
+			if (cap >= max)
+				break;
+			char *nb = realloc(b, cap * 2 + 1);
+			if (!nb) {
+				free(b);
+				b = NULL;
+				break;
+			}
+			b = nb;
+			cap *= 2;
+		}
+		ssize_t r = read(fd, b + n, cap - n);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			break;
+		n += (size_t)r;
+	}
+	close(fd);
+	if (b)
+		b[n] = 0;
+	return b;
+}
+
+static int parse_id(const char *s, size_t len, unsigned long *out)
+{
+	unsigned long v = 0;
+	if (!len)
+		return -1;
+	for (size_t i = 0; i < len; i++) {
+		if (s[i] < '0' || s[i] > '9')
+			return -1;
+		v = v * 10 + (unsigned long)(s[i] - '0');
+		if (v > 0xfffffffeUL)
+			return -1;
+	}
+	*out = v;
+	return 0;
+}
+
+/* Split a line at ':' into at most max fields; returns the number of fields. */
+static int split_fields(char *line, char **f, int max)
+{
+	int n = 0;
+	while (n < max) {
+		f[n++] = line;
+		char *c = strchr(line, ':');
+		if (!c)
+			break;
+		*c = 0;
+		line = c + 1;
+	}
+	return n;
+}
+
+/* Find a passwd entry by name (when name != NULL) or by uid. Returns 1 when found. */
+static int passwd_find(const char *name, uid_t uid, struct user_info *u)
+{
+	char *data = slurp("/etc/passwd", 16u << 20);
+	if (!data)
+		return 0;
+	int found = 0;
+	char *save = NULL;
+	for (char *line = strtok_r(data, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		char *f[7];
+		unsigned long pu, pg;
+		if (split_fields(line, f, 7) < 6)
+			continue;
+		if (parse_id(f[2], strlen(f[2]), &pu) || parse_id(f[3], strlen(f[3]), &pg))
+			continue;
+		if (name ? strcmp(f[0], name) != 0 : (uid_t)pu != uid)
+			continue;
+		u->uid = (uid_t)pu;
+		u->gid = (gid_t)pg;
+		u->has_name = 1;
+		snprintf(u->name, sizeof u->name, "%s", f[0]);
+		snprintf(u->home, sizeof u->home, "%s", f[5][0] ? f[5] : "/");
+		found = 1;
+		break;
+	}
+	free(data);
+	return found;
+}
+
+static void group_add(struct user_info *u, gid_t g)
+{
+	for (int i = 0; i < u->ngroups; i++)
+		if (u->groups[i] == g)
+			return;
+	if (u->ngroups < MAX_GROUPS)
+		u->groups[u->ngroups++] = g;
+}
+
+/* Primary group plus every /etc/group entry that lists the user (what initgroups does). */
+static void groups_load(struct user_info *u)
+{
+	u->ngroups = 0;
+	group_add(u, u->gid);
+	if (!u->has_name)
+		return;
+	char *data = slurp("/etc/group", 16u << 20);
+	if (!data)
+		return;
+	char *save = NULL;
+	for (char *line = strtok_r(data, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		char *f[4];
+		unsigned long g;
+		if (split_fields(line, f, 4) < 4 || parse_id(f[2], strlen(f[2]), &g))
+			continue;
+		char *msave = NULL;
+		for (char *m = strtok_r(f[3], ",", &msave); m; m = strtok_r(NULL, ",", &msave))
+			if (strcmp(m, u->name) == 0)
+				group_add(u, (gid_t)g);
+	}
+	free(data);
+}
+
+/* Resolve "root", a passwd name, or "uid[:gid]". Returns 0 or an errno (message in err). */
+static int resolve_user(const char *spec, struct user_info *u, char *err, size_t errlen)
+{
+	memset(u, 0, sizeof *u);
+	if (!*spec) {
+		snprintf(err, errlen, "empty user name");
+		return EINVAL;
+	}
+	const char *colon = strchr(spec, ':');
+	if (spec[0] >= '0' && spec[0] <= '9') {
+		unsigned long uid, gid;
+		size_t ulen = colon ? (size_t)(colon - spec) : strlen(spec);
+		if (parse_id(spec, ulen, &uid) || (colon && parse_id(colon + 1, strlen(colon + 1), &gid))) {
+			snprintf(err, errlen, "invalid user '%s': expected a name or uid[:gid]", spec);
+			return EINVAL;
+		}
+		int found = passwd_find(NULL, (uid_t)uid, u);
+		u->uid = (uid_t)uid;
+		if (!found) {
+			u->gid = (gid_t)uid;
+			snprintf(u->home, sizeof u->home, "/");
+		}
+		if (colon) {
+			u->gid = (gid_t)gid;
+			u->ngroups = 0;
+			group_add(u, u->gid);
+		} else {
+			groups_load(u);
+		}
+		return 0;
+	}
+	if (colon) {
+		snprintf(err, errlen, "invalid user '%s': expected a name or uid[:gid]", spec);
+		return EINVAL;
+	}
+	if (!passwd_find(spec, 0, u)) {
+		if (strcmp(spec, "root") != 0) {
+			snprintf(err, errlen, "unknown user '%s': not in the sandbox's /etc/passwd", spec);
+			return EINVAL;
+		}
+		u->uid = 0;
+		u->gid = 0;
+		u->has_name = 1;
+		snprintf(u->name, sizeof u->name, "root");
+		snprintf(u->home, sizeof u->home, "/root");
+	}
+	groups_load(u);
+	return 0;
+}
+
+static int switch_user(const struct user_info *u)
+{
+	if (geteuid() != 0 && u->uid == geteuid() && u->gid == getegid())
+		return 0; /* unprivileged agent (tests, development): nothing to switch */
+	if (setgroups((size_t)u->ngroups, u->groups) < 0)
+		return -1;
+	if (setresgid(u->gid, u->gid, u->gid) < 0)
+		return -1;
+	if (setresuid(u->uid, u->uid, u->uid) < 0)
+		return -1;
+	return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* process trees: found through /proc (ppid chains), because setsid and double forks    */
+/* escape process groups but never escape a subreaper                                   */
+
+struct pent {
+	pid_t pid, ppid;
+	char state;
+};
+
+/* Send sig to every descendant of root. Returns how many descendants exist (zombies
+ * included, since they still have to be reaped), or -1 when /proc is unusable. */
+static int signal_descendants(pid_t root, int sig)
+{
+	DIR *d = opendir("/proc");
+	if (!d)
+		return -1;
+	size_t n = 0, cap = 0;
+	struct pent *v = NULL;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[300], st[512];
+		snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		ssize_t k = read(fd, st, sizeof st - 1);
+		close(fd);
+		if (k <= 0)
+			continue;
+		st[k] = 0;
+		char *rp = strrchr(st, ')');
+		char state;
+		int pid = atoi(st), ppid;
+		if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2)
+			continue;
+		if (n == cap) {
+			size_t nc = cap ? cap * 2 : 256;
+			struct pent *nv = realloc(v, nc * sizeof *v);
+			if (!nv)
+				break;
+			v = nv;
+			cap = nc;
+		}
+		v[n].pid = pid;
+		v[n].ppid = ppid;
+		v[n].state = state;
+		n++;
+	}
+	closedir(d);
+	char *in = calloc(n ? n : 1, 1);
+	if (!in) {
+		free(v);
+		return -1;
+	}
+	int changed = 1;
+	while (changed) {
+		changed = 0;
+		for (size_t i = 0; i < n; i++) {
+			if (in[i])
+				continue;
+			int hit = v[i].ppid == root;
+			for (size_t j = 0; !hit && j < n; j++)
+				hit = in[j] && v[j].pid == v[i].ppid;
+			if (hit) {
+				in[i] = 1;
+				changed = 1;
+			}
+		}
+	}
+	int count = 0;
+	for (size_t i = 0; i < n; i++) {
+		if (!in[i])
+			continue;
+		count++;
+		if (v[i].state != 'Z' && v[i].state != 'X')
+			kill(v[i].pid, sig);
+	}
+	free(in);
+	free(v);
+	return count;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the command side: supervisor and command processes                                   */
+
+struct exec_req {
+	char *user;
+	uint32_t flags, timeout_ms;
+	uint64_t max_output;
+	char *cwd;
+	uint32_t argc, envc;
+	char **argv; /* argc + 1 */
+	char **envp; /* envc + 5: room for HOME, USER, LOGNAME, PATH and NULL */
+	char *arena;
+};
+
+static void free_req(struct exec_req *r)
+{
+	free(r->argv);
+	free(r->envp);
+	free(r->arena);
+	memset(r, 0, sizeof *r);
+}
+
+static int parse_exec(const unsigned char *p, uint32_t n, struct exec_req *r, char *err, size_t errlen)
+{
+	memset(r, 0, sizeof *r);
+	struct rd rd = {p, n, 0};
+	char *arena = malloc((size_t)n + 1);
+	r->arena = arena;
+	if (!arena) {
+		snprintf(err, errlen, "out of memory");
+		return ENOMEM;
+	}
+	r->user = rd_str(&rd, &arena);
+	r->flags = rd_u32(&rd);
+	r->timeout_ms = rd_u32(&rd);
+	r->max_output = rd_u64(&rd);
+	r->cwd = rd_str(&rd, &arena);
+	r->argc = rd_u32(&rd);
+	if (!rd.bad && r->argc > rd.n / 4)
+		rd.bad = 1;
+	if (!rd.bad) {
+		r->argv = calloc((size_t)r->argc + 1, sizeof(char *));
+		for (uint32_t i = 0; r->argv && i < r->argc && !rd.bad; i++)
+			r->argv[i] = rd_str(&rd, &arena);
+	}
+	r->envc = rd_u32(&rd);
+	if (!rd.bad && r->envc > rd.n / 4)
+		rd.bad = 1;
+	if (!rd.bad) {
+		r->envp = calloc((size_t)r->envc + 5, sizeof(char *));
+		for (uint32_t i = 0; r->envp && i < r->envc && !rd.bad; i++) {
+			r->envp[i] = rd_str(&rd, &arena);
+			if (r->envp[i] && !strchr(r->envp[i], '=')) {
+				snprintf(err, errlen, "environment entry '%.100s' has no '='", r->envp[i]);
+				free_req(r);
+				return EINVAL;
+			}
+		}
+	}
+	if (rd.bad == 2) {
+		snprintf(err, errlen, "strings must not contain NUL bytes");
+		free_req(r);
+		return EINVAL;
+	}
+	if (rd.bad || !r->argv || !r->envp) {
+		snprintf(err, errlen, rd.bad ? "malformed exec request" : "out of memory");
+		int e = rd.bad ? EINVAL : ENOMEM;
+		free_req(r);
+		return e;
+	}
+	if (r->argc == 0) {
+		snprintf(err, errlen, "argv must not be empty");
+		free_req(r);
+		return EINVAL;
+	}
+	return 0;
+}
+
+/* Report a failure before the program started (over the ctl pipe, fd 3) and exit. */
+static void __attribute__((noreturn, format(printf, 3, 4))) child_fail(int ctl, int err, const char *fmt, ...)
+{
+	unsigned char m[1 + 4 + 2 + 1024];
+	char msg[1000];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	size_t ml = strlen(msg);
+	m[0] = 'f';
+	put_u32(m + 1, (uint32_t)err);
+	m[5] = (unsigned char)(ml & 0xff);
+	m[6] = (unsigned char)(ml >> 8);
+	memcpy(m + 7, msg, ml);
+	if (write(ctl, m, 7 + ml) < 0) {
+		/* nobody to tell */
+	}
+	_exit(127);
+}
+
+static void try_exec(const char *file, char **argv, char **envp)
+{
+	execve(file, argv, envp);
+	if (errno != ENOEXEC)
+		return;
+	/* a script without #! line: run it with /bin/sh, as execvp does */
+	int argc = 0;
+	while (argv[argc])
+		argc++;
+	char **nargv = calloc((size_t)argc + 2, sizeof(char *));
+	if (!nargv)
+		return;
+	nargv[0] = (char *)"/bin/sh";
+	nargv[1] = (char *)file;
+	for (int i = 1; i < argc; i++)
+		nargv[i + 1] = argv[i];
+	execve("/bin/sh", nargv, envp);
+	free(nargv);
+	errno = ENOEXEC;
+}
+
+/* Like execvpe, but searching the command's own PATH, not the agent's. */
+static void __attribute__((noreturn)) exec_program(char **argv, char **envp, int ctl)
+{
+	const char *prog = argv[0];
+	if (strchr(prog, '/')) {
+		try_exec(prog, argv, envp);
+		child_fail(ctl, errno, "cannot execute '%s': %s", prog, strerror(errno));
+	}
+	const char *path = DEFAULT_PATH;
+	for (char **e = envp; *e; e++)
+		if (strncmp(*e, "PATH=", 5) == 0)
+			path = *e + 5;
+	int saw_eacces = 0;
+	size_t plen = strlen(prog);
+	char buf[PATH_MAX];
+	for (const char *p = path;; p++) {
+		const char *end = strchrnul(p, ':');
+		size_t dl = (size_t)(end - p);
+		if (plen && dl + plen + 2 <= sizeof buf) {
+			if (dl) {
+				memcpy(buf, p, dl);
+				buf[dl] = '/';
+				memcpy(buf + dl + 1, prog, plen + 1);
+			} else {
+				memcpy(buf, prog, plen + 1);
+			}
+			try_exec(buf, argv, envp);
+			if (errno == EACCES)
+				saw_eacces = 1;
+			else if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP && errno != ENAMETOOLONG)
+				child_fail(ctl, errno, "cannot execute '%s': %s", buf, strerror(errno));
+		}
+		if (!*end)
+			break;
+		p = end;
+	}
+	if (saw_eacces)
+		child_fail(ctl, EACCES, "cannot execute '%s': permission denied", prog);
+	child_fail(ctl, ENOENT, "program '%s' not found (PATH=%.400s)", prog, path);
+}
+
+static int env_has(char **envp, const char *key)
+{
+	size_t kl = strlen(key);
+	for (char **e = envp; *e; e++)
+		if (strncmp(*e, key, kl) == 0 && (*e)[kl] == '=')
+			return 1;
+	return 0;
+}
+
+static void env_add(char **envp, const char *key, const char *val)
+{
+	if (env_has(envp, key))
+		return;
+	char **e = envp;
+	while (*e)
+		e++;
+	size_t n = strlen(key) + strlen(val) + 2;
+	char *s = malloc(n);
+	if (!s)
+		return;
+	snprintf(s, n, "%s=%s", key, val);
+	*e = s;
+}
+
+static struct rlimit g_nofile_orig;
+
+/* The command process: own session, caller's user, cwd and environment, then exec. */
+static void __attribute__((noreturn)) command_main(struct exec_req *r, const struct user_info *u)
+{
+	struct sigaction dfl;
+	memset(&dfl, 0, sizeof dfl);
+	dfl.sa_handler = SIG_DFL;
+	for (int s = 1; s < NSIG; s++)
+		sigaction(s, &dfl, NULL);
+	sigset_t none;
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	setsid();
+	if (switch_user(u) < 0)
+		child_fail(3, errno, "cannot switch to user '%s' (uid %u, gid %u): %s", r->user,
+			   (unsigned)u->uid, (unsigned)u->gid, strerror(errno));
+	if (r->cwd[0]) {
+		if (chdir(r->cwd) < 0)
+			child_fail(3, errno, "cannot use '%s' as working directory: %s", r->cwd, strerror(errno));
+	} else if (chdir(u->home) < 0 && chdir("/") < 0) {
+		child_fail(3, errno, "cannot change to '/': %s", strerror(errno));
+	}
+	exec_program(r->argv, r->envp, 3);
+}
+
+/* Wait for the command's main process; on request, signal or kill its whole tree.
+ * fd 4 is the agent's control pipe: 'S'+u32 signal delivers a signal, EOF means kill. */
+static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
+{
+	int code = -1, killing = 0;
+	int64_t kill_start = 0;
+	struct pollfd pf[2] = {{sfd, POLLIN, 0}, {4, POLLIN, 0}};
+	for (;;) {
+		int st;
+		pid_t w;
+		while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+			if (w == pid)
+				code = status_code(st);
+		if (code >= 0 && !killing)
+			_exit(code);
+		if (killing) {
+			int left = signal_descendants(getpid(), SIGKILL);
+			if (left < 0) /* no /proc: the session is all we can reach */
+				kill(-pid, SIGKILL);
+			while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+				if (w == pid)
+					code = status_code(st);
+			if ((left == 0 || (left < 0 && code >= 0)) ||
+			    now_ns() - kill_start > KILL_PATIENCE_NS)
+				_exit(code >= 0 ? code : 128 + SIGKILL);
+		}
+		if (poll(pf, 2, killing ? 2 : -1) < 0 && errno != EINTR)
+			_exit(code >= 0 ? code : 255);
+		if (pf[0].revents) {
+			struct signalfd_siginfo si;
+			while (read(sfd, &si, sizeof si) > 0) {
+			}
+		}
+		if (pf[1].fd >= 0 && pf[1].revents) {
+			unsigned char m[5 * 16];
+			ssize_t k = read(4, m, sizeof m);
+			if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN)) {
+				killing = 1;
+				kill_start = now_ns();
+				pf[1].fd = -1;
+				close(4);
+			}
+			for (ssize_t i = 0; i + 5 <= k; i += 5) {
+				if (m[i] != 'S')
+					continue;
+				int sig = (int)get_u32(m + i + 1);
+				if (sig == SIGKILL && !killing) {
+					killing = 1;
+					kill_start = now_ns();
+				} else if (signal_descendants(getpid(), sig) < 0) {
+					kill(-pid, sig);
+				}
+			}
+		}
+	}
+}
+
+/* Forked by the agent for each command. fds: stdin_r, stdout_w, stderr_w, ctl_w, sup_r. */
+static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const int fds[5])
+{
+	move_fds(fds, 5, 0); /* now 0,1,2 = command stdio, 3 = ctl, 4 = agent's control pipe */
+	set_cloexec(3);
+	set_cloexec(4);
+	setrlimit(RLIMIT_NOFILE, &g_nofile_orig);
+	prctl(PR_SET_CHILD_SUBREAPER, 1);
+	struct user_info u;
+	char err[512];
+	int e = resolve_user(r->user, &u, err, sizeof err);
+	if (e)
+		child_fail(3, e, "%s", err);
+	env_add(r->envp, "PATH", DEFAULT_PATH);
+	env_add(r->envp, "HOME", u.home);
+	if (u.has_name) {
+		env_add(r->envp, "USER", u.name);
+		env_add(r->envp, "LOGNAME", u.name);
+	}
+	sigset_t chld;
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK); /* SIGCHLD is already blocked */
+	if (sfd < 0)
+		child_fail(3, errno, "signalfd: %s", strerror(errno));
+	pid_t pid = fork();
+	if (pid < 0)
+		child_fail(3, errno, "cannot start a process: %s", strerror(errno));
+	if (pid == 0)
+		command_main(r, &u);
+	unsigned char m[5] = {'p'};
+	put_u32(m + 1, (uint32_t)pid);
+	if (write(3, m, 5) < 0) {
+		/* the agent will notice the exit anyway */
+	}
+	close(3);
+	close(0); /* only the command holds its pipes now, so EOF means it is done */
+	close(1);
+	close(2);
+	supervise(pid, sfd);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the agent: connections and commands                                                  */
+
+enum conn_state { CS_HEADER, CS_EXEC, CS_CLOSING };
+
+struct cmd;
+
+struct conn {
+	struct conn *next;
+	int fd;
+	enum conn_state state;
+	int dead;    /* closed; freed at the end of the loop iteration */
+	int wr_shut; /* reply flushed and write side shut: waiting for the client to close */
+	int64_t linger_deadline;
+	struct buf in, out;
+	struct cmd *cmd;
+};
+
+struct cmd {
+	struct cmd *next;
+	struct conn *conn; /* NULL once the client is gone (or got its failure) */
+	pid_t sup, pid;
+	int out_fd, err_fd, in_fd, ctl_fd, sup_fd;
+	struct buf stdin_buf;
+	int stdin_close;
+	uint64_t budget;
+	int truncated, timed_out, started, failed, sup_exited, dead;
+	int exit_code;
+	int64_t start_ns, deadline_ns, exit_ns, grace_ns;
+	unsigned char ctl[1100];
+	size_t ctl_len;
+};
+
+static int g_lfd = -1, g_sfd = -1, g_pid1;
+static pid_t g_agent_pid;
+static struct conn *g_conns;
+static struct cmd *g_cmds;
+static int64_t g_accept_pause_until;
+static unsigned char g_iobuf[FRAME_HDR + CHUNK];
+
+static void __attribute__((noreturn)) shutdown_all(void);
+
+static int conn_frame(struct conn *c, int type, const void *a, size_t an, const void *b, size_t bn)
+{
+	unsigned char h[FRAME_HDR];
+	h[0] = (unsigned char)type;
+	put_u32(h + 1, (uint32_t)(an + bn));
+	if (buf_add(&c->out, h, FRAME_HDR) || buf_add(&c->out, a, an) || buf_add(&c->out, b, bn))
+		return -1;
+	return 0;
+}
+
+static void conn_fail(struct conn *c, int err, const char *msg)
+{
+	unsigned char e[4];
+	put_u32(e, (uint32_t)err);
+	conn_frame(c, 'F', e, 4, msg, strlen(msg));
+	c->state = CS_CLOSING;
+}
+
+/* Ask the supervisor to kill the command's whole tree: closing its pipe is the request. */
+static void cmd_kill(struct cmd *cmd)
+{
+	close_fd(&cmd->sup_fd);
+}
+
+static void conn_lost(struct conn *c)
+{
+	if (c->cmd) {
+		struct cmd *cmd = c->cmd;
+		cmd->conn = NULL;
+		c->cmd = NULL;
+		if (!cmd->sup_exited)
+			cmd_kill(cmd);
+	}
+	close_fd(&c->fd);
+	c->dead = 1;
+}
+
+static void cmd_emit(struct cmd *cmd, int type, const unsigned char *d, size_t n)
+{
+	size_t k = 0;
+	if (cmd->conn && cmd->budget) {
+		k = n < cmd->budget ? n : (size_t)cmd->budget;
+		if (conn_frame(cmd->conn, type, d, k, NULL, 0) < 0) {
+			conn_lost(cmd->conn);
+			return;
+		}
+		cmd->budget -= k;
+	}
+	if (k < n)
+		cmd->truncated = 1;
+}
+
+static int cmd_wants_output(const struct cmd *cmd)
+{
+	return !cmd->conn || !cmd->budget || cmd->conn->out.len < OUT_HIGH;
+}
+
+static void cmd_read_output(struct cmd *cmd, int err, size_t limit)
+{
+	int *fdp = err ? &cmd->err_fd : &cmd->out_fd;
+	size_t got = 0;
+	while (*fdp >= 0 && got < limit) {
+		ssize_t n = read(*fdp, g_iobuf, CHUNK);
+		if (n > 0) {
+			got += (size_t)n;
+			cmd_emit(cmd, err ? 'E' : 'O', g_iobuf, (size_t)n);
+			if (!cmd_wants_output(cmd))
+				break;
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			break;
+		close_fd(fdp);
+	}
+}
+
+static void cmd_write_stdin(struct cmd *cmd)
+{
+	while (cmd->in_fd >= 0 && cmd->stdin_buf.len) {
+		ssize_t n = write(cmd->in_fd, cmd->stdin_buf.p + cmd->stdin_buf.off, cmd->stdin_buf.len);
+		if (n > 0) {
+			buf_drop(&cmd->stdin_buf, (size_t)n);
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		close_fd(&cmd->in_fd); /* EPIPE: the command does not read stdin any more */
+	}
+	if (cmd->in_fd >= 0 && cmd->stdin_close)
+		close_fd(&cmd->in_fd);
+	if (cmd->in_fd < 0 || !cmd->stdin_buf.len)
+		buf_free(&cmd->stdin_buf);
+}
+
+/* The ctl pipe reached EOF: the program was exec'ed, or a failure message is there. */
+static void cmd_ctl_done(struct cmd *cmd)
+{
+	int err = 0;
+	const char *msg = "";
+	size_t msglen = 0;
+	for (size_t i = 0; i < cmd->ctl_len;) {
+		if (cmd->ctl[i] == 'p' && i + 5 <= cmd->ctl_len) {
+			cmd->pid = (pid_t)get_u32(cmd->ctl + i + 1);
+			i += 5;
+		} else if (cmd->ctl[i] == 'f' && i + 7 <= cmd->ctl_len) {
+			err = (int)get_u32(cmd->ctl + i + 1);
+			msglen = (size_t)cmd->ctl[i + 5] | (size_t)cmd->ctl[i + 6] << 8;
+			if (i + 7 + msglen > cmd->ctl_len)
+				msglen = cmd->ctl_len - i - 7;
+			msg = (const char *)cmd->ctl + i + 7;
+			break;
+		} else {
+			break;
+		}
+	}
+	if (err) {
+		cmd->failed = 1;
+		if (cmd->conn) {
+			char m[1024];
+			snprintf(m, sizeof m, "%.*s", (int)msglen, msg);
+			conn_fail(cmd->conn, err, m);
+			cmd->conn->cmd = NULL;
+			cmd->conn = NULL;
+		}
+		return;
+	}
+	cmd->started = 1;
+	if (!cmd->pid)
+		cmd->pid = cmd->sup;
+	if (cmd->conn) {
+		unsigned char p[4];
+		put_u32(p, (uint32_t)cmd->pid);
+		if (conn_frame(cmd->conn, 'P', p, 4, NULL, 0) < 0)
+			conn_lost(cmd->conn);
+	}
+	cmd_read_output(cmd, 0, CHUNK);
+	cmd_read_output(cmd, 1, CHUNK);
+}
+
+static void cmd_read_ctl(struct cmd *cmd)
+{
+	while (cmd->ctl_fd >= 0) {
+		size_t room = sizeof cmd->ctl - cmd->ctl_len;
+		unsigned char sink[256];
+		ssize_t n = room ? read(cmd->ctl_fd, cmd->ctl + cmd->ctl_len, room) : read(cmd->ctl_fd, sink, sizeof sink);
+		if (n > 0) {
+			if (room)
+				cmd->ctl_len += (size_t)n;
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		close_fd(&cmd->ctl_fd);
+		cmd_ctl_done(cmd);
+	}
+}
+
+static void on_sup_exit(struct cmd *cmd, int st)
+{
+	int64_t now = now_ns();
+	cmd->sup_exited = 1;
+	cmd->exit_code = status_code(st);
+	cmd->exit_ns = now;
+	cmd->grace_ns = now + EOF_GRACE_NS;
+	close_fd(&cmd->sup_fd);
+	if (cmd->ctl_fd >= 0) {
+		cmd_read_ctl(cmd);
+		if (cmd->ctl_fd >= 0) { /* someone else holds it: stop waiting */
+			close_fd(&cmd->ctl_fd);
+			cmd_ctl_done(cmd);
+		}
+	}
+	if (cmd->started) {
+		cmd_read_output(cmd, 0, CHUNK);
+		cmd_read_output(cmd, 1, CHUNK);
+	}
+}
+
+/* Finish a command once its main process is gone and its pipes reached EOF (or the grace
+ * period for EOF is over: a background process may hold the pipes forever). */
+static void cmd_check_done(struct cmd *cmd, int64_t now)
+{
+	if (cmd->dead || !cmd->sup_exited)
+		return;
+	if (cmd->out_fd >= 0 || cmd->err_fd >= 0) {
+		if (now < cmd->grace_ns)
+			return;
+		cmd_read_output(cmd, 0, 1u << 20);
+		cmd_read_output(cmd, 1, 1u << 20);
+	}
+	close_fd(&cmd->out_fd);
+	close_fd(&cmd->err_fd);
+	close_fd(&cmd->in_fd);
+	close_fd(&cmd->ctl_fd);
+	close_fd(&cmd->sup_fd);
+	buf_free(&cmd->stdin_buf);
+	struct conn *c = cmd->conn;
+	if (c) {
+		unsigned char z[16];
+		uint32_t flags = (cmd->timed_out ? EXIT_FLAG_TIMED_OUT : 0) | (cmd->truncated ? EXIT_FLAG_TRUNCATED : 0);
+		put_u32(z, (uint32_t)(cmd->timed_out ? 128 + SIGKILL : cmd->exit_code));
+		put_u32(z + 4, flags);
+		put_u64(z + 8, (uint64_t)(cmd->exit_ns - cmd->start_ns));
+		c->cmd = NULL;
+		cmd->conn = NULL;
+		c->state = CS_CLOSING;
+		if (conn_frame(c, 'Z', z, 16, NULL, 0) < 0)
+			conn_lost(c);
+	}
+	cmd->dead = 1;
+}
+
+static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
+{
+	struct exec_req r;
+	char err[256];
+	int e = parse_exec(p, n, &r, err, sizeof err);
+	if (e) {
+		conn_fail(c, e, err);
+		return;
+	}
+	int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pctl[2] = {-1, -1}, psup[2] = {-1, -1};
+	struct cmd *cmd = calloc(1, sizeof *cmd);
+	if (!cmd || pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC) ||
+	    pipe2(pctl, O_CLOEXEC) || pipe2(psup, O_CLOEXEC)) {
+		e = cmd ? errno : ENOMEM;
+		goto fail;
+	}
+	int64_t t0 = now_ns();
+	pid_t pid = fork();
+	if (pid == 0) {
+		int fds[5] = {pin[0], pout[1], perr[1], pctl[1], psup[0]};
+		supervisor_main(&r, fds);
+	}
+	if (pid < 0) {
+		e = errno;
+		goto fail;
+	}
+	close(pin[0]);
+	close(pout[1]);
+	close(perr[1]);
+	close(pctl[1]);
+	close(psup[0]);
+	cmd->sup = pid;
+	cmd->in_fd = pin[1];
+	cmd->out_fd = pout[0];
+	cmd->err_fd = perr[0];
+	cmd->ctl_fd = pctl[0];
+	cmd->sup_fd = psup[1];
+	set_nonblock(cmd->in_fd, 1);
+	set_nonblock(cmd->out_fd, 1);
+	set_nonblock(cmd->err_fd, 1);
+	set_nonblock(cmd->ctl_fd, 1);
+	set_nonblock(cmd->sup_fd, 1);
+	if (!(r.flags & EXEC_FLAG_STDIN))
+		close_fd(&cmd->in_fd); /* the command reads EOF at once */
+	cmd->budget = r.max_output;
+	cmd->start_ns = t0;
+	cmd->deadline_ns = r.timeout_ms ? t0 + (int64_t)r.timeout_ms * 1000000LL : 0;
+	cmd->conn = c;
+	cmd->next = g_cmds;
+	g_cmds = cmd;
+	c->cmd = cmd;
+	c->state = CS_EXEC;
+	free_req(&r);
+	return;
+fail:
+	for (int i = 0; i < 2; i++) {
+		close_fd(&pin[i]);
+		close_fd(&pout[i]);
+		close_fd(&perr[i]);
+		close_fd(&pctl[i]);
+		close_fd(&psup[i]);
+	}
+	free(cmd);
+	free_req(&r);
+	snprintf(err, sizeof err, "cannot start a process: %s", strerror(e));
+	conn_fail(c, e, err);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* file operations: in a forked child that has become the caller's user, so the kernel  */
+/* checks every permission and resolves every path inside the sandbox                   */
+
+static int write_all(int fd, const void *b, size_t n)
+{
+	const unsigned char *p = b;
+	while (n) {
+		ssize_t k = write(fd, p, n);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		p += k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+static void fo_send(int s, int type, const void *a, size_t an, const void *b, size_t bn)
+{
+	unsigned char h[FRAME_HDR];
+	h[0] = (unsigned char)type;
+	put_u32(h + 1, (uint32_t)(an + bn));
+	if (write_all(s, h, FRAME_HDR) || write_all(s, a, an) || write_all(s, b, bn))
+		_exit(1);
+}
+
+/* After the reply: let the client read it and close first (closing on unread input
+ * would reset the connection and could destroy the reply). */
+static void __attribute__((noreturn)) fo_linger(int s)
+{
+	struct timeval tv = {LINGER_NS / 1000000000LL, 0};
+	shutdown(s, SHUT_WR);
+	setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	while (read(s, g_iobuf, sizeof g_iobuf) > 0) {
+	}
+	_exit(0);
+}
+
+static void __attribute__((noreturn, format(printf, 3, 4))) fo_fail(int s, int err, const char *fmt, ...)
+{
+	char msg[1200];
+	unsigned char e[4];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	put_u32(e, (uint32_t)err);
+	fo_send(s, 'F', e, 4, msg, strlen(msg));
+	fo_linger(s);
+}
+
+/* Read one whole frame into in (blocking). Returns 0, or -1 on EOF/error. */
+static int fo_read_frame(int s, struct buf *in, int *type, const unsigned char **payload, uint32_t *len)
+{
+	for (;;) {
+		if (in->len >= FRAME_HDR) {
+			const unsigned char *h = in->p + in->off;
+			uint32_t n = get_u32(h + 1);
+			if (n > MAX_FRAME)
+				return -1;
+			if (in->len >= FRAME_HDR + n) {
+				*type = h[0];
+				*payload = h + FRAME_HDR;
+				*len = n;
+				return 0;
+			}
+		}
+		ssize_t k = read(s, g_iobuf, sizeof g_iobuf);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0 || buf_add(in, g_iobuf, (size_t)k))
+			return -1;
+	}
+}
+
+static void check_path(int s, const char *path)
+{
+	if (path[0] != '/')
+		fo_fail(s, EINVAL, "path must be absolute: '%s'", path);
+}
+
+static void __attribute__((noreturn)) do_read(int s, uint64_t max, const char *path)
+{
+	check_path(s, path);
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+	if (fd < 0)
+		fo_fail(s, errno, "cannot open '%s' for reading: %s", path, strerror(errno));
+	struct stat st;
+	if (fstat(fd, &st) < 0)
+		fo_fail(s, errno, "cannot stat '%s': %s", path, strerror(errno));
+	if (S_ISDIR(st.st_mode))
+		fo_fail(s, EISDIR, "'%s' is a directory", path);
+	if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))
+		fo_fail(s, EINVAL, "'%s' is not a regular file", path);
+	if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > max)
+		fo_fail(s, EFBIG, "'%s' is %llu bytes, more than the limit of %llu bytes", path,
+			(unsigned long long)st.st_size, (unsigned long long)max);
+	int regular = S_ISREG(st.st_mode);
+	if (regular)
+		set_nonblock(fd, 0);
+	uint64_t total = 0;
+	for (;;) {
+		ssize_t k = read(fd, g_iobuf + FRAME_HDR, CHUNK);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k < 0 && errno == EAGAIN && !regular) {
+			/* a device that may never have data: also watch for the client giving up */
+			struct pollfd pf[2] = {{fd, POLLIN, 0}, {s, POLLRDHUP, 0}};
+			if (poll(pf, 2, -1) < 0 && errno != EINTR)
+				fo_fail(s, errno, "cannot read '%s': %s", path, strerror(errno));
+			if (pf[1].revents)
+				_exit(1);
+			continue;
+		}
+		if (k < 0)
+			fo_fail(s, errno, "cannot read '%s': %s", path, strerror(errno));
+		if (k == 0)
+			break;
+		total += (uint64_t)k;
+		if (total > max)
+			fo_fail(s, EFBIG, "'%s' is more than the limit of %llu bytes", path, (unsigned long long)max);
+		g_iobuf[0] = 'D';
+		put_u32(g_iobuf + 1, (uint32_t)k);
+		if (write_all(s, g_iobuf, FRAME_HDR + (size_t)k))
+			_exit(1);
+	}
+	unsigned char t[8];
+	put_u64(t, total);
+	fo_send(s, 'Y', t, 8, NULL, 0);
+	fo_linger(s);
+}
+
+static int mkdir_p(const char *dir)
+{
+	char b[PATH_MAX];
+	size_t l = strlen(dir);
+	if (l >= sizeof b) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	memcpy(b, dir, l + 1);
+	for (char *q = b + 1;; q++) {
+		if (*q == '/' || !*q) {
+			char saved = *q;
+			*q = 0;
+			if (mkdir(b, 0755) < 0 && errno != EEXIST)
+				return -1;
+			*q = saved;
+			if (!saved)
+				break;
+		}
+	}
+	return 0;
+}
+
+static void __attribute__((noreturn)) do_write(int s, struct buf *in, uint32_t mode, uint32_t flags, const char *path)
+{
+	check_path(s, path);
+	size_t pl = strlen(path);
+	if (pl >= PATH_MAX)
+		fo_fail(s, ENAMETOOLONG, "path is too long (%zu bytes)", pl);
+	const char *slash = strrchr(path, '/');
+	const char *base = slash + 1;
+	if (!*base || strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
+		fo_fail(s, EINVAL, "'%s' does not name a file", path);
+	char dir[PATH_MAX], tmpl[PATH_MAX + 300];
+	size_t dl = (size_t)(slash - path);
+	memcpy(dir, path, dl);
+	dir[dl] = 0;
+	if ((flags & WRITE_FLAG_PARENTS) && dl && mkdir_p(dir) < 0)
+		fo_fail(s, errno, "cannot create the parent directories of '%s': %s", path, strerror(errno));
+	snprintf(tmpl, sizeof tmpl, "%s/.%.200s.dsec-XXXXXX", dir, base);
+	int fd = mkostemp(tmpl, O_CLOEXEC);
+	if (fd < 0)
+		fo_fail(s, errno, "cannot create '%s': %s", path, strerror(errno));
+	uint64_t total = 0;
+	for (;;) {
+		int type;
+		const unsigned char *p;
+		uint32_t n;
+		if (fo_read_frame(s, in, &type, &p, &n) < 0) {
+			unlink(tmpl); /* the client went away: leave nothing behind */
+			_exit(1);
+		}
+		if (type == 'C')
+			break;
+		if (type != 'D') {
+			unlink(tmpl);
+			fo_fail(s, EINVAL, "protocol error: unexpected frame %d while writing", type);
+		}
+		if (write_all(fd, p, n) < 0) {
+			int e = errno;
+			unlink(tmpl);
+			fo_fail(s, e, "cannot write '%s': %s", path, strerror(e));
+		}
+		total += n;
+		buf_drop(in, FRAME_HDR + n);
+	}
+	if (fchmod(fd, mode & 07777) < 0 || close(fd) < 0) {
+		int e = errno;
+		unlink(tmpl);
+		fo_fail(s, e, "cannot write '%s': %s", path, strerror(e));
+	}
+	if (rename(tmpl, path) < 0) {
+		int e = errno;
+		unlink(tmpl);
+		fo_fail(s, e, "cannot replace '%s': %s", path, strerror(e));
+	}
+	unsigned char t[8];
+	put_u64(t, total);
+	fo_send(s, 'Y', t, 8, NULL, 0);
+	fo_linger(s);
+}
+
+static void __attribute__((noreturn)) fileop_main(struct conn *c, int type, const unsigned char *p, uint32_t n)
+{
+	int fds[1] = {c->fd};
+	move_fds(fds, 1, 3);
+	int s = 3;
+	set_nonblock(s, 0);
+	setrlimit(RLIMIT_NOFILE, &g_nofile_orig);
+	signal(SIGXFSZ, SIG_IGN); /* exceeding RLIMIT_FSIZE must be an EFBIG error, not death */
+	struct timeval tv = {60, 0};
+	setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+
+	char *arena = malloc((size_t)n + 1), *a = arena;
+	struct rd rd = {p, n, 0};
+	uint64_t max = 0;
+	uint32_t mode = 0, flags = 0;
+	if (!arena)
+		fo_fail(s, ENOMEM, "out of memory");
+	char *user = rd_str(&rd, &a);
+	if (type == 'R') {
+		max = rd_u64(&rd);
+	} else {
+		mode = rd_u32(&rd);
+		flags = rd_u32(&rd);
+	}
+	char *path = rd_str(&rd, &a);
+	if (rd.bad)
+		fo_fail(s, EINVAL, "%s", rd.bad == 2 ? "strings must not contain NUL bytes" : "malformed request");
+	buf_drop(&c->in, FRAME_HDR + n); /* what is left are the first data frames */
+
+	struct user_info u;
+	char err[512];
+	int e = resolve_user(user, &u, err, sizeof err);
+	if (e)
+		fo_fail(s, e, "%s", err);
+	if (switch_user(&u) < 0)
+		fo_fail(s, errno, "cannot switch to user '%s': %s", user, strerror(errno));
+	prctl(PR_SET_PDEATHSIG, SIGKILL); /* after setuid, which clears it */
+	if (getppid() != g_agent_pid)
+		_exit(1); /* the agent is already gone */
+	if (type == 'R')
+		do_read(s, max, path);
+	do_write(s, &c->in, mode, flags, path);
+}
+
+static void start_fileop(struct conn *c, int type, const unsigned char *p, uint32_t n)
+{
+	pid_t pid = fork();
+	if (pid == 0)
+		fileop_main(c, type, p, n);
+	if (pid < 0) {
+		char m[200];
+		int e = errno;
+		snprintf(m, sizeof m, "cannot start a process: %s", strerror(e));
+		conn_fail(c, e, m);
+		return;
+	}
+	close_fd(&c->fd); /* the child owns the connection now */
+	c->dead = 1;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* event loop                                                                           */
+
+static void conn_first_frame(struct conn *c, int type, const unsigned char *p, uint32_t n)
+{
+	switch (type) {
+	case 'X':
+		start_exec(c, p, n);
+		break;
+	case 'R':
+	case 'W':
+		start_fileop(c, type, p, n);
+		break;
+	case 'H': {
+		unsigned char z[8] = {0};
+		conn_frame(c, 'Y', z, 8, NULL, 0);
+		c->state = CS_CLOSING;
+		break;
+	}
+	case 'Q':
+		shutdown_all();
+		break;
+	default:
+		conn_fail(c, EINVAL, "unknown operation");
+	}
+}
+
+static void conn_exec_frame(struct conn *c, int type, const unsigned char *p, uint32_t n)
+{
+	struct cmd *cmd = c->cmd;
+	switch (type) {
+	case 'I':
+		if (cmd->in_fd >= 0 && !cmd->stdin_close) {
+			if (buf_add(&cmd->stdin_buf, p, n) < 0) {
+				conn_lost(c);
+				return;
+			}
+			cmd_write_stdin(cmd);
+		}
+		break;
+	case 'C':
+		cmd->stdin_close = 1;
+		cmd_write_stdin(cmd);
+		break;
+	case 'S':
+		if (n >= 4 && cmd->sup_fd >= 0) {
+			unsigned char m[5] = {'S'};
+			uint32_t sig = get_u32(p);
+			if (sig >= 1 && sig < NSIG) {
+				put_u32(m + 1, sig);
+				if (write(cmd->sup_fd, m, 5) < 0) {
+					/* the supervisor is exiting */
+				}
+			}
+		}
+		break;
+	default:
+		conn_lost(c); /* protocol violation: treat like a disconnect */
+	}
+}
+
+static void conn_process(struct conn *c)
+{
+	while (!c->dead && c->state != CS_CLOSING && c->in.len >= FRAME_HDR) {
+		const unsigned char *h = c->in.p + c->in.off;
+		uint32_t n = get_u32(h + 1);
+		if (n > MAX_FRAME) {
+			if (c->state == CS_HEADER)
+				conn_fail(c, EINVAL, "frame too large");
+			else
+				conn_lost(c);
+			return;
+		}
+		if (c->in.len < FRAME_HDR + n)
+			return;
+		if (c->state == CS_HEADER)
+			conn_first_frame(c, h[0], h + FRAME_HDR, n);
+		else
+			conn_exec_frame(c, h[0], h + FRAME_HDR, n);
+		if (!c->dead)
+			buf_drop(&c->in, FRAME_HDR + n);
+	}
+}
+
+static int conn_wants_read(const struct conn *c)
+{
+	if (c->state == CS_EXEC)
+		return c->cmd && c->cmd->stdin_buf.len < STDIN_HIGH;
+	return 1;
+}
+
+static void conn_on_readable(struct conn *c, int force)
+{
+	for (int i = 0; i < 4 && !c->dead; i++) {
+		if (!force && !conn_wants_read(c))
+			break;
+		force = 0;
+		ssize_t n = recv(c->fd, g_iobuf, CHUNK, MSG_DONTWAIT);
+		if (n > 0) {
+			if (c->state == CS_CLOSING)
+				continue; /* the reply is out; input is discarded */
+			if (buf_add(&c->in, g_iobuf, (size_t)n) < 0) {
+				conn_lost(c);
+				return;
+			}
+			conn_process(c);
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		conn_lost(c);
+	}
+}
+
+static void conn_flush(struct conn *c)
+{
+	while (!c->dead && c->out.len) {
+		ssize_t n = send(c->fd, c->out.p + c->out.off, c->out.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+		if (n > 0) {
+			buf_drop(&c->out, (size_t)n);
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		conn_lost(c);
+		return;
+	}
+	if (!c->dead && c->out.cap > 4 * CHUNK)
+		buf_free(&c->out); /* keep idle memory small */
+	if (!c->dead && c->state == CS_CLOSING && !c->wr_shut) {
+		shutdown(c->fd, SHUT_WR);
+		c->wr_shut = 1;
+		c->linger_deadline = now_ns() + LINGER_NS;
+		buf_free(&c->in);
+		buf_free(&c->out);
+	}
+}
+
+static void accept_all(void)
+{
+	for (int i = 0; i < 64; i++) {
+		int fd = accept4(g_lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+		if (fd < 0) {
+			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+				warnx("accept: %s; pausing", strerror(errno));
+				g_accept_pause_until = now_ns() + 100000000LL;
+			}
+			return;
+		}
+		struct conn *c = calloc(1, sizeof *c);
+		if (!c) {
+			close(fd);
+			return;
+		}
+		c->fd = fd;
+		c->state = CS_HEADER;
+		c->next = g_conns;
+		g_conns = c;
+		conn_on_readable(c, 0); /* the request usually arrived with the connection */
+	}
+}
+
+static void reap_all(void)
+{
+	int st;
+	pid_t pid;
+	while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+		for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
+			if (cmd->sup == pid && !cmd->sup_exited) {
+				on_sup_exit(cmd, st);
+				break;
+			}
+		}
+	}
+}
+
+static void __attribute__((noreturn)) shutdown_all(void)
+{
+	int64_t end = now_ns() + 1000000000LL;
+	for (;;) {
+		int left;
+		if (g_pid1) {
+			kill(-1, SIGKILL); /* everything in our pid namespace but us */
+			left = 0;
+		} else {
+			left = signal_descendants(getpid(), SIGKILL);
+		}
+		while (waitpid(-1, NULL, WNOHANG) > 0) {
+		}
+		int st;
+		if (left <= 0 && waitpid(-1, &st, WNOHANG) < 0 && errno == ECHILD)
+			break;
+		if (now_ns() > end)
+			break;
+		usleep(2000);
+	}
+	_exit(0);
+}
+
+static void on_signal(void)
+{
+	struct signalfd_siginfo si;
+	while (read(g_sfd, &si, sizeof si) == (ssize_t)sizeof si) {
+		if (si.ssi_signo == SIGCHLD)
+			reap_all();
+		else if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
+			shutdown_all();
+	}
+	reap_all(); /* SIGCHLD coalesces; reaping is cheap */
+}
+
+static void run_timers(int64_t now)
+{
+	for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
+		if (!cmd->dead && cmd->deadline_ns && !cmd->timed_out && !cmd->sup_exited && !cmd->failed &&
+		    now >= cmd->deadline_ns) {
+			cmd->timed_out = 1;
+			cmd_kill(cmd);
+		}
+	}
+	for (struct conn *c = g_conns; c; c = c->next)
+		if (!c->dead && c->wr_shut && now >= c->linger_deadline) {
+			close_fd(&c->fd);
+			c->dead = 1;
+		}
+}
+
+static int poll_timeout(int64_t now)
+{
+	int64_t next = INT64_MAX;
+	for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
+		if (cmd->dead)
+			continue;
+		if (cmd->sup_exited && cmd->grace_ns < next)
+			next = cmd->grace_ns;
+		if (!cmd->sup_exited && cmd->deadline_ns && !cmd->timed_out && cmd->deadline_ns < next)
+			next = cmd->deadline_ns;
+	}
+	for (struct conn *c = g_conns; c; c = c->next)
+		if (!c->dead && c->wr_shut && c->linger_deadline < next)
+			next = c->linger_deadline;
+	if (g_accept_pause_until > now && g_accept_pause_until < next)
+		next = g_accept_pause_until;
+	if (next == INT64_MAX)
+		return -1;
+	if (next <= now)
+		return 0;
+	int64_t ms = (next - now + 999999) / 1000000;
+	return ms > 60000 ? 60000 : (int)ms;
+}
+
+static void collect_garbage(void)
+{
+	for (struct conn **pc = &g_conns; *pc;) {
+		struct conn *c = *pc;
+		if (c->dead) {
+			*pc = c->next;
+			close_fd(&c->fd);
+			buf_free(&c->in);
+			buf_free(&c->out);
+			free(c);
+		} else {
+			pc = &c->next;
+		}
+	}
+	for (struct cmd **pm = &g_cmds; *pm;) {
+		struct cmd *cmd = *pm;
+		if (cmd->dead) {
+			*pm = cmd->next;
+			free(cmd);
+		} else {
+			pm = &cmd->next;
+		}
+	}
+}
+
+enum { K_SIG, K_LISTEN, K_CONN, K_OUT, K_ERR, K_IN, K_CTL };
+
+struct slot {
+	int kind;
+	void *obj;
+};
+
+static struct pollfd *g_pfd;
+static struct slot *g_slot;
+static size_t g_np, g_pcap;
+
+static void add_poll(int fd, short events, int kind, void *obj)
+{
+	if (g_np == g_pcap) {
+		size_t nc = g_pcap ? g_pcap * 2 : 64;
+		struct pollfd *np = realloc(g_pfd, nc * sizeof *np);
+		if (!np)
+			return;
+		g_pfd = np;
+		struct slot *ns = realloc(g_slot, nc * sizeof *ns);
+		if (!ns)
+			return;
+		g_slot = ns;
+		g_pcap = nc;
+	}
+	g_pfd[g_np].fd = fd;
+	g_pfd[g_np].events = events;
+	g_pfd[g_np].revents = 0;
+	g_slot[g_np].kind = kind;
+	g_slot[g_np].obj = obj;
+	g_np++;
+}
+
+static void noop_handler(int sig)
+{
+	(void)sig;
+}
+
+static int agent_main(void)
+{
+	prctl(PR_SET_DUMPABLE, 0);
+	g_agent_pid = getpid();
+	g_pid1 = g_agent_pid == 1;
+	if (!g_pid1)
+		prctl(PR_SET_CHILD_SUBREAPER, 1); /* orphans come to us, as they would to pid 1 */
+	umask(022);
+	if (chdir("/") < 0)
+		warnx("chdir /: %s", strerror(errno));
+
+	const char *fdenv = getenv("DSEC_AGENT_FD");
+	g_lfd = fdenv && *fdenv ? atoi(fdenv) : 3;
+	int acc = 0;
+	socklen_t al = sizeof acc;
+	if (g_lfd < 0 || getsockopt(g_lfd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &al) < 0 || !acc) {
+		warnx("fd %d (DSEC_AGENT_FD) is not a listening socket", g_lfd);
+		return 2;
+	}
+	unsetenv("DSEC_AGENT_FD");
+	for (int fd = 0; fd < 3; fd++)
+		set_cloexec(fd);
+	set_cloexec(g_lfd);
+	set_nonblock(g_lfd, 1);
+	if (g_lfd > 3)
+		close_range(3, (unsigned)g_lfd - 1, 0);
+	close_from(g_lfd + 1 > 3 ? g_lfd + 1 : 3);
+
+	getrlimit(RLIMIT_NOFILE, &g_nofile_orig);
+	struct rlimit rl = g_nofile_orig;
+	rl.rlim_cur = rl.rlim_max > 65536 ? 65536 : rl.rlim_max;
+	if (rl.rlim_cur > g_nofile_orig.rlim_cur)
+		setrlimit(RLIMIT_NOFILE, &rl);
+
+	/* Signals arrive through a signalfd. pid 1 only receives signals it handles, so
+	 * SIGTERM/SIGINT also get a handler (never run: they stay blocked). */
+	struct sigaction sa;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = noop_handler;
+	sigaction(SIGTERM, &sa, NULL);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGHUP, &sa, NULL);
+	sa.sa_handler = SIG_IGN;
+	sigaction(SIGPIPE, &sa, NULL);
+	sigset_t set;
+	sigemptyset(&set);
+	sigaddset(&set, SIGCHLD);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGINT);
+	sigaddset(&set, SIGHUP);
+	sigprocmask(SIG_BLOCK, &set, NULL);
+	g_sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+	if (g_sfd < 0) {
+		warnx("signalfd: %s", strerror(errno));
+		return 2;
+	}
+	reap_all();
+
+	for (;;) {
+		int64_t now = now_ns();
+		run_timers(now);
+		for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next)
+			cmd_check_done(cmd, now);
+		for (struct conn *c = g_conns; c; c = c->next)
+			if (!c->dead && (c->out.len || (c->state == CS_CLOSING && !c->wr_shut)))
+				conn_flush(c);
+		collect_garbage();
+
+		g_np = 0;
+		add_poll(g_sfd, POLLIN, K_SIG, NULL);
+		if (now >= g_accept_pause_until)
+			add_poll(g_lfd, POLLIN, K_LISTEN, NULL);
+		for (struct conn *c = g_conns; c; c = c->next) {
+			short ev = (short)((conn_wants_read(c) ? POLLIN : 0) | (c->out.len ? POLLOUT : 0));
+			add_poll(c->fd, ev, K_CONN, c); /* events may be 0: hangups are still reported */
+		}
+		for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
+			if (cmd->ctl_fd >= 0)
+				add_poll(cmd->ctl_fd, POLLIN, K_CTL, cmd);
+			if (cmd->started && cmd_wants_output(cmd)) {
+				if (cmd->out_fd >= 0)
+					add_poll(cmd->out_fd, POLLIN, K_OUT, cmd);
+				if (cmd->err_fd >= 0)
+					add_poll(cmd->err_fd, POLLIN, K_ERR, cmd);
+			}
+			if (cmd->in_fd >= 0 && cmd->stdin_buf.len)
+				add_poll(cmd->in_fd, POLLOUT, K_IN, cmd);
+		}
+		if (poll(g_pfd, g_np, poll_timeout(now)) < 0) {
+			if (errno != EINTR) {
+				warnx("poll: %s", strerror(errno));
+				usleep(10000);
+			}
+			continue;
+		}
+		for (size_t i = 0; i < g_np; i++) {
+			short re = g_pfd[i].revents;
+			if (!re)
+				continue;
+			struct conn *c = g_slot[i].obj;
+			struct cmd *cmd = g_slot[i].obj;
+			switch (g_slot[i].kind) {
+			case K_SIG:
+				on_signal();
+				break;
+			case K_LISTEN:
+				accept_all();
+				break;
+			case K_CONN:
+				if (c->dead)
+					break;
+				if (re & (POLLIN | POLLHUP | POLLERR))
+					conn_on_readable(c, !(g_pfd[i].events & POLLIN));
+				if (!c->dead && (re & POLLOUT))
+					conn_flush(c);
+				break;
+			case K_OUT:
+			case K_ERR:
+				if (!cmd->dead)
+					cmd_read_output(cmd, g_slot[i].kind == K_ERR, 4 * CHUNK);
+				break;
+			case K_IN:
+				if (!cmd->dead)
+					cmd_write_stdin(cmd);
+				break;
+			case K_CTL:
+				if (!cmd->dead)
+					cmd_read_ctl(cmd);
+				break;
+			}
+		}
+	}
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* host-side helper for every OCI runtime call:                                         */
+/*   crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]                                           */
+/*   crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] -- CRUN_PATH [ARGS...]              */
+/* --fd N puts the listening agent socket at fd 3 for --preserve-fds=1. The mask exists */
+/* because crun 1.8.1 refuses hybrid cgroup hosts unless it sees an empty unified        */
+/* cgroup.controllers: a private mount namespace hides the real one from crun only.      */
+
+static int crun_wrap(int argc, char **argv)
+{
+	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
+	const char *mask = NULL;
+	int fd = -1, i = 2;
+	if (argc >= 3 && strncmp(argv[2], "--", 2) != 0) {
+		mask = argv[2]; /* positional form */
+		i = 3;
+	} else {
+		for (; i < argc && strcmp(argv[i], "--") != 0; i += 2) {
+			if (i + 1 >= argc)
+				goto usage;
+			if (strcmp(argv[i], "--fd") == 0)
+				fd = atoi(argv[i + 1]);
+			else if (strcmp(argv[i], "--mask-cgroup2") == 0)
+				mask = argv[i + 1];
+			else
+				goto usage;
+		}
+		i++; /* skip "--" */
+	}
+	if (i >= argc)
+		goto usage;
+	if (fd >= 0 && fd != 3) {
+		if (dup2(fd, 3) < 0) {
+			dprintf(2, "dsec-init crun-wrap: fd %d: %s\n", fd, strerror(errno));
+			return 125;
+		}
+		close(fd);
+	}
+	if (mask) {
+		struct stat st;
+		if (stat(mask, &st) < 0) {
+			dprintf(2, "dsec-init crun-wrap: %s: %s\n", mask, strerror(errno));
+			return 125;
+		}
+		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) {
+			dprintf(2, "dsec-init crun-wrap: private mount namespace: %s\n", strerror(errno));
+			return 125;
+		}
+		if (mount(mask, target, NULL, MS_BIND, NULL) < 0 && errno != ENOENT) {
+			dprintf(2, "dsec-init crun-wrap: bind %s over %s: %s\n", mask, target, strerror(errno));
+			return 125;
+		}
+	}
+	execv(argv[i], argv + i);
+	dprintf(2, "dsec-init crun-wrap: cannot execute %s: %s\n", argv[i], strerror(errno));
+	return 127;
+usage:
+	dprintf(2, "usage: %s crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]\n"
+		   "       %s crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] -- CRUN_PATH [ARGS...]\n",
+		argv[0], argv[0]);
+	return 125;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0)
+		return crun_wrap(argc, argv);
+	return agent_main();
+}

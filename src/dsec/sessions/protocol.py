@@ -1,0 +1,239 @@
+"""Wire protocol between the edge and ``dsec-init``, the agent inside every sandbox.
+
+Pure encoding and decoding, no I/O, so the client, tests and future session code share
+one definition. The C side (``src/dsec/agent/dsec-init.c``) must agree byte for byte.
+
+Framing (little-endian): ``u8 type, u32 payload length, payload``. Strings inside a
+payload are ``u32 length + bytes``. One connection carries one operation, chosen by the
+first frame the client sends:
+
+- ``X`` exec: str user, u32 flags, u32 timeout_ms, u64 max_output, str cwd,
+  u32 argc + strs, u32 envc + strs ("K=V"). The client may then send ``I`` (stdin bytes),
+  ``C`` (close stdin), ``S`` (u32 signal for the whole process tree). The agent answers
+  ``P`` (u32 pid), ``O``/``E`` (stdout/stderr bytes, in arrival order) and finally
+  ``Z`` (i32 exit code, u32 flags, u64 duration_ns); or ``F`` if the program never started.
+- ``R`` read file: str user, u64 max_bytes, str path -> ``D`` chunks, then ``Y`` (u64 total).
+- ``W`` write file: str user, u32 mode, u32 flags, str path; the client sends ``D`` chunks
+  and ``C``; the agent answers ``Y`` (u64 bytes written).
+- ``H`` ping -> ``Y`` (u64 0).   ``Q`` shutdown: the agent kills everything and exits.
+
+Any operation may end with ``F``: i32 errno, then a UTF-8 message (rest of the payload).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+# Operations (first frame from the client).
+OP_EXEC = ord("X")
+OP_READ = ord("R")
+OP_WRITE = ord("W")
+OP_PING = ord("H")
+OP_SHUTDOWN = ord("Q")
+
+# Client -> agent, after the first frame.
+T_STDIN = ord("I")
+T_CLOSE = ord("C")
+T_SIGNAL = ord("S")
+
+# Agent -> client (``D`` is also client -> agent during a write).
+T_PID = ord("P")
+T_STDOUT = ord("O")
+T_STDERR = ord("E")
+T_EXIT = ord("Z")
+T_FAIL = ord("F")
+T_DATA = ord("D")
+T_DONE = ord("Y")
+
+EXEC_FLAG_STDIN = 1
+EXIT_FLAG_TIMED_OUT = 1
+EXIT_FLAG_TRUNCATED = 2
+WRITE_FLAG_MAKE_PARENTS = 1
+
+HEADER = struct.Struct("<BI")
+HEADER_SIZE = HEADER.size
+#: Largest payload either side accepts in one frame (the agent enforces the same value).
+MAX_PAYLOAD = 16 << 20
+#: Data frames are at most this big; keeps both sides' buffers small.
+CHUNK_SIZE = 64 << 10
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+_EXIT = struct.Struct("<iIQ")
+U32_MAX = 0xFFFFFFFF
+U64_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+class ProtocolError(ValueError):
+    """The peer sent bytes that are not a valid frame or payload."""
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    """One frame, ready to write (header and payload in one buffer so frames never interleave)."""
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"frame payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def parse_header(header: bytes) -> tuple[int, int]:
+    """``(type, payload length)`` of a 5-byte header; rejects oversized frames."""
+    kind, length = HEADER.unpack(header)
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"frame of type {kind!r} announces {length} bytes (max {MAX_PAYLOAD})")
+    return int(kind), int(length)
+
+
+def pack_str(value: str | bytes) -> bytes:
+    """A length-prefixed string; ``str`` is encoded like file names (UTF-8, surrogateescape)."""
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+    if b"\0" in raw:
+        raise ValueError(f"string contains a NUL byte: {raw[:60]!r}")
+    return _U32.pack(len(raw)) + raw
+
+
+def pack_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def _strs(values: Iterable[str | bytes]) -> bytes:
+    items = [pack_str(v) for v in values]
+    return _U32.pack(len(items)) + b"".join(items)
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """Everything the agent needs to start one command (validated by :func:`encode_exec`)."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str
+    user: str
+    timeout_ms: int
+    max_output: int
+    with_stdin: bool
+
+
+def encode_exec(req: ExecRequest) -> bytes:
+    """The ``X`` frame. Raises ``ValueError`` for values the agent would refuse."""
+    if not req.argv:
+        raise ValueError("argv must not be empty")
+    if not 0 <= req.timeout_ms <= U32_MAX:
+        raise ValueError(f"timeout_ms out of range: {req.timeout_ms}")
+    if not 0 <= req.max_output <= U64_MAX:
+        raise ValueError(f"max_output out of range: {req.max_output}")
+    env = []
+    for key, value in req.env.items():
+        if not key or "=" in key:
+            raise ValueError(f"invalid environment variable name: {key!r}")
+        env.append(f"{key}={value}")
+    payload = b"".join(
+        (
+            pack_str(req.user),
+            _U32.pack(EXEC_FLAG_STDIN if req.with_stdin else 0),
+            _U32.pack(req.timeout_ms),
+            _U64.pack(req.max_output),
+            pack_str(req.cwd),
+            _strs(req.argv),
+            _strs(env),
+        )
+    )
+    return frame(OP_EXEC, payload)
+
+
+def encode_read(path: str, *, user: str, max_bytes: int) -> bytes:
+    if not 0 <= max_bytes <= U64_MAX:
+        raise ValueError(f"max_bytes out of range: {max_bytes}")
+    return frame(OP_READ, pack_str(user) + _U64.pack(max_bytes) + pack_str(path))
+
+
+def encode_write(path: str, *, user: str, mode: int, make_parents: bool) -> bytes:
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode out of range: {mode:#o}")
+    flags = WRITE_FLAG_MAKE_PARENTS if make_parents else 0
+    return frame(OP_WRITE, pack_str(user) + _U32.pack(mode) + _U32.pack(flags) + pack_str(path))
+
+
+def encode_signal(signo: int) -> bytes:
+    if not 1 <= signo <= 64:
+        raise ValueError(f"invalid signal number: {signo}")
+    return frame(T_SIGNAL, _U32.pack(signo))
+
+
+def encode_data_frames(kind: int, data: bytes | memoryview) -> Iterable[bytes]:
+    """Split data into ``kind`` frames of at most :data:`CHUNK_SIZE` bytes."""
+    view = memoryview(data)
+    for start in range(0, len(view), CHUNK_SIZE):
+        yield frame(kind, bytes(view[start : start + CHUNK_SIZE]))
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """Payload of ``Z``: how a command ended."""
+
+    exit_code: int
+    timed_out: bool
+    truncated: bool
+    duration_ns: int
+
+
+def decode_exit(payload: bytes) -> ExitStatus:
+    if len(payload) != _EXIT.size:
+        raise ProtocolError(f"exit frame has {len(payload)} bytes, expected {_EXIT.size}")
+    code, flags, duration = _EXIT.unpack(payload)
+    return ExitStatus(
+        exit_code=code,
+        timed_out=bool(flags & EXIT_FLAG_TIMED_OUT),
+        truncated=bool(flags & EXIT_FLAG_TRUNCATED),
+        duration_ns=duration,
+    )
+
+
+def decode_failure(payload: bytes) -> tuple[int, str]:
+    """Payload of ``F``: ``(errno, message)``."""
+    if len(payload) < 4:
+        raise ProtocolError("failure frame shorter than 4 bytes")
+    (err,) = _I32.unpack_from(payload)
+    return int(err), payload[4:].decode("utf-8", "replace")
+
+
+def decode_u32(payload: bytes) -> int:
+    if len(payload) != 4:
+        raise ProtocolError(f"expected a u32 payload, got {len(payload)} bytes")
+    return int(_U32.unpack(payload)[0])
+
+
+def decode_u64(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise ProtocolError(f"expected a u64 payload, got {len(payload)} bytes")
+    return int(_U64.unpack(payload)[0])
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, get whole frames back."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        self._buf += data
+        out: list[tuple[int, bytes]] = []
+        while len(self._buf) >= HEADER_SIZE:
+            kind, length = parse_header(bytes(self._buf[:HEADER_SIZE]))
+            end = HEADER_SIZE + length
+            if len(self._buf) < end:
+                break
+            out.append((kind, bytes(self._buf[HEADER_SIZE:end])))
+            del self._buf[:end]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame still buffered."""
+        return len(self._buf)
