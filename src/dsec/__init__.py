@@ -1,0 +1,82 @@
+"""DSec: elastic, isolated, stateful sandboxes for agentic RL (open implementation).
+
+The top level is libdsec, the SDK (paper Listing 1)::
+
+    from dsec import DSecClient, DSecContainerRunArgs
+
+    client = DSecClient()
+    await client.open()
+    sandbox = await client.run_container(
+        DSecContainerRunArgs(container_image="debian-python:bookworm"), timeout=120
+    )
+    result = await sandbox.run_shell("echo hello world")
+    await sandbox.stop()
+
+Importing ``dsec`` pulls in only httpx and pydantic; the platform lives in subpackages.
+"""
+
+from dsec.errors import (
+    AdmissionRejected,
+    AlreadyExists,
+    BackendError,
+    Conflict,
+    CorruptBlob,
+    DSecError,
+    FileNotFound,
+    ImageBuildError,
+    ImageNotFound,
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    PlatformUnavailable,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Timeout,
+    Unauthenticated,
+    Unsupported,
+)
+from dsec.model import (
+    DSecContainerRunArgs,
+    DSecRunArgs,
+    ExecResult,
+    ImageInfo,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.sdk import DSecClient, DSecSyncClient, Sandbox, SyncSandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdmissionRejected",
+    "AlreadyExists",
+    "BackendError",
+    "Conflict",
+    "CorruptBlob",
+    "DSecClient",
+    "DSecContainerRunArgs",
+    "DSecError",
+    "DSecRunArgs",
+    "DSecSyncClient",
+    "ExecResult",
+    "FileNotFound",
+    "ImageBuildError",
+    "ImageInfo",
+    "ImageNotFound",
+    "InvalidArgument",
+    "LimitExceeded",
+    "NotFound",
+    "PermissionDenied",
+    "PlatformUnavailable",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxNotRunning",
+    "SandboxState",
+    "SyncSandbox",
+    "Timeout",
+    "Unauthenticated",
+    "Unsupported",
+    "__version__",
+]

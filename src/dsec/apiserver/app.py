@@ -1,0 +1,56 @@
+"""The apiserver application: the single HTTP entry point of the platform.
+
+It keeps no per-sandbox state; everything is asked of the edge and the image service,
+so the same app can later route to many edges. Only two light pure-ASGI layers sit on
+the request path (body cap, last-resort error envelope) to keep exec at ~2 ms.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody, install_error_handlers
+from dsec.apiserver.images import image_router
+from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
+from dsec.apiserver.responses import model_response
+from dsec.apiserver.sandboxes import sandbox_router
+from dsec.control.keys import KeyStore
+from dsec.edge.api import EdgeAPI
+from dsec.images.service import ImageService
+from dsec.model import HealthInfo
+
+API_VERSION = "0.1.0"
+
+
+def create_app(
+    edge: EdgeAPI,
+    images: ImageService,
+    keys: KeyStore,
+    *,
+    limits: ApiLimits | None = None,
+) -> FastAPI:
+    limits = limits or ApiLimits()
+    auth = Authenticator(keys)
+    app = FastAPI(
+        title="DSec API",
+        version=API_VERSION,
+        description=(
+            "Elastic, isolated, stateful sandboxes for agentic RL. Authenticate with "
+            '`Authorization: Bearer <key>`. Every error is `{"error": {"code", '
+            '"message", "details"}}` with the status of its code.'
+        ),
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, default_limit=limits.max_json_bytes)
+
+    @app.get("/v1/health", response_model=HealthInfo, tags=["platform"], summary="Health")
+    async def health() -> Response:
+        """Liveness and capacity; needs no API key."""
+        return model_response(await edge.health())
+
+    app.include_router(sandbox_router(edge, auth, limits))
+    app.include_router(image_router(images, auth, limits))
+    return app

@@ -1,0 +1,115 @@
+"""/v1/sandboxes: create, inspect, list, stop, exec, files.
+
+Handlers stay thin: check parameters, call the edge, serialise. The edge raises typed
+errors, which the app's handlers turn into the error envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from starlette.responses import Response
+
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.limits import ApiLimits, set_body_limit
+from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
+from dsec.apiserver.responses import model_response, sandboxes_response
+from dsec.edge.api import EdgeAPI
+from dsec.model import CreateSandboxRequest, ExecRequest, ExecResult, SandboxInfo, SandboxState
+
+LIVE_STATES = frozenset(s for s in SandboxState if not s.terminal)
+
+_OCTET = "application/octet-stream"
+
+
+def sandbox_router(edge: EdgeAPI, auth: Authenticator, limits: ApiLimits) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1/sandboxes",
+        tags=["sandboxes"],
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+    )
+
+    @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
+    async def create_sandbox(body: CreateSandboxRequest) -> Response:
+        """Admit, prepare and start a sandbox; returns once it is running."""
+        info = await edge.create(body.spec, timeout=body.timeout)
+        return model_response(info, 201)
+
+    @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
+    async def list_sandboxes(
+        label: Annotated[
+            list[str], Query(description="`key=value` selector; repeat to AND several")
+        ] = [],  # noqa: B006 - FastAPI copies query defaults
+        state: Annotated[
+            list[SandboxState],
+            Query(
+                description="repeatable; without it, only live sandboxes "
+                "(creating, running, stopping) are listed"
+            ),
+        ] = [],  # noqa: B006
+    ) -> Response:
+        """Sandboxes matching every `label` selector AND any of the given `state`s.
+
+        Without `state`, only live sandboxes (creating, running, stopping) are listed;
+        repeat `state` with every value to see stopped and failed ones too.
+        """
+        states = set(state) if state else set(LIVE_STATES)
+        items = await edge.list(labels=parse_labels(label) or None, states=states)
+        return sandboxes_response(items)
+
+    @router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Inspect a sandbox")
+    async def get_sandbox(sandbox_id: str) -> Response:
+        return model_response(await edge.get(check_sandbox_id(sandbox_id)))
+
+    @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Stop a sandbox")
+    async def stop_sandbox(sandbox_id: str) -> Response:
+        """Terminate and release everything; idempotent. Returns the final state."""
+        return model_response(await edge.stop(check_sandbox_id(sandbox_id)))
+
+    @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
+    async def exec_command(sandbox_id: str, body: ExecRequest) -> Response:
+        """Run one command to completion; a string goes through `/bin/sh -c`."""
+        return model_response(await edge.exec(check_sandbox_id(sandbox_id), body))
+
+    @router.get(
+        "/{sandbox_id}/files",
+        response_class=Response,
+        responses={200: {"content": {_OCTET: {}}, "description": "the file's bytes"}},
+        summary="Read a file",
+    )
+    async def read_file(
+        sandbox_id: str, path: Annotated[str, Query(description="absolute path")]
+    ) -> Response:
+        data = await edge.read_file(
+            check_sandbox_id(sandbox_id),
+            check_sandbox_path(path),
+            max_bytes=limits.max_file_bytes,
+        )
+        return Response(data, media_type=_OCTET)
+
+    @router.put(
+        "/{sandbox_id}/files",
+        status_code=204,
+        response_class=Response,
+        summary="Write a file",
+        openapi_extra={"requestBody": {"required": True, "content": {_OCTET: {"schema": {}}}}},
+    )
+    async def write_file(
+        request: Request,
+        sandbox_id: str,
+        path: Annotated[str, Query(description="absolute path")],
+        mode: Annotated[str, Query(description="octal permissions")] = "644",
+    ) -> Response:
+        """Create or replace a file with the raw request body."""
+        sid = check_sandbox_id(sandbox_id)
+        target = check_sandbox_path(path)
+        perms = parse_mode(mode)
+        set_body_limit(request, limits.max_file_bytes, "file")
+        chunks = [chunk async for chunk in request.stream()]
+        await edge.write_file(sid, target, b"".join(chunks), mode=perms)
+        return Response(status_code=204)
+
+    return router

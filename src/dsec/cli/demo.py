@@ -1,0 +1,379 @@
+"""`dsec demo`: the first thing a new user runs.
+
+Finds or starts a platform, makes sure the image exists, creates sandboxes concurrently,
+runs a command in each, shows what happened and how long it took, cleans up, and exits
+0 only if every step worked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from dsec.cli.common import err, globals_of, out, percentile, print_error
+from dsec.cli.up import announce
+from dsec.config import load_client_config, save_client_config
+from dsec.errors import DSecError, ImageNotFound, PlatformUnavailable, Unauthenticated
+from dsec.model import DSecContainerRunArgs, parse_image_ref
+from dsec.sdk import DSecClient, Sandbox
+
+RECIPES = {"busybox": "busybox", "debian-python": "debian-python"}
+DEFAULT_REFS = {"busybox": "busybox:latest", "debian-python": "debian-python:bookworm"}
+PYTHON_PROBE = "python3 -c 'import platform,os; print(platform.python_version(), os.getpid())'"
+
+
+# ---- the platform: found or started ---------------------------------------------------
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def platform_command(port: int, data_dir: Path) -> list[str]:
+    """How the demo starts its own platform (a separate `dsec up` process)."""
+    return [
+        sys.executable,
+        "-m",
+        "dsec.cli.main",
+        "up",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--no-save-config",
+    ]
+
+
+@dataclass
+class StartedPlatform:
+    proc: subprocess.Popen[bytes]
+    url: str
+    api_key: str
+    data_dir: Path
+    temp_dir: bool
+    log_path: Path
+    killed: bool = False
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.killed = True
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_platform(data_dir: Path | None, wait: float = 120.0) -> StartedPlatform:
+    temp = data_dir is None
+    directory = Path(tempfile.mkdtemp(prefix="dsec-demo-")) if data_dir is None else data_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, log_name = tempfile.mkstemp(prefix="dsec-demo-", suffix=".log")
+    key = "dsk_" + secrets.token_urlsafe(24)
+    port = free_port()
+    env = {**os.environ, "DSEC_API_KEY": key}
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(
+            platform_command(port, directory),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the demo, which then stops it cleanly
+        )
+    started = StartedPlatform(
+        proc, f"http://127.0.0.1:{port}", key, directory, temp, Path(log_name)
+    )
+    deadline = time.monotonic() + wait
+    with err.status(f"starting a platform (dsec up, data in {directory})..."):
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = started.log_tail()
+                if tail:
+                    err.print(tail, style="dim", markup=False, highlight=False)
+                raise PlatformUnavailable(
+                    f"`dsec up` exited with code {proc.returncode}; log: {log_name}"
+                )
+            if answers(started.url):
+                return started
+            time.sleep(0.1)
+    started.stop()
+    raise PlatformUnavailable(f"`dsec up` did not answer within {wait:.0f} s; log: {log_name}")
+
+
+def _cleanup_dir(started: StartedPlatform) -> None:
+    """Remove a temporary data dir, but never one that still has mounts under it."""
+    if not started.temp_dir:
+        return
+    try:
+        from dsec import linux
+
+        leftover = linux.mounts(started.data_dir)
+    except Exception:
+        leftover = [None]  # type: ignore[list-item]
+    # A clean exit may still report SIGTERM: uvicorn re-raises it after its shutdown.
+    if not started.killed and not leftover:
+        shutil.rmtree(started.data_dir, ignore_errors=True)
+        started.log_path.unlink(missing_ok=True)
+    else:
+        err.print(f"kept {started.data_dir} and {started.log_path} for inspection", style="yellow")
+
+
+@contextlib.contextmanager
+def platform_for_demo(
+    url: str | None, api_key: str | None, data_dir: Path | None, keep: bool
+) -> Iterator[tuple[str, str]]:
+    """(url, api key) of a running platform: the configured one, or one started here."""
+    config = load_client_config(url, api_key)
+    if answers(config.url):
+        if not config.api_key:
+            raise Unauthenticated(
+                f"the platform at {config.url} answers but no API key is known: "
+                "pass --api-key or set DSEC_API_KEY"
+            )
+        err.print(f"using the platform at {config.url}", style="dim")
+        yield config.url, config.api_key
+        return
+    started = start_platform(data_dir)
+    try:
+        yield started.url, started.api_key
+    finally:
+        if keep and started.proc.poll() is None:
+            saved = save_client_config(started.url, started.api_key)
+            announce(started.url, started.api_key, saved)
+            err.print(
+                f"the platform keeps running (pid {started.proc.pid}); "
+                f"stop it with: kill {started.proc.pid}",
+                style="dim",
+            )
+        else:
+            with err.status("stopping the platform..."):
+                started.stop()
+            _cleanup_dir(started)
+
+
+# ---- the demo itself -------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    index: int
+    sandbox: Sandbox | None = None
+    create_ms: float | None = None
+    exec_ms: float | None = None
+    exit_code: int | None = None
+    output: str = ""
+    state: str = "-"
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.exit_code == 0 and self.state == "stopped"
+
+
+def probe_command(image: str) -> str:
+    name, _ = parse_image_ref(image)
+    return PYTHON_PROBE if name.rsplit("/", 1)[-1].startswith("debian-python") else "uname -a"
+
+
+async def ensure_image(client: DSecClient, image: str) -> None:
+    try:
+        await client.get_image(image)
+        return
+    except ImageNotFound:
+        name, _ = parse_image_ref(image)
+        recipe = RECIPES.get(name)
+        if recipe is None:
+            raise
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        progress.add_task(f"building {image} (first time only; debootstrap takes minutes)")
+        default = parse_image_ref(DEFAULT_REFS[recipe])
+        target = None if parse_image_ref(image) == default else image
+        info = await client.build_image(recipe, name=target)
+    err.print(f"built {info.ref} ({len(info.layers)} layer(s))", style="dim")
+
+
+async def run_demo(url: str, api_key: str, count: int, image: str, timeout: float) -> bool:
+    run_id = secrets.token_hex(4)
+    command = probe_command(image)
+    rows = [Row(i) for i in range(count)]
+    args = DSecContainerRunArgs(
+        container_image=image,
+        memory_limit_mb=256,
+        cpu_cores_limit=0.5,
+        ttl_running_stop=600,
+        labels={"dsec-demo": run_id},
+    )
+    started_at = time.perf_counter()
+    async with DSecClient(url, api_key, max_connections=max(64, min(count, 1024))) as client:
+        await ensure_image(client, image)
+        columns = (
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=err) as progress:
+            creating = progress.add_task("create", total=count)
+            running = progress.add_task("exec", total=count)
+
+            async def one(row: Row) -> None:
+                t0 = time.perf_counter()
+                try:
+                    row.sandbox = await client.run_container(args, timeout=timeout)
+                    row.create_ms = (time.perf_counter() - t0) * 1000
+                    row.state = row.sandbox.state.value
+                except DSecError as exc:
+                    row.errors.append(f"{exc.code}: {exc.message}")
+                    return
+                finally:
+                    progress.advance(creating)
+                t1 = time.perf_counter()
+                try:
+                    result = await row.sandbox.run_shell(command, timeout=60)
+                    row.exec_ms = (time.perf_counter() - t1) * 1000
+                    row.exit_code = result.exit_code
+                    text = (result.stdout.strip() or result.stderr.strip()).splitlines()
+                    row.output = text[0] if text else ""
+                    if result.exit_code != 0:
+                        row.output = f"exit {result.exit_code}: {row.output}"
+                except DSecError as exc:
+                    row.errors.append(f"{exc.code}: {exc.message}")
+                finally:
+                    progress.advance(running)
+
+            async def stop(row: Row) -> None:
+                if row.sandbox is None:
+                    return
+                try:
+                    row.state = (await row.sandbox.stop()).state.value
+                except DSecError as exc:
+                    row.errors.append(f"stop: {exc.code}: {exc.message}")
+                finally:
+                    progress.advance(removing)
+
+            removing = progress.add_task("remove", total=count, visible=False)
+            try:
+                await asyncio.gather(*(one(r) for r in rows))
+            finally:
+                created = sum(1 for r in rows if r.sandbox is not None)
+                progress.update(removing, total=created, visible=True)
+                await asyncio.gather(*(stop(r) for r in rows))
+    show_summary(rows, command, time.perf_counter() - started_at)
+    return all(r.ok for r in rows)
+
+
+def show_summary(rows: list[Row], command: str, elapsed: float) -> None:
+    out.print(f"$ {command}", markup=False, style="bold")
+    table = Table(header_style="bold", box=None)
+    table.add_column("#", justify="right")
+    table.add_column("sandbox")
+    table.add_column("state")
+    table.add_column("create ms", justify="right")
+    table.add_column("exec ms", justify="right")
+    table.add_column("output", overflow="fold")
+    for row in rows:
+        # Text() cells: command output is data, never rich markup.
+        table.add_row(
+            str(row.index),
+            row.sandbox.id if row.sandbox else "-",
+            Text(row.state, style="green" if row.ok else "red"),
+            f"{row.create_ms:.1f}" if row.create_ms is not None else "-",
+            f"{row.exec_ms:.1f}" if row.exec_ms is not None else "-",
+            Text("; ".join(row.errors), style="red") if row.errors else Text(row.output),
+        )
+    out.print(table)
+    ok = sum(r.ok for r in rows)
+    for label, samples in (
+        ("create", [r.create_ms for r in rows if r.create_ms is not None]),
+        ("exec", [r.exec_ms for r in rows if r.exec_ms is not None]),
+    ):
+        if samples:
+            out.print(
+                f"{label:<7} p50 {percentile(samples, 50):7.1f} ms   "
+                f"p99 {percentile(samples, 99):7.1f} ms   (n={len(samples)})"
+            )
+    verdict = "[green]all good[/]" if ok == len(rows) else f"[red]{len(rows) - ok} failed[/]"
+    out.print(f"{ok}/{len(rows)} sandboxes created, ran and removed in {elapsed:.2f} s: {verdict}")
+
+
+def demo(
+    ctx: typer.Context,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, max=10_000)] = 20,
+    image: Annotated[str, typer.Option("--image")] = "debian-python:bookworm",
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="data dir for a platform started here (default: temp)"),
+    ] = None,
+    keep_platform: Annotated[
+        bool,
+        typer.Option(
+            "--keep-platform/--no-keep-platform", help="leave a platform started here running"
+        ),
+    ] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="per-sandbox create timeout")] = 120,
+) -> None:
+    """Create COUNT sandboxes at once, run a command in each, time it, clean up."""
+    try:
+        parse_image_ref(image)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--image") from None
+    g = globals_of(ctx)
+    with platform_for_demo(g.url, g.api_key, data_dir, keep_platform) as (url, key):
+        try:
+            ok = asyncio.run(run_demo(url, key, count, image, timeout))
+        except DSecError as exc:
+            print_error(exc)
+            ok = False
+    raise typer.Exit(0 if ok else 1)

@@ -1,0 +1,144 @@
+"""`dsec image ...`: import, build, ls, rm."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from dsec.cli.common import emit_json, err, human_bytes, out, sync_client
+from dsec.model import ImageInfo
+
+app = typer.Typer(help="Import, build, list and remove images.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+class Format(StrEnum):
+    auto = "auto"
+    tar = "tar"
+    oci = "oci"
+
+
+class Recipe(StrEnum):
+    busybox = "busybox"
+    debian_python = "debian-python"
+
+
+def _describe(info: ImageInfo) -> str:
+    return (
+        f"{info.ref}  {info.digest[:19]}  {len(info.layers)} layer(s)  "
+        f"{human_bytes(info.size_bytes)}"
+    )
+
+
+@app.command("import")
+def import_(
+    ctx: typer.Context,
+    path: Annotated[
+        Path, typer.Argument(help="rootfs tar, `docker save` tar, OCI layout tar, or a directory")
+    ],
+    ref: Annotated[str, typer.Argument(help="name:tag to store it under")],
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="archive format")] = Format.auto,
+    as_json: JsonOpt = False,
+) -> None:
+    """Upload an archive or a directory (tarred on the fly) as an image."""
+    with (
+        sync_client(ctx) as client,
+        Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        ) as progress,
+    ):
+        task = progress.add_task(f"uploading {path.name}", total=None)
+
+        def on_progress(sent: int, total: int | None) -> None:
+            progress.update(task, completed=sent, total=total)
+            if total is not None and sent >= total:
+                progress.update(task, description=f"importing {ref} on the platform")
+
+        info = client.import_image(ref, path, fmt.value, progress=on_progress)
+    if as_json:
+        emit_json(info)
+    else:
+        out.print(f"imported {_describe(info)}", markup=False)
+
+
+@app.command()
+def build(
+    ctx: typer.Context,
+    recipe: Annotated[Recipe, typer.Argument(help="built-in image recipe")],
+    name: Annotated[
+        str | None, typer.Option("--name", help="store as this name:tag instead")
+    ] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="ignore the cached image")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Build busybox:latest or debian-python:bookworm (minutes the first time)."""
+    with (
+        sync_client(ctx) as client,
+        err.status(f"building {recipe.value} (cached images return at once)..."),
+    ):
+        info = client.build_image(recipe.value, name=name, rebuild=rebuild)
+    if as_json:
+        emit_json(info)
+    else:
+        out.print(f"built {_describe(info)}", markup=False)
+
+
+@app.command("ls")
+def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List images."""
+    with sync_client(ctx) as client:
+        images = sorted(client.list_images(), key=lambda i: i.ref)
+    if as_json:
+        emit_json(images)
+        return
+    if not images:
+        err.print("no images (try `dsec image build busybox`)")
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("REF", "DIGEST", "LAYERS", "SIZE", "CREATED"):
+        table.add_column(col)
+    for info in images:
+        table.add_row(
+            info.ref,
+            info.digest[:19],
+            str(len(info.layers)),
+            human_bytes(info.size_bytes),
+            info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    out.print(table)
+
+
+@app.command("rm")
+def remove(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="name:tag")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove an image tag (layers go once no image uses them)."""
+    with sync_client(ctx) as client:
+        info = client.remove_image(ref)
+    if as_json:
+        emit_json(info)
+    else:
+        out.print(f"removed {info.ref}", markup=False)

@@ -1,0 +1,102 @@
+"""The `dsec` command: global options, sub-commands, and the error policy.
+
+Error policy: a typed error prints ``error: <code>: <message>`` on one red line and
+exits 1; a usage error exits 2; nothing prints a traceback unless DSEC_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Annotated
+
+import typer
+
+from dsec.cli import demo as demo_cmd
+from dsec.cli import image, sandbox
+from dsec.cli import up as up_cmd
+from dsec.cli.common import Globals, UsageFailure, err, print_error
+from dsec.errors import DSecError, PermissionDenied
+
+app = typer.Typer(
+    name="dsec",
+    help="DSec: elastic, isolated, stateful sandboxes for agentic RL.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(image.app, name="image")
+app.command("up")(up_cmd.up)
+app.command("demo")(demo_cmd.demo)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from dsec import __version__
+
+        typer.echo(f"dsec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None, typer.Option("--url", help="platform URL (else DSEC_URL, then saved config)")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="API key (else DSEC_API_KEY, then saved)")
+    ] = None,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print version")
+    ] = False,
+) -> None:
+    ctx.obj = Globals(url=url, api_key=api_key)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit code (the testable core of ``main``)."""
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(
+            args=list(argv) if argv is not None else None,
+            prog_name="dsec",
+            standalone_mode=False,
+        )
+    except typer.Abort:
+        err.print("aborted", style="red")
+        return 130
+    except typer.TyperException as exc:  # usage errors (exit 2) and friends, shown by typer
+        show = getattr(exc, "show", None)
+        if callable(show):
+            show(file=sys.stderr)
+        else:
+            err.print(f"error: {exc.format_message()}", style="red", markup=False)
+        return exc.exit_code
+    except UsageFailure as exc:
+        print_error(exc.error)
+        return 2
+    except DSecError as exc:
+        print_error(exc)
+        return 1
+    except PermissionError as exc:
+        print_error(PermissionDenied(str(exc)))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("DSEC_DEBUG"):
+            raise
+        print_error(DSecError(f"{type(exc).__name__}: {exc} (DSEC_DEBUG=1 shows a traceback)"))
+        return 1
+    return rv if isinstance(rv, int) else 0
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

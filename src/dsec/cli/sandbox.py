@@ -1,0 +1,189 @@
+"""`dsec sandbox ...`: create, exec, ls, rm."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.table import Table
+from rich.text import Text
+
+from dsec.cli.common import (
+    emit_json,
+    err,
+    out,
+    parse_pairs,
+    print_error,
+    sync_client,
+    usage_from,
+)
+from dsec.errors import DSecError
+from dsec.model import DSecContainerRunArgs, SandboxState
+
+app = typer.Typer(help="Create, use and remove sandboxes.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+@app.command()
+def create(
+    ctx: typer.Context,
+    image: Annotated[str, typer.Option("--image", "-i", help="image reference name[:tag]")],
+    memory: Annotated[int | None, typer.Option("--memory", help="memory limit, MiB")] = None,
+    cpus: Annotated[float | None, typer.Option("--cpus", help="CPU limit, cores")] = None,
+    ttl: Annotated[
+        int | None, typer.Option("--ttl", help="idle seconds before auto-stop; 0 = never")
+    ] = None,
+    label: Annotated[list[str], typer.Option("--label", "-l", help="KEY=VALUE, repeatable")] = [],  # noqa: B006
+    env: Annotated[list[str], typer.Option("--env", "-e", help="KEY=VALUE, repeatable")] = [],  # noqa: B006
+    user: Annotated[str | None, typer.Option("--user", "-u", help="user or uid[:gid]")] = None,
+    workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait")] = 120,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a container sandbox and print its id."""
+    fields: dict[str, object] = {"container_image": image}
+    if memory is not None:
+        fields["memory_limit_mb"] = memory
+    if cpus is not None:
+        fields["cpu_cores_limit"] = cpus
+    if ttl is not None:
+        fields["ttl_running_stop"] = ttl or None
+    if label:
+        fields["labels"] = parse_pairs(label, "--label")
+    if env:
+        fields["env"] = parse_pairs(env, "--env")
+    if user is not None:
+        fields["init_user"] = user
+    if workdir is not None:
+        fields["workdir"] = workdir
+    try:
+        args = DSecContainerRunArgs.model_validate(fields)
+    except ValidationError as exc:
+        raise usage_from(exc) from None
+    with sync_client(ctx) as client:
+        sandbox = client.run_container(args, timeout=timeout)
+    if as_json:
+        emit_json(sandbox.info)
+    else:
+        out.print(sandbox.id, markup=False)
+
+
+@app.command(
+    "exec",
+    context_settings={"allow_interspersed_args": False},
+)
+def exec_(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID")],
+    command: Annotated[list[str], typer.Argument(metavar="CMD...", help="argv to run")],
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", "-t", help="kill the command after S seconds")
+    ] = None,
+    env: Annotated[list[str], typer.Option("--env", "-e", help="KEY=VALUE, repeatable")] = [],  # noqa: B006
+    workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
+    user: Annotated[str | None, typer.Option("--user", "-u")] = None,
+    shell: Annotated[
+        bool, typer.Option("--shell", "-s", help="join CMD and run it with /bin/sh -c")
+    ] = False,
+    stdin: Annotated[
+        bool, typer.Option("--stdin", "-i", help="feed this terminal's stdin to the command")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a command; its stdout/stderr pass through and its exit code is dsec's.
+
+    Options go before ID; everything after ID (or after --) is the command.
+    """
+    if command and command[0] == "--":
+        command = command[1:]  # with options ending at ID, click keeps a later "--"
+    if not command:
+        raise typer.BadParameter("no command given", param_hint="CMD...")
+    data = sys.stdin.read() if stdin else None
+    env_vars = parse_pairs(env, "--env")
+    with sync_client(ctx) as client:
+        sandbox = client.get(sandbox_id)
+        if shell:
+            result = sandbox.run_shell(
+                " ".join(command),
+                timeout=timeout,
+                env=env_vars,
+                workdir=workdir,
+                user=user,
+                stdin=data,
+            )
+        else:
+            result = sandbox.exec(
+                command, timeout=timeout, env=env_vars, workdir=workdir, user=user, stdin=data
+            )
+    if as_json:
+        emit_json(result)
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(result.stderr)
+        sys.stderr.flush()
+        if result.timed_out:
+            err.print(f"dsec: command timed out after {timeout} s", style="yellow", markup=False)
+        if result.truncated:
+            err.print("dsec: output was truncated", style="yellow", markup=False)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("ls")
+def list_(
+    ctx: typer.Context,
+    label: Annotated[list[str], typer.Option("--label", "-l", help="KEY=VALUE filter")] = [],  # noqa: B006
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include stopped and failed")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """List live sandboxes (all of them with --all)."""
+    states = list(SandboxState) if all_ else None
+    with sync_client(ctx) as client:
+        sandboxes = client.list_sandboxes(labels=parse_pairs(label, "--label"), states=states)
+    infos = sorted((s.info for s in sandboxes), key=lambda i: i.created_at)
+    if as_json:
+        emit_json(infos)
+        return
+    if not infos:
+        err.print("no sandboxes" + ("" if all_ else " running (--all shows stopped ones)"))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "STATE", "IMAGE", "CREATED", "LABELS"):
+        table.add_column(col)
+    for info in infos:
+        table.add_row(
+            info.id,
+            info.state.value,
+            info.image,
+            info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+            Text(",".join(f"{k}={v}" for k, v in sorted(info.labels.items()))),
+        )
+    out.print(table)
+
+
+@app.command("rm")
+def remove(
+    ctx: typer.Context,
+    sandbox_ids: Annotated[list[str], typer.Argument(metavar="ID...")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop and remove sandboxes; continues past failures, exit 1 if any failed."""
+    removed = []
+    failed = False
+    with sync_client(ctx) as client:
+        for sandbox_id in sandbox_ids:
+            try:
+                removed.append(client.stop_sandbox(sandbox_id))
+            except DSecError as exc:
+                failed = True
+                print_error(exc)
+    if as_json:
+        emit_json(removed)
+    else:
+        for info in removed:
+            out.print(info.id, markup=False)
+    if failed:
+        raise typer.Exit(1)

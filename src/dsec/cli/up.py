@@ -1,0 +1,84 @@
+"""`dsec up`: run the whole single-node platform in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.panel import Panel
+
+from dsec.cli.common import globals_of, out
+from dsec.config import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    PlatformConfig,
+    save_client_config,
+)
+from dsec.errors import DSecError
+
+
+def announce(url: str, api_key: str, saved_to: Path | None) -> None:
+    url, api_key = escape(url), escape(api_key)
+    lines = [f"[bold]URL[/]      {url}", f"[bold]API key[/]  {api_key}"]
+    if saved_to is not None:
+        where = escape(str(saved_to))
+        lines.append(f"[dim]saved to {where} (SDK and CLI read it)[/]")
+    lines.append(f"[dim]API docs {url}/docs[/]")
+    lines.append("[dim]try `dsec demo`; stop with Ctrl-C[/]")
+    out.print(Panel("\n".join(lines), title="DSec is up", expand=False, border_style="green"))
+
+
+def up(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = DEFAULT_PORT,
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="images, sandboxes and databases")
+    ] = DEFAULT_DATA_DIR,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key", envvar="DSEC_API_KEY", help="admin key (default: generated and kept)"
+        ),
+    ] = None,
+    save_config: Annotated[
+        bool,
+        typer.Option(
+            "--save-config/--no-save-config",
+            help="write URL and key to ~/.config/dsec/config.json",
+        ),
+    ] = True,
+) -> None:
+    """Run apiserver, edge, store and layer store until Ctrl-C / SIGTERM."""
+    try:
+        platform = importlib.import_module("dsec.platform")  # lazily: the whole server side
+    except ImportError as exc:
+        raise DSecError(
+            f"cannot load the platform ({exc}); it needs the server extra: "
+            "pip install 'dsec[server]'"
+        ) from None
+
+    config = PlatformConfig(
+        data_dir=data_dir, host=host, port=port, api_key=api_key or globals_of(ctx).api_key
+    )
+
+    def ready(url: str, key: str) -> None:
+        announce(url, key, save_client_config(url, key) if save_config else None)
+
+    try:
+        run = getattr(platform, "run", None)  # the blocking entry point (uvloop) if provided
+        if callable(run):
+            run(config, ready=ready)
+        else:
+            asyncio.run(platform.serve(config, ready=ready))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except PermissionError:
+        raise
+    except OSError as exc:
+        raise DSecError(f"cannot start the platform: {exc}") from None

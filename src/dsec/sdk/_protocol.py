@@ -1,0 +1,314 @@
+"""The HTTP protocol of libdsec, without I/O: the one place that builds requests.
+
+Every operation is a function returning a ``Call``: what to send and how to parse the
+successful answer. The async and the sync client only differ in how they *send* a Call
+(the approach httpx itself takes for Client and AsyncClient); ``dsec.sdk._http`` holds
+what both senders share (settings, failure translation), so no logic exists twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from dsec.errors import (
+    DSecError,
+    InvalidArgument,
+    SandboxNotFound,
+)
+from dsec.model import (
+    SANDBOX_ID_RE,
+    BuildImageRequest,
+    CreateSandboxRequest,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    HealthInfo,
+    ImageInfo,
+    SandboxInfo,
+    SandboxState,
+    parse_image_ref,
+)
+from dsec.sdk._upload import Upload
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+CONNECT_TIMEOUT = 10.0
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_OCTET_HEADERS = {"Content-Type": "application/octet-stream"}
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One HTTP request and the parser of its successful response.
+
+    ``timeout`` None means the client's default; ``upload`` streams a request body.
+    """
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    params: list[tuple[str, str]] | None = None
+    content: bytes | None = None
+    headers: Mapping[str, str] | None = None
+    timeout: httpx.Timeout | None = None
+    upload: Upload | None = None
+
+
+def wait_timeout(seconds: float | None) -> httpx.Timeout:
+    """An HTTP timeout slightly above a server-side one, so the server's typed error wins.
+
+    None means no read limit at all (the server owns the operation's lifetime).
+    """
+    if seconds is None:
+        return httpx.Timeout(None, connect=CONNECT_TIMEOUT)
+    return httpx.Timeout(seconds * 1.05 + 5.0, connect=CONNECT_TIMEOUT)
+
+
+# ---- parsing -------------------------------------------------------------------------
+
+
+def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
+    def parse(resp: httpx.Response) -> M:
+        try:
+            return cls.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise _bad_response(resp, exc) from None
+
+    return parse
+
+
+def _list_of(cls: type[M]) -> Callable[[httpx.Response], list[M]]:
+    adapter: TypeAdapter[list[M]] = TypeAdapter(list[cls])  # type: ignore[valid-type]
+
+    def parse(resp: httpx.Response) -> list[M]:
+        try:
+            return adapter.validate_json(resp.content)
+        except ValidationError as exc:
+            raise _bad_response(resp, exc) from None
+
+    return parse
+
+
+def _bytes(resp: httpx.Response) -> bytes:
+    return resp.content
+
+
+def _nothing(_: httpx.Response) -> None:
+    return None
+
+
+def _bad_response(resp: httpx.Response, exc: ValidationError) -> DSecError:
+    return DSecError(
+        f"unexpected response from {resp.request.method} {resp.request.url.path} "
+        f"(is the SDK older than the platform?): {exc.errors()[0].get('msg', exc)}"
+    )
+
+
+def invalid(exc: ValidationError) -> InvalidArgument:
+    """A client-side validation failure, worded like the server's."""
+    parts = [
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: "
+        + str(e["msg"]).removeprefix("Value error, ")
+        for e in exc.errors()[:10]
+    ]
+    return InvalidArgument("; ".join(parts))
+
+
+# ---- path helpers --------------------------------------------------------------------
+
+
+def sandbox_path(sandbox_id: str) -> str:
+    """``/v1/sandboxes/<id>``; an id that cannot exist fails locally like a missing one."""
+    if not isinstance(sandbox_id, str) or not SANDBOX_ID_RE.match(sandbox_id):
+        raise SandboxNotFound(
+            f"no sandbox {str(sandbox_id)[:80]!r}: sandbox ids look like 'e0-0123456789abcdef'"
+        )
+    return f"/v1/sandboxes/{sandbox_id}"
+
+
+def image_path(ref: str) -> str:
+    try:
+        name, _ = parse_image_ref(ref)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise InvalidArgument(f"invalid image reference {ref!r}: bad name segment")
+    return "/v1/images/" + quote(ref, safe="/:")
+
+
+# ---- operations ----------------------------------------------------------------------
+
+
+def health() -> Call[HealthInfo]:
+    return Call("GET", "/v1/health", _model(HealthInfo))
+
+
+def create_sandbox(args: DSecContainerRunArgs, timeout: float) -> Call[SandboxInfo]:
+    try:
+        body = CreateSandboxRequest(spec=args, timeout=timeout)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        "/v1/sandboxes",
+        _model(SandboxInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout),
+    )
+
+
+def get_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call("GET", sandbox_path(sandbox_id), _model(SandboxInfo))
+
+
+def list_sandboxes(
+    labels: Mapping[str, str] | None = None,
+    states: Iterable[SandboxState | str] | None = None,
+) -> Call[list[SandboxInfo]]:
+    params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if isinstance(states, str):
+        states = [states]
+    for state in states or ():
+        try:
+            params.append(("state", SandboxState(state).value))
+        except ValueError:
+            raise InvalidArgument(
+                f"unknown sandbox state {state!r}; one of {[s.value for s in SandboxState]}"
+            ) from None
+    return Call("GET", "/v1/sandboxes", _list_of(SandboxInfo), params=params)
+
+
+def stop_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call("DELETE", sandbox_path(sandbox_id), _model(SandboxInfo))
+
+
+def exec_command(
+    sandbox_id: str,
+    command: str | list[str],
+    *,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    user: str | None = None,
+    stdin: str | None = None,
+    max_output_bytes: int | None = None,
+) -> Call[ExecResult]:
+    fields: dict[str, Any] = {"command": command, "env": dict(env or {})}
+    for key, value in (
+        ("timeout", timeout),
+        ("workdir", workdir),
+        ("user", user),
+        ("stdin", stdin),
+        ("max_output_bytes", max_output_bytes),
+    ):
+        if value is not None:
+            fields[key] = value
+    try:
+        body = ExecRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        sandbox_path(sandbox_id) + "/exec",
+        _model(ExecResult),
+        content=body.model_dump_json(exclude_defaults=True).encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout),
+    )
+
+
+def _check_file_path(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
+        raise InvalidArgument(f"path must be an absolute path without NUL bytes, got {path!r}")
+    return path
+
+
+def read_file(sandbox_id: str, path: str) -> Call[bytes]:
+    return Call(
+        "GET",
+        sandbox_path(sandbox_id) + "/files",
+        _bytes,
+        params=[("path", _check_file_path(path))],
+    )
+
+
+def write_file(sandbox_id: str, path: str, data: bytes | str, *, mode: int) -> Call[None]:
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"data must be bytes or str, got {type(data).__name__}")
+    if not 0 <= mode <= 0o7777:
+        raise InvalidArgument(f"mode must be a permission value such as 0o644, got {mode!r}")
+    return Call(
+        "PUT",
+        sandbox_path(sandbox_id) + "/files",
+        _nothing,
+        params=[("path", _check_file_path(path)), ("mode", format(mode, "o"))],
+        content=bytes(data),
+        headers=_OCTET_HEADERS,
+    )
+
+
+def list_images() -> Call[list[ImageInfo]]:
+    return Call("GET", "/v1/images", _list_of(ImageInfo))
+
+
+def get_image(ref: str) -> Call[ImageInfo]:
+    return Call("GET", image_path(ref), _model(ImageInfo))
+
+
+def remove_image(ref: str) -> Call[ImageInfo]:
+    return Call("DELETE", image_path(ref), _model(ImageInfo))
+
+
+def build_image(
+    recipe: str,
+    *,
+    name: str | None = None,
+    rebuild: bool = False,
+    timeout: float | None = None,
+) -> Call[ImageInfo]:
+    if name is not None:
+        image_path(name)
+    try:
+        body = BuildImageRequest.model_validate(
+            {"recipe": recipe, "name": name, "rebuild": rebuild}
+        )
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        "/v1/images/build",
+        _model(ImageInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout),
+    )
+
+
+def import_image(
+    ref: str, upload: Upload, fmt: str = "auto", *, timeout: float | None = None
+) -> Call[ImageInfo]:
+    image_path(ref)
+    if fmt not in ("auto", "tar", "oci"):
+        raise InvalidArgument(f"format must be one of auto, tar, oci; got {fmt!r}")
+    headers = dict(_OCTET_HEADERS)
+    if upload.size is not None:
+        headers["Content-Length"] = str(upload.size)
+    return Call(
+        "PUT",
+        "/v1/images/import",
+        _model(ImageInfo),
+        params=[("ref", ref), ("format", fmt)],
+        headers=headers,
+        timeout=wait_timeout(timeout),
+        upload=upload,
+    )

@@ -1,0 +1,275 @@
+"""libdsec, async: ``DSecClient`` and the ``Sandbox`` handle (paper Listing 1).
+
+One httpx.AsyncClient with a keep-alive pool per DSecClient, so a command costs one
+request on an open connection. What to send and how to read the answer lives in
+``dsec.sdk._protocol``; this module only sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+import httpx
+
+from dsec.errors import DSecError, InvalidArgument, SandboxNotFound
+from dsec.model import (
+    DSecContainerRunArgs,
+    ExecResult,
+    HealthInfo,
+    ImageInfo,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.sdk import _http
+from dsec.sdk import _protocol as proto
+from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class DSecClient:
+    """Async client of a DSec platform.
+
+    ``url`` and ``api_key`` default to ``DSEC_URL`` / ``DSEC_API_KEY``, then to what
+    ``dsec up`` saved. ``timeout`` bounds ordinary calls; operations with their own
+    timeout (create, exec, build, import) wait a little longer than theirs.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_connections: int = 256,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._settings = _http.ClientSettings(
+            url, api_key, timeout=timeout, max_connections=max_connections
+        )
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def url(self) -> str:
+        return self._settings.url
+
+    def __repr__(self) -> str:
+        return f"DSecClient(url={self.url!r})"
+
+    # ---- connection ------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the connection pool and check that the platform answers."""
+        self._client()
+        await self.health()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                **self._settings.http_kwargs(), transport=self._transport
+            )
+        return self._http
+
+    async def _send(self, call: proto.Call[T]) -> T:
+        kwargs = _http.request_kwargs(call)
+        if call.upload is not None:
+            kwargs["content"] = call.upload.__aiter__()
+        try:
+            resp = await self._client().request(**kwargs)
+        except httpx.HTTPError as exc:
+            raise _http.transport_error(exc, self.url) from exc
+        finally:
+            if call.upload is not None:
+                call.upload.close()
+        return _http.finish(call, resp)
+
+    # ---- platform and sandboxes ------------------------------------------------------
+
+    async def health(self) -> HealthInfo:
+        return await self._send(proto.health())
+
+    async def run_container(self, args: DSecContainerRunArgs, timeout: float = 120) -> Sandbox:
+        """Create a container sandbox and return once it runs (or raise a typed error)."""
+        info = await self._send(proto.create_sandbox(args, timeout))
+        return Sandbox(self, info)
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self, await self._send(proto.get_sandbox(sandbox_id)))
+
+    async def list_sandboxes(
+        self,
+        labels: Mapping[str, str] | None = None,
+        states: Iterable[SandboxState | str] | None = None,
+    ) -> list[Sandbox]:
+        """Sandboxes with all ``labels`` in any of ``states`` (default: the live ones)."""
+        infos = await self._send(proto.list_sandboxes(labels, states))
+        return [Sandbox(self, info) for info in infos]
+
+    async def stop_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """Stop a sandbox by id without fetching it first; returns its final state."""
+        return await self._send(proto.stop_sandbox(sandbox_id))
+
+    # ---- images ------------------------------------------------------------------------
+
+    async def list_images(self) -> list[ImageInfo]:
+        return await self._send(proto.list_images())
+
+    async def get_image(self, ref: str) -> ImageInfo:
+        return await self._send(proto.get_image(ref))
+
+    async def build_image(
+        self,
+        recipe: str,
+        *,
+        name: str | None = None,
+        rebuild: bool = False,
+        timeout: float | None = None,
+    ) -> ImageInfo:
+        """Build a built-in image (``busybox`` or ``debian-python``); cached unless rebuild."""
+        return await self._send(
+            proto.build_image(recipe, name=name, rebuild=rebuild, timeout=timeout)
+        )
+
+    async def import_image(
+        self,
+        ref: str,
+        source: UploadSource,
+        fmt: str = "auto",
+        *,
+        progress: UploadProgress | None = None,
+        timeout: float | None = None,
+    ) -> ImageInfo:
+        """Stream an archive (path or binary file object) or a directory (tarred on the fly)."""
+        upload, is_dir = open_upload(source, progress=progress)
+        try:
+            call = proto.import_image(ref, upload, "tar" if is_dir else fmt, timeout=timeout)
+        except BaseException:
+            upload.close()
+            raise
+        return await self._send(call)
+
+    async def remove_image(self, ref: str) -> ImageInfo:
+        return await self._send(proto.remove_image(ref))
+
+
+class Sandbox:
+    """A handle on one sandbox. ``info`` is its last known state (see ``refresh``)."""
+
+    def __init__(self, client: DSecClient, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> SandboxState:
+        return self.info.state
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state.value!r}, image={self.info.image!r})"
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = await self._client._send(proto.get_sandbox(self.id))
+        return self.info
+
+    async def run_shell(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` through ``/bin/sh -c``; ``timeout`` kills it (no limit if None)."""
+        if not isinstance(command, str):
+            raise InvalidArgument("run_shell takes a string; use exec() for an argv list")
+        return await self._client._send(
+            proto.exec_command(
+                self.id,
+                command,
+                timeout=timeout,
+                env=env,
+                workdir=workdir,
+                user=user,
+                stdin=stdin,
+                max_output_bytes=max_output_bytes,
+            )
+        )
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run an argv directly, without a shell."""
+        if isinstance(argv, str):
+            raise InvalidArgument("exec takes an argv list; use run_shell() for a string")
+        return await self._client._send(
+            proto.exec_command(
+                self.id,
+                list(argv),
+                timeout=timeout,
+                env=env,
+                workdir=workdir,
+                user=user,
+                stdin=stdin,
+                max_output_bytes=max_output_bytes,
+            )
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._client._send(proto.read_file(self.id, path))
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        """Create or replace a file; a str is written as UTF-8."""
+        await self._client._send(proto.write_file(self.id, path, data, mode=mode))
+
+    async def stop(self) -> SandboxInfo:
+        """Terminate the sandbox (idempotent) and return its final state."""
+        self.info = await self._client._send(proto.stop_sandbox(self.id))
+        return self.info
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.stop()
+        except SandboxNotFound:
+            pass
+        except DSecError:
+            if et is None:
+                raise
+            # Keep the exception that ended the block; a failed stop must not mask it.
