@@ -63,9 +63,11 @@ class PlatformConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key: str | None = None
-    edge_id: str = "e0"
+    edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", "e0"))
     runtime: str = "crun"
-    max_sandboxes: int = 2000
+    max_sandboxes: int = field(
+        default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))
+    )
     memory_overcommit: float = 8.0
     crun_extra_args: list[str] = field(default_factory=list)
 

@@ -161,6 +161,9 @@ def error_from_payload(status: int, payload: Any) -> DSecError:
     if not isinstance(err, dict):
         return DSecError(f"HTTP {status}: {str(payload)[:500]}")
     cls = error_class_for(str(err.get("code", "")))
-    details = err.get("details") if isinstance(err.get("details"), dict) else {}
-    exc = cls(str(err.get("message", f"HTTP {status}")), **details)
+    details = err.get("details")
+    exc = cls(str(err.get("message", f"HTTP {status}")))
+    exc.details = (
+        dict(details) if isinstance(details, dict) else {}
+    )  # not as kwargs: a detail may be called "message"
     return exc

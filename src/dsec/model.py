@@ -26,7 +26,15 @@ MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 
 
 class Strict(BaseModel):
+    """Requests: an unknown field is a caller's typo and must fail loudly."""
+
     model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Reply(BaseModel):
+    """Responses: an older SDK must keep working when a newer server adds fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False)
 
 
 class BackendKind(StrEnum):
@@ -143,7 +151,7 @@ class DSecContainerRunArgs(DSecRunArgs):
 RunArgs = Annotated[DSecContainerRunArgs, Field(discriminator="backend")]
 
 
-class SandboxInfo(Strict):
+class SandboxInfo(Reply):
     id: str
     backend: BackendKind
     state: SandboxState
@@ -205,7 +213,7 @@ class ExecRequest(Strict):
         return v
 
 
-class ExecResult(Strict):
+class ExecResult(Reply):
     exit_code: int = Field(description="exit status; 128+N when killed by signal N")
     stdout: str
     stderr: str
@@ -214,7 +222,7 @@ class ExecResult(Strict):
     truncated: bool = Field(False, description="output beyond max_output_bytes was dropped")
 
 
-class ImageInfo(Strict):
+class ImageInfo(Reply):
     name: str
     tag: str
     digest: str = Field(description="digest of the image manifest")
@@ -234,7 +242,7 @@ class BuildImageRequest(Strict):
     rebuild: bool = False
 
 
-class HealthInfo(Strict):
+class HealthInfo(Reply):
     status: Literal["ok"] = "ok"
     version: str
     edge: str

@@ -1,0 +1,167 @@
+"""Single-node platform benchmark (issue 2, roadmap item 1), one run, side by side.
+
+    .venv/bin/python bench/bench_platform.py [--creates 200] [--idle 500] [--execs 300]
+
+Starts its own `dsec up` on a fresh data directory, then measures through the SDK:
+create latency, `run_shell("true")` latency with 1 and with N idle sandboxes, burst
+creation of N sandboxes, host memory per idle sandbox; and, as the baseline in the same
+run, the same create path done by raw `crun run` (overlay on the same EROFS layer,
+all namespaces, cgroups). Prints a table and writes bench/results/platform.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import platform_process  # noqa: E402
+
+from bench.raw_crun import RawCrun  # noqa: E402
+from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+def summary(samples_s: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {
+        "n": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": pct(ms, 99),
+        "mean_ms": statistics.fmean(ms),
+    }
+
+
+def mem_used_bytes() -> int:
+    info: dict[str, int] = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            key, val = line.split(":", 1)
+            info[key] = int(val.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+async def exec_latency(sb: Any, n: int) -> list[float]:
+    for _ in range(20):  # warm the connection and the agent
+        await sb.run_shell("true")
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await sb.run_shell("true")
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> dict[str, Any]:
+    client = DSecClient(url, key, timeout=300)
+    await client.open()
+    results: dict[str, Any] = {}
+    try:
+        image = await client.build_image("busybox")
+        spec = DSecContainerRunArgs(
+            container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
+        )
+        for _ in range(10):  # warm-up: layer mount, page cache
+            await (await client.run_container(spec)).stop()
+
+        # 1. create latency, sequential, through the SDK
+        lat: list[float] = []
+        for _ in range(opts.creates):
+            t = time.perf_counter()
+            sb = await client.run_container(spec)
+            lat.append(time.perf_counter() - t)
+            await sb.stop()
+        results["create"] = summary(lat)
+
+        # 2. exec latency with 1 sandbox
+        one = await client.run_container(spec)
+        results["exec_n1"] = summary(await exec_latency(one, opts.execs))
+
+        # 3. burst of N creates (concurrent), memory per idle sandbox
+        before = mem_used_bytes()
+        t = time.perf_counter()
+        burst = await asyncio.gather(*(client.run_container(spec) for _ in range(opts.idle)))
+        burst_s = time.perf_counter() - t
+        await asyncio.sleep(2)
+        after = mem_used_bytes()
+        results["burst"] = {
+            "n": opts.idle,
+            "seconds": burst_s,
+            "sandboxes_per_s": opts.idle / burst_s,
+        }
+        results["memory_per_idle_sandbox_mib"] = (after - before) / opts.idle / 2**20
+
+        # 4. exec latency with N+1 sandboxes on the host
+        results[f"exec_n{opts.idle + 1}"] = summary(await exec_latency(one, opts.execs))
+
+        t = time.perf_counter()
+        await asyncio.gather(*(sb.stop() for sb in [*burst, one]))
+        results["stop_all_s"] = time.perf_counter() - t
+
+        # 5. baseline: raw crun run on the same layer, same host, same run
+        layer = image.layers[0]
+        raw = RawCrun(layer_blob=data_dir / "images" / "blobs" / "sha256" / layer.split(":")[-1])
+        with raw:
+            results["raw_crun_run"] = summary(raw.measure(opts.creates))
+        results["ratio_create_ours_over_raw"] = (
+            results["create"]["p50_ms"] / results["raw_crun_run"]["p50_ms"]
+        )
+    finally:
+        await client.close()
+    return results
+
+
+def print_table(res: dict[str, Any], idle: int) -> None:
+    rows = [
+        ("create via SDK (p50 <= 15 ms, p99 <= 40 ms)", res["create"]),
+        ("raw crun run baseline", res["raw_crun_run"]),
+        ("run_shell('true'), 1 sandbox (p50 <= 3 ms)", res["exec_n1"]),
+        (f"run_shell('true'), {idle + 1} sandboxes (p50 <= 3 ms)", res[f"exec_n{idle + 1}"]),
+    ]
+    print(f"\n{'measure':58} {'n':>5} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, s in rows:
+        print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
+    print(f"{'create ours / raw crun (p50)':58} {res['ratio_create_ours_over_raw']:>25.2f}")
+    b = res["burst"]
+    label = f"burst of {b['n']} creates (>= 100/s)"
+    print(f"{label:58} {b['sandboxes_per_s']:>19.1f} /s")
+    print(
+        f"{'host memory per idle sandbox (<= 1.5 MiB)':58} "
+        f"{res['memory_per_idle_sandbox_mib']:>18.2f} MiB"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--creates", type=int, default=200)
+    ap.add_argument("--idle", type=int, default=500)
+    ap.add_argument("--execs", type=int, default=300)
+    opts = ap.parse_args()
+    os.environ.setdefault("DSEC_MAX_SANDBOXES", str(opts.idle + 100))
+    with platform_process() as plat:
+        res = asyncio.run(run(opts, plat.url, plat.api_key, plat.data_dir))
+    res["host"] = {"cpus": os.cpu_count(), "kernel": os.uname().release}
+    out = REPO / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "platform.json").write_text(json.dumps(res, indent=2))
+    print_table(res, opts.idle)
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = "/tmp"
+    main()

@@ -1,0 +1,102 @@
+"""Baseline: the same create path done by hand with raw `crun run`.
+
+Per run: overlay (own upper) on the same mounted EROFS layer, `crun spec`'s default
+config (all namespaces, cgroups), `crun run` of /bin/true in the foreground, unmount.
+On hybrid-cgroup hosts crun 1.8 needs the v2 controllers hidden; we use the same
+wrapper the platform uses, since plain crun cannot run here at all without it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from dsec.agent.build import agent_binary
+
+from dsec import linux
+from dsec.resources import cgroups
+
+
+class RawCrun:
+    def __init__(self, layer_blob: Path) -> None:
+        self.layer_blob = layer_blob
+        self.base = Path(tempfile.mkdtemp(prefix="dsec-rawcrun-", dir="/tmp"))
+        self.lower = self.base / "lower"
+        self.crun = shutil.which("crun") or "crun"
+        self.wrapper = agent_binary()
+        self.empty = self.base / "empty"
+
+    def __enter__(self) -> RawCrun:
+        self.lower.mkdir()
+        self.empty.write_bytes(b"")
+        linux.mount(self.layer_blob, self.lower, "erofs", linux.MS_RDONLY)
+        bundle = self.base / "bundle"
+        bundle.mkdir()
+        subprocess.run([self.crun, "spec"], cwd=bundle, check=True)
+        config = json.loads((bundle / "config.json").read_text())
+        config["process"]["terminal"] = False
+        config["process"]["args"] = ["/bin/true"]
+        config["root"] = {"path": str(self.base / "rootfs"), "readonly": False}
+        config["linux"]["cgroupsPath"] = "/dsec-bench/raw"
+        config["linux"]["resources"] = {"memory": {"limit": 64 * 2**20}, "pids": {"limit": 1024}}
+        self.config = config
+        return self
+
+    def _argv(self, bundle: Path, cid: str) -> list[str]:
+        prefix = [str(self.wrapper), "crun-wrap"]
+        if cgroups.detect().crun_needs_empty_unified:
+            prefix += ["--mask-cgroup2", str(self.empty)]
+        return [
+            *prefix,
+            "--",
+            self.crun,
+            "--root",
+            str(self.base / "state"),
+            "run",
+            "--bundle",
+            str(bundle),
+            cid,
+        ]
+
+    def measure(self, n: int) -> list[float]:
+        out = []
+        for i in range(n + 5):
+            run = self.base / f"r{i}"
+            rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
+            for d in (rootfs, upper, work):
+                d.mkdir(parents=True)
+            cfg = dict(self.config)
+            cfg["root"] = {"path": str(rootfs), "readonly": False}
+            cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"/dsec-bench/r{i}")
+            (run / "config.json").write_text(json.dumps(cfg))
+            t = time.perf_counter()
+            linux.mount(
+                "overlay",
+                rootfs,
+                "overlay",
+                0,
+                f"lowerdir={self.lower},upperdir={upper},workdir={work}",
+            )
+            subprocess.run(self._argv(run, f"raw{i}"), check=True)
+            linux.umount(rootfs)
+            elapsed = time.perf_counter() - t
+            shutil.rmtree(run)
+            if i >= 5:  # the first runs warm caches
+                out.append(elapsed)
+        return out
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for m in reversed(linux.mounts(self.base)):
+            linux.umount(m.mount_point, detach=True)
+        cgroups.detect().kill_and_remove("/dsec-bench", timeout=2)
+        shutil.rmtree(self.base, ignore_errors=True)

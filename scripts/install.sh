@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Install everything the platform and its tests need on a fresh Debian 12 host, as root.
+# Idempotent: a second run installs nothing and takes about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  crun            # OCI runtime for the container backend
+  erofs-utils     # mkfs.erofs: every image layer is an EROFS image
+  debootstrap     # builds the debian-python image from Debian's archive
+  busybox-static  # the tiny busybox image
+  fuse3           # lazy layer loading (FUSE)
+  nftables        # per-sandbox egress rules
+  iproute2        # network namespaces and veth
+  util-linux      # unshare, nsenter, mount
+  procps psmisc   # ps, fuser: leak checks in tests
+  gcc libc6-dev   # the static in-sandbox agent is compiled on the host
+  ca-certificates
+)
+
+if [ "$(id -u)" != 0 ]; then
+  echo "install.sh: run as root (sandboxes need mounts, cgroups and namespaces)" >&2
+  exit 1
+fi
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "install.sh: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Kernel features the platform uses; built in on most kernels, so failures are fine.
+modprobe -q overlay 2>/dev/null || true
+modprobe -q erofs 2>/dev/null || true
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "install.sh: Python >= 3.11 is required ($PY is $("$PY" --version))" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv 2>/dev/null || {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    "$PY" -m venv .venv
+  }
+fi
+stamp=.venv/.dsec-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+  echo "$want" >"$stamp"
+fi
+# Compile the in-sandbox agent now rather than on the first sandbox.
+.venv/bin/python -c 'from dsec.agent.build import agent_binary; agent_binary()'

@@ -1,0 +1,110 @@
+"""The one narrow interface every backend implements (Firecracker/containerd style).
+
+The edge owns the lifecycle state machine and durability; a backend only turns a
+record into running kernel objects and back. Capabilities a backend lacks raise
+``Unsupported`` - never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from dsec.errors import Unsupported
+from dsec.model import (
+    BackendKind,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    ImageInfo,
+    SandboxInfo,
+    SandboxState,
+)
+
+
+@dataclass
+class SandboxRecord:
+    """Everything the edge knows about one sandbox; persisted on every state change."""
+
+    id: str
+    spec: DSecContainerRunArgs
+    image: ImageInfo
+    state: SandboxState
+    created_at: datetime
+    updated_at: datetime
+    edge: str
+    reason: str | None = None
+    # Facts owned by the backend (paths, pids); JSON-serialisable.
+    runtime: dict[str, Any] = field(default_factory=dict)
+    # Not persisted: reset to "now" after a restart, which only ever extends a TTL.
+    last_activity: float = field(default_factory=time.monotonic)
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            backend=BackendKind(self.spec.backend),
+            state=self.state,
+            image=self.spec.container_image,
+            labels=dict(self.spec.labels),
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            reason=self.reason,
+            edge=self.edge,
+            spec=self.spec,
+        )
+
+
+class Backend(ABC):
+    kind: BackendKind
+
+    async def start(self) -> None:
+        """Prepare the host (binaries, directories); called once before any create."""
+
+    async def close(self) -> None:
+        """Release host-level resources the backend holds (not the sandboxes)."""
+
+    @abstractmethod
+    async def create(self, rec: SandboxRecord) -> None:
+        """Start the sandbox; fills ``rec.runtime``. On failure leaves nothing behind."""
+
+    @abstractmethod
+    async def destroy(self, rec: SandboxRecord) -> None:
+        """Stop and remove every kernel object; idempotent, works on half-created ones."""
+
+    @abstractmethod
+    async def exec(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult: ...
+
+    @abstractmethod
+    async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes: ...
+
+    @abstractmethod
+    async def write_file(
+        self, rec: SandboxRecord, path: str, data: bytes, *, mode: int
+    ) -> None: ...
+
+    @abstractmethod
+    async def is_alive(self, rec: SandboxRecord) -> bool:
+        """After a restart: does the sandbox still run, and can we talk to it?"""
+
+    async def adopt(self, rec: SandboxRecord) -> None:
+        """Take back a sandbox that survived an edge restart (re-take host references)."""
+
+    @abstractmethod
+    async def sweep(self, known_ids: set[str]) -> list[str]:
+        """Remove leftovers (processes, mounts, cgroups, dirs) of sandboxes not in
+        ``known_ids``; returns what was removed, for the log."""
+
+    async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
+        return {}
+
+    async def pause(self, rec: SandboxRecord) -> None:
+        raise Unsupported(f"the {self.kind} backend cannot pause sandboxes yet")
+
+    async def resume(self, rec: SandboxRecord) -> None:
+        raise Unsupported(f"the {self.kind} backend cannot resume sandboxes yet")
+
+    async def snapshot(self, rec: SandboxRecord) -> str:
+        raise Unsupported(f"the {self.kind} backend cannot snapshot sandboxes yet")

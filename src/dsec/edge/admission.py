@@ -1,0 +1,71 @@
+"""Final admission authority of one host: refuse with a typed error when full.
+
+The edge, not the caller, has the last word (DSEC.md, Edge): a refused caller retries
+later or on another host. Memory is overcommitted on purpose (most sandboxes idle at a
+fraction of their limit), but never beyond a configured factor of physical memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from dsec.errors import AdmissionRejected, LimitExceeded
+from dsec.model import DSecRunArgs
+
+
+def host_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+
+
+class Admission:
+    def __init__(self, *, max_sandboxes: int, memory_overcommit: float) -> None:
+        self.max_sandboxes = max_sandboxes
+        self.host_cpus = os.cpu_count() or 1
+        self.host_memory_mb = host_memory_mb()
+        self.memory_budget_mb = int(self.host_memory_mb * memory_overcommit)
+        self.count = 0
+        self.memory_mb = 0
+
+    def check_limits(self, spec: DSecRunArgs) -> None:
+        """Limits no host of this size could ever honour: a 4xx, not a retry."""
+        if spec.memory_limit_mb > self.host_memory_mb:
+            raise LimitExceeded(
+                f"memory_limit_mb={spec.memory_limit_mb} exceeds this host's "
+                f"{self.host_memory_mb} MiB",
+                host_memory_mb=self.host_memory_mb,
+            )
+        if spec.cpu_cores_limit > self.host_cpus:
+            raise LimitExceeded(
+                f"cpu_cores_limit={spec.cpu_cores_limit:g} exceeds this host's "
+                f"{self.host_cpus} cores",
+                host_cpus=self.host_cpus,
+            )
+
+    def admit(self, spec: DSecRunArgs) -> None:
+        if self.count >= self.max_sandboxes:
+            raise AdmissionRejected(
+                f"host is full: {self.count} of {self.max_sandboxes} sandboxes; retry later",
+                running=self.count,
+                capacity=self.max_sandboxes,
+            )
+        if self.memory_mb + spec.memory_limit_mb > self.memory_budget_mb:
+            raise AdmissionRejected(
+                f"host memory is fully committed ({self.memory_mb} of "
+                f"{self.memory_budget_mb} MiB); retry later",
+                committed_mb=self.memory_mb,
+                budget_mb=self.memory_budget_mb,
+            )
+        self.count += 1
+        self.memory_mb += spec.memory_limit_mb
+
+    def release(self, spec: DSecRunArgs) -> None:
+        self.count = max(0, self.count - 1)
+        self.memory_mb = max(0, self.memory_mb - spec.memory_limit_mb)
+
+    def reset(self, live: Iterable[DSecRunArgs]) -> None:
+        self.count = 0
+        self.memory_mb = 0
+        for spec in live:
+            self.count += 1
+            self.memory_mb += spec.memory_limit_mb

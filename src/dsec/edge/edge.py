@@ -1,0 +1,307 @@
+"""The per-host edge: admission, the lifecycle state machine, TTLs and crash recovery.
+
+The edge is the authority for its sandboxes. Every state change is written to its
+durable store before it is acknowledged, so after a crash (SIGKILL) a new edge process
+re-adopts what still runs, cleans up what was half-built, and sweeps anything on the
+host that no record explains. Backends only build and tear down; they never decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from dsec import __version__
+from dsec.backends.base import Backend, SandboxRecord
+from dsec.edge.admission import Admission
+from dsec.edge.state import EdgeStateDB
+from dsec.errors import (
+    BackendError,
+    DSecError,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Timeout,
+    Unsupported,
+)
+from dsec.images.service import ImageService
+from dsec.model import (
+    SANDBOX_ID_RE,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    HealthInfo,
+    SandboxInfo,
+    SandboxState,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LIVE_STATES = {SandboxState.CREATING, SandboxState.RUNNING, SandboxState.STOPPING}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Edge:
+    def __init__(
+        self,
+        *,
+        edge_id: str,
+        backend: Backend,
+        images: ImageService,
+        state: EdgeStateDB,
+        admission: Admission,
+        ttl_interval: float = 1.0,
+        stop_on_close: bool = True,
+    ) -> None:
+        self.edge_id = edge_id
+        self.backend = backend
+        self.images = images
+        self.state = state
+        self.admission = admission
+        self.ttl_interval = ttl_interval
+        self.stop_on_close = stop_on_close
+        self._records: dict[str, SandboxRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ttl_task: asyncio.Task[None] | None = None
+
+    # -- startup and shutdown -------------------------------------------------------------
+    async def start(self) -> dict[str, list[str]]:
+        """Recover from whatever the previous process left, then start the TTL reaper."""
+        await self.backend.start()
+        report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}
+        for rec in self.state.load(self.edge_id):
+            self._records[rec.id] = rec
+            if rec.state is SandboxState.RUNNING:
+                if await self.backend.is_alive(rec):
+                    await self.backend.adopt(rec)
+                    rec.last_activity = time.monotonic()
+                    report["adopted"].append(rec.id)
+                    continue
+                await self._finish(
+                    rec, SandboxState.FAILED, "lost: the sandbox died while the edge was down"
+                )
+                report["lost"].append(rec.id)
+            elif rec.state in (SandboxState.CREATING, SandboxState.STOPPING):
+                was = rec.state
+                final = (
+                    SandboxState.FAILED if was is SandboxState.CREATING else SandboxState.STOPPED
+                )
+                reason = (
+                    "edge restarted while the sandbox was being created"
+                    if was is SandboxState.CREATING
+                    else rec.reason
+                )
+                await self._finish(rec, final, reason)
+                report["cleaned"].append(rec.id)
+        live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
+        report["swept"] = await self.backend.sweep(live)
+        self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
+        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="dsec-ttl-reaper")
+        if any(report.values()):
+            log.info("edge %s recovery: %s", self.edge_id, {k: len(v) for k, v in report.items()})
+        return report
+
+    async def close(self) -> None:
+        if self._ttl_task is not None:
+            self._ttl_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ttl_task
+        if self.stop_on_close:
+            live = [r.id for r in self._records.values() if r.state in LIVE_STATES]
+            await asyncio.gather(
+                *(self.stop(sid, reason="platform shut down") for sid in live),
+                return_exceptions=True,
+            )
+        await self.backend.close()
+        self.state.close()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
+        if allowed:
+            raise Unsupported(
+                f"egress rules are not enforced yet (asked to allow {', '.join(allowed)}); "
+                "omit them or set them to False: without rules a sandbox has only loopback",
+                rules=allowed,
+            )
+        self.admission.check_limits(spec)
+        image = await self.images.resolve(spec.container_image)
+        self.admission.admit(spec)
+        now = _now()
+        rec = SandboxRecord(
+            id=f"{self.edge_id}-{secrets.token_hex(8)}",
+            spec=spec,
+            image=image,
+            state=SandboxState.CREATING,
+            created_at=now,
+            updated_at=now,
+            edge=self.edge_id,
+        )
+        self._records[rec.id] = rec
+        try:
+            self.state.save(rec)
+            await asyncio.wait_for(self.backend.create(rec), timeout)
+        except BaseException as exc:
+            reason = (
+                f"creation did not finish within {timeout:g}s"
+                if isinstance(exc, TimeoutError)
+                else f"creation failed: {exc or type(exc).__name__}"
+            )
+            await asyncio.shield(self._finish(rec, SandboxState.FAILED, reason))
+            if isinstance(exc, TimeoutError):
+                raise Timeout(reason, sandbox_id=rec.id) from None
+            if isinstance(exc, DSecError):
+                raise
+            if isinstance(exc, Exception):
+                raise BackendError(reason, sandbox_id=rec.id) from exc
+            raise
+        self._set(rec, SandboxState.RUNNING)
+        return rec.info()
+
+    async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
+        rec = self._get(sandbox_id)
+        async with self._lock(sandbox_id):
+            if rec.state.terminal:
+                return rec.info()
+            await self._finish(rec, SandboxState.STOPPED, reason)
+        return rec.info()
+
+    async def _finish(self, rec: SandboxRecord, final: SandboxState, reason: str | None) -> None:
+        """Tear down and record the end; the teardown intent is durable before it starts."""
+        was_live = rec.state in LIVE_STATES
+        self._set(rec, SandboxState.STOPPING, reason)
+        try:
+            await self.backend.destroy(rec)
+        except DSecError as exc:
+            log.error("teardown of %s incomplete: %s", rec.id, exc)
+            final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
+        self._set(rec, final, reason)
+        if was_live:
+            self.admission.release(rec.spec)
+
+    def _set(self, rec: SandboxRecord, state: SandboxState, reason: str | None = None) -> None:
+        rec.state = state
+        if reason is not None:
+            rec.reason = reason
+        rec.updated_at = _now()
+        self.state.save(rec)
+
+    # -- queries --------------------------------------------------------------------------
+    def _get(self, sandbox_id: str) -> SandboxRecord:
+        rec = self._records.get(sandbox_id) if SANDBOX_ID_RE.match(sandbox_id) else None
+        if rec is None:
+            raise SandboxNotFound(
+                f"no sandbox {sandbox_id!r} on edge {self.edge_id}", sandbox_id=sandbox_id
+            )
+        return rec
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id).info()
+
+    async def list(
+        self,
+        *,
+        labels: dict[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> list[SandboxInfo]:
+        out = []
+        for rec in self._records.values():
+            if states is not None and rec.state not in states:
+                continue
+            if labels and any(rec.spec.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(rec.info())
+        out.sort(key=lambda i: i.created_at)
+        return out
+
+    async def health(self) -> HealthInfo:
+        return HealthInfo(
+            version=__version__,
+            edge=self.edge_id,
+            sandboxes_running=sum(
+                1 for r in self._records.values() if r.state is SandboxState.RUNNING
+            ),
+            capacity=self.admission.max_sandboxes,
+        )
+
+    # -- data path ------------------------------------------------------------------------
+    async def _on_running(self, sandbox_id: str, op: Callable[[SandboxRecord], Awaitable[T]]) -> T:
+        rec = self._get(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {rec.state.value}"
+                + (f": {rec.reason}" if rec.reason else ""),
+                state=rec.state.value,
+            )
+        rec.last_activity = time.monotonic()
+        try:
+            return await op(rec)
+        except BackendError:
+            if rec.state is SandboxState.RUNNING and not await self.backend.is_alive(rec):
+                async with self._lock(sandbox_id):
+                    if not rec.state.terminal:
+                        await self._finish(
+                            rec, SandboxState.FAILED, "the sandbox's init process died"
+                        )
+                raise SandboxNotRunning(f"sandbox {sandbox_id} died: {rec.reason}") from None
+            raise
+        finally:
+            rec.last_activity = time.monotonic()
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
+
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
+        return await self._on_running(
+            sandbox_id, lambda rec: self.backend.read_file(rec, path, max_bytes=max_bytes)
+        )
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
+    ) -> None:
+        await self._on_running(
+            sandbox_id, lambda rec: self.backend.write_file(rec, path, data, mode=mode)
+        )
+
+    # -- idle TTL -------------------------------------------------------------------------
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_interval)
+            try:
+                await self.reap_idle()
+            except Exception:
+                log.exception("TTL reaper pass failed")
+
+    async def reap_idle(self) -> builtins.list[str]:
+        now = time.monotonic()
+        expired = [
+            rec
+            for rec in self._records.values()
+            if rec.state is SandboxState.RUNNING
+            and rec.spec.ttl_running_stop is not None
+            and now - rec.last_activity > rec.spec.ttl_running_stop
+        ]
+        await asyncio.gather(
+            *(
+                self.stop(
+                    rec.id,
+                    reason=f"idle for more than {rec.spec.ttl_running_stop}s (ttl_running_stop)",
+                )
+                for rec in expired
+            ),
+            return_exceptions=True,
+        )
+        return [rec.id for rec in expired]

@@ -1,0 +1,188 @@
+"""The embedded single-node platform: apiserver + edge + SQLite store + layer store.
+
+`dsec up` runs this. The same components are separate processes in cluster mode; here
+they are wired together in one process and one event loop, talking by method calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dsec.agent.build import agent_binary
+from dsec.backends.container.backend import ContainerBackend
+from dsec.backends.container.runtime import OCIRuntime
+from dsec.config import PlatformConfig
+from dsec.control.db import create_all, make_engine, sqlite_url
+from dsec.control.keys import KeyStore
+from dsec.edge.admission import Admission
+from dsec.edge.edge import Edge
+from dsec.edge.state import EdgeStateDB
+from dsec.images.images import Images
+from dsec.resources import cgroups
+
+log = logging.getLogger(__name__)
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Container inits are re-parented to us when crun exits, so that we reap them
+    (the machine's pid 1 may not reap orphans)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def load_or_create_api_key(config: PlatformConfig) -> str:
+    if config.api_key:
+        return config.api_key
+    path = config.data_dir / "api_key"
+    if path.is_file():
+        return path.read_text().strip()
+    key = "dsk_" + secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key)
+    return key
+
+
+@dataclass
+class Platform:
+    config: PlatformConfig
+    edge: Edge
+    images: Images
+    keys: KeyStore
+    api_key: str
+    recovery: dict[str, list[str]]
+
+
+@contextlib.asynccontextmanager
+async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
+    """Start every component, yield them, and shut down cleanly (also on error)."""
+    if os.geteuid() != 0:
+        raise PermissionError("the platform needs root (mounts, cgroups, namespaces)")
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    become_subreaper()
+    engine = make_engine(sqlite_url(config.control_db))
+    edge: Edge | None = None
+    images: Images | None = None
+    try:
+        await create_all(engine)
+        keys = KeyStore(engine)
+        api_key = load_or_create_api_key(config)
+        await keys.ensure(api_key, principal="admin")
+        images = Images(config.images_dir, engine)
+        await images.open()
+        host = cgroups.detect()
+        wrapper = await asyncio.to_thread(agent_binary)
+        runtime = OCIRuntime(
+            runtime=config.runtime,
+            state_root=config.data_dir / "run" / config.runtime.rsplit("/", 1)[-1],
+            wrapper=wrapper,
+            cgroups=host,
+            empty_file=config.data_dir / "run" / "empty",
+        )
+        backend = ContainerBackend(
+            sandboxes_dir=config.sandboxes_dir,
+            runtime=runtime,
+            layers=images.mounts,
+            agent_binary=wrapper,
+            cgroups=host,
+            cgroup_parent=f"dsec/{config.edge_id}",
+        )
+        edge = Edge(
+            edge_id=config.edge_id,
+            backend=backend,
+            images=images,
+            state=EdgeStateDB(config.edge_db),
+            admission=Admission(
+                max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
+            ),
+        )
+        recovery = await edge.start()
+        yield Platform(config, edge, images, keys, api_key, recovery)
+    finally:
+        if edge is not None:
+            await edge.close()
+        if images is not None:
+            await images.close()
+        await engine.dispose()
+
+
+def _server_class() -> type[Any]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the
+        process before the platform stops its sandboxes; we handle the signals instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._request_exit)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _request_exit(self) -> None:
+            self.should_exit = True
+
+    return Server
+
+
+async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | None = None) -> None:
+    """Serve the HTTP API until SIGINT/SIGTERM, then stop every sandbox and unmount."""
+    import uvicorn
+
+    from dsec.apiserver.app import create_app
+
+    async with running_platform(config) as platform:
+        app = create_app(platform.edge, platform.images, platform.keys)
+        server = _server_class()(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                access_log=False,
+                http="httptools",
+                lifespan="off",
+            )
+        )
+
+        async def announce() -> None:
+            while not server.started:
+                if server.should_exit:
+                    return
+                await asyncio.sleep(0.02)
+            if ready is not None:
+                ready(config.url, platform.api_key)
+
+        task = asyncio.create_task(announce())
+        try:
+            await server.serve()
+        finally:
+            task.cancel()
+        if not server.started:
+            raise OSError(f"could not listen on {config.host}:{config.port}")
+
+
+def run(config: PlatformConfig, *, ready: Callable[[str, str], None] | None = None) -> None:
+    """Blocking entry point; uses uvloop when installed."""
+    try:
+        import uvloop
+
+        uvloop.run(serve(config, ready=ready))
+    except ImportError:
+        asyncio.run(serve(config, ready=ready))

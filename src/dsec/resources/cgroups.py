@@ -1,0 +1,163 @@
+"""Which cgroup layout this host has, and the per-sandbox cgroup operations we need.
+
+Our machines run a *hybrid* layout (every controller on v1, only hugetlb on v2);
+production hosts are usually pure v2. The OCI runtime creates and removes a sandbox's
+cgroups; this module reads them (usage, membership) and kills or removes what a crash
+left behind, on either layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class Layout(StrEnum):
+    V1 = "v1"
+    HYBRID = "hybrid"
+    V2 = "v2"
+
+
+@dataclass(frozen=True)
+class CgroupHost:
+    layout: Layout
+    # v1 controller mount points (name -> directory), empty on pure v2
+    v1: dict[str, Path]
+    # the v2 hierarchy, if any (pure v2 root, or the hybrid 'unified' mount)
+    v2: Path | None
+
+    @property
+    def crun_needs_empty_unified(self) -> bool:
+        """crun 1.8 refuses a hybrid host whose v2 hierarchy has controllers."""
+        if self.layout is not Layout.HYBRID or self.v2 is None:
+            return False
+        try:
+            return bool((self.v2 / "cgroup.controllers").read_text().strip())
+        except OSError:
+            return False
+
+    def dirs(self, rel: str) -> list[Path]:
+        """Every directory that holds the cgroup ``rel`` (one per hierarchy)."""
+        rel = rel.strip("/")
+        out = [mount / rel for mount in self.v1.values()]
+        if self.v2 is not None:
+            out.append(self.v2 / rel)
+        # cpu and cpuacct are often co-mounted: dedupe by real path.
+        seen: dict[str, Path] = {}
+        for p in out:
+            seen.setdefault(os.path.realpath(p.parent) + "/" + p.name, p)
+        return list(seen.values())
+
+    def memory_usage(self, rel: str) -> int | None:
+        rel = rel.strip("/")
+        candidates = []
+        if "memory" in self.v1:
+            candidates.append(self.v1["memory"] / rel / "memory.usage_in_bytes")
+        if self.layout is Layout.V2 and self.v2 is not None:
+            candidates.append(self.v2 / rel / "memory.current")
+        for path in candidates:
+            try:
+                return int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def pids(self, rel: str) -> set[int]:
+        found: set[int] = set()
+        for d in self.dirs(rel):
+            with contextlib.suppress(OSError, ValueError):
+                found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+        return found
+
+    def kill_and_remove(self, rel: str, *, timeout: float = 5.0) -> bool:
+        """SIGKILL every process in the cgroup and remove it everywhere (crash cleanup)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = self.pids(rel)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            removed = self._rmdir_tree(rel)
+            if removed or time.monotonic() > deadline:
+                return removed
+            time.sleep(0.01)
+
+    def _rmdir_tree(self, rel: str) -> bool:
+        ok = True
+        for d in self.dirs(rel):
+            if not d.is_dir():
+                continue
+            # children first (crun may nest), deepest paths first
+            subdirs = sorted(
+                (Path(root) for root, _dirs, _files in os.walk(d)),
+                key=lambda p: len(p.parts),
+                reverse=True,
+            )
+            for sub in subdirs:
+                try:
+                    sub.rmdir()
+                except OSError as exc:
+                    if exc.errno != errno.ENOENT:
+                        ok = False
+        return ok
+
+    def children(self, rel: str) -> set[str]:
+        """Names of child cgroups of ``rel`` in any hierarchy."""
+        names: set[str] = set()
+        for d in self.dirs(rel):
+            with contextlib.suppress(OSError):
+                names.update(e.name for e in os.scandir(d) if e.is_dir())
+        return names
+
+
+@cache
+def detect() -> CgroupHost:
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return CgroupHost(Layout.V2, {}, CGROUP_ROOT)
+    v1: dict[str, Path] = {}
+    v2: Path | None = None
+    with open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            point = left.split()[4]
+            rfields = right.split()
+            fstype, opts = rfields[0], rfields[2] if len(rfields) > 2 else ""
+            if not point.startswith(str(CGROUP_ROOT)):
+                continue
+            if fstype == "cgroup2":
+                v2 = Path(point)
+            elif fstype == "cgroup":
+                for opt in opts.split(","):
+                    if (
+                        opt.startswith("name=")
+                        or (Path(point) / f"{opt}.stat").exists()
+                        or opt
+                        in (
+                            "cpu",
+                            "cpuacct",
+                            "cpuset",
+                            "memory",
+                            "pids",
+                            "freezer",
+                            "devices",
+                            "blkio",
+                            "net_cls",
+                            "net_prio",
+                            "perf_event",
+                            "hugetlb",
+                            "rdma",
+                            "misc",
+                        )
+                    ):
+                        v1.setdefault(opt, Path(point))
+    layout = Layout.HYBRID if v2 is not None else Layout.V1
+    return CgroupHost(layout, v1, v2)

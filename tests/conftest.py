@@ -1,0 +1,185 @@
+"""Shared fixtures: a real platform (`dsec up` in a subprocess) and leak checks.
+
+Every platform a test starts gets its own data directory and edge id, so a leak check
+can name exactly what that platform must have cleaned up: mounts under its data
+directory, cgroups under ``dsec/<edge>``, runtime state, processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsec import linux
+from dsec.resources import cgroups
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class PlatformProcess:
+    """One `dsec up` process; restartable (same data dir) for crash tests."""
+
+    data_dir: Path
+    edge_id: str
+    api_key: str = field(default_factory=lambda: "dsk_test_" + secrets.token_hex(12))
+    port: int = field(default_factory=free_port)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def start(self, timeout: float = 60.0) -> None:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env["DSEC_EDGE_ID"] = self.edge_id
+        env.setdefault("XDG_CONFIG_HOME", str(self.data_dir.parent / "xdg"))
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsec.cli.main",
+                "up",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--api-key",
+                self.api_key,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsec up exited early:\n{self.log_path.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"dsec up not healthy in {timeout}s:\n{self.log_path.read_text()[-4000:]}"
+        )
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing gets a chance to clean up."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
+    """Everything a stopped platform must not have left on the host."""
+    leaks = [f"mount {m.mount_point} ({m.fstype})" for m in linux.mounts(data_dir)]
+    host = cgroups.detect()
+    for name in sorted(host.children(f"/dsec/{edge_id}")):
+        leaks.append(f"cgroup dsec/{edge_id}/{name}")
+    for pid in host.pids(f"/dsec/{edge_id}"):
+        leaks.append(f"process {pid} in dsec/{edge_id}")
+    sandboxes = data_dir / "sandboxes"
+    if sandboxes.is_dir():
+        leaks.extend(f"sandbox dir {p}" for p in sandboxes.iterdir())
+    crun_root = data_dir / "run" / "crun"
+    if crun_root.is_dir():
+        leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
+    return leaks
+
+
+def remove_edge_cgroup(edge_id: str) -> None:
+    host = cgroups.detect()
+    host.kill_and_remove(f"/dsec/{edge_id}", timeout=2)
+
+
+@contextlib.contextmanager
+def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
+    """A platform in a fresh data dir; stopped, leak-checked and removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="dsec-t-", dir="/tmp"))
+    edge_id = "t" + secrets.token_hex(4)
+    plat = PlatformProcess(data_dir=base / "d", edge_id=edge_id, extra_env=dict(extra_env))
+    plat.data_dir.mkdir()
+    try:
+        plat.start()
+        yield plat
+    finally:
+        plat.stop()
+        leaks = host_leaks(plat.data_dir, edge_id)
+        # Clean up even what leaked, so one failure does not cascade into the next test.
+        for m in reversed(linux.mounts(plat.data_dir)):
+            with contextlib.suppress(OSError):
+                linux.umount(m.mount_point, detach=True)
+        remove_edge_cgroup(edge_id)
+        log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""
+        shutil.rmtree(base, ignore_errors=True)
+        assert not leaks, f"platform left these behind: {leaks}\n--- log ---\n{log_tail}"
+
+
+@pytest.fixture(scope="session")
+def platform() -> Iterator[PlatformProcess]:
+    with platform_process() as plat:
+        yield plat
+
+
+@pytest.fixture(scope="session")
+def busybox_image(platform: PlatformProcess) -> str:
+    from dsec import DSecSyncClient
+
+    with DSecSyncClient(platform.url, platform.api_key) as client:
+        client.build_image("busybox")
+    return "busybox:latest"
+
+
+@pytest.fixture
+async def client(platform: PlatformProcess) -> AsyncIterator[object]:
+    from dsec import DSecClient
+
+    c = DSecClient(platform.url, platform.api_key)
+    await c.open()
+    try:
+        yield c
+    finally:
+        await c.close()

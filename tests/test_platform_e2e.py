@@ -1,0 +1,280 @@
+"""End to end: the SDK drives a real `dsec up`, which runs real crun sandboxes on
+EROFS + overlayfs. Nothing here is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsec import (
+    DSecClient,
+    DSecContainerRunArgs,
+    DSecSyncClient,
+    SandboxState,
+)
+from dsec.errors import (
+    ImageNotFound,
+    InvalidArgument,
+    LimitExceeded,
+    PermissionDenied,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Unsupported,
+)
+from dsec.resources import cgroups
+from tests.conftest import PlatformProcess
+
+pytestmark = pytest.mark.root
+
+
+def args(image: str, **kw: object) -> DSecContainerRunArgs:
+    kw.setdefault("memory_limit_mb", 256)
+    return DSecContainerRunArgs.model_validate({"container_image": image, **kw})
+
+
+async def test_listing1_flow(client: DSecClient, busybox_image: str) -> None:
+    sb = await client.run_container(
+        DSecContainerRunArgs(
+            container_image=busybox_image,
+            memory_limit_mb=512,
+            cpu_cores_limit=1,
+            ttl_running_stop=300,
+            init_user="root",
+        ),
+        timeout=120,
+    )
+    try:
+        r = await sb.run_shell("echo hello world")
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "hello world\n", "")
+        assert r.duration > 0
+        await sb.write_file("/tmp/a.txt", b"x")
+        assert await sb.read_file("/tmp/a.txt") == b"x"
+        got = await client.get(sb.id)
+        assert got.info.state is SandboxState.RUNNING
+    finally:
+        await sb.stop()
+    assert (await client.get(sb.id)).info.state is SandboxState.STOPPED
+
+
+def test_sync_twin(platform: PlatformProcess, busybox_image: str) -> None:
+    with DSecSyncClient(platform.url, platform.api_key) as client:
+        sb = client.run_container(args(busybox_image), timeout=60)
+        try:
+            r = sb.run_shell("echo $((6*7))")
+            assert r.stdout == "42\n"
+            sb.write_file("/root/b.bin", bytes(range(256)))
+            assert sb.read_file("/root/b.bin") == bytes(range(256))
+        finally:
+            sb.stop()
+
+
+async def test_labels_env_workdir_and_listing(client: DSecClient, busybox_image: str) -> None:
+    tag = os.urandom(4).hex()
+    sb = await client.run_container(
+        args(
+            busybox_image,
+            labels={"suite": tag, "role": "a"},
+            env={"GREETING": "hi"},
+            workdir="/tmp",
+        ),
+    )
+    other = await client.run_container(args(busybox_image, labels={"suite": tag, "role": "b"}))
+    try:
+        r = await sb.run_shell("echo $GREETING; pwd")
+        assert r.stdout == "hi\n/tmp\n"
+        r = await sb.run_shell("pwd; echo $X", workdir="/root", env={"X": "1"})
+        assert r.stdout == "/root\n1\n"
+        both = await client.list_sandboxes(labels={"suite": tag})
+        assert {s.id for s in both} == {sb.id, other.id}
+        only_a = await client.list_sandboxes(labels={"suite": tag, "role": "a"})
+        assert [s.id for s in only_a] == [sb.id]
+    finally:
+        await sb.stop()
+        await other.stop()
+
+
+async def test_command_timeout_kills_command_keeps_sandbox(
+    client: DSecClient, busybox_image: str
+) -> None:
+    sb = await client.run_container(args(busybox_image))
+    try:
+        start = time.monotonic()
+        r = await sb.run_shell("sleep 30 & sleep 30; echo never", timeout=0.5)
+        assert r.timed_out and r.exit_code != 0 and "never" not in r.stdout
+        assert time.monotonic() - start < 10
+        # The grandchild `sleep 30 &` died with the command: only the agent is left.
+        ps = await sb.run_shell("ps -o pid,comm | grep -c sleep || true")
+        assert ps.stdout.strip() == "0"
+        assert (await sb.run_shell("echo alive")).stdout == "alive\n"
+    finally:
+        await sb.stop()
+
+
+async def test_network_rules(client: DSecClient, busybox_image: str) -> None:
+    with pytest.raises(Unsupported, match="pypi"):
+        await client.run_container(args(busybox_image, network_rules={"pypi": True}))
+    sb = await client.run_container(args(busybox_image, network_rules={"npm": False}))
+    try:
+        r = await sb.run_shell("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+        assert r.stdout.split() == ["lo"]
+    finally:
+        await sb.stop()
+
+
+async def test_isolation_from_host_and_other_sandboxes(
+    client: DSecClient, busybox_image: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / f"host-secret-{os.urandom(4).hex()}"
+    marker.write_text("secret")
+    a = await client.run_container(args(busybox_image))
+    b = await client.run_container(args(busybox_image))
+    try:
+        await a.write_file("/tmp/only-a", b"a")
+        r = await b.run_shell("cat /tmp/only-a")
+        assert r.exit_code != 0
+        r = await a.run_shell(f"ls {marker} {tmp_path}")
+        assert r.exit_code != 0
+        # Only the sandbox's own processes are visible: the agent (pid 1), the
+        # command's supervisor (also the agent binary) and the command itself.
+        r = await a.run_shell("ps -o pid,args")
+        lines = r.stdout.strip().splitlines()[1:]
+        assert len(lines) <= 5 and "python" not in r.stdout, r.stdout
+        assert lines[0].split() == ["1", "/.dsec/init"]
+        r = await a.run_shell("cat /proc/1/cmdline | tr '\\0' ' '")
+        assert r.stdout.strip() == "/.dsec/init"
+        # The agent's socket is not reachable from inside.
+        r = await a.run_shell("find / -xdev -name agent.sock 2>/dev/null | wc -l")
+        assert r.stdout.strip() == "0"
+        r = await a.run_shell("hostname")
+        assert r.stdout.strip() == a.id
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_file_ops_cannot_escape_through_symlinks(
+    client: DSecClient, busybox_image: str, tmp_path: Path
+) -> None:
+    secret = tmp_path / "host.txt"
+    secret.write_text("HOST SECRET")
+    sb = await client.run_container(args(busybox_image))
+    try:
+        await sb.run_shell(
+            f"mkdir -p {tmp_path} && ln -s {secret} /tmp/link && "
+            "ln -s /proc/1/root/etc /tmp/proc-link"
+        )
+        with pytest.raises(Exception) as err:
+            await sb.read_file("/tmp/link")
+        assert "HOST SECRET" not in str(err.value)
+        await sb.write_file("/tmp/link", b"overwritten?")
+        assert secret.read_text() == "HOST SECRET"
+        # pid 1 (the agent) is not dumpable: even root inside cannot go through
+        # /proc/1/root; and it would only lead to the sandbox's own root anyway.
+        with pytest.raises(PermissionDenied):
+            await sb.read_file("/tmp/proc-link/passwd")
+    finally:
+        await sb.stop()
+
+
+async def test_memory_hog_is_oom_killed_inside(client: DSecClient, busybox_image: str) -> None:
+    sb = await client.run_container(args(busybox_image, memory_limit_mb=64))
+    try:
+        # Grow a shell variable far past 64 MiB.
+        r = await sb.run_shell("x=y; while true; do x=$x$x; done", timeout=60)
+        assert r.exit_code == 137 and not r.timed_out
+        assert (await sb.run_shell("echo survived")).stdout == "survived\n"
+    finally:
+        await sb.stop()
+
+
+async def test_fork_bomb_is_contained(client: DSecClient, busybox_image: str) -> None:
+    sb = await client.run_container(args(busybox_image, pids_limit=64))
+    try:
+        r = await sb.run_shell("bomb() { bomb | bomb & }; bomb; sleep 2; echo done", timeout=20)
+        assert r.timed_out or r.exit_code == 0
+        # The host can still fork; the sandbox keeps working after the bomb is killed.
+        assert (await asyncio.create_subprocess_exec("true")).pid > 0
+        await sb.run_shell("kill -9 -1 2>/dev/null; true", timeout=10)
+        ok = await sb.run_shell("echo ok", timeout=10)
+        assert ok.stdout == "ok\n"
+    finally:
+        await sb.stop()
+
+
+async def test_idle_ttl_stops_sandbox(client: DSecClient, busybox_image: str) -> None:
+    sb = await client.run_container(args(busybox_image, ttl_running_stop=2))
+    await sb.run_shell("true")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        info = (await client.get(sb.id)).info
+        if info.state is SandboxState.STOPPED:
+            assert info.reason is not None and "ttl_running_stop" in info.reason
+            break
+        await asyncio.sleep(0.25)
+    else:
+        pytest.fail("idle sandbox was not stopped by its TTL")
+    with pytest.raises(SandboxNotRunning):
+        await sb.run_shell("true")
+
+
+async def test_typed_errors(
+    client: DSecClient, platform: PlatformProcess, busybox_image: str
+) -> None:
+    with pytest.raises(ImageNotFound):
+        await client.run_container(args("no-such-image:v1"))
+    with pytest.raises(SandboxNotFound):
+        await client.get("e0-0123456789abcdef")
+    with pytest.raises(LimitExceeded):
+        await client.run_container(args(busybox_image, memory_limit_mb=1_000_000))
+    with pytest.raises(InvalidArgument):
+        await client.run_container(args(busybox_image, init_user="nosuchuser"))
+    headers = {"Authorization": f"Bearer {platform.api_key}"}
+    async with httpx.AsyncClient(base_url=platform.url, headers=headers) as http:
+        for body in (
+            b"{",
+            b"[]",
+            b'{"spec": {"container_image": 5}}',
+            b"\xff\xfe",
+            b'{"spec": {"container_image": "busybox", "memory_limit_mb": -1}}',
+        ):
+            r = await http.post(
+                "/v1/sandboxes", content=body, headers={"content-type": "application/json"}
+            )
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            assert r.json()["error"]["message"]
+        r = await http.post("/v1/sandboxes/e0-0123456789abcdef/exec", json={"command": "true"})
+        assert r.status_code == 404
+        r = await httpx.AsyncClient(base_url=platform.url).get("/v1/sandboxes")
+        assert r.status_code == 401
+
+
+async def test_stop_leaves_nothing_behind(
+    client: DSecClient, platform: PlatformProcess, busybox_image: str
+) -> None:
+    from dsec import linux
+
+    sb = await client.run_container(args(busybox_image))
+    await sb.run_shell("sleep 1000 >/dev/null 2>&1 &")
+    sb_dir = platform.data_dir / "sandboxes" / sb.id
+    assert sb_dir.is_dir()
+    await sb.stop()
+    host = cgroups.detect()
+    assert not host.pids(f"/dsec/{platform.edge_id}/{sb.id}")
+    assert not any(d.exists() for d in host.dirs(f"/dsec/{platform.edge_id}/{sb.id}"))
+    assert not [m for m in linux.mounts(sb_dir)]
+    assert not sb_dir.exists()
+    assert not (platform.data_dir / "run" / "crun" / sb.id).exists()
+
+
+async def test_concurrent_creates_and_execs(client: DSecClient, busybox_image: str) -> None:
+    sbs = await asyncio.gather(*(client.run_container(args(busybox_image)) for _ in range(20)))
+    try:
+        results = await asyncio.gather(*(sb.run_shell(f"echo {i}") for i, sb in enumerate(sbs)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(20)]
+    finally:
+        await asyncio.gather(*(sb.stop() for sb in sbs))
