@@ -262,6 +262,8 @@ async def test_stop_leaves_nothing_behind(
     await sb.run_shell("sleep 1000 >/dev/null 2>&1 &")
     sb_dir = platform.data_dir / "sandboxes" / sb.id
     assert sb_dir.is_dir()
+    # The root overlay lives only in the sandbox's mount namespace, never on the host.
+    assert not linux.mounts(sb_dir)
     await sb.stop()
     host = cgroups.detect()
     assert not host.pids(f"/dsec/{platform.edge_id}/{sb.id}")

@@ -156,6 +156,9 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
                 port=config.port,
                 log_level="warning",
                 access_log=False,
+                # Longer than any client pool keeps idle connections (httpx: 5 s), so a
+                # client never sends a request on a connection the server is closing.
+                timeout_keep_alive=75,
                 http="httptools",
                 lifespan="off",
             )

@@ -1912,15 +1912,21 @@ static int agent_main(void)
 /* ------------------------------------------------------------------------------------ */
 /* host-side helper for every OCI runtime call:                                         */
 /*   crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]                                           */
-/*   crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] -- CRUN_PATH [ARGS...]              */
+/*   crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE]                                     */
+/*             [--overlay-target DIR --overlay-data OPTS] -- CRUN_PATH [ARGS...]          */
 /* --fd N puts the listening agent socket at fd 3 for --preserve-fds=1. The mask exists */
 /* because crun 1.8.1 refuses hybrid cgroup hosts unless it sees an empty unified        */
 /* cgroup.controllers: a private mount namespace hides the real one from crun only.      */
+/* --overlay-* mounts the sandbox's root overlay in that private namespace only, so the */
+/* host's mount table does not grow with every sandbox: each new mount namespace copies */
+/* its parent's mounts, which made every create O(number of sandboxes). The overlay     */
+/* then lives only in the container's namespace and the kernel unmounts it when the     */
+/* sandbox's last process exits: nothing to leak on the host.                           */
 
 static int crun_wrap(int argc, char **argv)
 {
 	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
-	const char *mask = NULL;
+	const char *mask = NULL, *ovl_target = NULL, *ovl_data = NULL;
 	int fd = -1, i = 2;
 	if (argc >= 3 && strncmp(argv[2], "--", 2) != 0) {
 		mask = argv[2]; /* positional form */
@@ -1933,12 +1939,16 @@ static int crun_wrap(int argc, char **argv)
 				fd = atoi(argv[i + 1]);
 			else if (strcmp(argv[i], "--mask-cgroup2") == 0)
 				mask = argv[i + 1];
+			else if (strcmp(argv[i], "--overlay-target") == 0)
+				ovl_target = argv[i + 1];
+			else if (strcmp(argv[i], "--overlay-data") == 0)
+				ovl_data = argv[i + 1];
 			else
 				goto usage;
 		}
 		i++; /* skip "--" */
 	}
-	if (i >= argc)
+	if (i >= argc || (ovl_target == NULL) != (ovl_data == NULL))
 		goto usage;
 	if (fd >= 0 && fd != 3) {
 		if (dup2(fd, 3) < 0) {
@@ -1947,9 +1957,9 @@ static int crun_wrap(int argc, char **argv)
 		}
 		close(fd);
 	}
-	if (mask) {
+	if (mask || ovl_target) {
 		struct stat st;
-		if (stat(mask, &st) < 0) {
+		if (mask && stat(mask, &st) < 0) {
 			dprintf(2, "dsec-init crun-wrap: %s: %s\n", mask, strerror(errno));
 			return 125;
 		}
@@ -1957,6 +1967,12 @@ static int crun_wrap(int argc, char **argv)
 			dprintf(2, "dsec-init crun-wrap: private mount namespace: %s\n", strerror(errno));
 			return 125;
 		}
+	}
+	if (ovl_target && mount("overlay", ovl_target, "overlay", MS_NODEV, ovl_data) < 0) {
+		dprintf(2, "dsec-init crun-wrap: mount overlay on %s: %s\n", ovl_target, strerror(errno));
+		return 125;
+	}
+	if (mask) {
 		if (mount(mask, target, NULL, MS_BIND, NULL) < 0 && errno != ENOENT) {
 			dprintf(2, "dsec-init crun-wrap: bind %s over %s: %s\n", mask, target, strerror(errno));
 			return 125;
@@ -1967,7 +1983,8 @@ static int crun_wrap(int argc, char **argv)
 	return 127;
 usage:
 	dprintf(2, "usage: %s crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]\n"
-		   "       %s crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] -- CRUN_PATH [ARGS...]\n",
+		   "       %s crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] [--overlay-target DIR\n"
+		   "                 --overlay-data OPTS] -- CRUN_PATH [ARGS...]\n",
 		argv[0], argv[0]);
 	return 125;
 }

@@ -1,7 +1,11 @@
 """Container backend: crun + EROFS layers + per-sandbox overlayfs + the native agent.
 
-Create = mount overlay (layers shared, upper private) -> listening agent socket ->
-config.json -> ``crun run --detach`` with the socket as fd 3. The agent is pid 1:
+Create = listening agent socket -> config.json -> ``crun run --detach`` through the
+wrapper, which mounts the overlay (shared EROFS layers below, a private upper) in
+crun's own mount namespace, never on the host, and puts the socket at fd 3. The
+overlay therefore vanishes with the sandbox's last process, and the host mount table
+does not grow with the number of sandboxes (each new mount namespace copies it, so a
+host mount per sandbox made every create O(N)). The agent is pid 1:
 it reaps zombies and serves exec/file requests on that socket (~1 ms round trip,
 flat in the number of sandboxes, no per-sandbox host process). Every command runs as
 a child of pid 1, so it inherits all of the sandbox's confinement by construction.
@@ -61,7 +65,7 @@ class ContainerBackend(Backend):
         agent_binary: Path,
         cgroups: CgroupHost,
         cgroup_parent: str,
-        create_concurrency: int = 8,
+        create_concurrency: int = 32,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
@@ -111,13 +115,7 @@ class ContainerBackend(Backend):
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
                 lowers.append(str(self.layers.acquire(digest)))
                 rec.runtime["layers_held"].append(digest)
-            linux.mount(
-                "overlay",
-                rootfs,
-                "overlay",
-                linux.MS_NODEV,
-                f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile",
-            )
+            overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
             config = build_config(
                 sandbox_id=sid,
                 spec=rec.spec,
@@ -133,7 +131,11 @@ class ContainerBackend(Backend):
                 listener.listen(512)
                 async with self._runtime_slots:
                     await self.runtime.run_detached(
-                        sid, root, root / "init.pid", agent_fd=listener.fileno()
+                        sid,
+                        root,
+                        root / "init.pid",
+                        agent_fd=listener.fileno(),
+                        overlay=(rootfs, overlay),
                     )
             finally:
                 # The agent holds its own copy now; ours would only cost an fd per sandbox.
@@ -172,10 +174,10 @@ class ContainerBackend(Backend):
         # Belt and braces: a crashed create may have left a cgroup crun does not know.
         await asyncio.to_thread(self.cgroups.kill_and_remove, self._cgroup(sid))
         await self._reap(runtime.get("pid"))
+        # The overlay lives in the sandbox's own mount namespace and is gone with its
+        # last process; a host mount here can only be a leftover of an older version.
         rootfs = root / "rootfs"
-        try:
-            linux.umount(rootfs)
-        except OSError:
+        if linux.is_mounted(rootfs):
             try:
                 linux.umount(rootfs, detach=True)
             except OSError as exc:
