@@ -32,6 +32,21 @@ from tests.conftest import PlatformProcess
 pytestmark = pytest.mark.root
 
 
+def zombie_children(ppid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] == "Z" and int(fields[1]) == ppid:
+            found.append(int(entry.name))
+    return found
+
+
 def args(image: str, **kw: object) -> DSecContainerRunArgs:
     kw.setdefault("memory_limit_mb", 256)
     return DSecContainerRunArgs.model_validate({"container_image": image, **kw})
@@ -271,6 +286,13 @@ async def test_stop_leaves_nothing_behind(
     assert not [m for m in linux.mounts(sb_dir)]
     assert not sb_dir.exists()
     assert not (platform.data_dir / "run" / "crun" / sb.id).exists()
+    # No zombies: crun's intermediate process and the sandbox's init are orphans the
+    # platform (a subreaper) must reap itself; this machine's pid 1 does not.
+    assert platform.proc is not None
+    deadline = time.monotonic() + 3
+    while zombie_children(platform.proc.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not zombie_children(platform.proc.pid)
 
 
 async def test_concurrent_creates_and_execs(client: DSecClient, busybox_image: str) -> None:

@@ -43,8 +43,9 @@ class ClientSettings:
         self.timeout = timeout
         self.max_connections = max_connections
 
-    def http_kwargs(self) -> dict[str, Any]:
+    def http_kwargs(self, max_connections: int | None = None) -> dict[str, Any]:
         """Arguments for httpx.Client / httpx.AsyncClient: keep-alive pool, auth, timeouts."""
+        conns = max_connections or self.max_connections
         headers = {"User-Agent": f"libdsec/{SDK_VERSION}"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -53,8 +54,8 @@ class ClientSettings:
             "headers": headers,
             "timeout": default_timeout(self.timeout),
             "limits": httpx.Limits(
-                max_connections=self.max_connections,
-                max_keepalive_connections=self.max_connections,
+                max_connections=conns,
+                max_keepalive_connections=conns,
                 keepalive_expiry=60.0,
             ),
         }

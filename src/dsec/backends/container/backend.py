@@ -23,9 +23,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from dsec import linux
+from dsec import linux, spawn
 from dsec.backends.base import Backend, SandboxRecord
-from dsec.backends.container.oci_spec import build_config
+from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, InvalidArgument
 from dsec.images.mounts import LayerMounts
@@ -76,6 +76,7 @@ class ContainerBackend(Backend):
         self.host_cpus = os.cpu_count() or 1
         # crun forks are CPU-bound: more in flight than cores only adds queueing.
         self._runtime_slots = asyncio.Semaphore(create_concurrency)
+        self._reaper: asyncio.Task[None] | None = None
 
     # -- paths --------------------------------------------------------------------------
     def _dir(self, sandbox_id: str) -> Path:
@@ -89,14 +90,27 @@ class ContainerBackend(Backend):
 
     async def start(self) -> None:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-orphan-reaper")
         probe = self._socket("x" * 16 + "-" + "0" * 16)
         if len(os.fsencode(probe)) > MAX_SOCKET_PATH:
             raise BackendError(
                 f"data directory path too long for unix sockets ({probe}); use a shorter --data-dir"
             )
 
+    async def _reap_loop(self) -> None:
+        names = frozenset({self.runtime.name, Path(AGENT_PATH_IN_SANDBOX).name})
+        while True:
+            spawn.reap_orphans(names)
+            await asyncio.sleep(0.5)
+
     async def close(self) -> None:
         """Remove this edge's parent cgroup if no sandbox is left in it."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        spawn.reap_orphans(frozenset({self.runtime.name, Path(AGENT_PATH_IN_SANDBOX).name}))
         if not self.cgroups.children(f"/{self.cgroup_parent}"):
             await asyncio.to_thread(
                 self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
