@@ -38,7 +38,7 @@ from rich.text import Text
 
 from dsec.cli.common import err, globals_of, out, percentile, print_error
 from dsec.cli.up import announce
-from dsec.config import load_client_config, save_client_config
+from dsec.config import DEFAULT_DATA_DIR, load_client_config, save_client_config
 from dsec.errors import DSecError, ImageNotFound, PlatformUnavailable, Unauthenticated
 from dsec.model import DSecContainerRunArgs, parse_image_ref
 from dsec.sdk import DSecClient, Sandbox
@@ -354,8 +354,15 @@ def demo(
     image: Annotated[str, typer.Option("--image")] = "debian-python:bookworm",
     data_dir: Annotated[
         Path | None,
-        typer.Option("--data-dir", help="data dir for a platform started here (default: temp)"),
+        typer.Option(
+            "--data-dir",
+            help="data dir for a platform started here (default: /var/lib/dsec, so built "
+            "images are reused by the next run; --temp-data for a throwaway one)",
+        ),
     ] = None,
+    temp_data: Annotated[
+        bool, typer.Option("--temp-data", help="start the platform on a throwaway data dir")
+    ] = False,
     keep_platform: Annotated[
         bool,
         typer.Option(
@@ -370,6 +377,8 @@ def demo(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--image") from None
     g = globals_of(ctx)
+    if data_dir is None and not temp_data:
+        data_dir = DEFAULT_DATA_DIR
     with platform_for_demo(g.url, g.api_key, data_dir, keep_platform) as (url, key):
         try:
             ok = asyncio.run(run_demo(url, key, count, image, timeout))
