@@ -79,14 +79,29 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
         for _ in range(10):  # warm-up: layer mount, page cache
             await (await client.run_container(spec)).stop()
 
-        # 1. create latency, sequential, through the SDK
+        # 1. create latency, sequential, through the SDK (sandboxes kept, then stopped)
         lat: list[float] = []
+        kept = []
         for _ in range(opts.creates):
             t = time.perf_counter()
-            sb = await client.run_container(spec)
+            kept.append(await client.run_container(spec))
             lat.append(time.perf_counter() - t)
-            await sb.stop()
         results["create"] = summary(lat)
+        stop_lat: list[float] = []
+        for sb in kept:
+            t = time.perf_counter()
+            await sb.stop()
+            stop_lat.append(time.perf_counter() - t)
+        results["stop"] = summary(stop_lat)
+
+        # 1b. churn: create right after the previous sandbox's stop (RL rollout loop)
+        churn: list[float] = []
+        for _ in range(opts.creates // 2):
+            t = time.perf_counter()
+            sb = await client.run_container(spec)
+            churn.append(time.perf_counter() - t)
+            await sb.stop()
+        results["create_after_stop"] = summary(churn)
 
         # 2. exec latency with 1 sandbox
         one = await client.run_container(spec)
@@ -130,6 +145,8 @@ def print_table(res: dict[str, Any], idle: int) -> None:
     rows = [
         ("create via SDK (p50 <= 15 ms, p99 <= 40 ms)", res["create"]),
         ("raw crun run baseline", res["raw_crun_run"]),
+        ("create right after a stop (churn)", res["create_after_stop"]),
+        ("stop via SDK", res["stop"]),
         ("run_shell('true'), 1 sandbox (p50 <= 3 ms)", res["exec_n1"]),
         (f"run_shell('true'), {idle + 1} sandboxes (p50 <= 3 ms)", res[f"exec_n{idle + 1}"]),
     ]

@@ -308,7 +308,7 @@ def test_demo_starts_and_stops_its_own_platform(
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(demo_mod, "platform_command", command)
-    code = run(["--url", dead_url(), "demo", "--count", "3", "--image", "busybox"])
+    code = run(["--url", dead_url(), "demo", "--count", "3", "--image", "busybox", "--temp-data"])
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
     assert "3/3" in captured.out

@@ -4,7 +4,10 @@ EROFS + overlayfs. Nothing here is mocked."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -303,3 +306,33 @@ async def test_concurrent_creates_and_execs(client: DSecClient, busybox_image: s
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(20)]
     finally:
         await asyncio.gather(*(sb.stop() for sb in sbs))
+
+
+def test_cli_against_the_real_platform(platform: PlatformProcess, busybox_image: str) -> None:
+    """The CLI commands a user types, end to end, including `dsec demo`."""
+    env = {**os.environ, "DSEC_URL": platform.url, "DSEC_API_KEY": platform.api_key}
+
+    def dsec(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "dsec.cli.main", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+
+    created = dsec("sandbox", "create", "--image", busybox_image, "--label", "cli=1", "--json")
+    assert created.returncode == 0, created.stderr
+    sid = json.loads(created.stdout)["id"]
+    ran = dsec("sandbox", "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert (ran.returncode, ran.stdout, ran.stderr) == (3, "out\n", "err\n")
+    listed = dsec("sandbox", "ls", "--label", "cli=1", "--json")
+    assert [s["id"] for s in json.loads(listed.stdout)] == [sid]
+    assert dsec("sandbox", "rm", sid).returncode == 0
+    bad = dsec("sandbox", "exec", "e0-0123456789abcdef", "--", "true")
+    assert bad.returncode == 1 and "sandbox_not_found" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    demo = dsec("demo", "--count", "3", "--image", busybox_image)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "3/3 sandboxes created, ran and removed" in demo.stdout

@@ -69,7 +69,8 @@ class PlatformConfig:
         default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))
     )
     memory_overcommit: float = 8.0
-    crun_extra_args: list[str] = field(default_factory=list)
+    # Host tuning for fast sandbox starts (cgroup2 favordynmods); DSEC_TUNE_HOST=0 skips.
+    tune_host: bool = field(default_factory=lambda: os.environ.get("DSEC_TUNE_HOST", "1") != "0")
 
     @property
     def url(self) -> str:

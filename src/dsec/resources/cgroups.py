@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -19,6 +21,7 @@ from functools import cache
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+log = logging.getLogger(__name__)
 
 
 class Layout(StrEnum):
@@ -78,6 +81,39 @@ class CgroupHost:
                 found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
         return found
 
+    def kill_all(self, rel: str, *, timeout: float = 5.0) -> bool:
+        """SIGKILL every process in the cgroup until it is empty (pids, never a
+        remembered pid: that may have been reused by an unrelated process)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = self.pids(rel)
+            if not pids:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
+
+    def drop_charges(self, rel: str) -> None:
+        """Reclaim the page cache charged to an emptied cgroup before it is removed.
+
+        Pages a sandbox read first (shared layer files) stay charged to its memory
+        cgroup after rmdir, which keeps it alive as a *dying* cgroup. Measured here:
+        ~600 of them slowed every create from 9 to 30-50 ms until the cache was
+        dropped. v1 has memory.force_empty for exactly this; v2 has memory.reclaim.
+        """
+        rel = rel.strip("/")
+        if "memory" in self.v1:
+            with contextlib.suppress(OSError):
+                (self.v1["memory"] / rel / "memory.force_empty").write_text("0")
+        elif self.layout is Layout.V2 and self.v2 is not None:
+            usage = self.memory_usage(rel)
+            if usage:
+                with contextlib.suppress(OSError):
+                    (self.v2 / rel / "memory.reclaim").write_text(str(usage))
+
     def kill_and_remove(self, rel: str, *, timeout: float = 5.0) -> bool:
         """SIGKILL every process in the cgroup and remove it everywhere (crash cleanup)."""
         deadline = time.monotonic() + timeout
@@ -117,6 +153,44 @@ class CgroupHost:
             with contextlib.suppress(OSError):
                 names.update(e.name for e in os.scandir(d) if e.is_dir())
         return names
+
+
+def favor_dynamic_modifications(host: CgroupHost) -> bool:
+    """Turn on the cgroup2 ``favordynmods`` mount option (kernel >= 6.0), if off.
+
+    Every sandbox start moves a process into a new cgroup, which write-locks a global
+    percpu rwsem; in its default fast-path mode that waits for an RCU grace period,
+    which is slow when the host was idle a moment before. Measured on our machines:
+    a create that follows a 20-100 ms pause took 21-25 ms p50; with favordynmods
+    10.5-11.4 ms, pause or not. The price, a slightly costlier fork/exit for every
+    process, is the right trade on a host whose job is starting sandboxes. The option
+    is global and stays set (a remount without it does not clear it).
+    """
+    if host.v2 is None:
+        return False
+    if "favordynmods" in _mount_options(host.v2):
+        return True
+    res = subprocess.run(
+        ["mount", "-o", "remount,favordynmods", str(host.v2)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        log.warning("cannot set favordynmods on %s: %s", host.v2, res.stderr.strip())
+        return False
+    log.info("cgroup2 at %s now mounted with favordynmods", host.v2)
+    return True
+
+
+def _mount_options(point: Path) -> set[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            if left.split()[4] == str(point):
+                fields = right.split()
+                return set(fields[2].split(",")) if len(fields) > 2 else set()
+    return set()
 
 
 @cache

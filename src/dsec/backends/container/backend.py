@@ -53,6 +53,30 @@ def image_env(config: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+def prewarm_tree(root: Path, limit: int) -> int:
+    """Bring up to ``limit`` bytes of regular files under ``root`` into the page cache
+    (readahead in the caller's context, so the caller's cgroup is charged)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if total + size > limit:
+                    return total
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                total += size
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return total
+
+
 class ContainerBackend(Backend):
     kind = BackendKind.CONTAINER
 
@@ -65,7 +89,8 @@ class ContainerBackend(Backend):
         agent_binary: Path,
         cgroups: CgroupHost,
         cgroup_parent: str,
-        create_concurrency: int = 32,
+        create_concurrency: int = 8,
+        prewarm_limit: int = 512 * 1024 * 1024,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
@@ -77,6 +102,9 @@ class ContainerBackend(Backend):
         # crun forks are CPU-bound: more in flight than cores only adds queueing.
         self._runtime_slots = asyncio.Semaphore(create_concurrency)
         self._reaper: asyncio.Task[None] | None = None
+        self.prewarm_limit = prewarm_limit
+        self._warm: set[str] = set()
+        self._warming: dict[str, asyncio.Future[int]] = {}
 
     # -- paths --------------------------------------------------------------------------
     def _dir(self, sandbox_id: str) -> Path:
@@ -96,6 +124,25 @@ class ContainerBackend(Backend):
             raise BackendError(
                 f"data directory path too long for unix sockets ({probe}); use a shorter --data-dir"
             )
+
+    async def _prewarm(self, digest: str, mount_point: Path) -> None:
+        """Read a small layer once from the edge, so its page cache is charged to the
+        edge's long-lived cgroup, not to whichever sandbox touches a file first (that
+        charge would outlive the sandbox and pin its memory cgroup)."""
+        if digest in self._warm:
+            return
+        task = self._warming.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(
+                asyncio.to_thread(prewarm_tree, mount_point, self.prewarm_limit)
+            )
+            self._warming[digest] = task
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._warming.pop(digest, None)
+                self._warm.add(digest)
 
     async def _reap_loop(self) -> None:
         names = frozenset({self.runtime.name, Path(AGENT_PATH_IN_SANDBOX).name})
@@ -129,6 +176,7 @@ class ContainerBackend(Backend):
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
                 lowers.append(str(self.layers.acquire(digest)))
                 rec.runtime["layers_held"].append(digest)
+                await self._prewarm(digest, Path(lowers[-1]))
             overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
             config = build_config(
                 sandbox_id=sid,
@@ -180,6 +228,11 @@ class ContainerBackend(Backend):
     async def _teardown(self, sid: str, runtime: dict[str, Any]) -> None:
         root = self._dir(sid)
         errors: list[str] = []
+        cgroup = self._cgroup(sid)
+        # Empty the cgroup first and reclaim what it was charged for, so that the
+        # deleted cgroup does not linger as a dying memcg (see CgroupHost.drop_charges).
+        if await asyncio.to_thread(self.cgroups.kill_all, cgroup, timeout=5.0):
+            await asyncio.to_thread(self.cgroups.drop_charges, cgroup)
         try:
             async with self._runtime_slots:
                 await self.runtime.delete(sid)
