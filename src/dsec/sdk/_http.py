@@ -55,7 +55,9 @@ class ClientSettings:
             "timeout": default_timeout(self.timeout),
             "limits": httpx.Limits(
                 max_connections=conns,
-                max_keepalive_connections=conns,
+                # Idle connections beyond this are closed: after a burst, a pool full
+                # of idle connections made every later request slower (measured).
+                max_keepalive_connections=min(conns, 8),
                 keepalive_expiry=60.0,
             ),
         }
