@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -336,3 +337,48 @@ def test_cli_against_the_real_platform(platform: PlatformProcess, busybox_image:
     demo = dsec("demo", "--count", "3", "--image", busybox_image)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "3/3 sandboxes created, ran and removed" in demo.stdout
+
+
+async def test_init_user_runs_commands_unprivileged(client: DSecClient, busybox_image: str) -> None:
+    sb = await client.run_container(args(busybox_image, init_user="user"))
+    try:
+        r = await sb.run_shell("id -u; echo $HOME; touch /root/x")
+        assert r.stdout.splitlines()[:2] == ["1000", "/home/user"]
+        assert r.exit_code != 0  # /root belongs to root
+        assert (await sb.run_shell("id -u", user="root")).stdout == "0\n"
+    finally:
+        await sb.stop()
+
+
+def test_import_a_directory_and_run_it(
+    platform: PlatformProcess, busybox_image: str, tmp_path: Path
+) -> None:
+    """`dsec image import DIR REF` (tarred and streamed by the CLI), then a sandbox on it."""
+    root = tmp_path / "rootfs"
+    for d in ("bin", "etc", "tmp", "proc", "sys", "dev"):
+        (root / d).mkdir(parents=True)
+    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+    for applet in ("sh", "cat", "echo"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
+    (root / "etc" / "motd").write_text("imported\n")
+    env = {**os.environ, "DSEC_URL": platform.url, "DSEC_API_KEY": platform.api_key}
+    ref = f"imported-{os.urandom(3).hex()}:v1"
+    res = subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", "image", "import", str(root), ref, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    with DSecSyncClient(platform.url, platform.api_key) as client:
+        sb = client.run_container(args(ref))
+        try:
+            assert sb.run_shell("cat /etc/motd").stdout == "imported\n"
+        finally:
+            sb.stop()
+        client.remove_image(ref)
+        with pytest.raises(ImageNotFound):
+            client.run_container(args(ref))
