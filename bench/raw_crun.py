@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from dsec.agent.build import agent_binary
-
 from dsec import linux
+from dsec.agent.build import agent_binary
 from dsec.resources import cgroups
 
 
