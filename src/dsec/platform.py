@@ -124,7 +124,8 @@ def tune_gc() -> None:
     """Fewer, cheaper collections on the request path: everything loaded at startup
     moves to a permanent generation (never scanned again), and young collections run
     less often. Per-request garbage is short-lived and acyclic; reference counting
-    frees it, so the cycle collector only has to catch the rare cycle."""
+    frees it, so the cycle collector only has to catch the rare cycle. Measured with
+    200 sandboxes, 1,500 execs: p50 2.73-2.90 vs 2.88-3.71 ms, p99.9 10.4 vs 11-15 ms."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)

@@ -114,6 +114,12 @@ class CgroupHost:
                 with contextlib.suppress(OSError):
                     (self.v2 / rel / "memory.reclaim").write_text(str(usage))
 
+    def remove_if_empty(self, rel: str) -> None:
+        """rmdir without killing anything: a shared parent stays if anyone uses it."""
+        for d in self.dirs(rel):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
     def kill_and_remove(self, rel: str, *, timeout: float = 5.0) -> bool:
         """SIGKILL every process in the cgroup and remove it everywhere (crash cleanup)."""
         deadline = time.monotonic() + timeout

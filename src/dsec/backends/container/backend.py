@@ -162,6 +162,10 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(
                 self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
             )
+            # The shared top (e.g. "dsec") too, when no other edge uses it.
+            top = self.cgroup_parent.split("/")[0]
+            if top != self.cgroup_parent:
+                self.cgroups.remove_if_empty(f"/{top}")
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, rec: SandboxRecord) -> None:
