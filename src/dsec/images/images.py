@@ -30,14 +30,19 @@ from typing import ParamSpec, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument
+from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument
 from dsec.images import builders
 from dsec.images.extract import default_config, unpack_archive
+from dsec.images.hostlayers import HostLayers
+from dsec.images.layer_registry import LayerRegistry
+from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.mounts import LayerMounts
 from dsec.images.registry import ImageRow, NewLayer, Registry, manifest_layers, utc
+from dsec.images.remote.client import RemoteStore
 from dsec.images.service import ArchiveFormat, Progress, Recipe
 from dsec.images.store import LayerStore, remove_tree
-from dsec.model import ImageInfo, parse_image_ref
+from dsec.layer_model import LayerInfo, LayerRef
+from dsec.model import DSecContainerRunArgs, ImageInfo, parse_image_ref
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -102,10 +107,25 @@ class Images:
         *,
         compression: str | None = None,
         busybox: Path = builders.HOST_BUSYBOX,
+        remote: RemoteStore | None = None,
+        lazy: LazyDaemon | None = None,
+        cache_bytes: int = 20 << 30,
     ) -> None:
         self.root = Path(os.path.abspath(root))
         self.store = LayerStore(self.root)
-        self.mounts = LayerMounts(self.root, self.store)
+        self.remote = remote
+        self.lazy = lazy
+        self.layer_registry = LayerRegistry(engine)
+        self.indexes: dict[str, str] = {}  # blob digest -> chunk index digest
+        self.host = HostLayers(
+            self.store,
+            remote=remote,
+            daemon=lazy,
+            cache_bytes=cache_bytes,
+            index_of=self.indexes.get,
+        )
+        self.mounts = LayerMounts(self.root, self.store, provider=self.host)
+        self.host.mounts = self.mounts
         self.registry = Registry(engine)
         self.compression = compression
         self.busybox = busybox
@@ -121,12 +141,25 @@ class Images:
         await asyncio.to_thread(self.store.open)
         (self.root / "cache").mkdir(parents=True, exist_ok=True)
         await self.registry.create_tables()
+        await self.layer_registry.create_tables()
         await self._reload()
+        self.indexes.update(await self.layer_registry.indexes())
+        if self.lazy is not None:
+            # Before adopting mounts: lazy layers are adopted only if their daemon is.
+            await asyncio.to_thread(self.lazy.start)
         await asyncio.to_thread(self.mounts.adopt_existing)
 
     async def close(self) -> None:
-        """Unmount layers no sandbox uses; used ones stay for the next run to adopt."""
+        """Unmount layers no sandbox uses; used ones stay for the next run to adopt
+        (and so does the lazy daemon while any lazily loaded layer is mounted)."""
         await asyncio.to_thread(self.mounts.close)
+        if self.lazy is not None and not any(self.host.is_lazy(d) for d in self.mounts.mounted()):
+            try:
+                await asyncio.to_thread(self.lazy.stop)
+            except BackendError as exc:  # the next start cleans up what is left
+                log.warning("lazy layer daemon not stopped: %s", exc)
+        if self.remote is not None:
+            await self.remote.close()
 
     def invalidate(self) -> None:
         """Forget cached lookups (another process changed the registry)."""
@@ -143,6 +176,101 @@ class Images:
             if info is None:
                 raise await self._not_found(name, tag)
         return info.model_copy(deep=True)
+
+    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
+        """The image a sandbox starts from: base layers, then workspace, then toolkit.
+
+        The base is an image tag or, failing that, a layer of the layer registry (local,
+        then the shared store). Each reference is resolved to a digest now, so a sandbox
+        keeps exactly the layers it started with when a tag moves on.
+        """
+        try:
+            base = await self.resolve(spec.container_image)
+        except ImageNotFound as exc:
+            try:
+                as_layer = LayerRef.parse(spec.container_image)
+            except ValueError:
+                raise exc from None
+            layer = await self.find_layer(as_layer)
+            if layer is None:
+                raise exc from None
+            base = self._layer_image(layer)
+        extra = [ref for ref in (spec.workspace, spec.toolkit) if ref is not None]
+        if not extra:
+            return base
+        layers = list(base.layers)
+        size = base.size_bytes
+        for ref in extra:
+            digest, size_bytes = await self.layer_digest(ref)
+            layers.append(digest)
+            size += size_bytes
+        manifest = _canonical({"base": base.digest, "layers": layers})
+        return base.model_copy(
+            update={
+                "layers": layers,
+                "size_bytes": size,
+                "digest": "sha256:" + hashlib.sha256(manifest.encode()).hexdigest(),
+            },
+            deep=True,
+        )
+
+    async def find_layer(self, ref: LayerRef) -> LayerInfo | None:
+        """A named layer: the local registry, else the shared store (then recorded here)."""
+        if ref.name is None or ref.version is None:
+            return None
+        info = await self.layer_registry.get(ref.name, ref.version)
+        if info is None and self.remote is not None:
+            info = await self.remote.get_ref(ref.name, ref.version)
+            if info is not None:
+                await self.record_layer(info)
+        return info
+
+    async def record_layer(self, info: LayerInfo) -> LayerInfo | None:
+        """Register or move a layer tag; returns the previous entry, if any."""
+        async with self._lock:
+            before = await self.layer_registry.put(info)
+        if info.index_digest is not None:
+            self.indexes[info.digest] = info.index_digest
+        return before
+
+    async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
+        """(digest, size) of a layer reference; ImageNotFound with a hint if unknown."""
+        if ref.digest is not None:
+            size = await asyncio.to_thread(self._local_size, ref.digest)
+            if size is None and self.remote is not None:
+                size = await self.remote.blob_size(ref.digest)
+            if size is None:
+                raise ImageNotFound(f"layer {ref.digest} is in no layer store", ref=str(ref))
+            return ref.digest, size
+        info = await self.find_layer(ref)
+        if info is None:
+            known = [i.ref for i in await self.layer_registry.all()][:20]
+            raise ImageNotFound(
+                f"layer {ref} not found. Known layers: {', '.join(known) or 'none yet'}. "
+                "Build one (dsec layer build) or pull it (dsec layer pull).",
+                ref=str(ref),
+                known=known,
+            )
+        return info.digest, info.size_bytes
+
+    def _local_size(self, digest: str) -> int | None:
+        try:
+            return self.store.size(digest)
+        except ImageNotFound:
+            return None
+
+    def _layer_image(self, layer: LayerInfo) -> ImageInfo:
+        config = dict(layer.config) if layer.config else default_config()
+        manifest = _canonical({"layers": [layer.digest], "config": config})
+        return ImageInfo(
+            name=layer.name,
+            tag=layer.version,
+            digest="sha256:" + hashlib.sha256(manifest.encode()).hexdigest(),
+            layers=[layer.digest],
+            size_bytes=layer.size_bytes,
+            created_at=layer.created_at,
+            config=config,
+        )
 
     async def list(self) -> builtins.list[ImageInfo]:
         await self._reload()
@@ -181,6 +309,7 @@ class Images:
         removed: builtins.list[str] = []
         async with self._lock:
             referenced = await self.registry.referenced_layers()
+            referenced |= await self.layer_registry.referenced()
             known = {row.digest for row in await self.registry.layers()}
             on_disk = set(await asyncio.to_thread(self.store.digests))
             now = time.time()

@@ -17,10 +17,12 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from dsec import linux
-from dsec.errors import BackendError
+from dsec.errors import BackendError, CorruptBlob
 from dsec.images.store import HEX_RE, LayerStore, digest_hex, normalize_digest
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,23 @@ log = logging.getLogger(__name__)
 # nosuid/nodev only guard the host-side path: overlays stacked on the mount are not
 # affected by them (checked: a setuid binary and /dev/null work through the overlay).
 MOUNT_FLAGS = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+
+
+class LayerSource(Protocol):
+    """Where layer bytes come from (dsec.images.hostlayers.HostLayers: local blob, lazy
+    FUSE file, or an eager fetch from the shared store)."""
+
+    def source(self, digest: str) -> Path: ...
+
+    def keep_mount(self, digest: str, source: str) -> bool: ...
+
+    def is_lazy(self, digest: str) -> bool: ...
+
+    async def prepare(self, digests: list[str], loading: str) -> None: ...
+
+    def enforce_budget(self) -> list[str]: ...
+
+    def acquired(self, digest: str) -> None: ...
 
 
 class LayerMounts:
@@ -38,9 +57,12 @@ class LayerMounts:
     a lock makes them safe to call from worker threads too.
     """
 
-    def __init__(self, root: Path, store: LayerStore | None = None) -> None:
+    def __init__(
+        self, root: Path, store: LayerStore | None = None, provider: LayerSource | None = None
+    ) -> None:
         self.root = Path(os.path.abspath(root))
         self.store = store if store is not None else LayerStore(self.root)
+        self.provider = provider
         self.mnt_dir = self.root / "mnt" / "sha256"
         self._refs: dict[str, int] = {}  # digest -> users; present == mounted by us
         self._lock = threading.Lock()
@@ -49,6 +71,16 @@ class LayerMounts:
     def mount_point(self, digest: str) -> Path:
         return self.mnt_dir / digest_hex(digest)
 
+    async def prepare(self, digests: Sequence[str], loading: str = "lazy") -> None:
+        """Make layers mountable before :meth:`acquire` (fetching them if they are not
+        on this host: whole for ``eager``, only their index for ``lazy``)."""
+        if self.provider is not None:
+            await self.provider.prepare(list(digests), loading)
+
+    def is_lazy(self, digest: str) -> bool:
+        """Lazily loaded layers are read on demand, never prewarmed."""
+        return self.provider is not None and self.provider.is_lazy(digest)
+
     def acquire(self, digest: str) -> Path:
         """Mount the layer if needed, count one more user, return its mount point.
 
@@ -56,11 +88,14 @@ class LayerMounts:
         corrupt blob raises CorruptBlob and is never mounted.
         """
         digest = normalize_digest(digest)
+        if self.provider is not None:
+            self.provider.acquired(digest)
         with self._lock:
             if digest in self._refs:
                 self._refs[digest] += 1
                 return self.mount_point(digest)
-        blob = self.store.verify(digest)  # outside the lock: may hash the whole blob
+        # Outside the lock: may hash the whole blob.
+        blob = self.provider.source(digest) if self.provider else self.store.verify(digest)
         with self._lock:
             target = self.mount_point(digest)
             if digest not in self._refs:
@@ -81,6 +116,9 @@ class LayerMounts:
                 log.warning("release of layer %s with no users", digest)
                 return
             self._refs[digest] = count - 1
+        if count == 1 and self.provider is not None:
+            # A layer just became unused: the cache may have grown past its budget.
+            self.provider.enforce_budget()
 
     def refcount(self, digest: str) -> int:
         with self._lock:
@@ -104,6 +142,7 @@ class LayerMounts:
         self.mnt_dir.mkdir(parents=True, exist_ok=True)
         base = str(self.mnt_dir.resolve())
         seen: dict[str, int] = {}
+        sources: dict[str, str] = {}
         for entry in linux.mounts(base):
             name = os.path.basename(entry.mount_point)
             if os.path.dirname(entry.mount_point) != base or not HEX_RE.match(name):
@@ -113,6 +152,7 @@ class LayerMounts:
                 log.warning("ignoring %s mount at %s", entry.fstype, entry.mount_point)
                 continue
             seen[f"sha256:{name}"] = seen.get(f"sha256:{name}", 0) + 1
+            sources[f"sha256:{name}"] = entry.source
         adopted: list[str] = []
         with self._lock:
             for digest, count in sorted(seen.items()):
@@ -121,7 +161,7 @@ class LayerMounts:
                     linux.umount(target, detach=True)
                 if digest in self._refs:
                     continue
-                if not self.store.exists(digest):
+                if not self._keep(digest, sources.get(digest, "")):
                     log.warning("unmounting layer %s: its blob is gone", digest)
                     linux.umount(target, detach=True)
                     continue
@@ -173,6 +213,11 @@ class LayerMounts:
                 target.rmdir()
             return True
 
+    def _keep(self, digest: str, source: str) -> bool:
+        if self.provider is not None:
+            return self.provider.keep_mount(digest, source)
+        return self.store.exists(digest)
+
     def close(self) -> None:
         """Unmount everything unused; layers still in use stay for the next run to adopt."""
         self.unmount_unused()
@@ -189,6 +234,12 @@ class LayerMounts:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 target.rmdir()
+            if exc.errno == errno.EIO:
+                raise CorruptBlob(
+                    f"cannot mount layer {blob.name}: reading it failed (a chunk that does not "
+                    "match its digest, or the layer store is unreachable); it is not mounted",
+                    digest=f"sha256:{blob.name}",
+                ) from exc
             raise BackendError(
                 f"cannot mount layer {blob.name} on {target}: {exc.strerror}; the kernel "
                 "needs EROFS with file-backed mounts (Linux >= 6.12)",

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
-from dsec.model import ImageInfo
+from dsec.model import DSecContainerRunArgs, ImageInfo
 
 # Called with (step description, done units, total units or None) during long work.
 Progress = Callable[[str, int, int | None], None]
@@ -17,6 +17,10 @@ Recipe = Literal["busybox", "debian-python"]
 class ImageService(Protocol):
     async def resolve(self, ref: str) -> ImageInfo:
         """``name[:tag]`` -> image; raises ImageNotFound with the known names."""
+        ...
+
+    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
+        """The base image of ``spec`` with its workspace and toolkit layers on top."""
         ...
 
     async def list(self) -> list[ImageInfo]: ...

@@ -201,6 +201,25 @@ class LayerStore:
         self._mark_verified(digest, dest.stat())
         return digest
 
+    def add_verified(self, src: Path, digest: str) -> None:
+        """Link a file whose bytes were just hashed to ``digest`` (while it was
+        fetched) into the store without hashing it again; ``src`` is consumed."""
+        digest = normalize_digest(digest)
+        os.chmod(src, 0o444)
+        with open(src, "rb") as fh:
+            os.fsync(fh.fileno())
+        dest = self.path(digest)
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dest)
+        except FileExistsError:
+            pass
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(src)
+        fsync_dir(self.blobs_dir)
+        self._mark_verified(digest, dest.stat())
+
     def verify(self, digest: str, *, force: bool = False) -> Path:
         """The blob's path once its bytes are known to match its digest.
 

@@ -1,0 +1,54 @@
+"""`dsec store serve`: the HTTP layer store other hosts' edges fetch layers from."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dsec.cli.common import out
+
+app = typer.Typer(help="The shared layer store.", no_args_is_help=True)
+
+
+@app.command()
+def serve(
+    root: Annotated[Path, typer.Option("--root", help="store directory")] = Path(
+        "/var/lib/dsec/store"
+    ),
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8471,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", envvar="DSEC_STORE_TOKEN", help="read-write token (else generated)"
+        ),
+    ] = None,
+    read_token: Annotated[
+        str | None,
+        typer.Option("--read-token", envvar="DSEC_STORE_READ_TOKEN", help="read-only token"),
+    ] = None,
+) -> None:
+    """Serve content-addressed blobs (range requests), chunk indexes and layer refs."""
+    from dsec.images.remote.dirstore import DirStore
+    from dsec.images.remote.server import Access
+    from dsec.images.remote.server import serve as serve_store
+
+    if token is None:
+        token = "dst_" + secrets.token_urlsafe(24)
+        out.print(f"store token: {token}", markup=False)
+    tokens: dict[str, Access] = {token: "write"}
+    if read_token:
+        tokens[read_token] = "read"
+    store = DirStore(root)
+
+    def ready(url: str) -> None:
+        out.print(f"layer store {url} serving {store.root} (pid {os.getpid()})", markup=False)
+
+    try:
+        serve_store(store, tokens, host=host, port=port, ready=ready)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
