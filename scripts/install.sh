@@ -9,7 +9,8 @@ APT_PACKAGES=(
   erofs-utils     # mkfs.erofs: every image layer is an EROFS image
   debootstrap     # builds the debian-python image from Debian's archive
   busybox-static  # the tiny busybox image
-  fuse3           # lazy layer loading (FUSE)
+  fuse3           # lazy layer loading (FUSE; dsec-lazyfs speaks /dev/fuse itself)
+  git             # workspace layers built from a git checkout (dsec layer build --git)
   nftables        # per-sandbox egress rules
   iproute2        # network namespaces and veth
   util-linux      # unshare, nsenter, mount
@@ -55,3 +56,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # Compile the in-sandbox agent now rather than on the first sandbox.
 .venv/bin/python -c 'from dsec.agent.build import agent_binary; agent_binary()'
+.venv/bin/python -c 'from dsec.images.lazy.build import lazyfs_binary; lazyfs_binary()'

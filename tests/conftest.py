@@ -124,10 +124,30 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     sandboxes = data_dir / "sandboxes"
     if sandboxes.is_dir():
         leaks.extend(f"sandbox dir {p}" for p in sandboxes.iterdir())
+    leaks.extend(f"lazy layer daemon {pid}" for pid in lazyfs_daemons(data_dir))
     crun_root = data_dir / "run" / "crun"
     if crun_root.is_dir():
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
     return leaks
+
+
+def lazyfs_daemons(data_dir: Path) -> list[int]:
+    """dsec-lazyfs processes serving a mount below ``data_dir``."""
+    found = []
+    needle = os.fsencode(str(data_dir))
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if os.path.basename(argv[0]).startswith(b"dsec-lazyfs") and any(
+            a.startswith(needle) for a in argv
+        ):
+            found.append(int(entry))
+    return found
 
 
 def remove_edge_cgroup(edge_id: str) -> None:
@@ -153,6 +173,9 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
             with contextlib.suppress(OSError):
                 linux.umount(m.mount_point, detach=True)
         remove_edge_cgroup(edge_id)
+        for pid in lazyfs_daemons(plat.data_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""
         shutil.rmtree(base, ignore_errors=True)
         assert not leaks, f"platform left these behind: {leaks}\n--- log ---\n{log_tail}"

@@ -90,6 +90,9 @@ class FakeImages:
         except KeyError:
             raise ImageNotFound(f"no image {ref!r}; known: {sorted(self.images)}") from None
 
+    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
+        return await self.resolve(spec.container_image)
+
     async def list(self) -> list[ImageInfo]:
         return list(self.images.values())
 

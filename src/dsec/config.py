@@ -71,6 +71,25 @@ class PlatformConfig:
     memory_overcommit: float = 8.0
     # Host tuning for fast sandbox starts (cgroup2 favordynmods); DSEC_TUNE_HOST=0 skips.
     tune_host: bool = field(default_factory=lambda: os.environ.get("DSEC_TUNE_HOST", "1") != "0")
+    # Lifetime of data-path tokens (seconds); the SDK renews them before they expire.
+    token_ttl: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_TOKEN_TTL", "3600"))
+    )
+
+    # Shared layer store (http://host:port of `dsec store serve`, or a shared directory);
+    # None = the local directory only. Lazily loaded layers are cached on this host
+    # up to layer_cache_bytes (least recently used unused layers are evicted).
+    layer_store: str | None = field(default_factory=lambda: os.environ.get("DSEC_LAYER_STORE"))
+    layer_store_token: str | None = field(
+        default_factory=lambda: os.environ.get("DSEC_LAYER_STORE_TOKEN")
+    )
+    layer_cache_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("DSEC_LAYER_CACHE_BYTES", str(20 << 30)))
+    )
+    # Seconds a chunk fetch may take before the read inside the sandbox fails with EIO.
+    lazy_fetch_timeout: int = field(
+        default_factory=lambda: int(os.environ.get("DSEC_LAZY_FETCH_TIMEOUT", "10"))
+    )
 
     @property
     def url(self) -> str:

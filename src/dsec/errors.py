@@ -68,6 +68,18 @@ class FileNotFound(NotFound):
     code = "file_not_found"
 
 
+class SessionNotFound(NotFound):
+    """No shell session with that id in the sandbox (closed, or the sandbox restarted)."""
+
+    code = "session_not_found"
+
+
+class ProcessNotFound(NotFound):
+    """No data-path process with that id in the sandbox."""
+
+    code = "process_not_found"
+
+
 class Conflict(DSecError):
     code = "conflict"
     status = 409

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsec.layer_model import ImageLoading, LayerRef
+
 # `name:tag` or `name` (tag defaults to latest); names like registry paths are allowed.
 IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -140,6 +142,12 @@ class DSecContainerRunArgs(DSecRunArgs):
 
     backend: Literal["container"] = "container"
     container_image: str = Field(..., description="image reference name[:tag]")
+    # Composable layers (stacked on the base image in this order) and how they load.
+    workspace: LayerRef | None = Field(None, description="layer name:version or digest")
+    toolkit: LayerRef | None = Field(None, description="layer name:version or digest")
+    image_loading: ImageLoading = Field(
+        "lazy", description="lazy: fetch chunks on first read; eager: whole layers first"
+    )
 
     @field_validator("container_image")
     @classmethod
@@ -149,6 +157,18 @@ class DSecContainerRunArgs(DSecRunArgs):
 
 
 RunArgs = Annotated[DSecContainerRunArgs, Field(discriminator="backend")]
+
+
+class DataPathInfo(Reply):
+    """How to reach a sandbox's edge directly: base URL plus a sandbox token.
+
+    The token is HMAC-signed by the edge, expires, and works for this sandbox only; send
+    it as ``Authorization: Bearer <token>`` to the ``/v1/edge/...`` routes under ``url``.
+    """
+
+    url: str
+    token: str
+    expires_at: datetime
 
 
 class SandboxInfo(Reply):
@@ -162,6 +182,9 @@ class SandboxInfo(Reply):
     reason: str | None = Field(None, description="why it failed or stopped")
     edge: str
     spec: DSecContainerRunArgs
+    data_path: DataPathInfo | None = Field(
+        None, description="direct data path (create and inspect answers only)"
+    )
 
 
 class CreateSandboxRequest(Strict):

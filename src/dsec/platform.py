@@ -55,6 +55,25 @@ def load_or_create_api_key(config: PlatformConfig) -> str:
     return key
 
 
+def layer_store_options(config: PlatformConfig) -> dict[str, Any]:
+    """The shared layer store and lazy loader for Images, when one is configured."""
+    if not config.layer_store:
+        return {}
+    from dsec.images.lazy.daemon import LazyDaemon
+    from dsec.images.remote.client import open_remote
+
+    return {
+        "remote": open_remote(config.layer_store, config.layer_store_token),
+        "lazy": LazyDaemon(
+            config.images_dir / "lazy",
+            config.layer_store.rstrip("/"),
+            config.layer_store_token,
+            timeout=config.lazy_fetch_timeout,
+        ),
+        "cache_bytes": config.layer_cache_bytes,
+    }
+
+
 @dataclass
 class Platform:
     config: PlatformConfig
@@ -80,7 +99,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
         keys = KeyStore(engine)
         api_key = load_or_create_api_key(config)
         await keys.ensure(api_key, principal="admin")
-        images = Images(config.images_dir, engine)
+        images = Images(config.images_dir, engine, **layer_store_options(config))
         await images.open()
         host = cgroups.detect()
         if config.tune_host:
@@ -160,9 +179,23 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
     import uvicorn
 
     from dsec.apiserver.app import create_app
+    from dsec.edge.dataplane import DataPlane
+    from dsec.edge.tokens import TokenSigner, load_or_create_key
 
     async with running_platform(config) as platform:
-        app = create_app(platform.edge, platform.images, platform.keys)
+        signer = TokenSigner(
+            load_or_create_key(config.data_dir / "edge_token.key"), ttl=config.token_ttl
+        )
+        dataplane = DataPlane(platform.edge, signer, config.url)
+        from dsec.images.layers import LayerService
+
+        app = create_app(
+            platform.edge,
+            platform.images,
+            platform.keys,
+            dataplane=dataplane,
+            layers=LayerService(platform.images),
+        )
         tune_gc()
         server = _server_class()(
             uvicorn.Config(

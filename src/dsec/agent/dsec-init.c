@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -43,6 +44,7 @@
 #include <sys/time.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -58,9 +60,23 @@
 #define MAX_GROUPS 256
 
 #define EXEC_FLAG_STDIN 1u
+#define EXEC_FLAG_PTY 2u /* a terminal instead of pipes; u32 rows, u32 cols follow the env */
 #define EXIT_FLAG_TIMED_OUT 1u
 #define EXIT_FLAG_TRUNCATED 2u
 #define WRITE_FLAG_PARENTS 1u
+
+/* 'O' file-system operations (sub-operation codes and flags) */
+#define FS_STAT 1u
+#define FS_LIST 2u
+#define FS_MKDIR 3u
+#define FS_REMOVE 4u
+#define FS_MOVE 5u
+#define FS_CHMOD 6u
+#define FS_SYMLINK 7u
+#define FS_FLAG_PARENTS 1u   /* mkdir -p */
+#define FS_FLAG_RECURSIVE 2u /* list, remove */
+#define FS_FLAG_FOLLOW 4u    /* stat: report what a final symlink points to */
+#define LIST_MAX_DEPTH 128
 
 /* ------------------------------------------------------------------------------------ */
 /* small helpers                                                                        */
@@ -551,6 +567,7 @@ struct exec_req {
 	uint64_t max_output;
 	char *cwd;
 	uint32_t argc, envc;
+	uint32_t rows, cols; /* terminal size (EXEC_FLAG_PTY) */
 	char **argv; /* argc + 1 */
 	char **envp; /* envc + 5: room for HOME, USER, LOGNAME, PATH and NULL */
 	char *arena;
@@ -600,6 +617,10 @@ static int parse_exec(const unsigned char *p, uint32_t n, struct exec_req *r, ch
 				return EINVAL;
 			}
 		}
+	}
+	if (!rd.bad && (r->flags & EXEC_FLAG_PTY)) {
+		r->rows = rd_u32(&rd);
+		r->cols = rd_u32(&rd);
 	}
 	if (rd.bad == 2) {
 		snprintf(err, errlen, "strings must not contain NUL bytes");
@@ -741,6 +762,8 @@ static void __attribute__((noreturn)) command_main(struct exec_req *r, const str
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
 	setsid();
+	if ((r->flags & EXEC_FLAG_PTY) && ioctl(0, TIOCSCTTY, 0) < 0)
+		child_fail(3, errno, "cannot acquire the terminal: %s", strerror(errno));
 	if (switch_user(u) < 0)
 		child_fail(3, errno, "cannot switch to user '%s' (uid %u, gid %u): %s", r->user,
 			   (unsigned)u->uid, (unsigned)u->gid, strerror(errno));
@@ -823,6 +846,9 @@ static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const 
 	int e = resolve_user(r->user, &u, err, sizeof err);
 	if (e)
 		child_fail(3, e, "%s", err);
+	if ((r->flags & EXEC_FLAG_PTY) && fchown(0, u.uid, (gid_t)-1) < 0) {
+		/* the terminal stays root's: programs still work, `tty` ownership checks may not */
+	}
 	env_add(r->envp, "PATH", DEFAULT_PATH);
 	env_add(r->envp, "HOME", u.home);
 	if (u.has_name) {
@@ -875,6 +901,7 @@ struct cmd {
 	struct conn *conn; /* NULL once the client is gone (or got its failure) */
 	pid_t sup, pid;
 	int out_fd, err_fd, in_fd, ctl_fd, sup_fd;
+	int pty_fd; /* the terminal's master side (EXEC_FLAG_PTY), for resizing */
 	struct buf stdin_buf;
 	int stdin_close;
 	uint64_t budget;
@@ -1095,6 +1122,7 @@ static void cmd_check_done(struct cmd *cmd, int64_t now)
 	close_fd(&cmd->in_fd);
 	close_fd(&cmd->ctl_fd);
 	close_fd(&cmd->sup_fd);
+	close_fd(&cmd->pty_fd);
 	buf_free(&cmd->stdin_buf);
 	struct conn *c = cmd->conn;
 	if (c) {
@@ -1112,6 +1140,30 @@ static void cmd_check_done(struct cmd *cmd, int64_t now)
 	cmd->dead = 1;
 }
 
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER _IO('T', 0x41)
+#endif
+
+/* A new terminal in the sandbox's own devpts: master for the agent, slave for the command. */
+static int open_pty(int *master, int *slave, uint32_t rows, uint32_t cols)
+{
+	*master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (*master < 0)
+		return -1;
+	int unlock = 0;
+	if (ioctl(*master, TIOCSPTLCK, &unlock) < 0)
+		return -1;
+	/* TIOCGPTPEER opens the peer without a path lookup, so nothing can be swapped in */
+	*slave = ioctl(*master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (*slave < 0)
+		return -1;
+	if (rows && cols) {
+		struct winsize ws = {(unsigned short)rows, (unsigned short)cols, 0, 0};
+		ioctl(*master, TIOCSWINSZ, &ws);
+	}
+	return 0;
+}
+
 static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 {
 	struct exec_req r;
@@ -1122,36 +1174,53 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 		return;
 	}
 	int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pctl[2] = {-1, -1}, psup[2] = {-1, -1};
+	int master = -1, slave = -1, pty = (r.flags & EXEC_FLAG_PTY) != 0;
 	struct cmd *cmd = calloc(1, sizeof *cmd);
-	if (!cmd || pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC) ||
-	    pipe2(pctl, O_CLOEXEC) || pipe2(psup, O_CLOEXEC)) {
+	if (!cmd || pipe2(pctl, O_CLOEXEC) || pipe2(psup, O_CLOEXEC)) {
 		e = cmd ? errno : ENOMEM;
+		goto fail;
+	}
+	if (pty ? open_pty(&master, &slave, r.rows, r.cols) < 0
+		: (pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC))) {
+		e = errno;
 		goto fail;
 	}
 	int64_t t0 = now_ns();
 	pid_t pid = fork();
 	if (pid == 0) {
 		int fds[5] = {pin[0], pout[1], perr[1], pctl[1], psup[0]};
+		if (pty)
+			fds[0] = fds[1] = fds[2] = slave;
 		supervisor_main(&r, fds);
 	}
 	if (pid < 0) {
 		e = errno;
 		goto fail;
 	}
-	close(pin[0]);
-	close(pout[1]);
-	close(perr[1]);
+	close_fd(&pin[0]);
+	close_fd(&pout[1]);
+	close_fd(&perr[1]);
+	close_fd(&slave);
 	close(pctl[1]);
 	close(psup[0]);
 	cmd->sup = pid;
-	cmd->in_fd = pin[1];
-	cmd->out_fd = pout[0];
-	cmd->err_fd = perr[0];
+	cmd->pty_fd = -1;
+	if (pty) {
+		cmd->out_fd = master;
+		cmd->in_fd = fcntl(master, F_DUPFD_CLOEXEC, 0);
+		cmd->pty_fd = fcntl(master, F_DUPFD_CLOEXEC, 0);
+		cmd->err_fd = -1;
+	} else {
+		cmd->in_fd = pin[1];
+		cmd->out_fd = pout[0];
+		cmd->err_fd = perr[0];
+	}
 	cmd->ctl_fd = pctl[0];
 	cmd->sup_fd = psup[1];
 	set_nonblock(cmd->in_fd, 1);
 	set_nonblock(cmd->out_fd, 1);
-	set_nonblock(cmd->err_fd, 1);
+	if (cmd->err_fd >= 0)
+		set_nonblock(cmd->err_fd, 1);
 	set_nonblock(cmd->ctl_fd, 1);
 	set_nonblock(cmd->sup_fd, 1);
 	if (!(r.flags & EXEC_FLAG_STDIN))
@@ -1174,6 +1243,8 @@ fail:
 		close_fd(&pctl[i]);
 		close_fd(&psup[i]);
 	}
+	close_fd(&master);
+	close_fd(&slave);
 	free(cmd);
 	free_req(&r);
 	snprintf(err, sizeof err, "cannot start a process: %s", strerror(e));
@@ -1396,6 +1467,242 @@ static void __attribute__((noreturn)) do_write(int s, struct buf *in, uint32_t m
 	fo_linger(s);
 }
 
+/* ---- 'O': metadata operations (stat, list, mkdir, remove, move, chmod, symlink) ------- */
+/* An entry record: u32 mode, u32 uid, u32 gid, u64 size, i64 mtime_ns, str name, str target */
+
+static char g_link[PATH_MAX];
+
+static int fs_record(struct buf *b, const struct stat *st, const char *name, const char *target)
+{
+	unsigned char r[32];
+	put_u32(r, (uint32_t)st->st_mode);
+	put_u32(r + 4, (uint32_t)st->st_uid);
+	put_u32(r + 8, (uint32_t)st->st_gid);
+	put_u64(r + 12, (uint64_t)st->st_size);
+	put_u64(r + 20, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
+	unsigned char nl[4], tl[4];
+	put_u32(nl, (uint32_t)strlen(name));
+	put_u32(tl, (uint32_t)strlen(target));
+	if (buf_add(b, r, 28) || buf_add(b, nl, 4) || buf_add(b, name, strlen(name)) || buf_add(b, tl, 4) ||
+	    buf_add(b, target, strlen(target)))
+		return -1;
+	return 0;
+}
+
+static const char *link_target(int dfd, const char *name, const struct stat *st)
+{
+	g_link[0] = 0;
+	if (S_ISLNK(st->st_mode)) {
+		ssize_t k = readlinkat(dfd, name, g_link, sizeof g_link - 1);
+		g_link[k > 0 ? k : 0] = 0;
+	}
+	return g_link;
+}
+
+struct lister {
+	int s;
+	struct buf out;
+	uint64_t count, limit;
+	int truncated;
+};
+
+static void list_flush(struct lister *L, int force)
+{
+	if (L->out.len && (force || L->out.len > CHUNK - 8192)) {
+		fo_send(L->s, 'D', L->out.p + L->out.off, L->out.len, NULL, 0);
+		buf_drop(&L->out, L->out.len);
+	}
+}
+
+/* Entries below dfd (which this takes over), named relative to the listed directory.
+ * Subdirectories are opened with O_NOFOLLOW: a symlink is reported, never walked into. */
+static void list_dir(struct lister *L, int dfd, char *rel, size_t rl, int recursive, int depth)
+{
+	DIR *d = fdopendir(dfd);
+	if (!d) {
+		close(dfd);
+		return;
+	}
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+			continue;
+		if (L->count >= L->limit) {
+			L->truncated = 1;
+			break;
+		}
+		struct stat st;
+		size_t nl = strlen(e->d_name);
+		if (rl + nl + 2 > PATH_MAX || fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+			continue;
+		size_t end = rl;
+		if (end)
+			rel[end++] = '/';
+		memcpy(rel + end, e->d_name, nl + 1);
+		if (fs_record(&L->out, &st, rel, link_target(dirfd(d), e->d_name, &st)) < 0)
+			fo_fail(L->s, ENOMEM, "out of memory");
+		L->count++;
+		list_flush(L, 0);
+		if (recursive && S_ISDIR(st.st_mode) && depth < LIST_MAX_DEPTH) {
+			int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+			if (sub >= 0)
+				list_dir(L, sub, rel, end + nl, recursive, depth + 1);
+		}
+		rel[rl] = 0;
+	}
+	closedir(d);
+}
+
+/* Remove name (below dfd) and, for a directory, everything in it; never follows symlinks
+ * and never descends into another file system mounted inside. Returns 0 or -1 (errno). */
+static int rm_tree_at(int dfd, const char *name, dev_t dev, int depth, char *failed, size_t fl)
+{
+	struct stat st;
+	if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+		return errno == ENOENT ? 0 : -1;
+	if (!S_ISDIR(st.st_mode)) {
+		if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT)
+			return 0;
+		snprintf(failed, fl, "%s", name);
+		return -1;
+	}
+	if (st.st_dev != dev || depth > 4 * LIST_MAX_DEPTH) {
+		snprintf(failed, fl, "%s", name);
+		errno = st.st_dev != dev ? EXDEV : ELOOP;
+		return -1;
+	}
+	int sub = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	DIR *d = sub >= 0 ? fdopendir(sub) : NULL;
+	if (!d) {
+		if (sub >= 0)
+			close(sub);
+		snprintf(failed, fl, "%s", name);
+		return -1;
+	}
+	int rc = 0, err = 0;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+			continue;
+		if (rm_tree_at(dirfd(d), e->d_name, dev, depth + 1, failed, fl) < 0 && !rc) {
+			rc = -1;
+			err = errno;
+		}
+	}
+	closedir(d);
+	if (rc) {
+		errno = err;
+		return -1;
+	}
+	if (unlinkat(dfd, name, AT_REMOVEDIR) < 0) {
+		snprintf(failed, fl, "%s", name);
+		return -1;
+	}
+	return 0;
+}
+
+static void __attribute__((noreturn)) fo_done(int s, const void *payload, size_t n)
+{
+	unsigned char z[8] = {0};
+	if (payload)
+		fo_send(s, 'Y', payload, n, NULL, 0);
+	else
+		fo_send(s, 'Y', z, 8, NULL, 0);
+	fo_linger(s);
+}
+
+static void __attribute__((noreturn)) do_fs(int s, uint32_t op, uint32_t flags, uint32_t mode, uint64_t limit,
+					    const char *path, const char *path2)
+{
+	check_path(s, path);
+	struct stat st;
+	switch (op) {
+	case FS_STAT: {
+		int r = (flags & FS_FLAG_FOLLOW) ? stat(path, &st) : lstat(path, &st);
+		if (r < 0)
+			fo_fail(s, errno, "cannot stat '%s': %s", path, strerror(errno));
+		struct buf b = {0};
+		if (fs_record(&b, &st, path, link_target(AT_FDCWD, path, &st)) < 0)
+			fo_fail(s, ENOMEM, "out of memory");
+		fo_done(s, b.p + b.off, b.len);
+	}
+	case FS_LIST: {
+		int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (dfd < 0)
+			fo_fail(s, errno, "cannot list '%s': %s", path, strerror(errno));
+		struct lister L = {s, {0}, 0, limit ? limit : UINT64_MAX, 0};
+		static char rel[PATH_MAX];
+		rel[0] = 0;
+		list_dir(&L, dfd, rel, 0, (flags & FS_FLAG_RECURSIVE) != 0, 0);
+		list_flush(&L, 1);
+		unsigned char t[12];
+		put_u64(t, L.count);
+		put_u32(t + 8, (uint32_t)L.truncated);
+		fo_done(s, t, 12);
+	}
+	case FS_MKDIR:
+		if (flags & FS_FLAG_PARENTS) {
+			char parent[PATH_MAX];
+			snprintf(parent, sizeof parent, "%s", path);
+			char *slash = strrchr(parent, '/');
+			if (slash && slash != parent) {
+				*slash = 0;
+				if (mkdir_p(parent) < 0)
+					fo_fail(s, errno, "cannot create '%s': %s", parent, strerror(errno));
+			}
+		}
+		if (mkdir(path, mode & 07777) < 0) {
+			int e = errno;
+			if (!(e == EEXIST && (flags & FS_FLAG_PARENTS) && stat(path, &st) == 0 && S_ISDIR(st.st_mode)))
+				fo_fail(s, e, "cannot create directory '%s': %s", path, strerror(e));
+		}
+		fo_done(s, NULL, 0);
+	case FS_REMOVE: {
+		if (lstat(path, &st) < 0)
+			fo_fail(s, errno, "cannot remove '%s': %s", path, strerror(errno));
+		if (strcmp(path, "/") == 0)
+			fo_fail(s, EINVAL, "refusing to remove '/'");
+		int r;
+		char failed[NAME_MAX + 1] = "";
+		if (!S_ISDIR(st.st_mode))
+			r = unlink(path);
+		else if (flags & FS_FLAG_RECURSIVE)
+			r = rm_tree_at(AT_FDCWD, path, st.st_dev, 0, failed, sizeof failed);
+		else
+			r = rmdir(path);
+		if (r < 0) {
+			int e = errno;
+			if (e == ENOTEMPTY || e == EEXIST)
+				fo_fail(s, ENOTEMPTY, "cannot remove '%s': directory not empty (use recursive)", path);
+			fo_fail(s, e, "cannot remove '%s'%s%s: %s", path, failed[0] ? " (at " : "",
+				failed[0] ? failed : "", strerror(e));
+		}
+		fo_done(s, NULL, 0);
+	}
+	case FS_MOVE:
+		check_path(s, path2);
+		if (rename(path, path2) < 0) {
+			int e = errno;
+			if (e == EXDEV)
+				fo_fail(s, e, "cannot move '%s' to '%s': they are on different file systems", path, path2);
+			fo_fail(s, e, "cannot move '%s' to '%s': %s", path, path2, strerror(e));
+		}
+		fo_done(s, NULL, 0);
+	case FS_CHMOD:
+		if (chmod(path, mode & 07777) < 0)
+			fo_fail(s, errno, "cannot chmod '%s': %s", path, strerror(errno));
+		fo_done(s, NULL, 0);
+	case FS_SYMLINK:
+		if (!path2[0])
+			fo_fail(s, EINVAL, "a symlink needs a target");
+		if (symlink(path2, path) < 0)
+			fo_fail(s, errno, "cannot create symlink '%s': %s", path, strerror(errno));
+		fo_done(s, NULL, 0);
+	default:
+		fo_fail(s, EINVAL, "unknown file-system operation %u", op);
+	}
+}
+
 static void __attribute__((noreturn)) fileop_main(struct conn *c, int type, const unsigned char *p, uint32_t n)
 {
 	int fds[1] = {c->fd};
@@ -1411,17 +1718,25 @@ static void __attribute__((noreturn)) fileop_main(struct conn *c, int type, cons
 	char *arena = malloc((size_t)n + 1), *a = arena;
 	struct rd rd = {p, n, 0};
 	uint64_t max = 0;
-	uint32_t mode = 0, flags = 0;
+	uint32_t mode = 0, flags = 0, op = 0;
+	char *path2 = NULL;
 	if (!arena)
 		fo_fail(s, ENOMEM, "out of memory");
 	char *user = rd_str(&rd, &a);
 	if (type == 'R') {
+		max = rd_u64(&rd);
+	} else if (type == 'O') {
+		op = rd_u32(&rd);
+		flags = rd_u32(&rd);
+		mode = rd_u32(&rd);
 		max = rd_u64(&rd);
 	} else {
 		mode = rd_u32(&rd);
 		flags = rd_u32(&rd);
 	}
 	char *path = rd_str(&rd, &a);
+	if (type == 'O')
+		path2 = rd_str(&rd, &a);
 	if (rd.bad)
 		fo_fail(s, EINVAL, "%s", rd.bad == 2 ? "strings must not contain NUL bytes" : "malformed request");
 	buf_drop(&c->in, FRAME_HDR + n); /* what is left are the first data frames */
@@ -1438,6 +1753,8 @@ static void __attribute__((noreturn)) fileop_main(struct conn *c, int type, cons
 		_exit(1); /* the agent is already gone */
 	if (type == 'R')
 		do_read(s, max, path);
+	if (type == 'O')
+		do_fs(s, op, flags, mode, max, path, path2);
 	do_write(s, &c->in, mode, flags, path);
 }
 
@@ -1468,6 +1785,7 @@ static void conn_first_frame(struct conn *c, int type, const unsigned char *p, u
 		break;
 	case 'R':
 	case 'W':
+	case 'O':
 		start_fileop(c, type, p, n);
 		break;
 	case 'H': {
@@ -1500,6 +1818,12 @@ static void conn_exec_frame(struct conn *c, int type, const unsigned char *p, ui
 	case 'C':
 		cmd->stdin_close = 1;
 		cmd_write_stdin(cmd);
+		break;
+	case 'T':
+		if (n >= 8 && cmd->pty_fd >= 0) {
+			struct winsize ws = {(unsigned short)get_u32(p), (unsigned short)get_u32(p + 4), 0, 0};
+			ioctl(cmd->pty_fd, TIOCSWINSZ, &ws);
+		}
 		break;
 	case 'S':
 		if (n >= 4 && cmd->sup_fd >= 0) {

@@ -11,13 +11,17 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.datapath import install_data_path
 from dsec.apiserver.errors import ErrorBody, install_error_handlers
 from dsec.apiserver.images import image_router
+from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.control.keys import KeyStore
 from dsec.edge.api import EdgeAPI
+from dsec.edge.dataplane import DataPlane
+from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
 from dsec.model import HealthInfo
 
@@ -30,6 +34,8 @@ def create_app(
     keys: KeyStore,
     *,
     limits: ApiLimits | None = None,
+    dataplane: DataPlane | None = None,
+    layers: LayerService | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -51,6 +57,11 @@ def create_app(
         """Liveness and capacity; needs no API key."""
         return model_response(await edge.health())
 
-    app.include_router(sandbox_router(edge, auth, limits))
+    data_path = dataplane.data_path if dataplane is not None else None
+    app.include_router(sandbox_router(edge, auth, limits, data_path=data_path))
+    if dataplane is not None:
+        install_data_path(app, dataplane, keys, auth, limits)
     app.include_router(image_router(images, auth, limits))
+    if layers is not None:
+        app.include_router(layer_router(layers, auth))
     return app

@@ -6,6 +6,7 @@ errors, which the app's handlers turn into the error envelope.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -17,14 +18,33 @@ from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
 from dsec.apiserver.responses import model_response, sandboxes_response
 from dsec.edge.api import EdgeAPI
-from dsec.model import CreateSandboxRequest, ExecRequest, ExecResult, SandboxInfo, SandboxState
+from dsec.model import (
+    CreateSandboxRequest,
+    DataPathInfo,
+    ExecRequest,
+    ExecResult,
+    SandboxInfo,
+    SandboxState,
+)
 
 LIVE_STATES = frozenset(s for s in SandboxState if not s.terminal)
 
 _OCTET = "application/octet-stream"
 
 
-def sandbox_router(edge: EdgeAPI, auth: Authenticator, limits: ApiLimits) -> APIRouter:
+def sandbox_router(
+    edge: EdgeAPI,
+    auth: Authenticator,
+    limits: ApiLimits,
+    *,
+    data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
+) -> APIRouter:
+    async def with_data_path(info: SandboxInfo) -> SandboxInfo:
+        """Create and inspect answers carry the edge URL and a token for the data path."""
+        if data_path is not None and not info.state.terminal:
+            info.data_path = await data_path(info.id)
+        return info
+
     router = APIRouter(
         prefix="/v1/sandboxes",
         tags=["sandboxes"],
@@ -36,7 +56,7 @@ def sandbox_router(edge: EdgeAPI, auth: Authenticator, limits: ApiLimits) -> API
     async def create_sandbox(body: CreateSandboxRequest) -> Response:
         """Admit, prepare and start a sandbox; returns once it is running."""
         info = await edge.create(body.spec, timeout=body.timeout)
-        return model_response(info, 201)
+        return model_response(await with_data_path(info), 201)
 
     @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
     async def list_sandboxes(
@@ -62,7 +82,7 @@ def sandbox_router(edge: EdgeAPI, auth: Authenticator, limits: ApiLimits) -> API
 
     @router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Inspect a sandbox")
     async def get_sandbox(sandbox_id: str) -> Response:
-        return model_response(await edge.get(check_sandbox_id(sandbox_id)))
+        return model_response(await with_data_path(await edge.get(check_sandbox_id(sandbox_id))))
 
     @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Stop a sandbox")
     async def stop_sandbox(sandbox_id: str) -> Response:

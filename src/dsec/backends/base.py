@@ -23,6 +23,7 @@ from dsec.model import (
     SandboxInfo,
     SandboxState,
 )
+from dsec.sessions.agent_client import AgentClient
 
 
 @dataclass
@@ -96,6 +97,14 @@ class Backend(ABC):
     async def sweep(self, known_ids: set[str]) -> list[str]:
         """Remove leftovers (processes, mounts, cgroups, dirs) of sandboxes not in
         ``known_ids``; returns what was removed, for the log."""
+
+    def agent(self, rec: SandboxRecord) -> AgentClient:
+        """The in-sandbox agent, for sessions, streaming and file operations."""
+        raise Unsupported(f"the {self.kind} backend has no session agent yet")
+
+    def command_env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
+        """The environment a command starts with: image, spec, then ``extra``."""
+        raise Unsupported(f"the {self.kind} backend has no session agent yet")
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {}

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from dsec.cli import demo as demo_cmd
-from dsec.cli import image, sandbox
+from dsec.cli import image, layer, sandbox, store
 from dsec.cli import up as up_cmd
 from dsec.cli.common import Globals, UsageFailure, err, print_error
 from dsec.errors import DSecError, PermissionDenied
@@ -28,6 +28,8 @@ app = typer.Typer(
 )
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(image.app, name="image")
+app.add_typer(layer.app, name="layer")
+app.add_typer(store.app, name="store")
 app.command("up")(up_cmd.up)
 app.command("demo")(demo_cmd.demo)
 

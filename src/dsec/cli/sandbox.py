@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from rich.table import Table
 from rich.text import Text
 
+from dsec.cli import shell as shell_cmd
 from dsec.cli.common import (
     emit_json,
     err,
@@ -23,6 +24,7 @@ from dsec.errors import DSecError
 from dsec.model import DSecContainerRunArgs, SandboxState
 
 app = typer.Typer(help="Create, use and remove sandboxes.", no_args_is_help=True)
+app.command("shell")(shell_cmd.shell)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 

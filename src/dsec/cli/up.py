@@ -46,6 +46,19 @@ def up(
             "--api-key", envvar="DSEC_API_KEY", help="admin key (default: generated and kept)"
         ),
     ] = None,
+    layer_store: Annotated[
+        str | None,
+        typer.Option(
+            "--layer-store",
+            help="shared layer store: http://host:port (dsec store serve) or a shared directory",
+        ),
+    ] = None,
+    layer_store_token: Annotated[
+        str | None, typer.Option("--layer-store-token", help="token of the HTTP layer store")
+    ] = None,
+    layer_cache_gib: Annotated[
+        float | None, typer.Option("--layer-cache-gib", help="host layer cache budget (GiB)")
+    ] = None,
     save_config: Annotated[
         bool,
         typer.Option(
@@ -66,6 +79,12 @@ def up(
     config = PlatformConfig(
         data_dir=data_dir, host=host, port=port, api_key=api_key or globals_of(ctx).api_key
     )
+    if layer_store is not None:
+        config.layer_store = layer_store
+    if layer_store_token is not None:
+        config.layer_store_token = layer_store_token
+    if layer_cache_gib is not None:
+        config.layer_cache_bytes = int(layer_cache_gib * (1 << 30))
 
     def ready(url: str, key: str) -> None:
         announce(url, key, save_client_config(url, key) if save_config else None)

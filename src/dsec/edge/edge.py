@@ -73,6 +73,7 @@ class Edge:
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
+        self._stop_listeners: builtins.list[Callable[[str], None]] = []
 
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
@@ -135,7 +136,7 @@ class Edge:
                 rules=allowed,
             )
         self.admission.check_limits(spec)
-        image = await self.images.resolve(spec.container_image)
+        image = await self.images.compose(spec)  # base + workspace + toolkit layers
         self.admission.admit(spec)
         now = _now()
         rec = SandboxRecord(
@@ -188,6 +189,13 @@ class Edge:
         self._set(rec, final, reason)
         if was_live:
             self.admission.release(rec.spec)
+        for listener in self._stop_listeners:
+            listener(rec.id)
+
+    def add_stop_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(sandbox_id)`` whenever a sandbox ends (the data path drops its
+        sessions and processes)."""
+        self._stop_listeners.append(listener)
 
     def _set(self, rec: SandboxRecord, state: SandboxState, reason: str | None = None) -> None:
         rec.state = state
@@ -260,6 +268,22 @@ class Edge:
             raise
         finally:
             rec.last_activity = time.monotonic()
+
+    def running_record(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a running sandbox (marks it active), for the data path."""
+        rec = self._get(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {rec.state.value}"
+                + (f": {rec.reason}" if rec.reason else ""),
+                state=rec.state.value,
+            )
+        rec.last_activity = time.monotonic()
+        return rec
+
+    async def call_running(self, sandbox_id: str, op: Callable[[SandboxRecord], Awaitable[T]]) -> T:
+        """Run ``op`` on a running sandbox; a dead agent marks the sandbox failed."""
+        return await self._on_running(sandbox_id, op)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))

@@ -7,16 +7,15 @@ request on an open connection. What to send and how to read the answer lives in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
 
 import httpx
 
-from dsec.errors import DSecError, InvalidArgument, SandboxNotFound
+from dsec.errors import DSecError, SandboxNotFound
 from dsec.model import (
     DSecContainerRunArgs,
-    ExecResult,
     HealthInfo,
     ImageInfo,
     SandboxInfo,
@@ -25,6 +24,8 @@ from dsec.model import (
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
+from dsec.sdk.datapath import DataPathClient, DataPathMode, SandboxDataMixin
+from dsec.sdk.layers import LayersMixin
 
 T = TypeVar("T")
 
@@ -32,12 +33,14 @@ DEFAULT_TIMEOUT = 60.0
 POOL_SHARD_SIZE = 32
 
 
-class DSecClient:
+class DSecClient(LayersMixin):
     """Async client of a DSec platform.
 
     ``url`` and ``api_key`` default to ``DSEC_URL`` / ``DSEC_API_KEY``, then to what
     ``dsec up`` saved. ``timeout`` bounds ordinary calls; operations with their own
     timeout (create, exec, build, import) wait a little longer than theirs.
+    ``data_path="direct"`` sends commands and files straight to the sandbox's edge with
+    a per-sandbox token; ``"proxy"`` sends them to ``url`` with the API key instead.
     """
 
     def __init__(
@@ -48,11 +51,14 @@ class DSecClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        data_path: DataPathMode = "direct",
     ) -> None:
         self._settings = _http.ClientSettings(
             url, api_key, timeout=timeout, max_connections=max_connections
         )
         self._transport = transport
+        self._data_mode: DataPathMode = data_path
+        self._data: DataPathClient | None = None
         # httpcore's pool does O(connections^2) work per request event: with hundreds
         # of connections in one pool a burst spent ~6 ms of client CPU per request
         # (measured). Several small pools, least-loaded first, keep that bounded.
@@ -74,7 +80,15 @@ class DSecClient:
         self._pick_pool()
         await self.health()
 
+    def _data_path(self) -> DataPathClient:
+        if self._data is None:
+            self._data = DataPathClient(self, self._data_mode)
+        return self._data
+
     async def close(self) -> None:
+        data, self._data = self._data, None
+        if data is not None:
+            await data.close()
         pools, self._pools, self._inflight = self._pools, [], []
         for pool in pools:
             await pool.aclose()
@@ -186,12 +200,16 @@ class DSecClient:
         return await self._send(proto.remove_image(ref))
 
 
-class Sandbox:
-    """A handle on one sandbox. ``info`` is its last known state (see ``refresh``)."""
+class Sandbox(SandboxDataMixin):
+    """A handle on one sandbox. ``info`` is its last known state (see ``refresh``).
+
+    Commands, sessions, processes, the terminal and files: see ``SandboxDataMixin``.
+    """
 
     def __init__(self, client: DSecClient, info: SandboxInfo) -> None:
         self._client = client
         self.info = info
+        client._data_path().remember(info)
 
     @property
     def id(self) -> str:
@@ -206,68 +224,8 @@ class Sandbox:
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._client._send(proto.get_sandbox(self.id))
+        self._client._data_path().remember(self.info)
         return self.info
-
-    async def run_shell(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        workdir: str | None = None,
-        user: str | None = None,
-        stdin: str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run ``command`` through ``/bin/sh -c``; ``timeout`` kills it (no limit if None)."""
-        if not isinstance(command, str):
-            raise InvalidArgument("run_shell takes a string; use exec() for an argv list")
-        return await self._client._send(
-            proto.exec_command(
-                self.id,
-                command,
-                timeout=timeout,
-                env=env,
-                workdir=workdir,
-                user=user,
-                stdin=stdin,
-                max_output_bytes=max_output_bytes,
-            )
-        )
-
-    async def exec(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        workdir: str | None = None,
-        user: str | None = None,
-        stdin: str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run an argv directly, without a shell."""
-        if isinstance(argv, str):
-            raise InvalidArgument("exec takes an argv list; use run_shell() for a string")
-        return await self._client._send(
-            proto.exec_command(
-                self.id,
-                list(argv),
-                timeout=timeout,
-                env=env,
-                workdir=workdir,
-                user=user,
-                stdin=stdin,
-                max_output_bytes=max_output_bytes,
-            )
-        )
-
-    async def read_file(self, path: str) -> bytes:
-        return await self._client._send(proto.read_file(self.id, path))
-
-    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Create or replace a file; a str is written as UTF-8."""
-        await self._client._send(proto.write_file(self.id, path, data, mode=mode))
 
     async def stop(self) -> SandboxInfo:
         """Terminate the sandbox (idempotent) and return its final state."""

@@ -6,16 +6,15 @@ For scripts, notebooks and thread-based rollout workers. Requests and parsing co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
 
 import httpx
 
-from dsec.errors import DSecError, InvalidArgument, SandboxNotFound
+from dsec.errors import DSecError, SandboxNotFound
 from dsec.model import (
     DSecContainerRunArgs,
-    ExecResult,
     HealthInfo,
     ImageInfo,
     SandboxInfo,
@@ -23,13 +22,17 @@ from dsec.model import (
 )
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
+from dsec.sdk._portal import Portal
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
-from dsec.sdk.client import DEFAULT_TIMEOUT
+from dsec.sdk.client import DEFAULT_TIMEOUT, DSecClient
+from dsec.sdk.datapath import DataPathMode
+from dsec.sdk.layers import SyncLayersMixin
+from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 
 T = TypeVar("T")
 
 
-class DSecSyncClient:
+class DSecSyncClient(SyncLayersMixin):
     """Blocking client of a DSec platform; same arguments and methods as ``DSecClient``."""
 
     def __init__(
@@ -40,12 +43,16 @@ class DSecSyncClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_connections: int = 256,
         transport: httpx.BaseTransport | None = None,
+        data_path: DataPathMode = "direct",
     ) -> None:
         self._settings = _http.ClientSettings(
             url, api_key, timeout=timeout, max_connections=max_connections
         )
         self._transport = transport
         self._http: httpx.Client | None = None
+        self._data_mode: DataPathMode = data_path
+        self._portal_obj: Portal | None = None
+        self._aclient: DSecClient | None = None
 
     @property
     def url(self) -> str:
@@ -61,7 +68,29 @@ class DSecSyncClient:
         self._client()
         self.health()
 
+    def _portal(self) -> Portal:
+        if self._portal_obj is None:
+            self._portal_obj = Portal()
+        return self._portal_obj
+
+    def _async_client(self) -> DSecClient:
+        """The async client whose data path the sync handles drive (in the portal)."""
+        if self._aclient is None:
+            self._aclient = DSecClient(
+                self._settings.url,
+                self._settings.api_key,
+                timeout=self._settings.timeout,
+                data_path=self._data_mode,
+            )
+        return self._aclient
+
     def close(self) -> None:
+        aclient, self._aclient = self._aclient, None
+        portal, self._portal_obj = self._portal_obj, None
+        if portal is not None:
+            if aclient is not None:
+                portal.call(aclient.close())
+            portal.close()
         if self._http is not None:
             http, self._http = self._http, None
             http.close()
@@ -158,8 +187,11 @@ class DSecSyncClient:
         return self._send(proto.remove_image(ref))
 
 
-class SyncSandbox:
-    """A handle on one sandbox. ``info`` is its last known state (see ``refresh``)."""
+class SyncSandbox(SyncSandboxDataMixin):
+    """A handle on one sandbox. ``info`` is its last known state (see ``refresh``).
+
+    Commands, sessions, processes, the terminal and files: see ``SyncSandboxDataMixin``.
+    """
 
     def __init__(self, client: DSecSyncClient, info: SandboxInfo) -> None:
         self._client = client
@@ -179,67 +211,6 @@ class SyncSandbox:
     def refresh(self) -> SandboxInfo:
         self.info = self._client._send(proto.get_sandbox(self.id))
         return self.info
-
-    def run_shell(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        workdir: str | None = None,
-        user: str | None = None,
-        stdin: str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run ``command`` through ``/bin/sh -c``; ``timeout`` kills it (no limit if None)."""
-        if not isinstance(command, str):
-            raise InvalidArgument("run_shell takes a string; use exec() for an argv list")
-        return self._client._send(
-            proto.exec_command(
-                self.id,
-                command,
-                timeout=timeout,
-                env=env,
-                workdir=workdir,
-                user=user,
-                stdin=stdin,
-                max_output_bytes=max_output_bytes,
-            )
-        )
-
-    def exec(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        workdir: str | None = None,
-        user: str | None = None,
-        stdin: str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run an argv directly, without a shell."""
-        if isinstance(argv, str):
-            raise InvalidArgument("exec takes an argv list; use run_shell() for a string")
-        return self._client._send(
-            proto.exec_command(
-                self.id,
-                list(argv),
-                timeout=timeout,
-                env=env,
-                workdir=workdir,
-                user=user,
-                stdin=stdin,
-                max_output_bytes=max_output_bytes,
-            )
-        )
-
-    def read_file(self, path: str) -> bytes:
-        return self._client._send(proto.read_file(self.id, path))
-
-    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Create or replace a file; a str is written as UTF-8."""
-        self._client._send(proto.write_file(self.id, path, data, mode=mode))
 
     def stop(self) -> SandboxInfo:
         """Terminate the sandbox (idempotent) and return its final state."""

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import errno
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +24,7 @@ from typing import NoReturn, Self
 
 from dsec.errors import (
     BackendError,
+    Conflict,
     DSecError,
     FileNotFound,
     InvalidArgument,
@@ -32,7 +33,7 @@ from dsec.errors import (
 )
 from dsec.sessions import protocol as p
 
-__all__ = ["AgentClient", "AgentExecResult"]
+__all__ = ["AgentClient", "AgentExecResult", "ExecStream"]
 
 #: Extra time the client gives the agent beyond a command's own timeout before it
 #: declares the agent broken (the agent enforces the timeout itself).
@@ -75,8 +76,12 @@ def agent_error(err: int, message: str, *, reading: bool = False) -> DSecError:
         errno.ENOEXEC,
         errno.E2BIG,
         errno.EEXIST,
+        errno.ENOTEMPTY,
+        errno.EXDEV,
     ):
         return InvalidArgument(message, **details)
+    if err == errno.EBUSY:
+        return Conflict(message, **details)
     if err in (errno.ENOSPC, errno.EDQUOT):
         return LimitExceeded(f"{message} (sandbox disk is full or over quota)", **details)
     if err in (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE):
@@ -218,6 +223,15 @@ class _ExecStream:
         self._conn.send(p.encode_signal(signo))
         await self._conn.drain()
 
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the size of the command's terminal (commands started with ``pty``)."""
+        try:
+            data = p.encode_resize(rows, cols)
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        self._conn.send(data)
+        await self._conn.drain()
+
     async def aclose(self) -> None:
         """Close the connection; a command still running is killed with its whole tree."""
         await self._conn.close()
@@ -297,6 +311,27 @@ class AgentClient:
             truncated=status.truncated,
         )
 
+    async def start(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: str,
+        timeout: float | None,
+        max_output: int,
+        with_stdin: bool,
+        pty: tuple[int, int] | None = None,
+    ) -> ExecStream:
+        """Start a command and return its stream (output as it comes, stdin, signals).
+
+        Closing the stream before the command ends kills its whole process tree.
+        """
+        request = self._exec_request(
+            argv, env, cwd, user, timeout, max_output, b"" if with_stdin else None, pty
+        )
+        return await _ExecStream.start(self.socket_path, request)
+
     @staticmethod
     def _exec_request(
         argv: Sequence[str],
@@ -306,6 +341,7 @@ class AgentClient:
         timeout: float | None,
         max_output: int,
         stdin: bytes | None,
+        pty: tuple[int, int] | None = None,
     ) -> p.ExecRequest:
         if not argv:
             raise InvalidArgument("argv must not be empty")
@@ -321,6 +357,7 @@ class AgentClient:
             timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
             max_output=min(max_output, p.U64_MAX),
             with_stdin=stdin is not None,
+            pty=pty,
         )
         try:
             p.encode_exec(request)  # validate now, with a typed error
@@ -398,6 +435,133 @@ class AgentClient:
         finally:
             await conn.close()
 
+    async def read_stream(
+        self, path: str, *, user: str, max_bytes: int = p.U64_MAX
+    ) -> AsyncIterator[bytes]:
+        """Read a file as ``user`` chunk by chunk (never the whole file in memory).
+
+        The file is opened before the first chunk is yielded, so a missing file raises at
+        the first ``__anext__``; abandoning the iterator closes the agent connection.
+        """
+        try:
+            request = p.encode_read(path, user=user, max_bytes=max_bytes)
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        conn = await _Connection.open(self.socket_path, f"read of {path!r}")
+        try:
+            conn.send(request)
+            size = 0
+            while True:
+                kind, body = await conn.read_frame()
+                if kind == p.T_DATA:
+                    size += len(body)
+                    yield body
+                elif kind == p.T_DONE:
+                    if p.decode_u64(body) != size:
+                        conn.unexpected(kind)
+                    return
+                elif kind == p.T_FAIL:
+                    raise agent_error(*p.decode_failure(body), reading=True)
+                else:
+                    conn.unexpected(kind)
+        finally:
+            await conn.close()
+
+    async def write_stream(
+        self,
+        path: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        user: str,
+        mode: int,
+        make_parents: bool = True,
+    ) -> int:
+        """Write a file as ``user`` from chunks as they come; atomic like ``write_file``.
+
+        Returns the number of bytes written. If ``chunks`` raises, nothing is replaced.
+        """
+        try:
+            request = p.encode_write(path, user=user, mode=mode, make_parents=make_parents)
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        conn = await _Connection.open(self.socket_path, f"write of {path!r}")
+        total = 0
+        try:
+            conn.send(request)
+            reply = asyncio.create_task(conn.read_frame())
+            try:
+                try:
+                    async for data in chunks:
+                        if reply.done():
+                            break
+                        total += len(data)
+                        for chunk in p.encode_data_frames(p.T_DATA, data):
+                            conn.send(chunk)
+                        await conn.drain()
+                    else:
+                        conn.send(p.frame(p.T_CLOSE))
+                        await conn.drain()
+                except BackendError:
+                    if not reply.done():
+                        raise
+                kind, body = await reply
+            finally:
+                if not reply.done():
+                    reply.cancel()
+                with contextlib.suppress(asyncio.CancelledError, DSecError):
+                    await reply
+            if kind == p.T_FAIL:
+                raise agent_error(*p.decode_failure(body))
+            if kind != p.T_DONE or p.decode_u64(body) != total:
+                conn.unexpected(kind)
+            return total
+        finally:
+            await conn.close()
+
+    async def fs(
+        self,
+        op: int,
+        path: str,
+        *,
+        user: str,
+        flags: int = 0,
+        mode: int = 0,
+        limit: int = 0,
+        path2: str = "",
+    ) -> tuple[list[p.Entry], bytes]:
+        """One ``O`` operation: ``(entries sent in D frames, payload of the final Y)``."""
+        try:
+            request = p.encode_fs(
+                op, path, user=user, flags=flags, mode=mode, limit=limit, path2=path2
+            )
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        conn = await _Connection.open(self.socket_path, f"file operation on {path!r}")
+        try:
+            conn.send(request)
+            entries: list[p.Entry] = []
+            while True:
+                kind, body = await conn.read_frame()
+                if kind == p.T_DATA:
+                    try:
+                        entries.extend(p.decode_entries(body))
+                    except p.ProtocolError as exc:
+                        self._bad(exc)
+                elif kind == p.T_DONE:
+                    return entries, body
+                elif kind == p.T_FAIL:
+                    raise agent_error(*p.decode_failure(body))
+                else:
+                    conn.unexpected(kind)
+        finally:
+            await conn.close()
+
+    def _bad(self, exc: Exception) -> NoReturn:
+        raise BackendError(
+            f"sandbox agent at {self.socket_path} sent a malformed reply: {exc}",
+            socket=str(self.socket_path),
+        )
+
     async def ping(self, timeout: float = 1.0) -> None:
         """Check that the agent answers; raises ``BackendError`` if it does not in time."""
         conn: _Connection | None = None
@@ -434,3 +598,7 @@ class AgentClient:
 async def _feed_stdin(stream: _ExecStream, data: bytes) -> None:
     await stream.write_stdin(data)
     await stream.close_stdin()
+
+
+ExecStream = _ExecStream
+"""Public name of a started command's stream (see :meth:`AgentClient.start`)."""

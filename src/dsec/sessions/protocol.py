@@ -8,13 +8,20 @@ payload are ``u32 length + bytes``. One connection carries one operation, chosen
 first frame the client sends:
 
 - ``X`` exec: str user, u32 flags, u32 timeout_ms, u64 max_output, str cwd,
-  u32 argc + strs, u32 envc + strs ("K=V"). The client may then send ``I`` (stdin bytes),
-  ``C`` (close stdin), ``S`` (u32 signal for the whole process tree). The agent answers
+  u32 argc + strs, u32 envc + strs ("K=V"), and with the PTY flag u32 rows, u32 cols
+  (the command then runs on a new terminal: one output stream, ``O``). The client may
+  then send ``I`` (stdin bytes), ``C`` (close stdin), ``S`` (u32 signal for the whole
+  process tree), ``T`` (u32 rows, u32 cols: resize the terminal). The agent answers
   ``P`` (u32 pid), ``O``/``E`` (stdout/stderr bytes, in arrival order) and finally
   ``Z`` (i32 exit code, u32 flags, u64 duration_ns); or ``F`` if the program never started.
 - ``R`` read file: str user, u64 max_bytes, str path -> ``D`` chunks, then ``Y`` (u64 total).
 - ``W`` write file: str user, u32 mode, u32 flags, str path; the client sends ``D`` chunks
   and ``C``; the agent answers ``Y`` (u64 bytes written).
+- ``O`` file-system operation: str user, u32 op, u32 flags, u32 mode, u64 limit, str path,
+  str path2 -> ``Y``; ``stat`` answers one entry record in ``Y``, ``list`` sends entry
+  records in ``D`` frames and ends with ``Y`` (u64 count, u32 truncated). An entry record
+  is u32 mode, u32 uid, u32 gid, u64 size, i64 mtime_ns, str name, str symlink target.
+  Like ``R``/``W`` it runs as ``user`` inside the sandbox's mount namespace and root.
 - ``H`` ping -> ``Y`` (u64 0).   ``Q`` shutdown: the agent kills everything and exits.
 
 Any operation may end with ``F``: i32 errno, then a UTF-8 message (rest of the payload).
@@ -31,12 +38,14 @@ OP_EXEC = ord("X")
 OP_READ = ord("R")
 OP_WRITE = ord("W")
 OP_PING = ord("H")
+OP_FS = ord("O")
 OP_SHUTDOWN = ord("Q")
 
 # Client -> agent, after the first frame.
 T_STDIN = ord("I")
 T_CLOSE = ord("C")
 T_SIGNAL = ord("S")
+T_RESIZE = ord("T")
 
 # Agent -> client (``D`` is also client -> agent during a write).
 T_PID = ord("P")
@@ -48,9 +57,22 @@ T_DATA = ord("D")
 T_DONE = ord("Y")
 
 EXEC_FLAG_STDIN = 1
+EXEC_FLAG_PTY = 2
 EXIT_FLAG_TIMED_OUT = 1
 EXIT_FLAG_TRUNCATED = 2
 WRITE_FLAG_MAKE_PARENTS = 1
+
+# ``O`` sub-operations and flags.
+FS_STAT = 1
+FS_LIST = 2
+FS_MKDIR = 3
+FS_REMOVE = 4
+FS_MOVE = 5
+FS_CHMOD = 6
+FS_SYMLINK = 7
+FS_FLAG_PARENTS = 1
+FS_FLAG_RECURSIVE = 2
+FS_FLAG_FOLLOW = 4
 
 HEADER = struct.Struct("<BI")
 HEADER_SIZE = HEADER.size
@@ -118,6 +140,8 @@ class ExecRequest:
     timeout_ms: int
     max_output: int
     with_stdin: bool
+    pty: tuple[int, int] | None = None
+    """``(rows, cols)``: run on a new terminal instead of pipes."""
 
 
 def encode_exec(req: ExecRequest) -> bytes:
@@ -133,15 +157,23 @@ def encode_exec(req: ExecRequest) -> bytes:
         if not key or "=" in key:
             raise ValueError(f"invalid environment variable name: {key!r}")
         env.append(f"{key}={value}")
+    flags = (EXEC_FLAG_STDIN if req.with_stdin else 0) | (EXEC_FLAG_PTY if req.pty else 0)
+    tail = b""
+    if req.pty is not None:
+        rows, cols = req.pty
+        if not (0 <= rows <= 0xFFFF and 0 <= cols <= 0xFFFF):
+            raise ValueError(f"terminal size out of range: {rows}x{cols}")
+        tail = _U32.pack(rows) + _U32.pack(cols)
     payload = b"".join(
         (
             pack_str(req.user),
-            _U32.pack(EXEC_FLAG_STDIN if req.with_stdin else 0),
+            _U32.pack(flags),
             _U32.pack(req.timeout_ms),
             _U64.pack(req.max_output),
             pack_str(req.cwd),
             _strs(req.argv),
             _strs(env),
+            tail,
         )
     )
     return frame(OP_EXEC, payload)
@@ -158,6 +190,80 @@ def encode_write(path: str, *, user: str, mode: int, make_parents: bool) -> byte
         raise ValueError(f"mode out of range: {mode:#o}")
     flags = WRITE_FLAG_MAKE_PARENTS if make_parents else 0
     return frame(OP_WRITE, pack_str(user) + _U32.pack(mode) + _U32.pack(flags) + pack_str(path))
+
+
+def encode_fs(
+    op: int,
+    path: str,
+    *,
+    user: str,
+    flags: int = 0,
+    mode: int = 0,
+    limit: int = 0,
+    path2: str = "",
+) -> bytes:
+    """The ``O`` frame of a file-system operation."""
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode out of range: {mode:#o}")
+    if not 0 <= limit <= U64_MAX:
+        raise ValueError(f"limit out of range: {limit}")
+    payload = b"".join(
+        (
+            pack_str(user),
+            _U32.pack(op),
+            _U32.pack(flags),
+            _U32.pack(mode),
+            _U64.pack(limit),
+            pack_str(path),
+            pack_str(path2),
+        )
+    )
+    return frame(OP_FS, payload)
+
+
+def encode_resize(rows: int, cols: int) -> bytes:
+    if not (1 <= rows <= 0xFFFF and 1 <= cols <= 0xFFFF):
+        raise ValueError(f"terminal size out of range: {rows}x{cols}")
+    return frame(T_RESIZE, _U32.pack(rows) + _U32.pack(cols))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file-system entry as the agent reports it (``name`` is relative in listings)."""
+
+    name: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    target: str
+
+
+_ENTRY_HEAD = struct.Struct("<IIIQq")
+
+
+def decode_entries(payload: bytes) -> list[Entry]:
+    """Entry records packed one after another (a ``D`` frame of a listing, or a stat)."""
+    out: list[Entry] = []
+    view = memoryview(payload)
+    pos = 0
+    try:
+        while pos < len(view):
+            mode, uid, gid, size, mtime = _ENTRY_HEAD.unpack_from(view, pos)
+            pos += _ENTRY_HEAD.size
+            names = []
+            for _ in range(2):
+                (n,) = _U32.unpack_from(view, pos)
+                pos += 4
+                if pos + n > len(view):
+                    raise ProtocolError("entry record is cut short")
+                names.append(bytes(view[pos : pos + n]).decode("utf-8", "surrogateescape"))
+                pos += n
+            out.append(Entry(names[0], mode, uid, gid, size, mtime, names[1]))
+    except struct.error as exc:
+        raise ProtocolError(f"malformed entry record: {exc}") from None
+    return out
 
 
 def encode_signal(signo: int) -> bytes:

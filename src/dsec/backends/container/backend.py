@@ -176,11 +176,14 @@ class ContainerBackend(Backend):
         try:
             for d in (rootfs, upper, work):
                 d.mkdir(parents=True, exist_ok=False)
+            # Fetch what this host lacks: only chunk indexes when lazy, whole layers when eager.
+            await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
             lowers = []
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
                 lowers.append(str(self.layers.acquire(digest)))
                 rec.runtime["layers_held"].append(digest)
-                await self._prewarm(digest, Path(lowers[-1]))
+                if not self.layers.is_lazy(digest):  # lazy layers are read on demand only
+                    await self._prewarm(digest, Path(lowers[-1]))
             overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
             config = build_config(
                 sandbox_id=sid,
@@ -290,6 +293,7 @@ class ContainerBackend(Backend):
         return True
 
     async def adopt(self, rec: SandboxRecord) -> None:
+        await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
         held = []
         for digest in rec.image.layers:
             self.layers.acquire(digest)
@@ -314,6 +318,12 @@ class ContainerBackend(Backend):
     # -- data path ----------------------------------------------------------------------
     def _agent(self, rec: SandboxRecord) -> AgentClient:
         return AgentClient(self._socket(rec.id))
+
+    def agent(self, rec: SandboxRecord) -> AgentClient:
+        return self._agent(rec)
+
+    def command_env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
+        return self._env(rec, extra)
 
     def _env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH}

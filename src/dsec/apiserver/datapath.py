@@ -1,0 +1,261 @@
+"""HTTP and WebSocket routes of the data path (sessions, streaming, PTY, files, archives).
+
+The edge serves these under ``/v1/edge/...`` with a per-sandbox token (``Authorization:
+Bearer dst1...`` or ``?token=``) that it checks without a database round trip; an API key
+works too, which is how the apiserver proxies for callers that cannot reach an edge. The
+file and archive routes are also mounted under ``/v1/sandboxes/{id}`` with API-key auth,
+next to the older exec and file routes. In cluster mode each edge serves ``/v1/edge`` on
+its own address: ``SandboxInfo.data_path.url`` says which.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security, WebSocket
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.responses import Response, StreamingResponse
+
+from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.limits import ApiLimits, set_body_limit
+from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_mode
+from dsec.apiserver.responses import model_response
+from dsec.apiserver.rpc import RpcConnection, close_with_error
+from dsec.edge.dataplane import DataPlane
+from dsec.edge.tokens import looks_like_token
+from dsec.errors import DSecError, Unauthenticated
+from dsec.model import DataPathInfo
+from dsec.wire import (
+    EDGE_PREFIX,
+    RPC_PATH,
+    ChmodRequest,
+    CommandArgs,
+    FileInfo,
+    FileList,
+    MkdirRequest,
+    MoveRequest,
+    PtyControl,
+    RemoveRequest,
+)
+
+_OCTET = "application/octet-stream"
+_TAR = "application/x-tar"
+_bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1...) or API key")
+
+
+async def _nonempty(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        if chunk:
+            yield chunk
+
+
+class DataAuth:
+    """A sandbox token bound to the path's sandbox, or any valid API key."""
+
+    def __init__(self, keys: KeyVerifier, plane: DataPlane) -> None:
+        self.keys = keys
+        self.plane = plane
+
+    async def check(self, sandbox_id: str | None, credential: str | None) -> None:
+        if not credential:
+            raise Unauthenticated(MISSING_KEY + " or a sandbox token")
+        if looks_like_token(credential):
+            if sandbox_id is None:
+                raise Unauthenticated("a sandbox token is only valid on that sandbox's routes")
+            self.plane.authorize(sandbox_id, credential)
+        else:
+            await self.keys.verify(credential)
+
+    async def __call__(
+        self,
+        sandbox_id: str,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    ) -> None:
+        credential = credentials.credentials if credentials is not None else None
+        await self.check(check_sandbox_id(sandbox_id), credential)
+
+
+def _header_credential(ws: WebSocket) -> str | None:
+    value = ws.headers.get("authorization", "")
+    scheme, _, cred = value.partition(" ")
+    return cred.strip() if scheme.lower() == "bearer" and cred.strip() else None
+
+
+def file_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]) -> APIRouter:
+    """Metadata, archive and streamed file routes of one sandbox (mounted twice)."""
+    router = APIRouter(
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+        tags=["files"],
+    )
+
+    @router.get("/fs/stat", response_model=FileInfo, summary="Stat a path (lstat)")
+    async def stat_path(sandbox_id: str, path: str, follow: bool = False) -> Response:
+        return model_response(await plane.stat(sandbox_id, check_sandbox_path(path), follow=follow))
+
+    @router.get("/fs/list", response_model=FileList, summary="List a directory")
+    async def list_dir(
+        sandbox_id: str, path: str, recursive: bool = False, limit: int | None = None
+    ) -> Response:
+        """Entries never follow symlinks; `recursive` walks subdirectories (paths relative)."""
+        return model_response(
+            await plane.list_dir(
+                sandbox_id, check_sandbox_path(path), recursive=recursive, limit=limit
+            )
+        )
+
+    @router.post("/fs/mkdir", status_code=204, response_class=Response, summary="mkdir (-p)")
+    async def mkdir(sandbox_id: str, body: MkdirRequest) -> Response:
+        await plane.mkdir(
+            sandbox_id, check_sandbox_path(body.path), parents=body.parents, mode=body.mode
+        )
+        return Response(status_code=204)
+
+    @router.post("/fs/remove", status_code=204, response_class=Response, summary="rm (-r)")
+    async def remove(sandbox_id: str, body: RemoveRequest) -> Response:
+        await plane.remove(sandbox_id, check_sandbox_path(body.path), recursive=body.recursive)
+        return Response(status_code=204)
+
+    @router.post("/fs/move", status_code=204, response_class=Response, summary="Rename")
+    async def move(sandbox_id: str, body: MoveRequest) -> Response:
+        await plane.move(sandbox_id, check_sandbox_path(body.src), check_sandbox_path(body.dst))
+        return Response(status_code=204)
+
+    @router.post("/fs/chmod", status_code=204, response_class=Response, summary="chmod")
+    async def chmod(sandbox_id: str, body: ChmodRequest) -> Response:
+        await plane.chmod(sandbox_id, check_sandbox_path(body.path), body.mode)
+        return Response(status_code=204)
+
+    @router.get(
+        "/archive",
+        response_class=StreamingResponse,
+        responses={200: {"content": {_TAR: {}}}},
+        summary="Download a directory as a tar stream",
+    )
+    async def download(sandbox_id: str, path: str) -> Response:
+        chunks = await plane.download(sandbox_id, check_sandbox_path(path))
+        return StreamingResponse(chunks, media_type=_TAR)
+
+    @router.put(
+        "/archive",
+        summary="Upload a tar stream into a directory",
+        openapi_extra={"requestBody": {"required": True, "content": {_TAR: {"schema": {}}}}},
+    )
+    async def upload(request: Request, sandbox_id: str, path: str) -> Response:
+        """Members must stay below `path`: absolute names, `..` and outside links are 422."""
+        set_body_limit(request, limits.max_import_bytes, "archive")
+        stats = await plane.upload(
+            sandbox_id, check_sandbox_path(path), _nonempty(request.stream())
+        )
+        return Response(json.dumps(stats.__dict__), media_type="application/json", status_code=200)
+
+    return router
+
+
+def stream_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]) -> APIRouter:
+    """Streamed file content (edge routes only; the apiserver has its buffered twins)."""
+    router = APIRouter(
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+        tags=["files"],
+    )
+
+    @router.get(
+        "/files",
+        response_class=StreamingResponse,
+        responses={200: {"content": {_OCTET: {}}}},
+        summary="Read a file (streamed)",
+    )
+    async def read_file(sandbox_id: str, path: str) -> Response:
+        chunks = await plane.read_stream(sandbox_id, check_sandbox_path(path))
+        return StreamingResponse(chunks, media_type=_OCTET)
+
+    @router.put(
+        "/files",
+        status_code=204,
+        response_class=Response,
+        summary="Write a file (streamed, atomic)",
+        openapi_extra={"requestBody": {"required": True, "content": {_OCTET: {"schema": {}}}}},
+    )
+    async def write_file(
+        request: Request, sandbox_id: str, path: str, mode: str = "644"
+    ) -> Response:
+        perms = parse_mode(mode)
+        set_body_limit(request, limits.max_import_bytes, "file")
+        await plane.write_stream(
+            sandbox_id, check_sandbox_path(path), _nonempty(request.stream()), mode=perms
+        )
+        return Response(status_code=204)
+
+    return router
+
+
+def install_data_path(
+    app: FastAPI,
+    plane: DataPlane,
+    keys: KeyVerifier,
+    api_auth: Authenticator,
+    limits: ApiLimits,
+) -> None:
+    data_auth = DataAuth(keys, plane)
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/token",
+        response_model=DataPathInfo,
+        tags=["sandboxes"],
+        summary="Get a data-path token",
+        dependencies=[Depends(api_auth)],
+    )
+    async def token(sandbox_id: str) -> Response:
+        """A fresh per-sandbox token and the edge URL that accepts it."""
+        return model_response(await plane.data_path(check_sandbox_id(sandbox_id)))
+
+    prefix = EDGE_PREFIX + "/{sandbox_id}"
+    app.include_router(stream_router(plane, limits, data_auth), prefix=prefix)
+    app.include_router(file_router(plane, limits, data_auth), prefix=prefix)
+    app.include_router(file_router(plane, limits, api_auth), prefix="/v1/sandboxes/{sandbox_id}")
+
+    @app.websocket(RPC_PATH)
+    async def rpc(ws: WebSocket) -> None:
+        """Multiplexed commands, sessions and streams (see ``dsec.wire``)."""
+        trusted = False
+        credential = _header_credential(ws)
+        await ws.accept()
+        if credential is not None and not looks_like_token(credential):
+            try:
+                await keys.verify(credential)
+            except DSecError as exc:
+                await close_with_error(ws, exc)
+                return
+            trusted = True
+        await RpcConnection(ws, plane, trusted=trusted).serve()
+
+    @app.websocket(prefix + "/pty")
+    async def pty(
+        ws: WebSocket,
+        sandbox_id: str,
+        token: str | None = None,
+        rows: Annotated[int, Query(ge=1, le=0xFFFF)] = 24,
+        cols: Annotated[int, Query(ge=1, le=0xFFFF)] = 80,
+        command: str | None = None,
+        term: str = "xterm-256color",
+    ) -> None:
+        """An interactive terminal: binary frames are keystrokes and screen output, text
+        frames ``{"type": "resize", "rows", "cols"}``; the edge ends with
+        ``{"type": "exit", "exit_code"}`` (or ``{"type": "error", ...}``)."""
+        await ws.accept()
+        try:
+            await data_auth.check(check_sandbox_id(sandbox_id), token or _header_credential(ws))
+            args = CommandArgs(
+                command=command or ["/bin/sh"], env={"TERM": term[:64]}, keep_stdin=True
+            )
+            proc = await plane.start(sandbox_id, args, background=False, pty=(rows, cols))
+        except DSecError as exc:
+            await close_with_error(ws, exc)
+            return
+        from dsec.apiserver.rpc import serve_pty
+
+        await serve_pty(ws, proc, PtyControl)

@@ -1,0 +1,352 @@
+"""One data-path WebSocket: requests multiplexed by id, output as binary frames.
+
+Each request runs in its own task, so a long command never delays a short one on the
+same connection. Closing the connection (or ``cancel``) abandons the requests in flight:
+their foreground commands are killed with their whole process tree; background ones
+keep running and stay reachable by id from any connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from dsec.apiserver.errors import validation_message
+from dsec.apiserver.params import check_sandbox_id
+from dsec.edge.dataplane import DataPlane, check_path
+from dsec.errors import DSecError, InvalidArgument, Unauthenticated
+from dsec.sessions.processes import ManagedProcess
+from dsec.wire import (
+    ChmodRequest,
+    CommandArgs,
+    MkdirRequest,
+    MoveRequest,
+    PtyControl,
+    RemoveRequest,
+    SessionArgs,
+    encode_data,
+    signal_number,
+)
+
+log = logging.getLogger("dsec.apiserver.rpc")
+
+Handler = Callable[["RpcConnection", int, str, dict[str, Any]], Awaitable[Any]]
+
+
+def _error_payload(exc: DSecError) -> dict[str, Any]:
+    return {"code": exc.code, "message": exc.message, "details": exc.details}
+
+
+async def close_with_error(ws: WebSocket, exc: DSecError) -> None:
+    """Tell the client why (a JSON text frame), then close with code 4000 + HTTP status."""
+    with contextlib.suppress(Exception):
+        await ws.send_text(json.dumps({"type": "error", "error": _error_payload(exc)}, default=str))
+        await ws.close(code=4000 + exc.status, reason=exc.code[:100])
+
+
+def _dump(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        return "[" + ",".join(v.model_dump_json() for v in value) + "]"
+    return json.dumps(value, default=str)
+
+
+def _arg(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"args.{key}: a non-empty string is required")
+    return value
+
+
+class RpcConnection:
+    def __init__(self, ws: WebSocket, plane: DataPlane, *, trusted: bool) -> None:
+        self.ws = ws
+        self.plane = plane
+        self.trusted = trusted
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._side: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+
+    async def send_text(self, text: str) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(text)
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.ws.send_bytes(data)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                if text is None:
+                    continue  # no binary requests (yet)
+                self._dispatch(text)
+        except WebSocketDisconnect:
+            return
+        finally:
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    def _dispatch(self, text: str) -> None:
+        try:
+            msg = json.loads(text)
+            rid = int(msg["id"])
+            op = str(msg["op"])
+        except (ValueError, KeyError, TypeError):
+            err = InvalidArgument("every message needs a JSON object with an integer id and op")
+            side = asyncio.create_task(self._reply_error(0, err))
+            self._side.add(side)
+            side.add_done_callback(self._side.discard)
+            return
+        if op == "cancel":
+            target = self._tasks.get(rid)
+            if target is not None:
+                target.cancel()
+            return
+        handle = asyncio.create_task(self._handle(rid, op, msg))
+        self._tasks[rid] = handle
+        handle.add_done_callback(lambda _t: self._tasks.pop(rid, None))
+
+    async def _reply_error(self, rid: int, exc: DSecError) -> None:
+        with contextlib.suppress(Exception):
+            await self.send_text(_dump({"id": rid, "error": _error_payload(exc)}))
+
+    async def _handle(self, rid: int, op: str, msg: dict[str, Any]) -> None:
+        try:
+            handler = HANDLERS.get(op)
+            if handler is None:
+                raise InvalidArgument(f"unknown op {op!r}; one of {sorted(HANDLERS)}")
+            sandbox_id = check_sandbox_id(str(msg.get("sandbox", "")))
+            if not self.trusted:
+                token = msg.get("token")
+                if not isinstance(token, str) or not token:
+                    raise Unauthenticated("a sandbox token is required (field 'token')")
+                self.plane.authorize(sandbox_id, token)
+            args = msg.get("args") or {}
+            if not isinstance(args, dict):
+                raise InvalidArgument("args must be a JSON object")
+            result = await handler(self, rid, sandbox_id, args)
+            await self.send_text(f'{{"id":{rid},"result":{_dump(result)}}}')
+        except asyncio.CancelledError:
+            raise
+        except DSecError as exc:
+            await self._reply_error(rid, exc)
+        except ValidationError as exc:
+            await self._reply_error(rid, InvalidArgument(validation_message(exc.errors())))
+        except Exception:
+            log.exception("data path op %s failed", op)
+            await self._reply_error(rid, DSecError("internal error; the server log has details"))
+
+    async def stream_output(self, rid: int, proc: ManagedProcess, start: int, trim: bool) -> None:
+        async for fd, data in proc.output(start, trim=trim):
+            await self.send_bytes(encode_data(rid, fd, data))
+
+
+# ---- handlers --------------------------------------------------------------------------
+
+
+async def _run(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    proc = await conn.plane.start(sid, CommandArgs.model_validate(args), background=False)
+    try:
+        await conn.stream_output(rid, proc, 0, True)
+        return await proc.wait()
+    finally:
+        if proc.running:  # cancelled: the caller gave up, so the command goes too
+            await asyncio.shield(proc.abandon())
+
+
+async def _start(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    proc = await conn.plane.start(sid, CommandArgs.model_validate(args), background=True)
+    return proc.info()
+
+
+def _proc(conn: RpcConnection, sid: str, args: dict[str, Any]) -> ManagedProcess:
+    return conn.plane.process(sid, _arg(args, "process"))
+
+
+async def _attach(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    proc = _proc(conn, sid, args)
+    start = args.get("start", 0)
+    if not isinstance(start, int) or start < 0:
+        raise InvalidArgument("args.start must be a chunk index >= 0")
+    await conn.stream_output(rid, proc, start, False)
+    return await proc.wait()
+
+
+async def _wait(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return await _proc(conn, sid, args).wait()
+
+
+async def _stdin(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    proc = _proc(conn, sid, args)
+    data = b""
+    if "data" in args:
+        try:
+            data = base64.b64decode(str(args["data"]), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument("args.data must be base64") from None
+    elif "text" in args:
+        data = str(args["text"]).encode()
+    await proc.write_stdin(data, close=bool(args.get("close", False)))
+    return {}
+
+
+async def _signal(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    proc = _proc(conn, sid, args)
+    try:
+        signo = signal_number(args.get("signal", "terminate"))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    await proc.send_signal(signo)
+    return {}
+
+
+async def _kill(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return await _proc(conn, sid, args).kill()
+
+
+async def _process(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return _proc(conn, sid, args).info()
+
+
+async def _processes(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return conn.plane.processes(sid)
+
+
+async def _session_open(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return await conn.plane.open_session(sid, SessionArgs.model_validate(args))
+
+
+async def _session_close(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return await conn.plane.close_session(sid, _arg(args, "session"))
+
+
+async def _sessions(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return conn.plane.sessions(sid)
+
+
+async def _ping(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    conn.plane.edge.running_record(sid)
+    return {}
+
+
+async def _stat(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    return await conn.plane.stat(
+        sid, check_path(_arg(args, "path")), follow=bool(args.get("follow"))
+    )
+
+
+async def _list(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    limit = args.get("limit")
+    if limit is not None and not isinstance(limit, int):
+        raise InvalidArgument("args.limit must be an integer")
+    return await conn.plane.list_dir(
+        sid,
+        check_path(_arg(args, "path")),
+        recursive=bool(args.get("recursive")),
+        limit=limit,
+    )
+
+
+async def _mkdir(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    req = MkdirRequest.model_validate(args)
+    await conn.plane.mkdir(sid, check_path(req.path), parents=req.parents, mode=req.mode)
+    return {}
+
+
+async def _remove(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    req = RemoveRequest.model_validate(args)
+    await conn.plane.remove(sid, check_path(req.path), recursive=req.recursive)
+    return {}
+
+
+async def _move(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    req = MoveRequest.model_validate(args)
+    await conn.plane.move(sid, check_path(req.src, "src"), check_path(req.dst, "dst"))
+    return {}
+
+
+async def _chmod(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
+    req = ChmodRequest.model_validate(args)
+    await conn.plane.chmod(sid, check_path(req.path), req.mode)
+    return {}
+
+
+HANDLERS: dict[str, Handler] = {
+    "run": _run,
+    "start": _start,
+    "attach": _attach,
+    "wait": _wait,
+    "stdin": _stdin,
+    "signal": _signal,
+    "kill": _kill,
+    "process": _process,
+    "processes": _processes,
+    "session.open": _session_open,
+    "session.close": _session_close,
+    "sessions": _sessions,
+    "ping": _ping,
+    "fs.stat": _stat,
+    "fs.list": _list,
+    "fs.mkdir": _mkdir,
+    "fs.remove": _remove,
+    "fs.move": _move,
+    "fs.chmod": _chmod,
+}
+
+
+async def serve_pty(ws: WebSocket, proc: ManagedProcess, control: type[PtyControl]) -> None:
+    """Pump a terminal both ways until the command ends or the client goes away."""
+
+    async def to_client() -> None:
+        async for _fd, data in proc.output(trim=True):
+            await ws.send_bytes(data)
+        try:
+            status = await proc.wait()
+            await ws.send_text(json.dumps({"type": "exit", **status.model_dump()}))
+        except DSecError as exc:
+            await ws.send_text(json.dumps({"type": "error", "error": _error_payload(exc)}))
+        await ws.close(1000)
+
+    pump = asyncio.create_task(to_client())
+    try:
+        while not pump.done():
+            receive = asyncio.ensure_future(ws.receive())
+            done, _ = await asyncio.wait({receive, pump}, return_when=asyncio.FIRST_COMPLETED)
+            if receive not in done:
+                receive.cancel()
+                break
+            message = receive.result()
+            if message["type"] == "websocket.disconnect":
+                break
+            if message.get("bytes"):
+                await proc.write_stdin(message["bytes"])
+            elif message.get("text"):
+                try:
+                    ctl = control.model_validate_json(message["text"])
+                except ValidationError:
+                    continue  # unknown control messages are ignored, like unknown escapes
+                await proc.resize(ctl.rows, ctl.cols)
+    except (WebSocketDisconnect, RuntimeError, DSecError):
+        pass
+    finally:
+        if proc.running:
+            await proc.abandon()
+        if not pump.done():
+            pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await pump

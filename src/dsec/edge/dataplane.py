@@ -1,0 +1,413 @@
+"""The edge's data path: sessions, processes, streaming, files, archives and tokens.
+
+It sits beside the lifecycle (``Edge``) and talks to each sandbox's agent. State is small
+and in memory: per sandbox, the open sessions (an id, a user and a lock; the shell state
+itself lives in the sandbox, see ``dsec.sessions.shell``) and the commands started on the
+data path. Everything of a sandbox is dropped when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import stat
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from dsec.backends.base import SandboxRecord
+from dsec.edge.edge import Edge
+from dsec.edge.tokens import TokenSigner
+from dsec.errors import (
+    BackendError,
+    InvalidArgument,
+    NotFound,
+    ProcessNotFound,
+    SessionNotFound,
+)
+from dsec.model import DataPathInfo
+from dsec.sessions import archive
+from dsec.sessions import protocol as p
+from dsec.sessions.agent_client import AgentClient
+from dsec.sessions.processes import ManagedProcess
+from dsec.sessions.shell import session_argv, state_path
+from dsec.wire import (
+    CommandArgs,
+    FileInfo,
+    FileList,
+    FileType,
+    ProcessInfo,
+    SessionArgs,
+    SessionInfo,
+)
+
+MAX_FINISHED = 64
+MAX_SESSIONS = 256
+DEFAULT_LIST_LIMIT = 10_000
+
+
+@dataclass
+class _Session:
+    id: str
+    sandbox_id: str
+    user: str
+    workdir: str
+    created_at: datetime
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    commands: int = 0
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            id=self.id,
+            sandbox_id=self.sandbox_id,
+            user=self.user,
+            created_at=self.created_at,
+            commands=self.commands,
+            busy=self.lock.locked(),
+        )
+
+
+@dataclass
+class _Box:
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
+
+
+_TYPES: dict[int, FileType] = {
+    stat.S_IFREG: "file",
+    stat.S_IFDIR: "directory",
+    stat.S_IFLNK: "symlink",
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "char",
+    stat.S_IFBLK: "block",
+}
+
+
+def file_info(entry: p.Entry) -> FileInfo:
+    return FileInfo(
+        path=entry.name,
+        type=_TYPES.get(stat.S_IFMT(entry.mode), "unknown"),
+        mode=stat.S_IMODE(entry.mode),
+        size=entry.size,
+        mtime=datetime.fromtimestamp(entry.mtime_ns / 1e9, UTC),
+        uid=entry.uid,
+        gid=entry.gid,
+        target=entry.target if stat.S_ISLNK(entry.mode) else None,
+    )
+
+
+def check_path(path: str, what: str = "path") -> str:
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path or len(path) > 4096:
+        raise InvalidArgument(
+            f"{what} must be an absolute path without NUL bytes (<= 4096 chars), "
+            f"got {str(path)[:200]!r}"
+        )
+    return path
+
+
+class DataPlane:
+    def __init__(self, edge: Edge, signer: TokenSigner, url: str) -> None:
+        self.edge = edge
+        self.signer = signer
+        self.url = url.rstrip("/")
+        self._boxes: dict[str, _Box] = {}
+        edge.add_stop_listener(self._forget)
+
+    # -- tokens ---------------------------------------------------------------------------
+    async def data_path(self, sandbox_id: str) -> DataPathInfo:
+        """A fresh token for a sandbox that exists (any state: reads of a stopped one
+        fail later with sandbox_not_running, which is the clearer error)."""
+        await self.edge.get(sandbox_id)
+        token = self.signer.mint(sandbox_id)
+        return DataPathInfo(
+            url=self.url,
+            token=token.value,
+            expires_at=datetime.fromtimestamp(token.expires_at, UTC),
+        )
+
+    def authorize(self, sandbox_id: str, token: str) -> None:
+        self.signer.verify(token, sandbox_id)
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _forget(self, sandbox_id: str) -> None:
+        box = self._boxes.pop(sandbox_id, None)
+        if box is not None:
+            for proc in box.processes.values():
+                proc.detach()
+
+    def _box(self, sandbox_id: str) -> _Box:
+        return self._boxes.setdefault(sandbox_id, _Box())
+
+    def _target(self, sandbox_id: str) -> tuple[SandboxRecord, AgentClient]:
+        rec = self.edge.running_record(sandbox_id)
+        return rec, self.edge.backend.agent(rec)
+
+    def _touch(self, sandbox_id: str) -> None:
+        rec = self.edge._records.get(sandbox_id)
+        if rec is not None:
+            rec.last_activity = time.monotonic()
+
+    # -- sessions -------------------------------------------------------------------------
+    async def open_session(self, sandbox_id: str, args: SessionArgs) -> SessionInfo:
+        rec, _ = self._target(sandbox_id)
+        box = self._box(sandbox_id)
+        if len(box.sessions) >= MAX_SESSIONS:
+            raise InvalidArgument(
+                f"sandbox {sandbox_id} has {MAX_SESSIONS} open sessions; close some first"
+            )
+        sess = _Session(
+            id="s" + secrets.token_hex(8),
+            sandbox_id=sandbox_id,
+            user=args.user or rec.spec.init_user,
+            workdir=args.workdir or rec.spec.workdir,
+            created_at=datetime.now(UTC),
+        )
+        # Write the initial state (environment, working directory) once, in the sandbox.
+        init = CommandArgs(command=":", env=args.env, user=sess.user, workdir=sess.workdir)
+        proc = await self._spawn(rec, init, session=sess, first=True, background=False)
+        status = await proc.wait()
+        if status.exit_code != 0:
+            err = b"".join(data for _, data in proc.drain()).decode(errors="replace")
+            raise BackendError(f"cannot start a shell session: {err.strip() or status}")
+        box.sessions[sess.id] = sess
+        return sess.info()
+
+    def _session(self, sandbox_id: str, session_id: str) -> _Session:
+        sess = self._box(sandbox_id).sessions.get(session_id)
+        if sess is None:
+            raise SessionNotFound(f"no session {session_id!r} in sandbox {sandbox_id}")
+        return sess
+
+    async def close_session(self, sandbox_id: str, session_id: str) -> SessionInfo:
+        sess = self._session(sandbox_id, session_id)
+        del self._box(sandbox_id).sessions[session_id]
+        _, agent = self._target(sandbox_id)
+        with contextlib.suppress(NotFound):
+            await agent.fs(p.FS_REMOVE, state_path(session_id), user=sess.user)
+        return sess.info()
+
+    def sessions(self, sandbox_id: str) -> list[SessionInfo]:
+        self.edge.running_record(sandbox_id)
+        return [s.info() for s in self._box(sandbox_id).sessions.values()]
+
+    # -- processes ------------------------------------------------------------------------
+    async def start(
+        self,
+        sandbox_id: str,
+        args: CommandArgs,
+        *,
+        background: bool,
+        pty: tuple[int, int] | None = None,
+    ) -> ManagedProcess:
+        """Start a command; a session command waits for the session's previous one."""
+        rec, _ = self._target(sandbox_id)
+        sess = None
+        if args.session is not None:
+            sess = self._session(sandbox_id, args.session)
+            if not isinstance(args.command, str):
+                raise InvalidArgument("a session runs shell command strings, not argv lists")
+        return await self._spawn(rec, args, session=sess, background=background, pty=pty)
+
+    async def _spawn(
+        self,
+        rec: SandboxRecord,
+        args: CommandArgs,
+        *,
+        session: _Session | None,
+        background: bool,
+        first: bool = False,
+        pty: tuple[int, int] | None = None,
+    ) -> ManagedProcess:
+        backend = self.edge.backend
+        agent = backend.agent(rec)
+        command = args.command
+        if session is not None:
+            assert isinstance(command, str)
+            argv = session_argv(session.id, command, save=not background)
+            # After the first command the state file is the environment: unset sticks.
+            env = backend.command_env(rec, args.env) if first else dict(args.env)
+            cwd = session.workdir
+            user = session.user
+        else:
+            argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+            env = backend.command_env(rec, args.env)
+            cwd = args.workdir or rec.spec.workdir
+            user = args.user or rec.spec.init_user
+        locked = session is not None and not background
+        if locked:
+            assert session is not None
+            await session.lock.acquire()
+        try:
+            stream = await self.edge.call_running(
+                rec.id,
+                lambda _rec: agent.start(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    user=user,
+                    timeout=args.timeout,
+                    max_output=args.max_output_bytes,
+                    with_stdin=args.keep_stdin or args.stdin is not None or pty is not None,
+                    pty=pty,
+                ),
+            )
+        except BaseException:
+            if locked:
+                assert session is not None
+                session.lock.release()
+            raise
+        if session is not None:
+            session.commands += 0 if first else 1
+        box = self._box(rec.id)
+
+        def ended(proc: ManagedProcess) -> None:
+            if locked:
+                assert session is not None
+                session.lock.release()
+            if not proc.background:
+                box.processes.pop(proc.id, None)
+            else:
+                self._prune(box)
+
+        proc = ManagedProcess(
+            stream,
+            sandbox_id=rec.id,
+            command=command,
+            session=None if session is None else session.id,
+            background=background,
+            on_activity=lambda: self._touch(rec.id),
+            on_exit=ended,
+        )
+        box.processes[proc.id] = proc
+        if args.stdin is not None:
+            await proc.write_stdin(args.stdin.encode(), close=not args.keep_stdin)
+        return proc
+
+    @staticmethod
+    def _prune(box: _Box) -> None:
+        finished = [p for p in box.processes.values() if not p.running]
+        finished.sort(key=lambda proc: proc.ended_monotonic or 0.0)
+        for proc in finished[: max(0, len(finished) - MAX_FINISHED)]:
+            box.processes.pop(proc.id, None)
+
+    def process(self, sandbox_id: str, process_id: str) -> ManagedProcess:
+        self.edge._get(sandbox_id)
+        proc = self._boxes.get(sandbox_id, _Box()).processes.get(process_id)
+        if proc is None:
+            raise ProcessNotFound(
+                f"no process {process_id!r} in sandbox {sandbox_id} (finished foreground "
+                "commands are not kept; background ones are kept until 64 newer ones ended)"
+            )
+        return proc
+
+    def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        self.edge._get(sandbox_id)
+        procs = self._boxes.get(sandbox_id, _Box()).processes.values()
+        return sorted((proc.info() for proc in procs), key=lambda i: i.started_at)
+
+    # -- files ----------------------------------------------------------------------------
+    async def _fs(
+        self, sandbox_id: str, op: int, path: str, **kw: object
+    ) -> tuple[list[p.Entry], bytes]:
+        rec, agent = self._target(sandbox_id)
+        check_path(path)
+        return await self.edge.call_running(
+            sandbox_id,
+            lambda _rec: agent.fs(op, path, user=rec.spec.init_user, **kw),  # type: ignore[arg-type]
+        )
+
+    async def stat(self, sandbox_id: str, path: str, *, follow: bool = False) -> FileInfo:
+        _, tail = await self._fs(
+            sandbox_id, p.FS_STAT, path, flags=p.FS_FLAG_FOLLOW if follow else 0
+        )
+        entries = p.decode_entries(tail)
+        if len(entries) != 1:
+            raise BackendError(f"the sandbox agent answered stat of {path!r} with {entries!r}")
+        return file_info(entries[0])
+
+    async def list_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, limit: int | None = None
+    ) -> FileList:
+        if limit is not None and limit < 1:
+            raise InvalidArgument(f"limit must be positive, got {limit}")
+        entries, tail = await self._fs(
+            sandbox_id,
+            p.FS_LIST,
+            path,
+            flags=p.FS_FLAG_RECURSIVE if recursive else 0,
+            limit=limit or DEFAULT_LIST_LIMIT,
+        )
+        truncated = len(tail) >= 12 and tail[8] != 0
+        return FileList(entries=[file_info(e) for e in entries], truncated=truncated)
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool, mode: int) -> None:
+        await self._fs(
+            sandbox_id, p.FS_MKDIR, path, flags=p.FS_FLAG_PARENTS if parents else 0, mode=mode
+        )
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool) -> None:
+        await self._fs(sandbox_id, p.FS_REMOVE, path, flags=p.FS_FLAG_RECURSIVE if recursive else 0)
+
+    async def move(self, sandbox_id: str, src: str, dst: str) -> None:
+        await self._fs(sandbox_id, p.FS_MOVE, src, path2=check_path(dst, "dst"))
+
+    async def chmod(self, sandbox_id: str, path: str, mode: int) -> None:
+        await self._fs(sandbox_id, p.FS_CHMOD, path, mode=mode)
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's chunks; opened (and errors raised) before this returns."""
+        rec, agent = self._target(sandbox_id)
+        stream = agent.read_stream(check_path(path), user=rec.spec.init_user)
+        first = await self.edge.call_running(sandbox_id, lambda _rec: _first(stream))
+        return _prepend(first, stream, lambda: self._touch(sandbox_id))
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
+    ) -> int:
+        rec, agent = self._target(sandbox_id)
+        return await self.edge.call_running(
+            sandbox_id,
+            lambda _rec: agent.write_stream(
+                check_path(path), chunks, user=rec.spec.init_user, mode=mode
+            ),
+        )
+
+    async def download(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        rec, agent = self._target(sandbox_id)
+        stream = archive.download(agent, check_path(path), user=rec.spec.init_user)
+        first = await self.edge.call_running(sandbox_id, lambda _rec: _first(stream))
+        return _prepend(first, stream, lambda: self._touch(sandbox_id))
+
+    async def upload(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes]
+    ) -> archive.UploadStats:
+        rec, agent = self._target(sandbox_id)
+        return await self.edge.call_running(
+            sandbox_id,
+            lambda _rec: archive.upload(agent, check_path(path), chunks, user=rec.spec.init_user),
+        )
+
+
+async def _first(stream: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(
+    first: bytes | None, rest: AsyncIterator[bytes], touch: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """``first`` then the rest of ``rest``; every chunk counts as sandbox activity."""
+    try:
+        if first is None:
+            return
+        yield first
+        async for chunk in rest:
+            touch()
+            yield chunk
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
