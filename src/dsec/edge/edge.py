@@ -247,14 +247,7 @@ class Edge:
 
     # -- data path ------------------------------------------------------------------------
     async def _on_running(self, sandbox_id: str, op: Callable[[SandboxRecord], Awaitable[T]]) -> T:
-        rec = self._get(sandbox_id)
-        if rec.state is not SandboxState.RUNNING:
-            raise SandboxNotRunning(
-                f"sandbox {sandbox_id} is {rec.state.value}"
-                + (f": {rec.reason}" if rec.reason else ""),
-                state=rec.state.value,
-            )
-        rec.last_activity = time.monotonic()
+        rec = self.running_record(sandbox_id)
         try:
             return await op(rec)
         except BackendError:

@@ -400,40 +400,11 @@ class AgentClient:
         self, path: str, data: bytes, *, user: str, mode: int, make_parents: bool = True
     ) -> None:
         """Write a file as ``user``, atomically: readers see the old or the new content."""
-        try:
-            request = p.encode_write(path, user=user, mode=mode, make_parents=make_parents)
-        except ValueError as exc:
-            raise _invalid(exc) from None
-        conn = await _Connection.open(self.socket_path, f"write of {path!r}")
-        try:
-            conn.send(request)
-            # The agent may refuse early (permissions): watch for its answer while sending.
-            reply = asyncio.create_task(conn.read_frame())
-            try:
-                try:
-                    for chunk in p.encode_data_frames(p.T_DATA, data):
-                        if reply.done():
-                            break
-                        conn.send(chunk)
-                        await conn.drain()
-                    else:
-                        conn.send(p.frame(p.T_CLOSE))
-                        await conn.drain()
-                except BackendError:
-                    if not reply.done():
-                        raise
-                kind, body = await reply
-            finally:
-                if not reply.done():
-                    reply.cancel()
-                with contextlib.suppress(asyncio.CancelledError, DSecError):
-                    await reply
-            if kind == p.T_FAIL:
-                raise agent_error(*p.decode_failure(body))
-            if kind != p.T_DONE or p.decode_u64(body) != len(data):
-                conn.unexpected(kind)
-        finally:
-            await conn.close()
+
+        async def whole() -> AsyncIterator[bytes]:
+            yield data
+
+        await self.write_stream(path, whole(), user=user, mode=mode, make_parents=make_parents)
 
     async def read_stream(
         self, path: str, *, user: str, max_bytes: int = p.U64_MAX
