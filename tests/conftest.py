@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,14 +125,16 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     if sandboxes.is_dir():
         leaks.extend(f"sandbox dir {p}" for p in sandboxes.iterdir())
     leaks.extend(f"lazy layer daemon {pid}" for pid in lazyfs_daemons(data_dir))
+    leaks.extend(f"spawner {pid}" for pid in spawners(data_dir))
     crun_root = data_dir / "run" / "crun"
     if crun_root.is_dir():
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
     return leaks
 
 
-def lazyfs_daemons(data_dir: Path) -> list[int]:
-    """dsec-lazyfs processes serving a mount below ``data_dir``."""
+def _helpers(data_dir: Path, match: Callable[[list[bytes]], bool]) -> list[int]:
+    """Live processes whose argv ``match``es and names a path below ``data_dir``
+    (zombies have an empty cmdline, so they never match)."""
     found = []
     needle = os.fsencode(str(data_dir))
     for entry in os.listdir("/proc"):
@@ -143,10 +145,39 @@ def lazyfs_daemons(data_dir: Path) -> list[int]:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if os.path.basename(argv[0]).startswith(b"dsec-lazyfs") and any(
-            a.startswith(needle) for a in argv
-        ):
+        if match(argv) and any(a.startswith(needle) for a in argv):
             found.append(int(entry))
+    return found
+
+
+def lazyfs_daemons(data_dir: Path) -> list[int]:
+    """dsec-lazyfs processes serving a mount below ``data_dir``."""
+    return _helpers(data_dir, lambda argv: os.path.basename(argv[0]).startswith(b"dsec-lazyfs"))
+
+
+def spawners(data_dir: Path) -> list[int]:
+    """The per-host spawner (dsec-init spawner) of the platform on ``data_dir``."""
+    return _helpers(data_dir, lambda argv: len(argv) > 2 and argv[1] == b"spawner")
+
+
+def pid1_orphans(
+    names: frozenset[str] = frozenset({"init", "crun"}), *, zombies_only: bool = False
+) -> set[int]:
+    """Processes called one of ``names`` (container inits, crun) re-parented to pid 1,
+    which reaps late or never on this machine: such an init leaks a zombie once stopped."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if ppid == "1" and comm in names and (state == "Z" or not zombies_only):
+            found.add(int(entry))
     return found
 
 
@@ -173,7 +204,7 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
             with contextlib.suppress(OSError):
                 linux.umount(m.mount_point, detach=True)
         remove_edge_cgroup(edge_id)
-        for pid in lazyfs_daemons(plat.data_dir):
+        for pid in [*lazyfs_daemons(plat.data_dir), *spawners(plat.data_dir)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""

@@ -10,7 +10,7 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.errors import AdmissionRejected, DSecError
-from tests.conftest import platform_process
+from tests.conftest import pid1_orphans, platform_process, spawners
 
 pytestmark = pytest.mark.root
 
@@ -22,6 +22,9 @@ async def _client(url: str, key: str) -> DSecClient:
 
 
 async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -> None:
+    # Container inits and crun processes must keep a reaping parent (the spawner)
+    # across the crash: pid 1 here never reaps, so a leak would stay a zombie forever.
+    orphans_before = pid1_orphans()
     with platform_process() as plat:
         client = await _client(plat.url, plat.api_key)
         try:
@@ -32,6 +35,8 @@ async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -
             # Start a burst of creates and kill the platform while they are in flight.
             burst = [asyncio.create_task(client.run_container(spec)) for _ in range(12)]
             await asyncio.sleep(0.05)
+            spawner = spawners(plat.data_dir)
+            assert len(spawner) == 1
             plat.kill()
             for task in burst:
                 with contextlib.suppress(DSecError, Exception):
@@ -39,7 +44,10 @@ async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -
         finally:
             await client.close()
 
+        assert spawners(plat.data_dir) == spawner, "the spawner must outlive the platform"
         plat.start()
+        assert spawners(plat.data_dir) == spawner, "a restarted platform re-uses it"
+        assert not pid1_orphans() - orphans_before, "an init or crun lost its reaping parent"
         client = await _client(plat.url, plat.api_key)
         try:
             again = await client.get(keep.id)
@@ -55,6 +63,14 @@ async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -
             await keep.stop()
         finally:
             await client.close()
+        plat.stop()
+        # Clean shutdown stops the spawner (the leak check asserts that too).
+        assert spawners(plat.data_dir) == []
+    for _ in range(50):  # the last reap may still be in flight
+        if not pid1_orphans(zombies_only=True) - orphans_before:
+            break
+        await asyncio.sleep(0.1)
+    assert not pid1_orphans(zombies_only=True) - orphans_before, "an init or crun is a zombie"
 
 
 async def test_admission_rejects_when_host_full() -> None:

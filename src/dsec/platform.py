@@ -16,8 +16,10 @@ import secrets
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from dsec import spawn
 from dsec.agent.build import agent_binary
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
@@ -36,10 +38,19 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper() -> None:
-    """Container inits are re-parented to us when crun exits, so that we reap them
-    (the machine's pid 1 may not reap orphans)."""
+    """Orphans of what we start ourselves (the spawner's fallback path) are re-parented
+    to us, so that we reap them (the machine's pid 1 may not reap orphans)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+async def start_spawner(binary: Path, path: Path) -> spawn.HostSpawner | None:
+    """Every runtime call goes through the per-host spawner (see dsec.spawn), which
+    outlives us so that it reaps the inits of sandboxes we re-adopt after a crash."""
+    if len(os.fsencode(path)) >= 108:  # sockaddr_un.sun_path
+        log.warning("data dir path too long for the spawner socket %s; not using one", path)
+        return None
+    return await spawn.start_spawner(binary, path)
 
 
 def load_or_create_api_key(config: PlatformConfig) -> str:
@@ -94,6 +105,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     engine = make_engine(sqlite_url(config.control_db))
     edge: Edge | None = None
     images: Images | None = None
+    spawner: spawn.HostSpawner | None = None
     try:
         await create_all(engine)
         keys = KeyStore(engine)
@@ -105,6 +117,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
         if config.tune_host:
             await asyncio.to_thread(cgroups.favor_dynamic_modifications, host)
         wrapper = await asyncio.to_thread(agent_binary)
+        spawner = await start_spawner(wrapper, config.data_dir / "run" / "spawner.sock")
         runtime = OCIRuntime(
             runtime=config.runtime,
             state_root=config.data_dir / "run" / config.runtime.rsplit("/", 1)[-1],
@@ -134,6 +147,8 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     finally:
         if edge is not None:
             await edge.close()
+        if spawner is not None:
+            await asyncio.to_thread(spawner.stop)
         if images is not None:
             await images.close()
         await engine.dispose()

@@ -19,6 +19,10 @@
  *
  * Second mode, host side: `dsec-init crun-wrap ...` wraps every OCI runtime call (fd 3
  * placement, crun 1.8.1 on hybrid cgroup hosts; see crun_wrap()).
+ *
+ * Third mode, host side: `dsec-init spawner SOCKET` is the per-host process that starts
+ * every runtime call and outlives the platform, so container inits always have a parent
+ * that reaps them (see spawner_main()).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -29,6 +33,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,6 +48,7 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/types.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <time.h>
@@ -2313,9 +2319,288 @@ usage:
 	return 125;
 }
 
+/* ---- spawner mode --------------------------------------------------------------- */
+/* `dsec-init spawner SOCKET` starts processes for the platform and reaps them. It is a */
+/* subreaper, so crun's intermediate processes and every container's init end up as its */
+/* children; it outlives the platform (setsid, no parent-death signal), so after a      */
+/* platform crash the adopted sandboxes' inits still have a parent that reaps them      */
+/* (this host's pid 1 does not). Protocol, one request per SOCK_SEQPACKET connection:   */
+/*   request: u32 op, i32 extra_target, u32 argc, u32 envc, then argc + envc strings,   */
+/*            each NUL-terminated; SCM_RIGHTS carries stdout, stderr[, extra fd].       */
+/*   replies: i32 kind, i32 value: PID (pid, or -errno if it could not start), later    */
+/*            EXIT (raw wait status). op SHUTDOWN is answered with BYE, then we exit.   */
+/* Mirrored in src/dsec/spawn.py. A client that goes away only loses its replies: the   */
+/* child runs on and is reaped like any orphan.                                         */
+
+enum { SP_OP_RUN = 1, SP_OP_SHUTDOWN = 2 };
+enum { SP_PID = 1, SP_EXIT = 2, SP_BYE = 3 };
+#define SP_MAX_MSG (256 * 1024)
+#define SP_MAX_FDS 3
+
+struct sp_client {
+	int fd;
+	pid_t pid; /* 0 until its request started a child */
+};
+
+static struct sp_client *sp_clients;
+static size_t sp_count, sp_cap;
+
+static void sp_reply(int fd, int32_t kind, int32_t value)
+{
+	int32_t msg[2] = {kind, value};
+	/* 8 bytes on an otherwise idle socket: never blocks; a gone client is fine. */
+	if (send(fd, msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno != EPIPE &&
+	    errno != ECONNRESET)
+		dprintf(2, "dsec-init spawner: reply: %s\n", strerror(errno));
+}
+
+static void sp_drop(size_t i)
+{
+	close(sp_clients[i].fd);
+	sp_clients[i] = sp_clients[--sp_count];
+}
+
+/* Parse `count` NUL-terminated strings from buf[*off..len) into a NULL-ended array. */
+static char **sp_strings(char *buf, size_t len, size_t *off, uint32_t count)
+{
+	if (count > len - *off)
+		return NULL;
+	char **v = calloc((size_t)count + 1, sizeof *v);
+	if (v == NULL)
+		return NULL;
+	for (uint32_t k = 0; k < count; k++) {
+		char *end = memchr(buf + *off, 0, len - *off);
+		if (end == NULL) {
+			free(v);
+			return NULL;
+		}
+		v[k] = buf + *off;
+		*off = (size_t)(end - buf) + 1;
+	}
+	return v;
+}
+
+static pid_t sp_start(char **argv, char **envp, const int *fds, int nfds, int target, int *err)
+{
+	posix_spawn_file_actions_t fa;
+	posix_spawnattr_t attr;
+	sigset_t none, dfl;
+	pid_t pid = 0;
+	sigemptyset(&none);
+	sigemptyset(&dfl);
+	/* What we ignore or block is inherited across exec: give the child the defaults. */
+	sigaddset(&dfl, SIGHUP);
+	sigaddset(&dfl, SIGINT);
+	sigaddset(&dfl, SIGPIPE);
+	sigaddset(&dfl, SIGCHLD);
+	posix_spawn_file_actions_init(&fa);
+	posix_spawnattr_init(&attr);
+	/* Our fds are all close-on-exec, so the child gets exactly 0, 1, 2 (and target). */
+	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+	posix_spawn_file_actions_adddup2(&fa, fds[0], 1);
+	posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
+	if (nfds == 3)
+		posix_spawn_file_actions_adddup2(&fa, fds[2], target);
+	posix_spawnattr_setsigmask(&attr, &none);
+	posix_spawnattr_setsigdefault(&attr, &dfl);
+	posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+	*err = posix_spawn(&pid, argv[0], &fa, &attr, argv, envp);
+	posix_spawn_file_actions_destroy(&fa);
+	posix_spawnattr_destroy(&attr);
+	return *err ? -1 : pid;
+}
+
+/* Handle one readable client; returns 1 when asked to shut down. */
+static int sp_request(size_t i)
+{
+	static char buf[SP_MAX_MSG];
+	union {
+		struct cmsghdr align;
+		char space[CMSG_SPACE(sizeof(int) * SP_MAX_FDS)];
+	} ctl;
+	struct iovec iov = {buf, sizeof buf};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space,
+			    .msg_controllen = sizeof ctl.space};
+	int fds[SP_MAX_FDS], nfds = 0, quit = 0;
+	ssize_t n = recvmsg(sp_clients[i].fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return 0;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); n >= 0 && c; c = CMSG_NXTHDR(&mh, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		int *in = (int *)(void *)CMSG_DATA(c);
+		for (size_t j = 0; j < k; j++) {
+			if (nfds < SP_MAX_FDS)
+				fds[nfds++] = in[j];
+			else
+				close(in[j]);
+		}
+	}
+	if (n <= 0 || sp_clients[i].pid != 0) {
+		/* Gone (its child, if any, runs on), or a second request: not ours to serve. */
+		for (int j = 0; j < nfds; j++)
+			close(fds[j]);
+		sp_drop(i);
+		return 0;
+	}
+	struct {
+		uint32_t op;
+		int32_t target;
+		uint32_t argc, envc;
+	} hdr;
+	char **argv = NULL, **envp = NULL;
+	int err = EINVAL;
+	pid_t pid = -1;
+	size_t off = sizeof hdr;
+	if ((size_t)n < sizeof hdr || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+		goto bad;
+	memcpy(&hdr, buf, sizeof hdr);
+	if (hdr.op == SP_OP_SHUTDOWN) {
+		sp_reply(sp_clients[i].fd, SP_BYE, 0);
+		quit = 1;
+		goto bad;
+	}
+	if (hdr.op != SP_OP_RUN || hdr.argc == 0 || nfds != (hdr.target >= 0 ? 3 : 2) ||
+	    (hdr.target >= 0 && hdr.target < 3))
+		goto bad;
+	argv = sp_strings(buf, (size_t)n, &off, hdr.argc);
+	envp = argv ? sp_strings(buf, (size_t)n, &off, hdr.envc) : NULL;
+	if (envp != NULL)
+		pid = sp_start(argv, envp, fds, nfds, hdr.target, &err);
+bad:
+	free(argv);
+	free(envp);
+	for (int j = 0; j < nfds; j++)
+		close(fds[j]);
+	if (quit)
+		return 1;
+	if (pid < 0) {
+		sp_reply(sp_clients[i].fd, SP_PID, -err);
+		sp_drop(i);
+		return 0;
+	}
+	sp_clients[i].pid = pid;
+	sp_reply(sp_clients[i].fd, SP_PID, pid);
+	return 0;
+}
+
+/* Reap every exited child; the ones a client waits for get their status sent. */
+static void sp_reap(void)
+{
+	int status;
+	pid_t pid;
+	while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+		for (size_t i = 0; i < sp_count; i++) {
+			if (sp_clients[i].pid == pid) {
+				sp_reply(sp_clients[i].fd, SP_EXIT, status);
+				sp_drop(i);
+				break;
+			}
+		}
+	}
+}
+
+static int spawner_main(int argc, char **argv)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct stat ours;
+	struct rlimit rl;
+	sigset_t chld;
+	if (argc != 3 || strlen(argv[2]) >= sizeof sa.sun_path) {
+		dprintf(2, "usage: %s spawner SOCKET_PATH\n", argv[0]);
+		return 2;
+	}
+	const char *path = argv[2];
+	memcpy(sa.sun_path, path, strlen(path) + 1);
+	/* Whatever fds the platform let us inherit would reach every child: drop them. */
+	close_from(3);
+	setsid(); /* our own session: no terminal or process-group signal of the platform's */
+	prctl(PR_SET_CHILD_SUBREAPER, 1);
+	signal(SIGPIPE, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
+	signal(SIGINT, SIG_IGN);
+	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+		rl.rlim_cur = rl.rlim_max;
+		setrlimit(RLIMIT_NOFILE, &rl);
+	}
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	sigprocmask(SIG_BLOCK, &chld, NULL);
+	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+	int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	umask(077);
+	unlink(path);
+	if (sfd < 0 || lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+	    chmod(path, 0600) < 0 || stat(path, &ours) < 0 || listen(lfd, 1024) < 0) {
+		dprintf(2, "dsec-init spawner: %s: %s\n", path, strerror(errno));
+		return 1;
+	}
+	if (chdir("/") < 0)
+		return 1;
+	struct pollfd *pfd = NULL;
+	size_t pcap = 0;
+	for (;;) {
+		if (pcap < sp_count + 2) {
+			pcap = (sp_count + 2) * 2;
+			pfd = realloc(pfd, pcap * sizeof *pfd);
+			if (pfd == NULL)
+				return 1;
+		}
+		pfd[0] = (struct pollfd){.fd = lfd, .events = POLLIN};
+		pfd[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
+		size_t polled = sp_count;
+		for (size_t i = 0; i < polled; i++)
+			pfd[i + 2] = (struct pollfd){.fd = sp_clients[i].fd, .events = POLLIN};
+		if (poll(pfd, polled + 2, -1) < 0) {
+			if (errno == EINTR)
+				continue;
+			return 1;
+		}
+		if (pfd[1].revents) {
+			struct signalfd_siginfo si;
+			while (read(sfd, &si, sizeof si) > 0)
+				;
+			sp_reap();
+		}
+		/* Clients from the back: sp_drop() moves the last one into a freed slot. */
+		for (size_t i = polled; i-- > 0;) {
+			if (!pfd[i + 2].revents || i >= sp_count || sp_clients[i].fd != pfd[i + 2].fd)
+				continue;
+			if (sp_request(i)) {
+				struct stat now;
+				if (stat(path, &now) == 0 && now.st_ino == ours.st_ino &&
+				    now.st_dev == ours.st_dev)
+					unlink(path);
+				return 0;
+			}
+		}
+		if (pfd[0].revents) {
+			for (;;) {
+				int c = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+				if (c < 0)
+					break;
+				if (sp_count == sp_cap) {
+					size_t cap = sp_cap ? sp_cap * 2 : 64;
+					struct sp_client *grown = realloc(sp_clients, cap * sizeof *grown);
+					if (grown == NULL) {
+						close(c);
+						break;
+					}
+					sp_clients = grown;
+					sp_cap = cap;
+				}
+				sp_clients[sp_count++] = (struct sp_client){.fd = c, .pid = 0};
+			}
+		}
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0)
 		return crun_wrap(argc, argv);
+	if (argc >= 2 && strcmp(argv[1], "spawner") == 0)
+		return spawner_main(argc, argv);
 	return agent_main();
 }

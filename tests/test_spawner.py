@@ -1,0 +1,119 @@
+"""The per-host spawner (``dsec-init spawner``) through dsec.spawn: same results as the
+posix_spawn path, children reaped, and it survives clients that misbehave or vanish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dsec import spawn
+from dsec.agent.build import agent_binary
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if int(ppid) == pid:
+            found.append((int(entry), state))
+    return found
+
+
+@pytest.fixture
+async def spawner() -> AsyncIterator[spawn.HostSpawner]:
+    with tempfile.TemporaryDirectory(prefix="dsec-sp-") as tmp:
+        host = await spawn.start_spawner(agent_binary(), Path(tmp) / "run" / "spawner.sock")
+        pid = host.pid
+        assert pid is not None
+        try:
+            yield host
+        finally:
+            spawn.use_spawner(None)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # noqa: ASYNC222 - SIGKILLed: returns at once
+
+
+async def test_results_match_posix_spawn(spawner: spawn.HostSpawner) -> None:
+    script = "echo out; echo err >&2; ls /proc/self/fd; [ -e /proc/self/fd/7 ] && exit 3"
+    r, w = os.pipe()
+    try:
+        results = []
+        for path in (spawner.path, None):
+            spawn.use_spawner(path)
+            results.append(await spawn.run(["/bin/sh", "-c", script], pass_fd=(r, 7)))
+            killed = await spawn.run(["/bin/sh", "-c", "kill -9 $$"])
+            assert killed.returncode == -signal.SIGKILL
+            with pytest.raises(FileNotFoundError):
+                await spawn.run(["/nonexistent/binary"])
+    finally:
+        os.close(r)
+        os.close(w)
+    via, here = results
+    assert via.returncode == 3 and via.stderr == "err\n"
+    assert via.stdout.split() == ["out", "0", "1", "2", "3", "7"]  # nothing else leaks
+    assert here.returncode == 3 and here.stdout.startswith("out\n")
+
+
+async def test_timeout_kills_and_everything_is_reaped(spawner: spawn.HostSpawner) -> None:
+    assert spawner.pid is not None
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        # The backgrounded sleep is orphaned to the spawner (a subreaper) and reaped.
+        await spawn.run(["/bin/sh", "-c", "sleep 0.2 & exec sleep 30"], timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    # Cancelled right after the request went out, before the pid came back.
+    task = asyncio.create_task(spawn.run(["/bin/sleep", "30"]))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if not _children(spawner.pid):
+            break
+        await asyncio.sleep(0.1)
+    assert _children(spawner.pid) == []
+
+
+async def test_survives_clients_that_vanish_or_send_garbage(spawner: spawn.HostSpawner) -> None:
+    assert spawner.pid is not None
+    path = str(spawner.path)
+    for payload in (b"", b"garbage", b"\x01\x00\x00\x00" * 4 + b"x"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(path)
+            if payload:
+                s.send(payload)
+                assert len(s.recv(8)) in (0, 8)
+    # A client that disconnects while its child runs: the child runs on and is reaped.
+    out = os.memfd_create("out")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(path)
+            header = spawn._HEADER.pack(spawn._OP_RUN, -1, 2, 0)
+            socket.send_fds(s, [header + b"/bin/sleep\x000.2\x00"], [out, out])
+            assert len(s.recv(8)) == 8
+    finally:
+        os.close(out)
+    await asyncio.sleep(0.5)
+    assert _children(spawner.pid) == []
+    assert (await spawn.run(["/bin/true"])).returncode == 0
+    spawner.stop()
+    assert spawner.pid is None and not spawner.path.exists()
