@@ -87,6 +87,14 @@ def emit_json(value: BaseModel | Iterable[BaseModel]) -> None:
     sys.stdout.flush()
 
 
+def emit(value: BaseModel, text: str, as_json: bool) -> None:
+    """One result: the model as JSON with --json, else one plain line for people."""
+    if as_json:
+        emit_json(value)
+    else:
+        out.print(text, markup=False)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -18,7 +18,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from dsec.cli.common import emit_json, err, human_bytes, out, sync_client
+from dsec.cli.common import emit, emit_json, err, human_bytes, out, sync_client
 from dsec.model import ImageInfo
 
 app = typer.Typer(help="Import, build, list and remove images.", no_args_is_help=True)
@@ -76,10 +76,7 @@ def import_(
                 progress.update(task, description=f"importing {ref} on the platform")
 
         info = client.import_image(ref, path, fmt.value, progress=on_progress)
-    if as_json:
-        emit_json(info)
-    else:
-        out.print(f"imported {_describe(info)}", markup=False)
+    emit(info, f"imported {_describe(info)}", as_json)
 
 
 @app.command()
@@ -98,10 +95,7 @@ def build(
         err.status(f"building {recipe.value} (cached images return at once)..."),
     ):
         info = client.build_image(recipe.value, name=name, rebuild=rebuild)
-    if as_json:
-        emit_json(info)
-    else:
-        out.print(f"built {_describe(info)}", markup=False)
+    emit(info, f"built {_describe(info)}", as_json)
 
 
 @app.command("ls")
@@ -138,7 +132,4 @@ def remove(
     """Remove an image tag (layers go once no image uses them)."""
     with sync_client(ctx) as client:
         info = client.remove_image(ref)
-    if as_json:
-        emit_json(info)
-    else:
-        out.print(f"removed {info.ref}", markup=False)
+    emit(info, f"removed {info.ref}", as_json)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import emit_json, err, human_bytes, out, sync_client
+from dsec.cli.common import emit, emit_json, err, human_bytes, out, sync_client
 from dsec.layer_model import LayerInfo
 
 app = typer.Typer(help="Build, push, pull, list, tag and remove layers.", no_args_is_help=True)
@@ -28,10 +28,7 @@ def _describe(info: LayerInfo) -> str:
 
 
 def _show(info: LayerInfo, verb: str, as_json: bool) -> None:
-    if as_json:
-        emit_json(info)
-    else:
-        out.print(f"{verb} {_describe(info)}", markup=False)
+    emit(info, f"{verb} {_describe(info)}", as_json)
 
 
 @app.command()

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from dsec.cli import shell as shell_cmd
 from dsec.cli.common import (
+    emit,
     emit_json,
     err,
     out,
@@ -67,10 +68,7 @@ def create(
         raise usage_from(exc) from None
     with sync_client(ctx) as client:
         sandbox = client.run_container(args, timeout=timeout)
-    if as_json:
-        emit_json(sandbox.info)
-    else:
-        out.print(sandbox.id, markup=False)
+    emit(sandbox.info, sandbox.id, as_json)
 
 
 @app.command(
