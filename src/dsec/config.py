@@ -110,3 +110,8 @@ class PlatformConfig:
     @property
     def edge_db(self) -> Path:
         return self.data_dir / "edge.db"
+
+    @property
+    def audit_db(self) -> Path:
+        """Audit log and events: outside every sandbox, never mounted into one."""
+        return self.data_dir / "audit.db"

@@ -91,6 +91,12 @@ class DSecRunArgs(Strict):
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
+    job_id: str | None = Field(
+        None, max_length=128, description="RL job this sandbox serves; tags audit and events"
+    )
+    trajectory_id: str | None = Field(
+        None, max_length=128, description="rollout within the job; tags audit and events"
+    )
 
     @field_validator("init_user")
     @classmethod

@@ -31,6 +31,7 @@ from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.images.images import Images
 from dsec.resources import cgroups
+from dsec.security.audit import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             cgroups=host,
             empty_file=config.data_dir / "run" / "empty",
         )
+        audit = AuditLog(config.audit_db)
         backend = ContainerBackend(
             sandboxes_dir=config.sandboxes_dir,
             runtime=runtime,
@@ -132,12 +134,14 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             agent_binary=wrapper,
             cgroups=host,
             cgroup_parent=f"dsec/{config.edge_id}",
+            audit=audit,
         )
         edge = Edge(
             edge_id=config.edge_id,
             backend=backend,
             images=images,
             state=EdgeStateDB(config.edge_db),
+            audit=audit,
             admission=Admission(
                 max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
             ),

@@ -40,6 +40,8 @@ from dsec.model import (
     SandboxInfo,
     SandboxState,
 )
+from dsec.security.audit import AuditLog
+from dsec.security.events import AuditKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +64,9 @@ class Edge:
         admission: Admission,
         ttl_interval: float = 1.0,
         stop_on_close: bool = True,
+        audit: AuditLog | None = None,
     ) -> None:
+        self.audit = audit or AuditLog(None)
         self.edge_id = edge_id
         self.backend = backend
         self.images = images
@@ -78,6 +82,7 @@ class Edge:
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
         """Recover from whatever the previous process left, then start the TTL reaper."""
+        self.audit.start()
         await self.backend.start()
         report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}
         for rec in self.state.load(self.edge_id):
@@ -125,6 +130,7 @@ class Edge:
             )
         await self.backend.close()
         self.state.close()
+        await self.audit.close()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
@@ -149,6 +155,15 @@ class Edge:
             edge=self.edge_id,
         )
         self._records[rec.id] = rec
+        self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)
+        self.audit.record(
+            rec.id,
+            AuditKind.LIFECYCLE,
+            "create",
+            image=spec.container_image,
+            layers=list(image.layers),
+            network_rules=spec.network_rules,
+        )
         try:
             self.state.save(rec)
             await asyncio.wait_for(self.backend.create(rec), timeout)
@@ -187,6 +202,7 @@ class Edge:
             log.error("teardown of %s incomplete: %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
         self._set(rec, final, reason)
+        self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         if was_live:
             self.admission.release(rec.spec)
         for listener in self._stop_listeners:
@@ -279,9 +295,28 @@ class Edge:
         return await self._on_running(sandbox_id, op)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
+        outcome: dict[str, object] = {"error": "did not finish"}
+        try:
+            res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
+            outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
+            if res.timed_out:
+                outcome["timed_out"] = True
+            if res.truncated:
+                outcome["truncated"] = True
+            return res
+        finally:
+            self.audit.record(
+                sandbox_id,
+                AuditKind.COMMAND,
+                "exec",
+                command=req.command,
+                user=req.user,
+                workdir=req.workdir,
+                **outcome,
+            )
 
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
+        self.audit.record(sandbox_id, AuditKind.FILE, "read_file", path=path)
         return await self._on_running(
             sandbox_id, lambda rec: self.backend.read_file(rec, path, max_bytes=max_bytes)
         )
@@ -289,6 +324,7 @@ class Edge:
     async def write_file(
         self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
     ) -> None:
+        self.audit.record(sandbox_id, AuditKind.FILE, "write_file", path=path, size=len(data))
         await self._on_running(
             sandbox_id, lambda rec: self.backend.write_file(rec, path, data, mode=mode)
         )

@@ -31,6 +31,7 @@ from dsec.errors import BackendError, InvalidArgument
 from dsec.images.mounts import LayerMounts
 from dsec.model import BackendKind, ExecRequest, ExecResult
 from dsec.resources.cgroups import CgroupHost
+from dsec.security.audit import AuditSink, NullAudit
 from dsec.sessions.agent_client import AgentClient
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,9 @@ class ContainerBackend(Backend):
         cgroup_parent: str,
         create_concurrency: int = 8,
         prewarm_limit: int = 512 * 1024 * 1024,
+        audit: AuditSink | None = None,
     ) -> None:
+        self.audit: AuditSink = audit or NullAudit()
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
         self.layers = layers

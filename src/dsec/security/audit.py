@@ -1,0 +1,379 @@
+"""The audit log: every command, file operation and network decision, outside the sandbox.
+
+It lives in its own SQLite file (WAL) under the edge's data directory, which is never
+mounted into a sandbox. Writers only append to an in-memory batch (any thread: the
+seccomp listener and the network log reader run beside the event loop); a flusher
+writes the batch every ``flush_interval`` seconds in one transaction, so a command pays
+a list append, not a disk write. A crash can lose at most the last unflushed batch.
+Queries flush first, so a trainer never misses what already happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from dsec.security.events import (
+    DEFAULT_SEVERITY,
+    AuditKind,
+    AuditRecord,
+    EventKind,
+    SecurityEvent,
+    Severity,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    sandbox TEXT NOT NULL,
+    job TEXT,
+    trajectory TEXT,
+    kind TEXT NOT NULL,
+    action TEXT NOT NULL,
+    event TEXT,
+    severity TEXT,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_sandbox ON audit(sandbox, seq);
+CREATE INDEX IF NOT EXISTS audit_job ON audit(job, seq);
+CREATE INDEX IF NOT EXISTS audit_event ON audit(event, seq) WHERE event IS NOT NULL;
+CREATE TABLE IF NOT EXISTS tags (
+    sandbox TEXT PRIMARY KEY,
+    job TEXT,
+    trajectory TEXT
+);
+"""
+
+MAX_DETAIL_CHARS = 4096
+
+
+class AuditSink(Protocol):
+    """What components that observe sandboxes write to (backends, network, seccomp)."""
+
+    def record(self, sandbox_id: str, kind: AuditKind, action: str, **detail: Any) -> None: ...
+
+    def event(
+        self,
+        sandbox_id: str,
+        kind: EventKind,
+        *,
+        severity: Severity | None = None,
+        **detail: Any,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Row:
+    seq: int
+    ts: float
+    sandbox: str
+    job: str | None
+    trajectory: str | None
+    kind: str
+    action: str
+    event: str | None
+    severity: str | None
+    detail: str
+
+
+def _clip(detail: dict[str, Any]) -> str:
+    text = json.dumps(detail, default=str, separators=(",", ":"))
+    if len(text) > MAX_DETAIL_CHARS:
+        text = json.dumps({"truncated": text[: MAX_DETAIL_CHARS - 64]})
+    return text
+
+
+class AuditLog:
+    """SQLite-backed audit log with batched writes; safe to call from any thread.
+    ``path=None`` keeps it in memory (an edge used outside a platform, tests)."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        flush_interval: float = 0.05,
+        max_rows: int = 5_000_000,
+    ) -> None:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.flush_interval = flush_interval
+        self.max_rows = max_rows
+        self._db = sqlite3.connect(
+            path or ":memory:", check_same_thread=False, isolation_level=None
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._db_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: list[_Row] = []
+        (last,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()
+        self._seq: int = int(last)
+        self._tags: dict[str, tuple[str | None, str | None]] = {
+            r[0]: (r[1], r[2])
+            for r in self._db.execute("SELECT sandbox, job, trajectory FROM tags")
+        }
+        self._listeners: list[Callable[[SecurityEvent], None]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the periodic flusher on the running event loop."""
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop(), name="dsec-audit-flush")
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        self.flush()
+        with self._db_lock:
+            self._db.close()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            if self._pending:
+                try:
+                    await asyncio.to_thread(self.flush)
+                except Exception:  # never let the flusher die: keep the batch for later
+                    log.exception("audit flush failed")
+
+    # -- writing -------------------------------------------------------------------------
+    def tag(self, sandbox_id: str, job_id: str | None, trajectory_id: str | None) -> None:
+        """Remember a sandbox's job and trajectory; every later row carries them."""
+        with self._lock:
+            self._tags[sandbox_id] = (job_id, trajectory_id)
+        with self._db_lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO tags VALUES (?, ?, ?)", (sandbox_id, job_id, trajectory_id)
+            )
+
+    def on_event(self, listener: Callable[[SecurityEvent], None]) -> None:
+        """Call ``listener`` for every event as it is raised (metrics, streams)."""
+        self._listeners.append(listener)
+
+    def record(self, sandbox_id: str, kind: AuditKind, action: str, **detail: Any) -> None:
+        self._append(sandbox_id, kind, action, None, None, detail)
+
+    def event(
+        self,
+        sandbox_id: str,
+        kind: EventKind,
+        *,
+        severity: Severity | None = None,
+        **detail: Any,
+    ) -> None:
+        sev = severity or DEFAULT_SEVERITY.get(kind, Severity.WARNING)
+        row = self._append(sandbox_id, AuditKind.EVENT, kind.value, kind, sev, detail)
+        log.warning("sandbox %s: %s (%s) %s", sandbox_id, kind.value, sev.value, row.detail)
+        if self._listeners:
+            ev = _event(row)
+            for listener in self._listeners:
+                with contextlib.suppress(Exception):
+                    listener(ev)
+
+    def _append(
+        self,
+        sandbox_id: str,
+        kind: AuditKind,
+        action: str,
+        event: EventKind | None,
+        severity: Severity | None,
+        detail: dict[str, Any],
+    ) -> _Row:
+        text = _clip(detail)
+        with self._lock:
+            self._seq += 1
+            job, trajectory = self._tags.get(sandbox_id, (None, None))
+            row = _Row(
+                self._seq,
+                time.time(),
+                sandbox_id,
+                job,
+                trajectory,
+                kind.value,
+                action,
+                event.value if event else None,
+                severity.value if severity else None,
+                text,
+            )
+            self._pending.append(row)
+        return row
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        with self._db_lock:
+            try:
+                self._db.execute("BEGIN")
+                self._db.executemany(
+                    "INSERT INTO audit VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            r.seq,
+                            r.ts,
+                            r.sandbox,
+                            r.job,
+                            r.trajectory,
+                            r.kind,
+                            r.action,
+                            r.event,
+                            r.severity,
+                            r.detail,
+                        )
+                        for r in batch
+                    ],
+                )
+                if batch[-1].seq % 10_000 < len(batch):
+                    self._db.execute(
+                        "DELETE FROM audit WHERE seq <= ?", (batch[-1].seq - self.max_rows,)
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                with self._lock:
+                    self._pending[:0] = batch
+                raise
+
+    # -- reading -------------------------------------------------------------------------
+    def _select(
+        self,
+        *,
+        events_only: bool,
+        job_id: str | None,
+        sandbox_id: str | None,
+        trajectory_id: str | None,
+        kinds: Iterable[str] | None,
+        since_seq: int,
+        limit: int,
+    ) -> list[_Row]:
+        self.flush()
+        where = ["seq > ?"]
+        args: list[Any] = [since_seq]
+        for column, value in (
+            ("job", job_id),
+            ("sandbox", sandbox_id),
+            ("trajectory", trajectory_id),
+        ):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        column = "event" if events_only else "kind"
+        if events_only:
+            where.append("event IS NOT NULL")
+        wanted = sorted(set(kinds or ()))
+        if wanted:
+            where.append(f"{column} IN ({','.join('?' * len(wanted))})")
+            args.extend(wanted)
+        sql = (
+            "SELECT seq, ts, sandbox, job, trajectory, kind, action, event, severity, detail "
+            f"FROM audit WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
+        )
+        args.append(limit)
+        with self._db_lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [_Row(*r) for r in rows]
+
+    def records(
+        self,
+        *,
+        job_id: str | None = None,
+        sandbox_id: str | None = None,
+        trajectory_id: str | None = None,
+        kinds: Iterable[AuditKind] | None = None,
+        since_seq: int = 0,
+        limit: int = 1000,
+    ) -> list[AuditRecord]:
+        rows = self._select(
+            events_only=False,
+            job_id=job_id,
+            sandbox_id=sandbox_id,
+            trajectory_id=trajectory_id,
+            kinds=[k.value for k in kinds] if kinds else None,
+            since_seq=since_seq,
+            limit=limit,
+        )
+        return [
+            AuditRecord(
+                seq=r.seq,
+                time=datetime.fromtimestamp(r.ts, UTC),
+                sandbox_id=r.sandbox,
+                job_id=r.job,
+                trajectory_id=r.trajectory,
+                kind=AuditKind(r.kind),
+                action=r.action,
+                detail=json.loads(r.detail),
+            )
+            for r in rows
+        ]
+
+    def events(
+        self,
+        *,
+        job_id: str | None = None,
+        sandbox_id: str | None = None,
+        trajectory_id: str | None = None,
+        kinds: Iterable[EventKind] | None = None,
+        since_seq: int = 0,
+        limit: int = 1000,
+    ) -> list[SecurityEvent]:
+        rows = self._select(
+            events_only=True,
+            job_id=job_id,
+            sandbox_id=sandbox_id,
+            trajectory_id=trajectory_id,
+            kinds=[k.value for k in kinds] if kinds else None,
+            since_seq=since_seq,
+            limit=limit,
+        )
+        return [_event(r) for r in rows]
+
+
+def _event(r: _Row) -> SecurityEvent:
+    return SecurityEvent(
+        seq=r.seq,
+        time=datetime.fromtimestamp(r.ts, UTC),
+        sandbox_id=r.sandbox,
+        job_id=r.job,
+        trajectory_id=r.trajectory,
+        kind=EventKind(r.event or "escape_attempt"),
+        severity=Severity(r.severity or "warning"),
+        detail=json.loads(r.detail),
+    )
+
+
+class NullAudit:
+    """An audit sink that drops everything: for backends used outside a platform."""
+
+    def record(self, sandbox_id: str, kind: AuditKind, action: str, **detail: Any) -> None:
+        return None
+
+    def event(
+        self,
+        sandbox_id: str,
+        kind: EventKind,
+        *,
+        severity: Severity | None = None,
+        **detail: Any,
+    ) -> None:
+        return None
