@@ -214,6 +214,7 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
             platform.keys,
             dataplane=dataplane,
             layers=LayerService(platform.images),
+            audit=platform.edge.audit,
         )
         tune_gc()
         server = _server_class()(

@@ -18,12 +18,14 @@ from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.sandboxes import sandbox_router
+from dsec.apiserver.security import security_router
 from dsec.control.keys import KeyStore
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
 from dsec.model import HealthInfo
+from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
 
@@ -36,6 +38,7 @@ def create_app(
     limits: ApiLimits | None = None,
     dataplane: DataPlane | None = None,
     layers: LayerService | None = None,
+    audit: AuditLog | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -64,4 +67,6 @@ def create_app(
     app.include_router(image_router(images, auth, limits))
     if layers is not None:
         app.include_router(layer_router(layers, auth))
+    if audit is not None:
+        app.include_router(security_router(audit, auth))
     return app

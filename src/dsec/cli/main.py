@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from dsec.cli import demo as demo_cmd
+from dsec.cli import events as events_cmd
 from dsec.cli import image, layer, sandbox, store
 from dsec.cli import up as up_cmd
 from dsec.cli.common import Globals, UsageFailure, err, print_error
@@ -32,6 +33,8 @@ app.add_typer(layer.app, name="layer")
 app.add_typer(store.app, name="store")
 app.command("up")(up_cmd.up)
 app.command("demo")(demo_cmd.demo)
+app.command("events")(events_cmd.events)
+app.command("audit")(events_cmd.audit)
 
 
 def _version(value: bool) -> None:

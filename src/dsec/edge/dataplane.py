@@ -28,6 +28,7 @@ from dsec.errors import (
     SessionNotFound,
 )
 from dsec.model import DataPathInfo
+from dsec.security.events import AuditKind
 from dsec.sessions import archive
 from dsec.sessions import protocol as p
 from dsec.sessions.agent_client import AgentClient
@@ -83,6 +84,17 @@ _TYPES: dict[int, FileType] = {
     stat.S_IFSOCK: "socket",
     stat.S_IFCHR: "char",
     stat.S_IFBLK: "block",
+}
+
+
+FS_OPS = {
+    p.FS_STAT: "stat",
+    p.FS_LIST: "list",
+    p.FS_MKDIR: "mkdir",
+    p.FS_REMOVE: "remove",
+    p.FS_MOVE: "move",
+    p.FS_CHMOD: "chmod",
+    p.FS_SYMLINK: "symlink",
 }
 
 
@@ -263,7 +275,17 @@ class DataPlane:
             session.commands += 0 if first else 1
         box = self._box(rec.id)
 
+        audit = self.edge.audit
+
         def ended(proc: ManagedProcess) -> None:
+            exit_info = proc.exit
+            audit.record(
+                rec.id,
+                AuditKind.COMMAND,
+                "process_end",
+                process=proc.id,
+                **(exit_info.model_dump() if exit_info else {"error": str(proc.error)}),
+            )
             if locked:
                 assert session is not None
                 session.lock.release()
@@ -282,6 +304,17 @@ class DataPlane:
             on_exit=ended,
         )
         box.processes[proc.id] = proc
+        audit.record(
+            rec.id,
+            AuditKind.COMMAND,
+            "process_start",
+            process=proc.id,
+            command=command,
+            session=None if session is None else session.id,
+            user=user,
+            background=background,
+            pty=pty is not None,
+        )
         if args.stdin is not None:
             await proc.write_stdin(args.stdin.encode(), close=not args.keep_stdin)
         return proc
@@ -314,6 +347,10 @@ class DataPlane:
     ) -> tuple[list[p.Entry], bytes]:
         rec, agent = self._target(sandbox_id)
         check_path(path)
+        detail = {k: v for k, v in kw.items() if k in ("path2", "mode")}
+        self.edge.audit.record(
+            sandbox_id, AuditKind.FILE, FS_OPS.get(op, str(op)), path=path, **detail
+        )
         return await self.edge.call_running(
             sandbox_id,
             lambda _rec: agent.fs(op, path, user=rec.spec.init_user, **kw),  # type: ignore[arg-type]
@@ -360,6 +397,7 @@ class DataPlane:
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """The file's chunks; opened (and errors raised) before this returns."""
         rec, agent = self._target(sandbox_id)
+        self.edge.audit.record(sandbox_id, AuditKind.FILE, "read_stream", path=path)
         stream = agent.read_stream(check_path(path), user=rec.spec.init_user)
         first = await self.edge.call_running(sandbox_id, lambda _rec: _first(stream))
         return _prepend(first, stream, lambda: self._touch(sandbox_id))
@@ -368,6 +406,7 @@ class DataPlane:
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
     ) -> int:
         rec, agent = self._target(sandbox_id)
+        self.edge.audit.record(sandbox_id, AuditKind.FILE, "write_stream", path=path)
         return await self.edge.call_running(
             sandbox_id,
             lambda _rec: agent.write_stream(
@@ -377,6 +416,7 @@ class DataPlane:
 
     async def download(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         rec, agent = self._target(sandbox_id)
+        self.edge.audit.record(sandbox_id, AuditKind.FILE, "download", path=path)
         stream = archive.download(agent, check_path(path), user=rec.spec.init_user)
         first = await self.edge.call_running(sandbox_id, lambda _rec: _first(stream))
         return _prepend(first, stream, lambda: self._touch(sandbox_id))
@@ -385,6 +425,7 @@ class DataPlane:
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes]
     ) -> archive.UploadStats:
         rec, agent = self._target(sandbox_id)
+        self.edge.audit.record(sandbox_id, AuditKind.FILE, "upload", path=path)
         return await self.edge.call_running(
             sandbox_id,
             lambda _rec: archive.upload(agent, check_path(path), chunks, user=rec.spec.init_user),

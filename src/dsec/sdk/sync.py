@@ -27,12 +27,13 @@ from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.client import DEFAULT_TIMEOUT, DSecClient
 from dsec.sdk.datapath import DataPathMode
 from dsec.sdk.layers import SyncLayersMixin
+from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 
 T = TypeVar("T")
 
 
-class DSecSyncClient(SyncLayersMixin):
+class DSecSyncClient(SyncLayersMixin, SyncSecurityMixin):
     """Blocking client of a DSec platform; same arguments and methods as ``DSecClient``."""
 
     def __init__(

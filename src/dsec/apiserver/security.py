@@ -1,0 +1,82 @@
+"""/v1/events and /v1/audit: what sandboxes did and where they misbehaved.
+
+A trainer polls ``/v1/events?job_id=...&since_seq=N`` after (or during) a rollout and
+discards or penalises it; ``/v1/audit`` is the full record for an investigation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from starlette.responses import Response
+
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.security.audit import AuditLog
+from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
+
+MAX_LIMIT = 10_000
+# Module level: FastAPI resolves the (postponed) annotations in module globals.
+Job = Annotated[str | None, Query(max_length=128, description="RL job id")]
+Sandbox = Annotated[str | None, Query(max_length=64, description="sandbox id")]
+Trajectory = Annotated[str | None, Query(max_length=128, description="trajectory id")]
+Since = Annotated[int, Query(ge=0, description="only rows with seq > since_seq (cursor)")]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+
+
+def _json_list(items: list[AuditRecord] | list[SecurityEvent]) -> Response:
+    body = "[" + ",".join(i.model_dump_json() for i in items) + "]"
+    return Response(body, media_type="application/json")
+
+
+def security_router(audit: AuditLog, auth: Authenticator) -> APIRouter:
+    router = APIRouter(
+        tags=["security"],
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+    )
+
+    @router.get("/v1/events", response_model=list[SecurityEvent], summary="Misbehaviour events")
+    async def events(
+        job_id: Job = None,
+        sandbox_id: Sandbox = None,
+        trajectory_id: Trajectory = None,
+        kind: Annotated[list[EventKind], Query(description="repeatable")] = [],  # noqa: B006
+        since_seq: Since = 0,
+        limit: Limit = 1000,
+    ) -> Response:
+        """Events in order; page with ``since_seq`` = the last ``seq`` seen."""
+        return _json_list(
+            audit.events(
+                job_id=job_id,
+                sandbox_id=sandbox_id,
+                trajectory_id=trajectory_id,
+                kinds=kind or None,
+                since_seq=since_seq,
+                limit=limit,
+            )
+        )
+
+    @router.get("/v1/audit", response_model=list[AuditRecord], summary="Audit log")
+    async def audit_records(
+        job_id: Job = None,
+        sandbox_id: Sandbox = None,
+        trajectory_id: Trajectory = None,
+        kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
+        since_seq: Since = 0,
+        limit: Limit = 1000,
+    ) -> Response:
+        """Every command, file operation, network decision and event, in order."""
+        return _json_list(
+            audit.records(
+                job_id=job_id,
+                sandbox_id=sandbox_id,
+                trajectory_id=trajectory_id,
+                kinds=kind or None,
+                since_seq=since_seq,
+                limit=limit,
+            )
+        )
+
+    return router

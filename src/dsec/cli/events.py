@@ -1,0 +1,97 @@
+"""`dsec events` and `dsec audit`: misbehaviour events and the audit log, by job."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from dsec.cli.common import emit_json, out, sync_client
+from dsec.security.events import AuditKind, EventKind
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+JobOpt = Annotated[str | None, typer.Option("--job", help="RL job id")]
+SandboxOpt = Annotated[str | None, typer.Option("--sandbox", help="sandbox id")]
+TrajectoryOpt = Annotated[str | None, typer.Option("--trajectory", help="trajectory id")]
+SinceOpt = Annotated[int, typer.Option("--since", help="only rows after this seq")]
+LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=10_000)]
+
+
+def _detail(detail: dict[str, object]) -> str:
+    text = json.dumps(detail, separators=(",", ":"), default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def events(
+    ctx: typer.Context,
+    job: JobOpt = None,
+    sandbox: SandboxOpt = None,
+    trajectory: TrajectoryOpt = None,
+    kind: Annotated[list[EventKind], typer.Option("--kind", help="repeatable")] = [],  # noqa: B006
+    since: SinceOpt = 0,
+    limit: LimitOpt = 1000,
+    as_json: JsonOpt = False,
+) -> None:
+    """Misbehaviour events (protected paths, denied connections, seccomp, ...)."""
+    with sync_client(ctx) as client:
+        items = client.events(
+            job=job,
+            sandbox=sandbox,
+            trajectory=trajectory,
+            kinds=kind or None,
+            since_seq=since,
+            limit=limit,
+        )
+    if as_json:
+        emit_json(items)
+        return
+    table = Table("seq", "time", "sandbox", "job", "kind", "severity", "detail", box=None)
+    for e in items:
+        table.add_row(
+            str(e.seq),
+            e.time.strftime("%H:%M:%S.%f")[:-3],
+            e.sandbox_id,
+            e.job_id or "-",
+            e.kind.value,
+            e.severity.value,
+            _detail(e.detail),
+        )
+    out.print(table)
+
+
+def audit(
+    ctx: typer.Context,
+    job: JobOpt = None,
+    sandbox: SandboxOpt = None,
+    trajectory: TrajectoryOpt = None,
+    kind: Annotated[list[AuditKind], typer.Option("--kind", help="repeatable")] = [],  # noqa: B006
+    since: SinceOpt = 0,
+    limit: LimitOpt = 1000,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit log: every command, file operation, network decision and event."""
+    with sync_client(ctx) as client:
+        items = client.audit(
+            job=job,
+            sandbox=sandbox,
+            trajectory=trajectory,
+            kinds=kind or None,
+            since_seq=since,
+            limit=limit,
+        )
+    if as_json:
+        emit_json(items)
+        return
+    table = Table("seq", "time", "sandbox", "kind", "action", "detail", box=None)
+    for r in items:
+        table.add_row(
+            str(r.seq),
+            r.time.strftime("%H:%M:%S.%f")[:-3],
+            r.sandbox_id,
+            r.kind.value,
+            r.action,
+            _detail(r.detail),
+        )
+    out.print(table)

@@ -1,0 +1,131 @@
+"""The audit log and the events API: every command and file operation is recorded
+outside the sandbox, tagged with job and trajectory, and queryable by job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs
+from dsec.errors import InvalidArgument
+from dsec.security.audit import AuditLog
+from dsec.security.events import AuditKind, EventKind, Severity
+from tests.conftest import PlatformProcess
+
+
+async def test_batched_rows_survive_reopen_and_filter(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.db", flush_interval=0.01)
+    log.start()
+    log.tag("a-1", "job1", "t1")
+    log.tag("b-2", "job2", None)
+    log.record("a-1", AuditKind.COMMAND, "exec", command="ls")
+    log.event("a-1", EventKind.PROTECTED_PATH, path="/grader/answer")
+    log.event("b-2", EventKind.RESOURCE_LIMIT, limit="pids")
+    await asyncio.sleep(0.05)  # the flusher writes the batch
+    await log.close()
+
+    again = AuditLog(tmp_path / "audit.db")
+    rows = again.records(job_id="job1")
+    assert [(r.kind, r.action) for r in rows] == [
+        (AuditKind.COMMAND, "exec"),
+        (AuditKind.EVENT, "protected_path"),
+    ]
+    assert all(r.trajectory_id == "t1" for r in rows)
+    events = again.events(job_id="job1")
+    assert len(events) == 1 and events[0].severity is Severity.CRITICAL
+    assert events[0].detail == {"path": "/grader/answer"}
+    assert [e.kind for e in again.events(kinds=[EventKind.RESOURCE_LIMIT])] == [
+        EventKind.RESOURCE_LIMIT
+    ]
+    # seq continues after a restart, so cursors stay valid
+    again.record("a-1", AuditKind.FILE, "read_file", path="/x")
+    newer = again.records(since_seq=rows[-1].seq)
+    assert [r.action for r in newer] == ["resource_limit", "read_file"]
+    assert newer[-1].job_id == "job1"  # tags survive the restart too
+    await again.close()
+
+
+async def test_writers_on_many_threads_lose_nothing() -> None:
+    log = AuditLog(None)
+
+    def write(n: int) -> None:
+        for i in range(500):
+            log.record(f"s-{n}", AuditKind.NETWORK, "dns", name=f"h{i}")
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = log.records(limit=10_000)
+    assert len(rows) == 4000
+    assert [r.seq for r in rows] == sorted({r.seq for r in rows})
+    await log.close()
+
+
+def test_huge_detail_is_clipped_not_refused() -> None:
+    log = AuditLog(None)
+    log.record("s-1", AuditKind.COMMAND, "exec", command="x" * 100_000)
+    (row,) = log.records()
+    assert "truncated" in row.detail and len(json.dumps(row.detail)) < 5000
+
+
+@pytest.mark.root
+async def test_commands_and_files_are_audited_by_job(
+    client: DSecClient, busybox_image: str, platform: PlatformProcess
+) -> None:
+    job = "job-" + platform.edge_id
+    spec = DSecContainerRunArgs(
+        container_image=busybox_image, job_id=job, trajectory_id="traj-1", memory_limit_mb=64
+    )
+    async with await client.run_container(spec) as sb:
+        await sb.run_shell("echo hi > /tmp/x")
+        await sb.write_file("/tmp/y", b"data")
+        await sb.read_file("/tmp/y")
+        await sb.exec(["cat", "/tmp/x"])
+        rows = await client.audit(job=job)
+        assert {r.sandbox_id for r in rows} == {sb.id}
+        assert all(r.trajectory_id == "traj-1" for r in rows)
+        actions = [(r.kind.value, r.action) for r in rows]
+        assert actions[0] == ("lifecycle", "create")
+        assert ("command", "process_start") in actions or ("command", "exec") in actions
+        commands = [r.detail.get("command") for r in rows if r.kind is AuditKind.COMMAND]
+        assert "echo hi > /tmp/x" in commands and ["cat", "/tmp/x"] in commands
+        files = {(r.action, r.detail.get("path")) for r in rows if r.kind is AuditKind.FILE}
+        assert any(p == "/tmp/y" and "write" in a for a, p in files)
+        assert any(p == "/tmp/y" and "read" in a for a, p in files)
+        exit_rows = [r for r in rows if "exit_code" in r.detail]
+        assert exit_rows and all(r.detail["exit_code"] == 0 for r in exit_rows)
+        # A cursor returns only what is newer.
+        last = rows[-1].seq
+        await sb.run_shell("true")
+        newer = await client.audit(job=job, since_seq=last)
+        assert newer and all(r.seq > last for r in newer)
+    final = await client.audit(job=job, kinds=[AuditKind.LIFECYCLE])
+    assert [r.action for r in final] == ["create", "stopped"]
+    assert await client.events(job=job) == []
+    with pytest.raises(InvalidArgument):
+        await client.events(job="x" * 200)
+
+
+@pytest.mark.root
+def test_cli_events_and_audit(platform: PlatformProcess) -> None:
+    env = {"DSEC_URL": platform.url, "DSEC_API_KEY": platform.api_key, "PATH": "/usr/bin:/bin"}
+    cli = [sys.executable, "-m", "dsec.cli.main"]
+    res = subprocess.run(
+        [*cli, "events", "--job", "nobody", "--json"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == []
+    res = subprocess.run(
+        [*cli, "events", "--kind", "nonsense"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 2 and "nonsense" in res.stderr
+    res = subprocess.run([*cli, "audit", "--limit", "5"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
