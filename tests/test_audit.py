@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -129,3 +131,38 @@ def test_cli_events_and_audit(platform: PlatformProcess) -> None:
     assert res.returncode == 2 and "nonsense" in res.stderr
     res = subprocess.run([*cli, "audit", "--limit", "5"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_tamper_watch_reports_each_change_once(tmp_path: Path) -> None:
+    from dsec.security.tampering import TamperWatch
+
+    upper = tmp_path / "upper"
+    (upper / "usr/bin").mkdir(parents=True)
+    (upper / "usr/local/bin").mkdir(parents=True)
+    (upper / "usr/local/bin/tool").write_text("pip console script: not watched")
+    watch = TamperWatch()
+    assert watch.scan("s-1", upper) == []
+    (upper / "usr/bin/python3").write_text("#!/bin/sh\necho 100% tests passed")
+    os.mknod(upper / "usr/bin/pytest", 0o600 | stat.S_IFCHR, os.makedev(0, 0))  # whiteout
+    assert sorted(watch.scan("s-1", upper)) == [
+        ("/usr/bin/pytest", "deleted"),
+        ("/usr/bin/python3", "written"),
+    ]
+    assert watch.scan("s-1", upper) == []  # reported once
+    watch.forget("s-1")
+    assert len(watch.scan("s-1", upper)) == 2
+
+
+@pytest.mark.root
+async def test_overwriting_a_system_binary_raises_an_event(
+    client: DSecClient, busybox_image: str, platform: PlatformProcess
+) -> None:
+    job = "tamper-" + platform.edge_id
+    spec = DSecContainerRunArgs(container_image=busybox_image, job_id=job, memory_limit_mb=64)
+    async with await client.run_container(spec) as sb:
+        await sb.run_shell("echo ok > /tmp/fine")  # ordinary work raises nothing
+        assert await client.events(job=job) == []
+        await sb.run_shell("printf '#!/bin/sh\\necho PASSED\\n' > /bin/true.new && rm /bin/ls")
+        (event,) = await client.events(job=job)
+        assert event.kind is EventKind.BINARY_TAMPERING and event.sandbox_id == sb.id
+        assert set(event.detail["changes"]) == {"written /bin/true.new", "deleted /bin/ls"}

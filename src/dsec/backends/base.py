@@ -11,6 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from dsec.errors import Unsupported
@@ -105,6 +106,11 @@ class Backend(ABC):
     def command_env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
         """The environment a command starts with: image, spec, then ``extra``."""
         raise Unsupported(f"the {self.kind} backend has no session agent yet")
+
+    def writable_dir(self, rec: SandboxRecord) -> Path | None:
+        """Where the sandbox's file changes land on the host (overlay upper), if any:
+        detectors inspect it from outside without trusting the sandbox."""
+        return None
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {}

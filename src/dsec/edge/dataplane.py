@@ -278,6 +278,7 @@ class DataPlane:
         audit = self.edge.audit
 
         def ended(proc: ManagedProcess) -> None:
+            self.edge.command_finished(rec.id)
             exit_info = proc.exit
             audit.record(
                 rec.id,

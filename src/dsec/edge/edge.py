@@ -41,7 +41,8 @@ from dsec.model import (
     SandboxState,
 )
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind
+from dsec.security.events import AuditKind, EventKind
+from dsec.security.tampering import MAX_REPORTED, TamperWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,7 @@ class Edge:
         audit: AuditLog | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
+        self.tamper = TamperWatch()
         self.edge_id = edge_id
         self.backend = backend
         self.images = images
@@ -203,6 +205,7 @@ class Edge:
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
         self._set(rec, final, reason)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
+        self.tamper.forget(rec.id)
         if was_live:
             self.admission.release(rec.spec)
         for listener in self._stop_listeners:
@@ -299,6 +302,7 @@ class Edge:
         try:
             res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
             outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
+            self.command_finished(sandbox_id)
             if res.timed_out:
                 outcome["timed_out"] = True
             if res.truncated:
@@ -328,6 +332,21 @@ class Edge:
         await self._on_running(
             sandbox_id, lambda rec: self.backend.write_file(rec, path, data, mode=mode)
         )
+
+    def command_finished(self, sandbox_id: str) -> None:
+        """Run the after-command detectors (from outside the sandbox, on the host)."""
+        rec = self._records.get(sandbox_id)
+        upper = self.backend.writable_dir(rec) if rec is not None else None
+        if upper is None:
+            return
+        changes = self.tamper.scan(sandbox_id, upper)
+        if changes:
+            self.audit.event(
+                sandbox_id,
+                EventKind.BINARY_TAMPERING,
+                count=len(changes),
+                changes=[f"{change} {path}" for path, change in changes[:MAX_REPORTED]],
+            )
 
     # -- idle TTL -------------------------------------------------------------------------
     async def _ttl_loop(self) -> None:

@@ -361,5 +361,9 @@ class ContainerBackend(Backend):
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, *, mode: int) -> None:
         await self._agent(rec).write_file(path, data, user=rec.spec.init_user, mode=mode)
 
+    def writable_dir(self, rec: SandboxRecord) -> Path | None:
+        root = rec.runtime.get("dir")
+        return Path(root) / "upper" if isinstance(root, str) else None
+
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {"memory_bytes": self.cgroups.memory_usage(self._cgroup(rec.id))}
