@@ -10,6 +10,7 @@ A daemon that cannot be adopted is killed and its mounts are detached, so none l
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -26,6 +27,13 @@ log = logging.getLogger(__name__)
 
 FSTYPE = "fuse.dsec-lazyfs"
 READY_TIMEOUT = 10.0
+# Scheduling priority of the daemon's workers: a little ahead of the sandboxes, whose
+# cold reads wait on it (see dsec-lazyfs.c); it needs little CPU, so nothing starves.
+NICE = -5
+# A layer just unmounted can keep its FUSE file open for a moment: the overlay of a
+# sandbox that just stopped is dropped with its mount namespace, after the sandbox is
+# gone (seen under load: the daemon's unmount failed with EBUSY and it was left behind).
+UNMOUNT_BUSY_WAIT = 3.0
 
 
 class LazyDaemon:
@@ -38,6 +46,7 @@ class LazyDaemon:
         threads: int = 16,
         timeout: int = 10,
         readahead: int = 128 * 1024,
+        nice: int = NICE,
     ) -> None:
         self.root = Path(os.path.abspath(root))
         self.mount_dir = self.root / "fuse"
@@ -49,6 +58,7 @@ class LazyDaemon:
         self.threads = threads
         self.timeout = timeout
         self.readahead = readahead
+        self.nice = nice
         self.pid: int | None = None
 
     def path(self, digest_hex: str) -> Path:
@@ -79,10 +89,16 @@ class LazyDaemon:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Unmount and wait for the daemon to exit (layers on it must be unmounted first)."""
-        try:
-            linux.umount(self.mount_dir)
-        except OSError as exc:
-            raise BackendError(f"cannot unmount {self.mount_dir}: {exc.strerror}") from exc
+        deadline = time.monotonic() + UNMOUNT_BUSY_WAIT
+        while True:
+            try:
+                linux.umount(self.mount_dir)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                raise BackendError(f"cannot unmount {self.mount_dir}: {exc.strerror}") from exc
         pid, self.pid = self.pid, None
         if pid is not None:
             _wait_exit(pid, timeout)
@@ -157,6 +173,8 @@ class LazyDaemon:
             str(self.readahead),
             "--ready-fd",
             "3",
+            "--nice",
+            str(self.nice),
         ]
         if self.token:
             token_file = self.root / "store-token"
