@@ -14,6 +14,7 @@ APT_PACKAGES=(
   nftables        # per-sandbox egress rules
   iproute2        # network namespaces and veth
   util-linux      # unshare, nsenter, mount
+  btrfs-progs     # mkfs.btrfs: sandboxes' writable disk, one quota group per sandbox
   procps psmisc   # ps, fuser: leak checks in tests
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
   ca-certificates

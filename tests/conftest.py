@@ -25,7 +25,10 @@ import httpx
 import pytest
 
 from dsec import linux
+from dsec.net.manager import host_leftovers as net_leftovers
+from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups
+from dsec.resources.disk import loop_devices_backed_by
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,7 +132,35 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     crun_root = data_dir / "run" / "crun"
     if crun_root.is_dir():
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
+    leaks.extend(f"loop device {dev}" for dev in leaked_loops(data_dir))
+    leaks.extend(net_leftovers(edge_id))  # nft table, veths (dsec.net)
     return leaks
+
+
+def leaked_loops(data_dir: Path, wait: float = 2.0) -> list[str]:
+    """Loop devices backed by a file below ``data_dir`` (the sandboxes' disk image) that
+    will not go away by themselves. An autoclear loop device is freed with the last
+    reference to its file system, which a private mount namespace created meanwhile by
+    anything else on the host (an image build's ``unshare``) still holds as a copy of the
+    host's mount table; that is not a leak, it clears when that namespace ends."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = [
+            dev
+            for dev in loop_devices_backed_by(data_dir)
+            if _read(f"/sys/block/{os.path.basename(dev)}/loop/autoclear") != "1"
+        ]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 
 
 def _helpers(data_dir: Path, match: Callable[[list[bytes]], bool]) -> list[int]:
@@ -204,7 +235,13 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
             with contextlib.suppress(OSError):
                 linux.umount(m.mount_point, detach=True)
         remove_edge_cgroup(edge_id)
-        for pid in [*lazyfs_daemons(plat.data_dir), *spawners(plat.data_dir)]:
+        remove_net_leftovers(edge_id)
+        for dev in loop_devices_backed_by(plat.data_dir):
+            subprocess.run(["losetup", "-d", dev], check=False)
+        for pid in [
+            *lazyfs_daemons(plat.data_dir),
+            *spawners(plat.data_dir),
+        ]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""

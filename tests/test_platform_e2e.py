@@ -28,7 +28,6 @@ from dsec.errors import (
     PermissionDenied,
     SandboxNotFound,
     SandboxNotRunning,
-    Unsupported,
 )
 from dsec.resources import cgroups
 from tests.conftest import PlatformProcess
@@ -135,12 +134,20 @@ async def test_command_timeout_kills_command_keeps_sandbox(
 
 
 async def test_network_rules(client: DSecClient, busybox_image: str) -> None:
-    with pytest.raises(Unsupported, match="pypi"):
-        await client.run_container(args(busybox_image, network_rules={"pypi": True}))
+    """Rules are checked against the catalog; a sandbox with rules gets its own veth,
+    one without keeps loopback only (the full suite is tests/test_network.py)."""
+    with pytest.raises(InvalidArgument, match="nosuchservice"):
+        await client.run_container(args(busybox_image, network_rules={"nosuchservice": True}))
+    interfaces = "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"
     sb = await client.run_container(args(busybox_image, network_rules={"npm": False}))
     try:
-        r = await sb.run_shell("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
-        assert r.stdout.split() == ["lo"]
+        assert sorted((await sb.run_shell(interfaces)).stdout.split()) == ["eth0", "lo"]
+        assert (await sb.run_shell("nslookup registry.npmjs.org")).exit_code != 0
+    finally:
+        await sb.stop()
+    sb = await client.run_container(args(busybox_image))
+    try:
+        assert (await sb.run_shell(interfaces)).stdout.split() == ["lo"]
     finally:
         await sb.stop()
 

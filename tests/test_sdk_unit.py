@@ -475,6 +475,8 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.sdk",
         "dsec.wire",  # the data path's wire format (pure pydantic)
         "dsec.layer_model",  # layer references (pure pydantic)
+        "dsec.protected_model",  # protected paths (pure pydantic)
+        "dsec.security.events",  # audit records and events (pure pydantic)
         "httpx",
         "pydantic",
         "websockets",  # the data path and the terminal

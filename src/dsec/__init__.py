@@ -47,6 +47,7 @@ from dsec.model import (
     SandboxInfo,
     SandboxState,
 )
+from dsec.protected_model import ProtectedMount
 from dsec.sdk import (
     CommandResult,
     DSecClient,
@@ -94,6 +95,7 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessNotFound",
+    "ProtectedMount",
     "Sandbox",
     "SandboxInfo",
     "SandboxNotFound",

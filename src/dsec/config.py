@@ -90,6 +90,23 @@ class PlatformConfig:
     lazy_fetch_timeout: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_LAZY_FETCH_TIMEOUT", "10"))
     )
+    # seccomp allow-list profile in every container (DSEC_SECCOMP=0 turns it off, for
+    # measuring its cost only); DSEC_SECCOMP_NOTIFY=0 keeps the profile but refuses the
+    # dangerous calls in the kernel alone, without recording them.
+    seccomp: bool = field(default_factory=lambda: os.environ.get("DSEC_SECCOMP", "1") != "0")
+    seccomp_notify: bool = field(
+        default_factory=lambda: os.environ.get("DSEC_SECCOMP_NOTIFY", "1") != "0"
+    )
+    # Size of the sandboxes' writable-disk file system (a sparse btrfs image with one
+    # quota group per sandbox, see dsec.resources.disk), fixed when first created.
+    # Unset: half the free space below the data dir, at most 512 GiB. 0: no disk limits.
+    sandbox_disk_gb: int | None = field(
+        default_factory=lambda: (
+            int(os.environ["DSEC_SANDBOX_DISK_GB"])
+            if os.environ.get("DSEC_SANDBOX_DISK_GB")
+            else None
+        )
+    )
 
     @property
     def url(self) -> str:
@@ -112,6 +129,16 @@ class PlatformConfig:
         return self.data_dir / "edge.db"
 
     @property
+    def sandbox_disk_image(self) -> Path:
+        """The sandboxes file system's image (never inside a sandbox)."""
+        return self.data_dir / "sandboxes.img"
+
+    @property
     def audit_db(self) -> Path:
         """Audit log and events: outside every sandbox, never mounted into one."""
         return self.data_dir / "audit.db"
+
+    @property
+    def seccomp_socket(self) -> Path:
+        """Where crun hands each sandbox's seccomp notify fd to the edge (0600)."""
+        return self.data_dir / "run" / "seccomp.sock"

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.layer_model import ImageLoading, LayerRef
+from dsec.protected_model import ProtectedMount, check_protected
 
 # `name:tag` or `name` (tag defaults to latest); names like registry paths are allowed.
 IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
@@ -75,12 +76,51 @@ def _check_abs_path(value: str, what: str) -> str:
     return value
 
 
+# A raw IPv4 rule: address or CIDR, optionally ":" and ports ("10.0.0.0/8:80,443,8000-8100").
+NETWORK_IP_RULE_RE = re.compile(r"^[0-9.]{7,15}(/\d{1,2})?(:[0-9,-]{1,100})?$")
+
+
+def check_network_rules(v: dict[str, bool]) -> dict[str, bool]:
+    """Shape only (service names and IPv4 rules); the edge checks them against its
+    catalog (dsec.net.catalog)."""
+    for key in v:
+        if not (LABEL_KEY_RE.match(key) or NETWORK_IP_RULE_RE.match(key)):
+            raise ValueError(
+                f"invalid network rule {key!r}: use a service name such as 'pypi' or an "
+                "IPv4 rule such as '10.1.2.3', '10.0.0.0/8' or '10.1.2.3:443,8000-8100'"
+            )
+    if len(v) > 256:
+        raise ValueError("at most 256 network rules")
+    return v
+
+
+class NetworkRules(Strict):
+    """A running sandbox's new egress rules: they REPLACE the old ones (no merge)."""
+
+    network_rules: dict[str, bool] = Field(
+        default_factory=dict, description="egress by service name or IPv4 rule; {} = none"
+    )
+
+    @field_validator("network_rules")
+    @classmethod
+    def _rules(cls, v: dict[str, bool]) -> dict[str, bool]:
+        return check_network_rules(v)
+
+
 class DSecRunArgs(Strict):
     """What every backend shares. Subclasses add what is specific to one backend."""
 
     memory_limit_mb: int = Field(512, ge=16, le=1024 * 1024, description="hard memory limit")
     cpu_cores_limit: float = Field(1.0, gt=0, le=1024, description="CPU quota in cores")
     pids_limit: int = Field(1024, ge=16, le=65536, description="max processes and threads")
+    disk_limit_mb: int | None = Field(
+        None,
+        ge=64,
+        le=16 * 1024 * 1024,
+        description="writable disk (files written, metadata included), kernel-enforced; "
+        "writes past it fail with EDQUOT inside the sandbox. None: 10 GiB, or the host's "
+        "whole sandbox disk if that is smaller",
+    )
     ttl_running_stop: int | None = Field(
         300, ge=1, le=30 * 86400, description="idle seconds before an automatic stop; None=never"
     )
@@ -132,10 +172,7 @@ class DSecRunArgs(Strict):
     @field_validator("network_rules")
     @classmethod
     def _rules(cls, v: dict[str, bool]) -> dict[str, bool]:
-        for key in v:
-            if not LABEL_KEY_RE.match(key):
-                raise ValueError(f"invalid network rule name {key!r}")
-        return v
+        return check_network_rules(v)
 
     @field_validator("workdir")
     @classmethod
@@ -154,6 +191,15 @@ class DSecContainerRunArgs(DSecRunArgs):
     image_loading: ImageLoading = Field(
         "lazy", description="lazy: fetch chunks on first read; eager: whole layers first"
     )
+    # Grader/answer content that only verify() runs see (dsec.protected_model).
+    protected: list[ProtectedMount] = Field(
+        default_factory=list, description="paths only verifier runs can read"
+    )
+
+    @field_validator("protected")
+    @classmethod
+    def _protected(cls, v: list[ProtectedMount]) -> list[ProtectedMount]:
+        return check_protected(v)
 
     @field_validator("container_image")
     @classmethod

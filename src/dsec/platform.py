@@ -30,8 +30,11 @@ from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.images.images import Images
+from dsec.net.manager import NetworkManager
 from dsec.resources import cgroups
+from dsec.resources.disk import GiB, SandboxDisk
 from dsec.security.audit import AuditLog
+from dsec.security.seccomp import SeccompGuard
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,18 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             cgroups=host,
             cgroup_parent=f"dsec/{config.edge_id}",
             audit=audit,
+            seccomp=SeccompGuard(
+                socket_path=config.seccomp_socket if config.seccomp_notify else None,
+                audit=audit,
+            )
+            if config.seccomp
+            else None,
+            disk=SandboxDisk(
+                config.sandboxes_dir,
+                config.sandbox_disk_image,
+                size_bytes=config.sandbox_disk_gb * GiB if config.sandbox_disk_gb else None,
+                enabled=config.sandbox_disk_gb != 0,
+            ),
         )
         edge = Edge(
             edge_id=config.edge_id,
@@ -145,6 +160,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             admission=Admission(
                 max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
             ),
+            network=NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit),
         )
         recovery = await edge.start()
         yield Platform(config, edge, images, keys, api_key, recovery)

@@ -23,6 +23,7 @@ from dsec.model import (
     DataPathInfo,
     ExecRequest,
     ExecResult,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
 )
@@ -93,6 +94,23 @@ def sandbox_router(
     async def exec_command(sandbox_id: str, body: ExecRequest) -> Response:
         """Run one command to completion; a string goes through `/bin/sh -c`."""
         return model_response(await edge.exec(check_sandbox_id(sandbox_id), body))
+
+    @router.post("/{sandbox_id}/verify", response_model=ExecResult, summary="Run a verifier step")
+    async def verify_command(sandbox_id: str, body: ExecRequest) -> Response:
+        """Run one command in a short-lived verifier container that sees the sandbox's
+        current files *and* its protected paths (which the sandbox itself never does).
+        The sandbox is frozen while it runs; the default user is root, the default
+        timeout 600 s."""
+        return model_response(await edge.verify(check_sandbox_id(sandbox_id), body))
+
+    @router.put(
+        "/{sandbox_id}/network", response_model=NetworkRules, summary="Replace egress rules"
+    )
+    async def update_network(sandbox_id: str, body: NetworkRules) -> Response:
+        """REPLACE (not merge) the egress rules of a running sandbox that was created
+        with `network_rules`; new connections follow them at once, open ones go on."""
+        rules = await edge.update_network(check_sandbox_id(sandbox_id), body.network_rules)
+        return model_response(rules)
 
     @router.get(
         "/{sandbox_id}/files",

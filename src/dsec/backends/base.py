@@ -43,6 +43,9 @@ class SandboxRecord:
     runtime: dict[str, Any] = field(default_factory=dict)
     # Not persisted: reset to "now" after a restart, which only ever extends a TTL.
     last_activity: float = field(default_factory=time.monotonic)
+    # Not persisted: handed from the edge to the backend's create only (inline
+    # protected file contents, which must never reach edge.db or a SandboxInfo).
+    transient: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -114,6 +117,18 @@ class Backend(ABC):
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {}
+
+    def check_limits(self, spec: DSecContainerRunArgs) -> None:
+        """Refuse (LimitExceeded) limits this backend could never honour on this host."""
+
+    def limit_counters(self, rec: SandboxRecord) -> Any:
+        """The kernel's limit counters of a sandbox (a ``dsec.security.limits.LimitReading``),
+        or None when this backend has none to offer."""
+        return None
+
+    async def verify(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
+        """Run ``req`` where the spec's protected paths are visible (a verifier step)."""
+        raise Unsupported(f"the {self.kind} backend cannot run verifier steps yet")
 
     async def pause(self, rec: SandboxRecord) -> None:
         raise Unsupported(f"the {self.kind} backend cannot pause sandboxes yet")

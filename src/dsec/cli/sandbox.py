@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Annotated
 
@@ -28,6 +29,17 @@ app = typer.Typer(help="Create, use and remove sandboxes.", no_args_is_help=True
 app.command("shell")(shell_cmd.shell)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+AllowOpt = Annotated[
+    list[str],
+    typer.Option("--allow", help="egress rule to allow: service (pypi) or IPv4[:ports]; repeat"),
+]
+DenyOpt = Annotated[
+    list[str], typer.Option("--deny", help="egress rule set to false (same as leaving it out)")
+]
+
+
+def network_rules(allow: list[str], deny: list[str]) -> dict[str, bool]:
+    return {**{name: False for name in deny}, **{name: True for name in allow}}
 
 
 @app.command()
@@ -36,6 +48,9 @@ def create(
     image: Annotated[str, typer.Option("--image", "-i", help="image reference name[:tag]")],
     memory: Annotated[int | None, typer.Option("--memory", help="memory limit, MiB")] = None,
     cpus: Annotated[float | None, typer.Option("--cpus", help="CPU limit, cores")] = None,
+    disk: Annotated[
+        int | None, typer.Option("--disk", help="writable disk limit, MiB (default 10 GiB)")
+    ] = None,
     ttl: Annotated[
         int | None, typer.Option("--ttl", help="idle seconds before auto-stop; 0 = never")
     ] = None,
@@ -44,14 +59,26 @@ def create(
     user: Annotated[str | None, typer.Option("--user", "-u", help="user or uid[:gid]")] = None,
     workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait")] = 120,
+    allow: AllowOpt = [],  # noqa: B006
+    deny: DenyOpt = [],  # noqa: B006
+    protect: Annotated[
+        list[str],
+        typer.Option(
+            "--protect", help="PATH=LAYER: only `dsec sandbox verify` sees it; repeatable"
+        ),
+    ] = [],  # noqa: B006
     as_json: JsonOpt = False,
 ) -> None:
     """Create a container sandbox and print its id."""
     fields: dict[str, object] = {"container_image": image}
+    if allow or deny:
+        fields["network_rules"] = network_rules(allow, deny)
     if memory is not None:
         fields["memory_limit_mb"] = memory
     if cpus is not None:
         fields["cpu_cores_limit"] = cpus
+    if disk is not None:
+        fields["disk_limit_mb"] = disk
     if ttl is not None:
         fields["ttl_running_stop"] = ttl or None
     if label:
@@ -62,6 +89,9 @@ def create(
         fields["init_user"] = user
     if workdir is not None:
         fields["workdir"] = workdir
+    if protect:
+        pairs = parse_pairs(protect, "--protect")
+        fields["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]
     try:
         args = DSecContainerRunArgs.model_validate(fields)
     except ValidationError as exc:
@@ -130,6 +160,68 @@ def exec_(
         if result.truncated:
             err.print("dsec: output was truncated", style="yellow", markup=False)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("verify", context_settings={"allow_interspersed_args": False})
+def verify(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID")],
+    command: Annotated[list[str], typer.Argument(metavar="CMD...", help="argv to run")],
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", "-t", help="kill the command after S seconds")
+    ] = None,
+    env: Annotated[list[str], typer.Option("--env", "-e", help="KEY=VALUE, repeatable")] = [],  # noqa: B006
+    workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="default root")] = None,
+    shell: Annotated[
+        bool, typer.Option("--shell", "-s", help="join CMD and run it with /bin/sh -c")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a grader where the sandbox's protected paths are visible (the sandbox is
+    frozen meanwhile); output passes through and its exit code is dsec's."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise typer.BadParameter("no command given", param_hint="CMD...")
+    with sync_client(ctx) as client:
+        result = client.get(sandbox_id).verify(
+            " ".join(command) if shell else command,
+            timeout=timeout,
+            env=parse_pairs(env, "--env"),
+            workdir=workdir,
+            user=user,
+        )
+    if as_json:
+        emit_json(result)
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(result.stderr)
+        sys.stderr.flush()
+        if result.timed_out:
+            err.print("dsec: verify command timed out", style="yellow", markup=False)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("network")
+def network(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID")],
+    allow: AllowOpt = [],  # noqa: B006
+    deny: DenyOpt = [],  # noqa: B006
+    as_json: JsonOpt = False,
+) -> None:
+    """REPLACE a running sandbox's egress rules (no merge: what is not allowed here is
+    denied from now on; no --allow at all denies everything). New connections follow at
+    once. The sandbox must have been created with --allow or --deny."""
+    with sync_client(ctx) as client:
+        rules = client.get(sandbox_id).update_network(network_rules(allow, deny))
+    if as_json:
+        sys.stdout.write(json.dumps({"network_rules": rules}, indent=2) + "\n")
+    else:
+        allowed = sorted(k for k, v in rules.items() if v)
+        out.print("allowed: " + (", ".join(allowed) if allowed else "nothing"), markup=False)
 
 
 @app.command("ls")

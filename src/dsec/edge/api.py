@@ -14,6 +14,7 @@ from dsec.model import (
     ExecRequest,
     ExecResult,
     HealthInfo,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
 )
@@ -41,6 +42,10 @@ class EdgeAPI(Protocol):
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        """Run a command where the protected paths are visible, the agent frozen."""
+        ...
+
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes: ...
 
     async def write_file(
@@ -48,3 +53,7 @@ class EdgeAPI(Protocol):
     ) -> None: ...
 
     async def health(self) -> HealthInfo: ...
+
+    async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
+        """Replace (not merge) a running sandbox's egress rules."""
+        ...

@@ -287,6 +287,15 @@ class DataPlane:
                 process=proc.id,
                 **(exit_info.model_dump() if exit_info else {"error": str(proc.error)}),
             )
+            if exit_info is not None:
+                self.edge.limits.after_exec(
+                    rec,
+                    exit_code=exit_info.exit_code,
+                    timed_out=exit_info.timed_out,
+                    truncated=exit_info.truncated,
+                    command=proc.command,
+                    process=proc.id,
+                )
             if locked:
                 assert session is not None
                 session.lock.release()

@@ -37,11 +37,16 @@ from dsec.model import (
     ExecRequest,
     ExecResult,
     HealthInfo,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
+    check_network_rules,
 )
+from dsec.net.manager import NetworkManager
+from dsec.protected_model import protected_summary, redact_files
 from dsec.security.audit import AuditLog
 from dsec.security.events import AuditKind, EventKind
+from dsec.security.limits import LimitWatcher
 from dsec.security.tampering import MAX_REPORTED, TamperWatch
 
 log = logging.getLogger(__name__)
@@ -66,9 +71,14 @@ class Edge:
         ttl_interval: float = 1.0,
         stop_on_close: bool = True,
         audit: AuditLog | None = None,
+        network: NetworkManager | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
+        # egress rules (dsec.net); None: sandboxes with allow-rules are Unsupported
+        self.network = network
         self.tamper = TamperWatch()
+        # resource-limit events (OOM, pids, disk quota, output, timeout): dsec.security.limits
+        self.limits = LimitWatcher(self.audit, backend.limit_counters)
         self.edge_id = edge_id
         self.backend = backend
         self.images = images
@@ -92,6 +102,8 @@ class Edge:
             if rec.state is SandboxState.RUNNING:
                 if await self.backend.is_alive(rec):
                     await self.backend.adopt(rec)
+                    if self.network is not None and "net" in rec.runtime:
+                        self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
                     rec.last_activity = time.monotonic()
                     report["adopted"].append(rec.id)
                     continue
@@ -113,13 +125,19 @@ class Edge:
                 report["cleaned"].append(rec.id)
         live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
         report["swept"] = await self.backend.sweep(live)
+        if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
+            await self.network.start()
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="dsec-ttl-reaper")
+        self.limits.start(
+            lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
+        )
         if any(report.values()):
             log.info("edge %s recovery: %s", self.edge_id, {k: len(v) for k, v in report.items()})
         return report
 
     async def close(self) -> None:
+        await self.limits.close()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -131,20 +149,34 @@ class Edge:
                 return_exceptions=True,
             )
         await self.backend.close()
+        if self.network is not None:
+            await self.network.close(keep_rules=not self.stop_on_close)
         self.state.close()
         await self.audit.close()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
-        if allowed:
+        if self.network is not None and spec.network_rules:
+            self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
+        elif allowed:
             raise Unsupported(
                 f"egress rules are not enforced yet (asked to allow {', '.join(allowed)}); "
                 "omit them or set them to False: without rules a sandbox has only loopback",
                 rules=allowed,
             )
         self.admission.check_limits(spec)
+        self.backend.check_limits(spec)  # e.g. disk_limit_mb larger than the sandbox disk
         image = await self.images.compose(spec)  # base + workspace + toolkit layers
+        # Protected layers: resolved to digests now, like the image's (None: inline files).
+        protected_layers = [
+            (await self.images.layer_digest(m.layer))[0] if m.layer is not None else None
+            for m in spec.protected
+        ]
+        # Inline answers go to the backend only, never to edge.db or an answer.
+        inline = [dict(m.files) for m in spec.protected]
+        if any(inline):
+            spec = spec.model_copy(update={"protected": redact_files(spec.protected)})
         self.admission.admit(spec)
         now = _now()
         rec = SandboxRecord(
@@ -155,6 +187,8 @@ class Edge:
             created_at=now,
             updated_at=now,
             edge=self.edge_id,
+            runtime={"protected_layers": protected_layers} if spec.protected else {},
+            transient={"protected_files": inline} if spec.protected else {},
         )
         self._records[rec.id] = rec
         self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)
@@ -165,10 +199,15 @@ class Edge:
             image=spec.container_image,
             layers=list(image.layers),
             network_rules=spec.network_rules,
+            **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
         )
         try:
             self.state.save(rec)
+            if self.network is not None and spec.network_rules:
+                rec.runtime["net"] = await self.network.attach(rec.id, spec.network_rules)
             await asyncio.wait_for(self.backend.create(rec), timeout)
+            if self.network is not None:
+                self.network.joined(rec.id)  # the sandbox holds its netns from now on
         except BaseException as exc:
             reason = (
                 f"creation did not finish within {timeout:g}s"
@@ -184,6 +223,7 @@ class Edge:
                 raise BackendError(reason, sandbox_id=rec.id) from exc
             raise
         self._set(rec, SandboxState.RUNNING)
+        self.limits.track(rec.id)
         return rec.info()
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
@@ -197,6 +237,8 @@ class Edge:
     async def _finish(self, rec: SandboxRecord, final: SandboxState, reason: str | None) -> None:
         """Tear down and record the end; the teardown intent is durable before it starts."""
         was_live = rec.state in LIVE_STATES
+        if rec.state is SandboxState.RUNNING:
+            self.limits.check(rec)  # a last look: limits hit since the last scan
         self._set(rec, SandboxState.STOPPING, reason)
         try:
             await self.backend.destroy(rec)
@@ -206,6 +248,9 @@ class Edge:
         self._set(rec, final, reason)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         self.tamper.forget(rec.id)
+        self.limits.forget(rec.id)
+        if self.network is not None:
+            self.network.release(rec.id)
         if was_live:
             self.admission.release(rec.spec)
         for listener in self._stop_listeners:
@@ -222,6 +267,28 @@ class Edge:
             rec.reason = reason
         rec.updated_at = _now()
         self.state.save(rec)
+
+    async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
+        """Replace (not merge) a running sandbox's egress rules; applies to new
+        connections at once, open ones go on (dsec.net.manager)."""
+        rules = check_network_rules(dict(rules))
+        async with self._lock(sandbox_id):
+            rec = self.running_record(sandbox_id)
+            if self.network is None:
+                raise Unsupported("egress rules are not available on this edge")
+            start = time.perf_counter()
+            await self.network.update(sandbox_id, rules)
+            old, rec.spec.network_rules = rec.spec.network_rules, dict(rules)
+            self._set(rec, rec.state)
+            self.audit.record(
+                sandbox_id,
+                AuditKind.LIFECYCLE,
+                "network_update",
+                old=old,
+                new=rules,
+                duration=round(time.perf_counter() - start, 6),
+            )
+        return NetworkRules(network_rules=rules)
 
     # -- queries --------------------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxRecord:
@@ -303,6 +370,15 @@ class Edge:
             res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
             outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
             self.command_finished(sandbox_id)
+            self.limits.after_exec(
+                self._records[sandbox_id],
+                exit_code=res.exit_code,
+                timed_out=res.timed_out,
+                truncated=res.truncated,
+                command=req.command,
+                max_output_bytes=req.max_output_bytes,
+                timeout=req.timeout,
+            )
             if res.timed_out:
                 outcome["timed_out"] = True
             if res.truncated:
@@ -313,6 +389,37 @@ class Edge:
                 sandbox_id,
                 AuditKind.COMMAND,
                 "exec",
+                command=req.command,
+                user=req.user,
+                workdir=req.workdir,
+                **outcome,
+            )
+
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        """Run ``req`` in a verifier that sees the protected paths (the agent frozen
+        meanwhile). Holds the sandbox's lock, so a stop waits for the verify to end."""
+        outcome: dict[str, object] = {"error": "did not finish"}
+        try:
+            async with self._lock(sandbox_id):
+                rec = self.running_record(sandbox_id)
+                try:
+                    res = await self.backend.verify(rec, req)
+                finally:
+                    rec.last_activity = time.monotonic()
+            outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
+            if res.timed_out:
+                outcome["timed_out"] = True
+            if res.truncated:
+                outcome["truncated"] = True
+            return res
+        except DSecError as exc:
+            outcome = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            raise
+        finally:
+            self.audit.record(
+                sandbox_id,
+                AuditKind.COMMAND,
+                "verify",
                 command=req.command,
                 user=req.user,
                 workdir=req.workdir,

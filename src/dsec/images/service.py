@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
+from dsec.layer_model import LayerRef
 from dsec.model import DSecContainerRunArgs, ImageInfo
 
 # Called with (step description, done units, total units or None) during long work.
@@ -21,6 +22,10 @@ class ImageService(Protocol):
 
     async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
         """The base image of ``spec`` with its workspace and toolkit layers on top."""
+        ...
+
+    async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
+        """(digest, size) of a layer reference; ImageNotFound with a hint if unknown."""
         ...
 
     async def list(self) -> list[ImageInfo]: ...

@@ -9,7 +9,7 @@ what both senders share (settings, failure translation), so no logic exists twic
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
@@ -30,6 +30,7 @@ from dsec.model import (
     ExecResult,
     HealthInfo,
     ImageInfo,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
     parse_image_ref,
@@ -222,6 +223,46 @@ def exec_command(
         content=body.model_dump_json(exclude_defaults=True).encode(),
         headers=_JSON_HEADERS,
         timeout=wait_timeout(timeout),
+    )
+
+
+def verify_command(
+    sandbox_id: str,
+    command: str | list[str],
+    *,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    user: str | None = None,
+    stdin: str | None = None,
+    max_output_bytes: int | None = None,
+) -> Call[ExecResult]:
+    """Like ``exec_command``, run in a verifier that sees the protected paths."""
+    call = exec_command(
+        sandbox_id,
+        command,
+        timeout=timeout,
+        env=env,
+        workdir=workdir,
+        user=user,
+        stdin=stdin,
+        max_output_bytes=max_output_bytes,
+    )
+    return replace(call, path=sandbox_path(sandbox_id) + "/verify")
+
+
+def update_network(sandbox_id: str, rules: Mapping[str, bool]) -> Call[NetworkRules]:
+    """PUT the sandbox's new egress rules; they replace the old ones (no merge)."""
+    try:
+        body = NetworkRules(network_rules=dict(rules))
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "PUT",
+        sandbox_path(sandbox_id) + "/network",
+        _model(NetworkRules),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
     )
 
 

@@ -6,7 +6,7 @@ For scripts, notebooks and thread-based rollout workers. Requests and parsing co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -15,6 +15,7 @@ import httpx
 from dsec.errors import DSecError, SandboxNotFound
 from dsec.model import (
     DSecContainerRunArgs,
+    ExecResult,
     HealthInfo,
     ImageInfo,
     SandboxInfo,
@@ -217,6 +218,44 @@ class SyncSandbox(SyncSandboxDataMixin):
         """Terminate the sandbox (idempotent) and return its final state."""
         self.info = self._client._send(proto.stop_sandbox(self.id))
         return self.info
+
+    def update_network(self, rules: Mapping[str, bool]) -> dict[str, bool]:
+        """Replace this sandbox's egress rules with ``rules`` (REPLACE, not merge: a
+        service left out is denied from now on), e.g. ``{"pypi": True}`` for a setup
+        phase, then ``{}`` for the solve phase. New connections follow the new rules at
+        once; connections already open go on. The sandbox must have been created with
+        ``network_rules`` (even ``{"pypi": False}``). Returns the rules in force."""
+        reply = self._client._send(proto.update_network(self.id, rules))
+        return reply.network_rules
+
+    def verify(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run a grader in a short-lived verifier container: it sees this sandbox's
+        current files plus the spec's ``protected`` paths, which the sandbox itself
+        never contains. The sandbox is frozen meanwhile (thawed after, however the
+        command ends). A string runs through ``/bin/sh -c``; the user defaults to root,
+        the timeout to 600 s."""
+        return self._client._send(
+            proto.verify_command(
+                self.id,
+                command if isinstance(command, str) else list(command),
+                timeout=timeout,
+                env=env,
+                workdir=workdir,
+                user=user,
+                stdin=stdin,
+                max_output_bytes=max_output_bytes,
+            )
+        )
 
     def __enter__(self) -> Self:
         return self

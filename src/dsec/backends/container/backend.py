@@ -25,13 +25,20 @@ from typing import Any
 
 from dsec import linux, spawn
 from dsec.backends.base import Backend, SandboxRecord
+from dsec.backends.container import verifier
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
 from dsec.backends.container.runtime import OCIRuntime
-from dsec.errors import BackendError, InvalidArgument
+from dsec.errors import BackendError, InvalidArgument, LimitExceeded
 from dsec.images.mounts import LayerMounts
 from dsec.model import BackendKind, ExecRequest, ExecResult
+from dsec.net.oci import net_mounts
 from dsec.resources.cgroups import CgroupHost
+from dsec.resources.disk import MiB, SandboxDisk
+from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
+from dsec.security.events import AuditKind
+from dsec.security.limits import LimitReading, read_cgroup_counters
+from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
 
 log = logging.getLogger(__name__)
@@ -93,8 +100,16 @@ class ContainerBackend(Backend):
         create_concurrency: int = 8,
         prewarm_limit: int = 512 * 1024 * 1024,
         audit: AuditSink | None = None,
+        seccomp: SeccompGuard | None = None,
+        disk: SandboxDisk | None = None,
     ) -> None:
+        # Writable-disk quotas (dsec.resources.disk); None = plain dirs, no limit.
+        self.disk = disk or SandboxDisk(
+            sandboxes_dir, sandboxes_dir.with_name(sandboxes_dir.name + ".img"), enabled=False
+        )
         self.audit: AuditSink = audit or NullAudit()
+        # seccomp profile + notify listener (dsec.security.seccomp); None = no filter
+        self.seccomp = seccomp
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
         self.layers = layers
@@ -108,6 +123,9 @@ class ContainerBackend(Backend):
         self.prewarm_limit = prewarm_limit
         self._warm: set[str] = set()
         self._warming: dict[str, asyncio.Future[int]] = {}
+        # inotify on protected-path decoys: one fd for the edge (dsec.security.protected)
+        self.decoys = protected_paths.DecoyWatcher(self.audit)
+        self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
 
     # -- paths --------------------------------------------------------------------------
     def _dir(self, sandbox_id: str) -> Path:
@@ -120,8 +138,12 @@ class ContainerBackend(Backend):
         return f"/{self.cgroup_parent}/{sandbox_id}"
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.disk.open)  # mounts the quota-capable file system
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-orphan-reaper")
+        self.decoys.start()
+        if self.seccomp is not None:
+            self.seccomp.start()
         probe = self._socket("x" * 16 + "-" + "0" * 16)
         if len(os.fsencode(probe)) > MAX_SOCKET_PATH:
             raise BackendError(
@@ -160,6 +182,10 @@ class ContainerBackend(Backend):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        await self.verifiers.settle_all()
+        self.decoys.close()
+        if self.seccomp is not None:
+            self.seccomp.close()
         spawn.reap_orphans(frozenset({self.runtime.name, Path(AGENT_PATH_IN_SANDBOX).name}))
         if not self.cgroups.children(f"/{self.cgroup_parent}"):
             await asyncio.to_thread(
@@ -169,14 +195,24 @@ class ContainerBackend(Backend):
             top = self.cgroup_parent.split("/")[0]
             if top != self.cgroup_parent:
                 self.cgroups.remove_if_empty(f"/{top}")
+        await asyncio.to_thread(self.disk.close)  # unmounts only when no sandbox is left
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, rec: SandboxRecord) -> None:
         sid = rec.id
         root = self._dir(sid)
         rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
+        # Protected layers were resolved to digests by the edge (None: inline files).
+        protected_layers = list(rec.runtime.get("protected_layers", []))
+        net = rec.runtime.get("net")  # the sandbox's network from dsec.net (egress rules)
         rec.runtime = {"dir": str(root), "layers": list(rec.image.layers), "layers_held": []}
+        if net is not None:
+            rec.runtime["net"] = net
         try:
+            # The sandbox's directory is its own quota group: upper, work and all.
+            rec.runtime["disk_qgroup"] = self.disk.create_dir(
+                root, limit_bytes=self.disk.limit_bytes(rec.spec.disk_limit_mb)
+            )
             for d in (rootfs, upper, work):
                 d.mkdir(parents=True, exist_ok=False)
             # Fetch what this host lacks: only chunk indexes when lazy, whole layers when eager.
@@ -188,6 +224,11 @@ class ContainerBackend(Backend):
                 if not self.layers.is_lazy(digest):  # lazy layers are read on demand only
                     await self._prewarm(digest, Path(lowers[-1]))
             overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
+            prepared = (
+                await self._prepare_protected(rec, root, protected_layers)
+                if rec.spec.protected
+                else []
+            )
             config = build_config(
                 sandbox_id=sid,
                 spec=rec.spec,
@@ -195,6 +236,9 @@ class ContainerBackend(Backend):
                 agent_binary=self.agent_binary,
                 cgroup_path=self._cgroup(sid),
                 host_cpus=self.host_cpus,
+                extra_mounts=protected_paths.decoy_mounts(prepared) + net_mounts(net),
+                seccomp=self.seccomp_profile(sid),
+                netns_path=net["netns"] if net else None,
             )
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -213,6 +257,8 @@ class ContainerBackend(Backend):
                 # The agent holds its own copy now; ours would only cost an fd per sandbox.
                 listener.close()
             rec.runtime["pid"] = int((root / "init.pid").read_text().strip())
+            self._seccomp_attached(rec)
+            self.decoys.watch(sid, prepared)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.destroy(rec)
@@ -232,10 +278,57 @@ class ContainerBackend(Backend):
                 await self.destroy(rec)
                 raise InvalidArgument(f"init_user {rec.spec.init_user!r} cannot run commands")
 
+    async def _prepare_protected(
+        self, rec: SandboxRecord, root: Path, digests: list[str | None]
+    ) -> list[protected_paths.Prepared]:
+        """Hold each protected layer for the sandbox's life, write inline files, build
+        the decoys (see dsec.security.protected)."""
+        if len(digests) != len(rec.spec.protected):
+            raise BackendError("protected layers were not resolved before create")
+        layers: list[tuple[str, Path] | None] = []
+        for digest in digests:
+            if digest is None:
+                layers.append(None)
+                continue
+            await self.layers.prepare([digest], rec.spec.image_loading)
+            layers.append((digest, self.layers.acquire(digest)))
+            rec.runtime["layers_held"].append(digest)
+        # Inline contents come from the edge beside the (redacted) spec.
+        contents = rec.transient.get("protected_files") or [
+            dict(m.files) for m in rec.spec.protected
+        ]
+        mounts = [
+            m.model_copy(update={"files": files}) if m.files else m
+            for m, files in zip(rec.spec.protected, contents, strict=True)
+        ]
+        prepared = await asyncio.to_thread(protected_paths.prepare, root, mounts, layers)
+        rec.runtime["protected"] = [p.as_json() for p in prepared]
+        return prepared
+
+    async def verify(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
+        """Run ``req`` in a verifier that sees the agent's files and the protected
+        paths, with the agent frozen meanwhile (dsec.backends.container.verifier)."""
+        return await verifier.run_verify(self, rec, req)
+
+    def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:
+        """The ``linux.seccomp`` of container ``sid``; violations are recorded under
+        ``report_as`` (e.g. the sandbox a verifier container grades), default ``sid``."""
+        return self.seccomp.profile(report_as or sid) if self.seccomp is not None else None
+
+    def _seccomp_attached(self, rec: SandboxRecord) -> None:
+        if self.seccomp is None:
+            return
+        rec.runtime["seccomp"] = "notify" if self.seccomp.notify else "errno"
+        self.seccomp.check_attached(rec.id)
+
     async def destroy(self, rec: SandboxRecord) -> None:
+        await self.verifiers.settle(rec.id)
         await self._teardown(rec.id, rec.runtime)
 
     async def _teardown(self, sid: str, runtime: dict[str, Any]) -> None:
+        self.decoys.unwatch(sid)  # before anything of ours opens the decoys
+        if self.seccomp is not None:
+            self.seccomp.forget(sid)
         root = self._dir(sid)
         errors: list[str] = []
         cgroup = self._cgroup(sid)
@@ -264,6 +357,11 @@ class ContainerBackend(Backend):
                 self.layers.release(digest)
         runtime["layers_held"] = []
         if root.exists() and not linux.is_mounted(rootfs):
+            try:  # a quota subvolume goes in one call, its quota group with it
+                await asyncio.to_thread(self.disk.remove_dir, root)
+            except OSError as exc:
+                errors.append(f"remove {root}: {exc}")
+        if root.exists() and not linux.is_mounted(rootfs):
             await asyncio.to_thread(shutil.rmtree, root, True)
         if errors:
             raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
@@ -286,6 +384,7 @@ class ContainerBackend(Backend):
             await asyncio.sleep(0.005)
 
     async def is_alive(self, rec: SandboxRecord) -> bool:
+        await verifier.recover(self, rec.id)  # an edge killed mid-verify left it frozen
         state = await self.runtime.state(rec.id)
         if state is None or state.get("status") not in ("running", "created"):
             return False
@@ -298,10 +397,20 @@ class ContainerBackend(Backend):
     async def adopt(self, rec: SandboxRecord) -> None:
         await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
         held = []
-        for digest in rec.image.layers:
+        prepared = [protected_paths.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
+        if any(p.digest for p in prepared):
+            await self.layers.prepare(
+                [p.digest for p in prepared if p.digest], rec.spec.image_loading
+            )
+        for digest in [*rec.image.layers, *(p.digest for p in prepared if p.digest)]:
             self.layers.acquire(digest)
             held.append(digest)
         rec.runtime["layers_held"] = held
+        self.decoys.watch(rec.id, prepared)
+        if rec.runtime.get("seccomp") == "notify":
+            # Its notify fd died with the old edge: dangerous calls still fail (ENOSYS)
+            # but are no longer recorded; say so, so a trainer can tell.
+            self.audit.record(rec.id, AuditKind.LIFECYCLE, "seccomp_unmonitored")
 
     async def sweep(self, known_ids: set[str]) -> list[str]:
         removed: list[str] = []
@@ -364,6 +473,24 @@ class ContainerBackend(Backend):
     def writable_dir(self, rec: SandboxRecord) -> Path | None:
         root = rec.runtime.get("dir")
         return Path(root) / "upper" if isinstance(root, str) else None
+
+    def check_limits(self, spec: Any) -> None:
+        if (
+            self.disk.enabled
+            and spec.disk_limit_mb is not None
+            and spec.disk_limit_mb * MiB > self.disk.capacity
+        ):
+            raise LimitExceeded(
+                f"disk_limit_mb={spec.disk_limit_mb} exceeds this host's sandbox disk of "
+                f"{self.disk.capacity // MiB} MiB",
+                host_disk_mb=self.disk.capacity // MiB,
+            )
+
+    def limit_counters(self, rec: SandboxRecord) -> LimitReading:
+        oom, pids = read_cgroup_counters(self.cgroups, self._cgroup(rec.id))
+        qgroup = rec.runtime.get("disk_qgroup")
+        disk = self.disk.usage(qgroup) if isinstance(qgroup, int) else None
+        return LimitReading(oom_kills=oom, pids_refused=pids, disk=disk)
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {"memory_bytes": self.cgroups.memory_usage(self._cgroup(rec.id))}

@@ -1,0 +1,395 @@
+"""The edge side of ``SCMP_ACT_NOTIFY``: answer refused system calls and record them.
+
+crun loads each sandbox's filter with a notify fd and hands that fd over the unix
+socket ``listenerPath`` (SCM_RIGHTS, with a JSON state that carries our metadata, the
+sandbox id). One thread owns every notify fd: it accepts crun's connections, receives
+notifications (``SECCOMP_IOCTL_NOTIF_RECV``), answers EPERM (``..._SEND``) and writes a
+``seccomp_violation`` event to the audit sink (thread-safe). A thread, not the event
+loop, so that a busy loop never keeps a sandbox's syscall waiting, and one thread
+alone opens, polls and closes the fds, so an fd number is never reused under it.
+
+Failure semantics (kernel): when the last copy of a notify fd is closed, every pending
+and future notified call of that filter fails with ENOSYS. The edge holds the only
+copy (crun closes its own after sending; checked in tests), so if the edge dies the
+dangerous calls keep failing, they never hang. A restarted edge cannot re-attach (a
+filter's listener is fixed when it is loaded, and a task may carry only one listener):
+adopted sandboxes stay confined but their violations are no longer recorded; the
+backend notes that in the audit log at adoption.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from dsec.security.audit import AuditSink
+from dsec.security.events import EventKind
+
+log = logging.getLogger(__name__)
+
+# <linux/seccomp.h>: _IOWR('!', 0, struct seccomp_notif) etc.
+_NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, data.nr, data.arch, data.ip, data.args
+_RESP = struct.Struct("=QqiI")  # id, val, error, flags
+NOTIF_RECV = 0xC0000000 | (_NOTIF.size << 16) | (ord("!") << 8) | 0
+NOTIF_SEND = 0xC0000000 | (_RESP.size << 16) | (ord("!") << 8) | 1
+
+# Events per sandbox and system call within WINDOW seconds; beyond that they are
+# counted and the count rides on the next recorded event (a loop of reboot() calls
+# must not flood the audit log). Past the burst, each further notification also pauses
+# that notify fd for PAUSE seconds, so one sandbox calling reboot() in a loop costs the
+# edge at most 1/PAUSE answers a second instead of a core (its callers just wait).
+BURST = 10
+WINDOW = 10.0
+PAUSE = 0.01
+
+_X86_64_NAMES = {
+    9: "mmap", 56: "clone", 101: "ptrace", 103: "syslog", 135: "personality",
+    155: "pivot_root", 159: "adjtimex", 163: "acct", 164: "settimeofday", 165: "mount",
+    166: "umount2", 167: "swapon", 168: "swapoff", 169: "reboot", 170: "sethostname",
+    171: "setdomainname", 172: "iopl", 173: "ioperm", 175: "init_module",
+    176: "delete_module", 179: "quotactl", 212: "lookup_dcookie", 227: "clock_settime",
+    246: "kexec_load", 248: "add_key", 249: "request_key", 250: "keyctl",
+    272: "unshare", 298: "perf_event_open", 303: "name_to_handle_at",
+    304: "open_by_handle_at", 305: "clock_adjtime", 308: "setns",
+    310: "process_vm_readv", 311: "process_vm_writev", 312: "kcmp", 313: "finit_module",
+    320: "kexec_file_load", 321: "bpf", 323: "userfaultfd", 428: "open_tree",
+    429: "move_mount", 430: "fsopen", 431: "fsconfig", 432: "fsmount", 433: "fspick",
+    438: "pidfd_getfd", 442: "mount_setattr", 443: "quotactl_fd", 153: "vhangup",
+}  # fmt: skip
+
+
+class _SyscallNames:
+    """Syscall number -> name through libseccomp (exact for every arch), with a small
+    built-in table when the library is missing."""
+
+    def __init__(self) -> None:
+        self._resolve: Any = None
+        self._cache: dict[tuple[int, int], str] = {}
+        name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+        with contextlib.suppress(OSError, AttributeError):
+            lib = ctypes.CDLL(name)
+            fn = lib.seccomp_syscall_resolve_num_arch
+            fn.argtypes = [ctypes.c_uint32, ctypes.c_int]
+            fn.restype = ctypes.c_void_p  # malloc'd char*, freed below
+            self._free = ctypes.CDLL(None).free
+            self._free.argtypes = [ctypes.c_void_p]
+            self._resolve = fn
+
+    def __call__(self, arch: int, nr: int) -> str:
+        key = (arch, nr)
+        name = self._cache.get(key)
+        if name is None:
+            name = _X86_64_NAMES.get(nr, f"syscall_{nr}") if arch == 0xC000003E else None
+            if self._resolve is not None:
+                ptr = self._resolve(arch, nr)
+                if ptr:
+                    name = ctypes.string_at(ptr).decode()
+                    self._free(ptr)
+            name = name or f"syscall_{nr}"
+            self._cache[key] = name
+        return name
+
+
+def _recv_fd(conn: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    data = bytearray()
+    conn.settimeout(2.0)
+    while True:
+        # CLOEXEC at once: a process spawned meanwhile by another thread must not get it.
+        msg, anc, _flags, _addr = conn.recvmsg(
+            65536, socket.CMSG_SPACE(8 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+        )
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        if not msg:
+            break
+        data += msg
+        if len(data) > 1 << 20 or _complete(data):
+            break
+    return bytes(data), list(fds)
+
+
+def _complete(data: bytes | bytearray) -> bool:
+    try:
+        json.loads(bytes(data).rstrip(b"\0"))
+    except ValueError:
+        return False
+    return True
+
+
+def _proc_info(pid: int) -> dict[str, Any]:
+    """comm and the pid as the sandbox sees it (best effort: the task may be
+    gone, and none of it is trusted for a decision, only for the record)."""
+    info: dict[str, Any] = {"host_pid": pid}
+    with contextlib.suppress(OSError):
+        info["comm"] = Path(f"/proc/{pid}/comm").read_text().strip()
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                info["pid"] = int(line.split()[-1])
+                break
+    return info
+
+
+class SeccompListener:
+    """Serves the notify fds of every sandbox of one edge from one thread."""
+
+    def __init__(self, socket_path: Path, audit: AuditSink) -> None:
+        self.socket_path = socket_path
+        self.audit = audit
+        self._names = _SyscallNames()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_r = self._wake_w = -1
+        self._forget: deque[str] = deque()
+        self._stop = False
+        self._fds: dict[int, str] = {}  # notify fd -> sandbox id (owned by the thread)
+        self._by_sandbox: dict[str, set[int]] = {}
+        self._seen = threading.Lock()
+        self._attached: set[str] = set()
+        self._rate: dict[tuple[str, str], list[float]] = {}
+        self._paused: dict[int, float] = {}  # notify fd -> monotonic time to resume
+        self._suppressed: dict[tuple[str, str], int] = {}
+        self.answered = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.bind(str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and close every notify fd (their sandboxes' dangerous calls
+        then fail with ENOSYS, the same as after a crash)."""
+        if self._thread is None:
+            return
+        self._stop = True
+        self._wake()
+        self._thread.join(5)
+        self._thread = None
+        self._by_sandbox.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def forget(self, sandbox_id: str) -> None:
+        """Close a sandbox's notify fds (on teardown; the thread does the closing)."""
+        self._forget.append(sandbox_id)
+        self._wake()
+
+    def attached(self, sandbox_id: str) -> bool:
+        with self._seen:
+            return sandbox_id in self._attached
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def open_fds(self) -> int:
+        return len(self._fds)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    # -- the thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._sock is not None
+        ep = select.epoll()
+        try:
+            ep.register(self._sock.fileno(), select.EPOLLIN)
+            ep.register(self._wake_r, select.EPOLLIN)
+            while not self._stop:
+                self._drain_forget(ep)
+                timeout = self._resume(ep)
+                try:
+                    ready = ep.poll(timeout)
+                except InterruptedError:
+                    continue
+                for fd, mask in ready:
+                    if fd == self._wake_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
+                    elif fd == self._sock.fileno():
+                        self._accept(ep)
+                    elif fd in self._fds:
+                        self._serve(ep, fd, mask)
+        except Exception:
+            log.exception("seccomp listener thread failed; notified calls now get ENOSYS")
+        finally:
+            # Nobody answers from here on: close every notify fd, so that the sandboxes'
+            # dangerous calls fail at once (ENOSYS) instead of waiting for an answer.
+            for fd in list(self._fds):
+                self._close_fd(ep, fd)
+            ep.close()
+
+    def _resume(self, ep: select.epoll) -> float:
+        """Re-arm paused fds whose pause is over; seconds until the next one is due."""
+        if not self._paused:
+            return 1.0
+        now = time.monotonic()
+        for fd, until in list(self._paused.items()):
+            if until <= now:
+                del self._paused[fd]
+                if fd in self._fds:
+                    ep.register(fd, select.EPOLLIN)
+        return min([1.0, *(u - now for u in self._paused.values())])
+
+    def _drain_forget(self, ep: select.epoll) -> None:
+        while self._forget:
+            sid = self._forget.popleft()
+            for fd in self._by_sandbox.pop(sid, set()):
+                self._close_fd(ep, fd)
+            with self._seen:
+                self._attached.discard(sid)
+            for key in [k for k in self._rate if k[0] == sid]:
+                self._rate.pop(key, None)
+                self._suppressed.pop(key, None)
+
+    def _close_fd(self, ep: select.epoll, fd: int) -> None:
+        sid = self._fds.pop(fd, None)
+        self._paused.pop(fd, None)
+        with contextlib.suppress(OSError):
+            ep.unregister(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        if sid is not None:
+            self._by_sandbox.get(sid, set()).discard(fd)
+
+    def _accept(self, ep: select.epoll) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            with conn:
+                try:
+                    data, fds = _recv_fd(conn)
+                except OSError as exc:
+                    log.warning("seccomp listener: bad connection: %s", exc)
+                    continue
+                self._adopt_fds(ep, data, fds)
+
+    def _adopt_fds(self, ep: select.epoll, data: bytes, fds: list[int]) -> None:
+        sid = _sandbox_of(data)
+        if sid is None or len(fds) != 1:
+            log.warning("seccomp listener: unexpected message (%d fds): %r", len(fds), data[:200])
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            return
+        fd = fds[0]
+        self._fds[fd] = sid
+        self._by_sandbox.setdefault(sid, set()).add(fd)
+        ep.register(fd, select.EPOLLIN)
+        with self._seen:
+            self._attached.add(sid)
+
+    def _serve(self, ep: select.epoll, fd: int, mask: int) -> None:
+        if mask & select.EPOLLIN:
+            buf = bytearray(_NOTIF.size)  # must be zeroed: the kernel checks
+            try:
+                fcntl.ioctl(fd, NOTIF_RECV, buf, True)
+            except OSError as exc:
+                # ENOENT: the caller died (or was signalled) between poll and recv.
+                if exc.errno not in (errno.ENOENT, errno.EINTR):
+                    log.warning("seccomp notif recv: %s", exc)
+            else:
+                if not self._answer(fd, buf):
+                    with contextlib.suppress(OSError):
+                        ep.unregister(fd)
+                    self._paused[fd] = time.monotonic() + PAUSE
+                return
+        if mask & (select.EPOLLHUP | select.EPOLLERR):
+            # Every task of the filter is gone: the sandbox ended.
+            self._close_fd(ep, fd)
+
+    def _answer(self, fd: int, buf: bytearray) -> bool:
+        """Refuse the call with EPERM; False if it was over the sandbox's burst."""
+        nid, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack(buf)
+        sid = self._fds.get(fd, "?")
+        name = self._names(arch, nr)
+        record = self._admit(sid, name)
+        # Read /proc while the caller waits in the call (it cannot exit meanwhile).
+        who = _proc_info(pid) if record else {}
+        resp = bytearray(_RESP.pack(nid, 0, -errno.EPERM, 0))
+        with contextlib.suppress(OSError):  # ENOENT: the caller is gone; nothing to answer
+            fcntl.ioctl(fd, NOTIF_SEND, resp, True)
+        self.answered += 1
+        if not record:
+            return False
+        detail: dict[str, Any] = {
+            "syscall": name,
+            "nr": nr,
+            "args": [hex(a) for a in args],
+            "result": "EPERM",
+            **who,
+        }
+        dropped = self._suppressed.pop((sid, name), 0)
+        if dropped:
+            detail["suppressed_before"] = dropped
+        self.audit.event(sid, EventKind.SECCOMP_VIOLATION, **detail)
+        return True
+
+    def _admit(self, sid: str, name: str) -> bool:
+        now = time.monotonic()
+        key = (sid, name)
+        times = [t for t in self._rate.get(key, []) if now - t < WINDOW]
+        if len(times) >= BURST:
+            self._rate[key] = times
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return False
+        times.append(now)
+        self._rate[key] = times
+        return True
+
+
+def _sandbox_of(data: bytes) -> str | None:
+    """The sandbox id in crun's message: ``metadata`` (we set it), else ``state.id``;
+    older crun versions send the bare metadata string."""
+    text = data.decode(errors="replace").strip().rstrip("\0")
+    if not text:
+        return None
+    try:
+        msg = json.loads(text)
+    except ValueError:
+        return text if text.replace("-", "").isalnum() else None
+    if isinstance(msg, dict):
+        meta = msg.get("metadata")
+        if isinstance(meta, str) and meta:
+            return meta
+        state = msg.get("state")
+        if isinstance(state, dict) and isinstance(state.get("id"), str):
+            return str(state["id"])
+    return None
