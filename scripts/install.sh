@@ -17,6 +17,7 @@ APT_PACKAGES=(
   btrfs-progs     # mkfs.btrfs: sandboxes' writable disk, one quota group per sandbox
   procps psmisc   # ps, fuser: leak checks in tests
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
+  libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
   ca-certificates
 )
 

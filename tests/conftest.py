@@ -134,6 +134,22 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
     leaks.extend(f"loop device {dev}" for dev in leaked_loops(data_dir))
     leaks.extend(net_leftovers(edge_id))  # nft table, veths (dsec.net)
+    leaks.extend(fncall_leftovers(data_dir, edge_id))
+    return leaks
+
+
+def zygotes(data_dir: Path) -> list[int]:
+    """FnCall zygotes (dsec-zygote) serving a pool of the platform on ``data_dir``."""
+    return _helpers(data_dir, lambda argv: os.path.basename(argv[0]).startswith(b"dsec-zygote"))
+
+
+def fncall_leftovers(data_dir: Path, edge_id: str) -> list[str]:
+    """FnCall zygotes, sandbox processes and cgroups (dsec/<edge>.fncall) left behind."""
+    host = cgroups.detect()
+    rel = f"/dsec/{edge_id}.fncall"
+    leaks = [f"fncall zygote {pid}" for pid in zygotes(data_dir)]
+    leaks.extend(f"process {pid} in {rel}" for pid in host.pids(rel))
+    leaks.extend(f"cgroup {rel}" for d in host.dirs(rel) if d.is_dir())
     return leaks
 
 
@@ -215,6 +231,7 @@ def pid1_orphans(
 def remove_edge_cgroup(edge_id: str) -> None:
     host = cgroups.detect()
     host.kill_and_remove(f"/dsec/{edge_id}", timeout=2)
+    host.kill_and_remove(f"/dsec/{edge_id}.fncall", timeout=2)
 
 
 @contextlib.contextmanager
@@ -241,6 +258,7 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
         for pid in [
             *lazyfs_daemons(plat.data_dir),
             *spawners(plat.data_dir),
+            *zygotes(plat.data_dir),
         ]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -477,6 +477,8 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.layer_model",  # layer references (pure pydantic)
         "dsec.protected_model",  # protected paths (pure pydantic)
         "dsec.security.events",  # audit records and events (pure pydantic)
+        "dsec.fncall_model",  # FnCall requests and results (pure pydantic)
+        "cloudpickle",  # client.call(fn) only, imported when called
         "httpx",
         "pydantic",
         "websockets",  # the data path and the terminal

@@ -23,6 +23,7 @@ from dsec import spawn
 from dsec.agent.build import agent_binary
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
+from dsec.backends.fncall.service import FnCallService
 from dsec.config import PlatformConfig
 from dsec.control.db import create_all, make_engine, sqlite_url
 from dsec.control.keys import KeyStore
@@ -97,6 +98,7 @@ class Platform:
     keys: KeyStore
     api_key: str
     recovery: dict[str, list[str]]
+    fncall: FnCallService | None = None
 
 
 @contextlib.asynccontextmanager
@@ -110,6 +112,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     edge: Edge | None = None
     images: Images | None = None
     spawner: spawn.HostSpawner | None = None
+    fncall: FnCallService | None = None
     try:
         await create_all(engine)
         keys = KeyStore(engine)
@@ -163,8 +166,18 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             network=NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit),
         )
         recovery = await edge.start()
-        yield Platform(config, edge, images, keys, api_key, recovery)
+        fncall = FnCallService(
+            images=images,
+            cgroups=host,
+            run_dir=config.data_dir / "run" / "fncall",
+            edge_id=config.edge_id,
+            audit=audit,
+        )
+        await fncall.start()
+        yield Platform(config, edge, images, keys, api_key, recovery, fncall)
     finally:
+        if fncall is not None:
+            await fncall.close()
         if edge is not None:
             await edge.close()
         if spawner is not None:
@@ -231,6 +244,7 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
             dataplane=dataplane,
             layers=LayerService(platform.images),
             audit=platform.edge.audit,
+            fncall=platform.fncall,
         )
         tune_gc()
         server = _server_class()(

@@ -13,12 +13,14 @@ from starlette.responses import Response
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.datapath import install_data_path
 from dsec.apiserver.errors import ErrorBody, install_error_handlers
+from dsec.apiserver.fncall import fncall_router
 from dsec.apiserver.images import image_router
 from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
+from dsec.backends.fncall.service import FnCallService
 from dsec.control.keys import KeyStore
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
@@ -39,6 +41,7 @@ def create_app(
     dataplane: DataPlane | None = None,
     layers: LayerService | None = None,
     audit: AuditLog | None = None,
+    fncall: FnCallService | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -69,4 +72,6 @@ def create_app(
         app.include_router(layer_router(layers, auth))
     if audit is not None:
         app.include_router(security_router(audit, auth))
+    if fncall is not None:
+        app.include_router(fncall_router(fncall, auth))
     return app

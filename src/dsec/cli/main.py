@@ -15,6 +15,7 @@ import typer
 
 from dsec.cli import demo as demo_cmd
 from dsec.cli import events as events_cmd
+from dsec.cli import fncall as fncall_cmd
 from dsec.cli import image, layer, sandbox, store
 from dsec.cli import up as up_cmd
 from dsec.cli.common import Globals, UsageFailure, err, print_error
@@ -35,6 +36,8 @@ app.command("up")(up_cmd.up)
 app.command("demo")(demo_cmd.demo)
 app.command("events")(events_cmd.events)
 app.command("audit")(events_cmd.audit)
+app.command("run-code")(fncall_cmd.run_code)
+app.command("judge")(fncall_cmd.judge)
 
 
 def _version(value: bool) -> None:

@@ -26,6 +26,7 @@ from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.datapath import DataPathClient, DataPathMode, SandboxDataMixin
+from dsec.sdk.fncall import FnCallMixin
 from dsec.sdk.layers import LayersMixin
 from dsec.sdk.security import SecurityMixin
 
@@ -35,7 +36,7 @@ DEFAULT_TIMEOUT = 60.0
 POOL_SHARD_SIZE = 32
 
 
-class DSecClient(LayersMixin, SecurityMixin):
+class DSecClient(LayersMixin, SecurityMixin, FnCallMixin):
     """Async client of a DSec platform.
 
     ``url`` and ``api_key`` default to ``DSEC_URL`` / ``DSEC_API_KEY``, then to what

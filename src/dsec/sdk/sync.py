@@ -27,6 +27,7 @@ from dsec.sdk._portal import Portal
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.client import DEFAULT_TIMEOUT, DSecClient
 from dsec.sdk.datapath import DataPathMode
+from dsec.sdk.fncall import SyncFnCallMixin
 from dsec.sdk.layers import SyncLayersMixin
 from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
@@ -34,7 +35,7 @@ from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 T = TypeVar("T")
 
 
-class DSecSyncClient(SyncLayersMixin, SyncSecurityMixin):
+class DSecSyncClient(SyncLayersMixin, SyncSecurityMixin, SyncFnCallMixin):
     """Blocking client of a DSec platform; same arguments and methods as ``DSecClient``."""
 
     def __init__(

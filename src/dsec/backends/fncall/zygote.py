@@ -1,0 +1,362 @@
+"""The host side of ``dsec-zygote`` (zygote.c): build it, start it, talk to its sandboxes.
+
+One zygote process per warm pool builds sandboxes ahead of demand and hands each one's
+control socket to us; we drive the sandbox's pid 1 ("runner") directly over that
+socket with a small binary protocol (see the header of zygote.c).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec import native
+from dsec.errors import BackendError
+from dsec.resources.cgroups import CgroupHost, Layout
+from dsec.security import seccomp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("zygote.c")
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-Wl,--no-as-needed", "-lseccomp"]
+
+F_WALL, F_CPU, F_OUTPUT, F_EXECFAIL = 1, 2, 4, 8
+_RESULT = struct.Struct("<iiIIQQII")
+_HDR = struct.Struct("<II")
+
+
+def zygote_binary() -> Path:
+    """The compiled zygote for the current source (compiled once per host and version)."""
+    return native.binary(
+        SOURCE, name="dsec-zygote", subdir="fncall", cflags=CFLAGS, what="the FnCall zygote"
+    )
+
+
+def seccomp_rules() -> str:
+    """The platform's seccomp allow-list (dsec.security.seccomp.profile) as the zygote's
+    rule lines. Calls the container backend sends to its listener fail with EPERM here:
+    an FnCall sandbox lives milliseconds and has no listener."""
+    prof = seccomp.profile()
+    lines = [f"default {prof['defaultErrnoRet']}"]
+    for rule in prof["syscalls"]:
+        err = -1 if rule["action"] == "SCMP_ACT_ALLOW" else int(rule.get("errnoRet", seccomp.EPERM))
+        args = " ".join(
+            f"{a['index']} {a['op']} {a['value']} {a.get('valueTwo', 0)}"
+            for a in rule.get("args", [])
+        )
+        lines.extend(f"{err} {name} {args}".rstrip() for name in rule["names"])
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class CgroupPlan:
+    """Where a pool's sandboxes' cgroups live and what is written into each."""
+
+    dirs: list[Path]
+    sets: list[tuple[int, str, str]]
+    ends: list[tuple[int, str, str]]
+    resets: list[tuple[int, str, str]]
+    reuse: int  # emptied cgroups kept for the next sandbox (v1: peak resettable)
+    memory_dir: Path | None  # pool dir of the memory controller (stats)
+    v2: bool
+
+
+def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int) -> CgroupPlan:
+    """The pool's cgroup directories (created here) and per-sandbox settings."""
+    rel = rel.strip("/")
+    if host.layout is Layout.V2 and host.v2 is not None:
+        base = host.v2
+        parts = rel.split("/")
+        for i in range(len(parts)):
+            d = base.joinpath(*parts[: i + 1])
+            d.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):
+                (d / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+        quota = max(1000, int(cores * 100_000))
+        v2sets = [
+            (0, "memory.max", str(memory)),
+            (0, "memory.swap.max", "0"),
+            (0, "cpu.max", f"{quota} 100000"),
+            (0, "pids.max", str(pids)),
+        ]
+        return CgroupPlan([base / rel], v2sets, [], [], 0, base / rel, True)
+    dirs: list[Path] = []
+    sets: list[tuple[int, str, str]] = []
+    ends: list[tuple[int, str, str]] = []
+    resets: list[tuple[int, str, str]] = []
+    mem_dir: Path | None = None
+    for ctrl in ("memory", "cpu", "pids"):
+        mount = host.v1.get(ctrl)
+        if mount is None:
+            continue
+        d = mount / rel
+        d.mkdir(parents=True, exist_ok=True)
+        i = len(dirs)
+        dirs.append(d)
+        if ctrl == "memory":
+            mem_dir = d
+            sets.append((i, "memory.limit_in_bytes", str(memory)))
+            if (d / "memory.memsw.limit_in_bytes").exists():
+                sets.append((i, "memory.memsw.limit_in_bytes", str(memory)))
+            sets.append((i, "memory.swappiness", "0"))
+            ends.append((i, "memory.force_empty", "0"))
+            resets.append((i, "memory.force_empty", "0"))
+            resets.append((i, "memory.max_usage_in_bytes", "0"))
+        elif ctrl == "cpu":
+            sets.append((i, "cpu.cfs_period_us", "100000"))
+            sets.append((i, "cpu.cfs_quota_us", str(max(1000, int(cores * 100_000)))))
+        else:
+            sets.append((i, "pids.max", str(pids)))
+    return CgroupPlan(dirs, sets, ends, resets, 256, mem_dir, False)
+
+
+def write_config(
+    path: Path,
+    *,
+    lowers: list[Path],
+    stage: Path,
+    tmpfs_bytes: int,
+    plan: CgroupPlan,
+    rules: Path,
+    rootmnt: Path,
+    shared: Path,
+    shared_root: bool = True,
+    uid: int = 65534,
+    newnet: bool = True,
+) -> None:
+    lines = [f"lower {p}" for p in lowers]
+    lines += [f"stage {stage}", f"tmpfs_bytes {tmpfs_bytes}", f"uid {uid}", f"newnet {int(newnet)}"]
+    lines += [f"cg {d}" for d in plan.dirs]
+    lines += [f"cgset {i} {f} {v}" for i, f, v in plan.sets]
+    lines += [f"cgend {i} {f} {v}" for i, f, v in plan.ends]
+    lines += [f"cgreset {i} {f} {v}" for i, f, v in plan.resets]
+    lines.append(f"reuse {plan.reuse}")
+    lines += [f"rootmnt {rootmnt}", f"shared {shared}", f"rootmode {int(shared_root)}"]
+    lines.append(f"seccomp {rules}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@dataclass
+class ExecOutcome:
+    exit_code: int | None
+    signal: int | None
+    flags: int
+    errno: int
+    wall_s: float
+    cpu_s: float
+    stdout: bytes
+    stderr: bytes
+
+
+class Runner:
+    """A ready sandbox: its pid 1 on the other end of ``sock``. Closing the socket
+    destroys the sandbox (pid 1 exits; the kernel kills its pid namespace)."""
+
+    def __init__(self, sid: int, name: str, sock: socket.socket) -> None:
+        self.id = sid
+        self.name = name
+        self.sock = sock
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def wait_ready(self) -> None:
+        self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
+        hdr = await self.reader.readexactly(_HDR.size)
+        if _HDR.unpack(hdr)[0] != ord("R"):
+            raise BackendError("sandbox runner sent a bad hello")
+
+    def _send(self, tag: str, *parts: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(_HDR.pack(ord(tag), sum(len(p) for p in parts)))
+        for p in parts:
+            self.writer.write(p)
+
+    def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._send("F", struct.pack("<I", mode), os.fsencode(path), b"\0", data)
+
+    async def _reply(self, tag: str) -> bytes:
+        assert self.reader is not None and self.writer is not None
+        await self.writer.drain()
+        kind, length = _HDR.unpack(await self.reader.readexactly(_HDR.size))
+        if kind != ord(tag):
+            raise BackendError(f"sandbox runner sent {kind!r}, expected {tag!r}")
+        return await self.reader.readexactly(length)
+
+    async def exec(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdin: bytes,
+        *,
+        cpu_s: float,
+        wall_s: float,
+        output_limit: int,
+    ) -> ExecOutcome:
+        strings = b"".join(os.fsencode(s) + b"\0" for s in argv)
+        strings += b"".join(os.fsencode(f"{k}={v}") + b"\0" for k, v in env.items())
+        head = struct.pack(
+            "<6I",
+            max(1, int(cpu_s * 1000)),
+            max(1, int(wall_s * 1000)),
+            output_limit,
+            len(argv),
+            len(env),
+            len(stdin),
+        )
+        self._send("X", head, strings, stdin)
+        body = await self._reply("r")
+        ex, sig, flags, err, wall_us, cpu_us, out_len, err_len = _RESULT.unpack_from(body)
+        out = body[_RESULT.size : _RESULT.size + out_len]
+        errb = body[_RESULT.size + out_len : _RESULT.size + out_len + err_len]
+        return ExecOutcome(
+            None if ex < 0 else ex, sig or None, flags, err, wall_us / 1e6, cpu_us / 1e6, out, errb
+        )
+
+    async def get(self, path: str, max_bytes: int) -> bytes | None:
+        self._send("G", os.fsencode(path), struct.pack("<I", max_bytes))
+        body = await self._reply("g")
+        return body[4:] if body[:4] == b"\x01\0\0\0" else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        else:
+            self.sock.close()
+
+
+class Zygote:
+    """One ``dsec-zygote`` process and its SOCK_SEQPACKET control socket."""
+
+    def __init__(
+        self,
+        config: Path,
+        log_path: Path,
+        *,
+        on_spawned: Callable[[int, str, socket.socket], None],
+        on_gone: Callable[[int], None],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.on_spawned = on_spawned
+        self.on_gone = on_gone
+        self.on_error = on_error
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._hello: asyncio.Future[None] | None = None
+        self.alive = False
+
+    async def start(self) -> None:
+        binary = await asyncio.to_thread(zygote_binary)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # On the loop's own thread, not a worker thread: the zygote's parent-death
+        # signal follows the thread that started it.
+        self.proc = self._popen(binary, theirs)
+        theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        loop.add_reader(ours.fileno(), self._readable)
+        self.alive = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._hello), 10)
+        except (TimeoutError, BackendError):
+            await self.close()
+            raise BackendError(f"the FnCall zygote did not start: {self.log_tail()}") from None
+
+    def _popen(self, binary: Path, theirs: socket.socket) -> subprocess.Popen[bytes]:
+        with open(self.log_path, "ab") as logf:
+            return subprocess.Popen(
+                [str(binary), str(self.config), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                pass_fds=(theirs.fileno(),),
+            )
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:].strip()
+        except OSError:
+            return ""
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self.sock, 512, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                self._dead()
+                return
+            text = msg.decode(errors="replace")
+            kind, _, rest = text.partition(" ")
+            if kind == "R" and fds:
+                sid, _, name = rest.partition(" ")
+                self.on_spawned(int(sid), name, socket.socket(fileno=fds[0]))
+            elif kind == "D":
+                self.on_gone(int(rest))
+            elif kind == "H":
+                if self._hello is not None and not self._hello.done():
+                    self._hello.set_result(None)
+            else:
+                for fd in fds:
+                    os.close(fd)
+                self.on_error(rest or text)
+
+    def _dead(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if self.sock is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(BackendError("zygote exited"))
+        self.on_error(f"zygote exited: {self.log_tail()}")
+
+    def command(self, text: str) -> None:
+        if self.sock is None or not self.alive:
+            return
+        try:
+            self.sock.send(text.encode())
+        except BlockingIOError:
+            asyncio.get_running_loop().call_later(0.001, self.command, text)
+        except OSError as exc:
+            log.warning("zygote command %r failed: %s", text, exc)
+
+    def spawn(self, n: int) -> None:
+        if n > 0:
+            self.command(f"S {n}")
+
+    def kill(self, sid: int) -> None:
+        self.command(f"K {sid}")
+
+    async def close(self) -> None:
+        """Kill every sandbox, remove their cgroups, wait for the zygote to exit."""
+        self.command("Q")
+        if self.sock is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.alive = False
+        if self.proc is not None:
+            proc = self.proc
+            try:
+                await asyncio.to_thread(proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        if self.sock is not None:
+            self.sock.close()
