@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
-from dsec.security.audit import AuditLog
+from dsec.security.audit import AuditLog, Filters
 from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
 MAX_LIMIT = 10_000
@@ -30,6 +30,25 @@ def _json_list(items: list[AuditRecord] | list[SecurityEvent]) -> Response:
     return Response(body, media_type="application/json")
 
 
+def query_filters(
+    job_id: Job = None,
+    sandbox_id: Sandbox = None,
+    trajectory_id: Trajectory = None,
+    since_seq: Since = 0,
+    limit: Limit = 1000,
+) -> Filters:
+    return Filters(
+        job_id=job_id,
+        sandbox_id=sandbox_id,
+        trajectory_id=trajectory_id,
+        since_seq=since_seq,
+        limit=limit,
+    )
+
+
+QueryFilters = Annotated[Filters, Depends(query_filters)]
+
+
 def security_router(audit: AuditLog, auth: Authenticator) -> APIRouter:
     router = APIRouter(
         tags=["security"],
@@ -39,44 +58,18 @@ def security_router(audit: AuditLog, auth: Authenticator) -> APIRouter:
 
     @router.get("/v1/events", response_model=list[SecurityEvent], summary="Misbehaviour events")
     async def events(
-        job_id: Job = None,
-        sandbox_id: Sandbox = None,
-        trajectory_id: Trajectory = None,
+        filters: QueryFilters,
         kind: Annotated[list[EventKind], Query(description="repeatable")] = [],  # noqa: B006
-        since_seq: Since = 0,
-        limit: Limit = 1000,
     ) -> Response:
         """Events in order; page with ``since_seq`` = the last ``seq`` seen."""
-        return _json_list(
-            audit.events(
-                job_id=job_id,
-                sandbox_id=sandbox_id,
-                trajectory_id=trajectory_id,
-                kinds=kind or None,
-                since_seq=since_seq,
-                limit=limit,
-            )
-        )
+        return _json_list(audit.events(kinds=kind, **filters))
 
     @router.get("/v1/audit", response_model=list[AuditRecord], summary="Audit log")
     async def audit_records(
-        job_id: Job = None,
-        sandbox_id: Sandbox = None,
-        trajectory_id: Trajectory = None,
+        filters: QueryFilters,
         kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
-        since_seq: Since = 0,
-        limit: Limit = 1000,
     ) -> Response:
         """Every command, file operation, network decision and event, in order."""
-        return _json_list(
-            audit.records(
-                job_id=job_id,
-                sandbox_id=sandbox_id,
-                trajectory_id=trajectory_id,
-                kinds=kind or None,
-                since_seq=since_seq,
-                limit=limit,
-            )
-        )
+        return _json_list(audit.records(kinds=kind, **filters))
 
     return router

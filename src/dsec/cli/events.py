@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from datetime import datetime
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -24,6 +25,22 @@ def _detail(detail: dict[str, object]) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def _when(t: datetime) -> str:
+    return t.strftime("%H:%M:%S.%f")[:-3]
+
+
+def _filters(
+    job: str | None, sandbox: str | None, trajectory: str | None, since: int, limit: int
+) -> dict[str, Any]:
+    return {
+        "job": job,
+        "sandbox": sandbox,
+        "trajectory": trajectory,
+        "since_seq": since,
+        "limit": limit,
+    }
+
+
 def events(
     ctx: typer.Context,
     job: JobOpt = None,
@@ -36,14 +53,7 @@ def events(
 ) -> None:
     """Misbehaviour events (protected paths, denied connections, seccomp, ...)."""
     with sync_client(ctx) as client:
-        items = client.events(
-            job=job,
-            sandbox=sandbox,
-            trajectory=trajectory,
-            kinds=kind or None,
-            since_seq=since,
-            limit=limit,
-        )
+        items = client.events(kinds=kind, **_filters(job, sandbox, trajectory, since, limit))
     if as_json:
         emit_json(items)
         return
@@ -51,7 +61,7 @@ def events(
     for e in items:
         table.add_row(
             str(e.seq),
-            e.time.strftime("%H:%M:%S.%f")[:-3],
+            _when(e.time),
             e.sandbox_id,
             e.job_id or "-",
             e.kind.value,
@@ -73,25 +83,13 @@ def audit(
 ) -> None:
     """The audit log: every command, file operation, network decision and event."""
     with sync_client(ctx) as client:
-        items = client.audit(
-            job=job,
-            sandbox=sandbox,
-            trajectory=trajectory,
-            kinds=kind or None,
-            since_seq=since,
-            limit=limit,
-        )
+        items = client.audit(kinds=kind, **_filters(job, sandbox, trajectory, since, limit))
     if as_json:
         emit_json(items)
         return
     table = Table("seq", "time", "sandbox", "kind", "action", "detail", box=None)
     for r in items:
         table.add_row(
-            str(r.seq),
-            r.time.strftime("%H:%M:%S.%f")[:-3],
-            r.sandbox_id,
-            r.kind.value,
-            r.action,
-            _detail(r.detail),
+            str(r.seq), _when(r.time), r.sandbox_id, r.kind.value, r.action, _detail(r.detail)
         )
     out.print(table)

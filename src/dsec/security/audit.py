@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 from dsec.security.events import (
     DEFAULT_SEVERITY,
@@ -58,6 +58,16 @@ CREATE TABLE IF NOT EXISTS tags (
 """
 
 MAX_DETAIL_CHARS = 4096
+
+
+class Filters(TypedDict, total=False):
+    """What a query narrows by; ``since_seq`` is a cursor (rows with a greater seq)."""
+
+    job_id: str | None
+    sandbox_id: str | None
+    trajectory_id: str | None
+    since_seq: int
+    limit: int
 
 
 class AuditSink(Protocol):
@@ -256,97 +266,59 @@ class AuditLog:
                 raise
 
     # -- reading -------------------------------------------------------------------------
-    def _select(
-        self,
-        *,
-        events_only: bool,
-        job_id: str | None,
-        sandbox_id: str | None,
-        trajectory_id: str | None,
-        kinds: Iterable[str] | None,
-        since_seq: int,
-        limit: int,
-    ) -> list[_Row]:
+    def _select(self, events_only: bool, kinds: list[str], f: Filters) -> list[_Row]:
         self.flush()
         where = ["seq > ?"]
-        args: list[Any] = [since_seq]
-        for column, value in (
-            ("job", job_id),
-            ("sandbox", sandbox_id),
-            ("trajectory", trajectory_id),
+        args: list[Any] = [f.get("since_seq", 0)]
+        for column, key in (
+            ("job", "job_id"),
+            ("sandbox", "sandbox_id"),
+            ("trajectory", "trajectory_id"),
         ):
+            value = f.get(key)
             if value is not None:
                 where.append(f"{column} = ?")
                 args.append(value)
-        column = "event" if events_only else "kind"
         if events_only:
             where.append("event IS NOT NULL")
-        wanted = sorted(set(kinds or ()))
+        wanted = sorted(set(kinds))
         if wanted:
+            column = "event" if events_only else "kind"
             where.append(f"{column} IN ({','.join('?' * len(wanted))})")
             args.extend(wanted)
         sql = (
             "SELECT seq, ts, sandbox, job, trajectory, kind, action, event, severity, detail "
             f"FROM audit WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
         )
-        args.append(limit)
+        args.append(f.get("limit", 1000))
         with self._db_lock:
             rows = self._db.execute(sql, args).fetchall()
         return [_Row(*r) for r in rows]
 
     def records(
-        self,
-        *,
-        job_id: str | None = None,
-        sandbox_id: str | None = None,
-        trajectory_id: str | None = None,
-        kinds: Iterable[AuditKind] | None = None,
-        since_seq: int = 0,
-        limit: int = 1000,
+        self, *, kinds: Iterable[AuditKind] | None = None, **filters: Unpack[Filters]
     ) -> list[AuditRecord]:
-        rows = self._select(
-            events_only=False,
-            job_id=job_id,
-            sandbox_id=sandbox_id,
-            trajectory_id=trajectory_id,
-            kinds=[k.value for k in kinds] if kinds else None,
-            since_seq=since_seq,
-            limit=limit,
-        )
-        return [
-            AuditRecord(
-                seq=r.seq,
-                time=datetime.fromtimestamp(r.ts, UTC),
-                sandbox_id=r.sandbox,
-                job_id=r.job,
-                trajectory_id=r.trajectory,
-                kind=AuditKind(r.kind),
-                action=r.action,
-                detail=json.loads(r.detail),
-            )
-            for r in rows
-        ]
+        """Everything recorded, oldest first, matching every filter given."""
+        return [_record(r) for r in self._select(False, [k.value for k in kinds or ()], filters)]
 
     def events(
-        self,
-        *,
-        job_id: str | None = None,
-        sandbox_id: str | None = None,
-        trajectory_id: str | None = None,
-        kinds: Iterable[EventKind] | None = None,
-        since_seq: int = 0,
-        limit: int = 1000,
+        self, *, kinds: Iterable[EventKind] | None = None, **filters: Unpack[Filters]
     ) -> list[SecurityEvent]:
-        rows = self._select(
-            events_only=True,
-            job_id=job_id,
-            sandbox_id=sandbox_id,
-            trajectory_id=trajectory_id,
-            kinds=[k.value for k in kinds] if kinds else None,
-            since_seq=since_seq,
-            limit=limit,
-        )
-        return [_event(r) for r in rows]
+        """Only the misbehaviour events, oldest first, matching every filter given."""
+        return [_event(r) for r in self._select(True, [k.value for k in kinds or ()], filters)]
+
+
+def _record(r: _Row) -> AuditRecord:
+    return AuditRecord(
+        seq=r.seq,
+        time=datetime.fromtimestamp(r.ts, UTC),
+        sandbox_id=r.sandbox,
+        job_id=r.job,
+        trajectory_id=r.trajectory,
+        kind=AuditKind(r.kind),
+        action=r.action,
+        detail=json.loads(r.detail),
+    )
 
 
 def _event(r: _Row) -> SecurityEvent:

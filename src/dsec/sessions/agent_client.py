@@ -31,6 +31,7 @@ from dsec.errors import (
     LimitExceeded,
     PermissionDenied,
 )
+from dsec.model import ExecResult
 from dsec.sessions import protocol as p
 
 __all__ = ["AgentClient", "AgentExecResult", "ExecStream"]
@@ -55,6 +56,17 @@ class AgentExecResult:
     timed_out: bool
     truncated: bool
     """Output beyond ``max_output`` was read and dropped."""
+
+    def as_exec_result(self) -> ExecResult:
+        """The API's answer: text streams (undecodable bytes replaced)."""
+        return ExecResult(
+            exit_code=self.exit_code,
+            stdout=self.stdout.decode(errors="replace"),
+            stderr=self.stderr.decode(errors="replace"),
+            duration=self.duration,
+            timed_out=self.timed_out,
+            truncated=self.truncated,
+        )
 
 
 def agent_error(err: int, message: str, *, reading: bool = False) -> DSecError:

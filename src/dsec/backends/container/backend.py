@@ -455,14 +455,7 @@ class ContainerBackend(Backend):
             max_output=req.max_output_bytes,
             stdin=req.stdin.encode() if req.stdin is not None else None,
         )
-        return ExecResult(
-            exit_code=res.exit_code,
-            stdout=res.stdout.decode(errors="replace"),
-            stderr=res.stderr.decode(errors="replace"),
-            duration=res.duration,
-            timed_out=res.timed_out,
-            truncated=res.truncated,
-        )
+        return res.as_exec_result()
 
     async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes:
         return await self._agent(rec).read_file(path, user=rec.spec.init_user, max_bytes=max_bytes)

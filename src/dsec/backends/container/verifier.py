@@ -135,14 +135,7 @@ async def _verify(backend: ContainerBackend, rec: SandboxRecord, req: ExecReques
                 backend.verifiers.cleanups[rec.id] = asyncio.create_task(
                     _cleanup(backend, vid, runtime), name=f"dsec-verifier-cleanup-{vid}"
                 )
-    return ExecResult(
-        exit_code=res.exit_code,
-        stdout=res.stdout.decode(errors="replace"),
-        stderr=res.stderr.decode(errors="replace"),
-        duration=res.duration,
-        timed_out=res.timed_out,
-        truncated=res.truncated,
-    )
+    return res.as_exec_result()
 
 
 async def recover(backend: ContainerBackend, sandbox_id: str) -> None:
