@@ -12,6 +12,7 @@ abnormal command and in the periodic scan. Writes bench/results/disk.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -66,12 +67,12 @@ def main() -> None:
             for sub in ("rootfs", "upper", "work"):
                 (p / sub).mkdir()
 
-        create_q = [timed(lambda i=i: quota_dir(base / "sandboxes" / f"s{i}")) for i in range(n)]
-        create_p = [timed(lambda i=i: plain_dir(plain / f"s{i}")) for i in range(n)]
-        remove_q = [
-            timed(lambda i=i: disk.remove_dir(base / "sandboxes" / f"s{i}")) for i in range(n)
-        ]
-        remove_p = [timed(lambda i=i: shutil.rmtree(plain / f"s{i}")) for i in range(n)]
+        quota_dirs = [base / "sandboxes" / f"s{i}" for i in range(n)]
+        plain_dirs = [plain / f"s{i}" for i in range(n)]
+        create_q = [timed(functools.partial(quota_dir, p)) for p in quota_dirs]
+        create_p = [timed(functools.partial(plain_dir, p)) for p in plain_dirs]
+        remove_q = [timed(functools.partial(disk.remove_dir, p)) for p in quota_dirs]
+        remove_p = [timed(functools.partial(shutil.rmtree, p)) for p in plain_dirs]
         host = cgroups.detect()
         probe = [
             timed(lambda: (read_cgroup_counters(host, "/"), disk.usage(256))) for _ in range(n)

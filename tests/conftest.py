@@ -29,6 +29,7 @@ from dsec.net.manager import host_leftovers as net_leftovers
 from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups
 from dsec.resources.disk import loop_devices_backed_by
+from tests.fakenet import FakeService, catalog, fake_service, package_index
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -267,9 +268,27 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
         assert not leaks, f"platform left these behind: {leaks}\n--- log ---\n{log_tail}"
 
 
+@dataclass
+class FakeInternet:
+    """The fake services the session platform's catalog points at (tests.fakenet)."""
+
+    pypi: FakeService
+    catalog: Path
+
+
 @pytest.fixture(scope="session")
-def platform() -> Iterator[PlatformProcess]:
-    with platform_process() as plat:
+def fake_internet() -> Iterator[FakeInternet]:
+    """A fake PyPI (a real package index with one wheel) in its own netns; the session
+    platform's "pypi" service resolves to it, so nothing leaves the machine."""
+    with tempfile.TemporaryDirectory(prefix="dsec-fakenet-") as tmp:
+        index = package_index(Path(tmp) / "index")
+        with fake_service("pypi", secrets.randbelow(256), 2, root=index) as pypi:
+            yield FakeInternet(pypi, catalog({"pypi": pypi}, Path(tmp) / "catalog.json"))
+
+
+@pytest.fixture(scope="session")
+def platform(fake_internet: FakeInternet) -> Iterator[PlatformProcess]:
+    with platform_process(DSEC_NETWORK_CATALOG=str(fake_internet.catalog)) as plat:
         yield plat
 
 

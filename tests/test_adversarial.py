@@ -27,7 +27,7 @@ from dsec.errors import DSecError
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
 from dsec.security.events import AuditKind, EventKind
-from tests.conftest import REPO, PlatformProcess
+from tests.conftest import REPO, FakeInternet, PlatformProcess
 
 pytestmark = pytest.mark.root
 
@@ -438,3 +438,41 @@ async def test_huge_output_flood_is_truncated(arena: Arena) -> None:
     assert res.truncated and len(res.stdout) <= 1 << 20
     await arena.recorded("yes flood")
     await arena.expect_event(EventKind.RESOURCE_LIMIT, limit="output")
+
+
+# ---- and the honest agent still works -------------------------------------------------
+
+
+async def test_normal_agent_workload_runs_and_raises_nothing(
+    client: DSecClient, platform: PlatformProcess, fake_internet: FakeInternet
+) -> None:
+    """Install from the allowed package index with pip, build, run the tests: all under
+    the seccomp profile and egress rules, and not one event for the job."""
+    import pip
+
+    await client.build_image("debian-python", timeout=900)
+    job = "honest-" + secrets.token_hex(4)
+    spec = DSecContainerRunArgs(
+        container_image="debian-python:bookworm",
+        memory_limit_mb=512,
+        job_id=job,
+        network_rules={"pypi": True},
+    )
+    async with await client.run_container(spec, timeout=120) as sb:
+        # The image has python3 but no pip: the agent brings it (pure Python).
+        await sb.upload_dir(Path(pip.__file__).parent, "/opt/pip/pip")
+        steps = [
+            "PYTHONPATH=/opt/pip python3 -m pip install --no-cache-dir --disable-pip-version-check"
+            " --index-url http://pypi.org/simple/ --trusted-host pypi.org"
+            " --break-system-packages dsecdemo",
+            "python3 -m compileall -q /usr/local/lib/python3*/dist-packages/dsecdemo",
+            "cd /tmp && python3 -m unittest -v dsecdemo.test_add",
+        ]
+        for step in steps:
+            res = await sb.run_shell(step, timeout=300)
+            assert res.exit_code == 0, (step, res.stdout[-2000:], res.stderr[-2000:])
+        assert "OK" in res.stderr
+        allowed = await client.audit(job=job, kinds=[AuditKind.NETWORK])
+        assert any(r.action == "dns_answered" for r in allowed)
+        assert await client.events(job=job) == []
+    assert fake_internet.pypi.ip

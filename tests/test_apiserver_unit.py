@@ -35,8 +35,10 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxNotRunning,
     Unauthenticated,
+    Unsupported,
 )
 from dsec.images.service import ArchiveFormat, Progress, Recipe
+from dsec.layer_model import LayerRef
 from dsec.model import (
     BackendKind,
     DSecContainerRunArgs,
@@ -44,6 +46,7 @@ from dsec.model import (
     ExecResult,
     HealthInfo,
     ImageInfo,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
     parse_image_ref,
@@ -92,6 +95,9 @@ class FakeImages:
 
     async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
         return await self.resolve(spec.container_image)
+
+    async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
+        raise ImageNotFound(f"no layer {ref} in the fake image service")
 
     async def list(self) -> list[ImageInfo]:
         return list(self.images.values())
@@ -241,6 +247,12 @@ class FakeEdge:
             return self.files[(sandbox_id, path)][0]
         except KeyError:
             raise FileNotFound(f"no such file: {path}") from None
+
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        raise Unsupported("the fake edge has no verifier")
+
+    async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
+        raise Unsupported("the fake edge has no network")
 
     async def write_file(
         self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644

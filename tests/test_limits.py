@@ -58,7 +58,9 @@ def run_args(**kw: Any) -> DSecContainerRunArgs:
     )
 
 
-def limit_events(plat: PlatformProcess, sandbox_id: str, limit: str, wait: float = 8.0) -> list:
+def limit_events(
+    plat: PlatformProcess, sandbox_id: str, limit: str, wait: float = 8.0
+) -> list[dict[str, Any]]:
     """``resource_limit`` events of one sandbox from the audit store (flushed every 50 ms;
     the periodic scan runs every 2 s)."""
     deadline = time.monotonic() + wait

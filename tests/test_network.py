@@ -13,8 +13,6 @@ import http.server
 import json
 import os
 import secrets
-import signal
-import socket
 import socketserver
 import subprocess
 import sys
@@ -32,91 +30,12 @@ from dsec.errors import InvalidArgument
 from dsec.net.catalog import compile_rules, load_catalog
 from dsec.security.events import AuditKind, EventKind
 from tests.conftest import PlatformProcess, platform_process
+from tests.fakenet import FakeService, fake_service
 
 pytestmark = [
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
 ]
-
-# socketserver, not http.server's HTTPServer: its server_bind() looks up the address's
-# host name, which would hang (and send a DNS query) in a namespace without DNS.
-SERVER = """
-import http.server, socketserver, sys
-body = sys.argv[2].encode()
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-socketserver.ThreadingTCPServer.allow_reuse_address = True
-socketserver.ThreadingTCPServer((sys.argv[1], 80), H).serve_forever()
-"""
-
-
-@dataclass
-class FakeService:
-    name: str
-    netns: str
-    host_if: str
-    ip: str
-    body: str
-    proc: subprocess.Popen[bytes] | None = None
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
-def fake_service(name: str, octet: int, index: int) -> Iterator[FakeService]:
-    """An HTTP server answering ``fake-<name>`` on port 80, alone in its own netns,
-    reachable from the host over a veth (198.18.<octet>.<4*index+2>)."""
-    tag = secrets.token_hex(3)
-    svc = FakeService(
-        name=name,
-        netns=f"dsec-fake-{name}-{tag}",
-        host_if=f"fk{tag}{index}",
-        ip=f"198.18.{octet}.{4 * index + 2}",
-        body=f"fake-{name}",
-    )
-    gw = f"198.18.{octet}.{4 * index + 1}"
-    try:
-        _ip("netns", "add", svc.netns)
-        _ip("link", "add", svc.host_if, "type", "veth", "peer", "name", "eth0", "netns", svc.netns)
-        _ip("addr", "add", f"{gw}/30", "dev", svc.host_if)
-        _ip("link", "set", svc.host_if, "up")
-        for args in (
-            ("link", "set", "lo", "up"),
-            ("addr", "add", f"{svc.ip}/30", "dev", "eth0"),
-            ("link", "set", "eth0", "up"),
-            ("route", "add", "default", "via", gw),
-        ):
-            _ip("-n", svc.netns, *args)
-        svc.proc = subprocess.Popen(
-            ["ip", "netns", "exec", svc.netns, sys.executable, "-c", SERVER, svc.ip, svc.body],
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while True:  # the host reaches it over the veth once it listens
-            with socket.socket() as probe:
-                probe.settimeout(0.5)
-                if probe.connect_ex((svc.ip, 80)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fake {name} service did not start")
-            time.sleep(0.05)
-        yield svc
-    finally:
-        if svc.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(svc.proc.pid, signal.SIGKILL)
-            svc.proc.wait()
-        subprocess.run(["ip", "link", "del", svc.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", svc.netns], capture_output=True)
-
 
 GET = "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2"
 
