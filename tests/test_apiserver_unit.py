@@ -49,6 +49,7 @@ from dsec.model import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    TrajectoryRef,
     parse_image_ref,
 )
 
@@ -255,7 +256,13 @@ class FakeEdge:
         raise Unsupported("the fake edge has no network")
 
     async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        trajectory: TrajectoryRef | None = None,
     ) -> None:
         await self._live(sandbox_id)
         self.files[(sandbox_id, path)] = (data, mode)

@@ -429,9 +429,10 @@ def test_sync_twin_has_the_same_api(async_cls: type, sync_cls: type) -> None:
     assert api(async_cls) == api(sync_cls)
     for name, member in inspect.getmembers(async_cls, inspect.isfunction):
         if not name.startswith("_") and name != "__init__":
-            # Streams are async generators, or (``stream``) a handle to iterate with async for.
-            streaming = inspect.isasyncgenfunction(member) or name == "stream"
-            assert inspect.iscoroutinefunction(member) or streaming, name
+            # Streams are async generators; ``stream`` and ``trajectory`` return handles
+            # (to iterate with async for, to send steps through) without I/O.
+            handle = inspect.isasyncgenfunction(member) or name in ("stream", "trajectory")
+            assert inspect.iscoroutinefunction(member) or handle, name
 
 
 # ---- performance and packaging -------------------------------------------------------
@@ -478,6 +479,8 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.protected_model",  # protected paths (pure pydantic)
         "dsec.security.events",  # audit records and events (pure pydantic)
         "dsec.fncall_model",  # FnCall requests and results (pure pydantic)
+        "dsec.rl_model",  # job pause reports, pack_diff/fork (pure pydantic)
+        "dsec.rl.model",  # trajectory steps and records (pure pydantic)
         "cloudpickle",  # client.call(fn) only, imported when called
         "httpx",
         "pydantic",

@@ -95,6 +95,21 @@ class AlreadyExists(Conflict):
     code = "already_exists"
 
 
+class TrajectoryStateLost(DSecError):
+    """A trajectory step must run for real but the sandbox it is bound to is gone or
+    failed: the log cannot answer it and the state it would run on no longer exists."""
+
+    code = "trajectory_state_lost"
+    status = 410
+
+
+class TrajectoryStepInDoubt(Conflict):
+    """The platform stopped while this step ran: whether it changed the sandbox is
+    unknown, so it is neither replayed nor run again (discard it to go on)."""
+
+    code = "trajectory_step_in_doubt"
+
+
 class LimitExceeded(DSecError):
     """A requested size or limit is larger than the platform allows."""
 

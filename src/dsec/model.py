@@ -53,6 +53,9 @@ class SandboxState(StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    # Frozen by a job-level pause (dsec.rl.jobs): all state kept, thawed by the next
+    # request to it or by resume_job.
+    PAUSED = "paused"
 
     @property
     def terminal(self) -> bool:
@@ -244,10 +247,25 @@ class CreateSandboxRequest(Strict):
     timeout: float = Field(120, gt=0, le=3600)
 
 
+TRAJECTORY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+class TrajectoryRef(Strict):
+    """Which step of which rollout a state-changing request is (see dsec.rl.trajectory):
+    logged before it is answered, answered from the log when sent again."""
+
+    job_id: str = Field(pattern=TRAJECTORY_NAME_RE.pattern)
+    rollout_id: str = Field(pattern=TRAJECTORY_NAME_RE.pattern)
+    step: int = Field(ge=0, le=1 << 40)
+
+
 class ExecRequest(Strict):
     """One command. A string runs through ``/bin/sh -c``; a list is an argv."""
 
     command: str | list[str]
+    trajectory: TrajectoryRef | None = Field(
+        None, description="log and replay this command as a step of a trajectory"
+    )
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
     user: str | None = None

@@ -27,6 +27,7 @@ from dsec.backends.fncall.service import FnCallService
 from dsec.config import PlatformConfig
 from dsec.control.db import create_all, make_engine, sqlite_url
 from dsec.control.keys import KeyStore
+from dsec.control.roles import RoleStore
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
@@ -99,6 +100,7 @@ class Platform:
     api_key: str
     recovery: dict[str, list[str]]
     fncall: FnCallService | None = None
+    roles: RoleStore | None = None  # builder role for pack_diff/fork (dsec.control.roles)
 
 
 @contextlib.asynccontextmanager
@@ -118,6 +120,8 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
         keys = KeyStore(engine)
         api_key = load_or_create_api_key(config)
         await keys.ensure(api_key, principal="admin")
+        roles = RoleStore(engine)
+        await roles.create_tables()
         images = Images(config.images_dir, engine, **layer_store_options(config))
         await images.open()
         host = cgroups.detect()
@@ -174,7 +178,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             audit=audit,
         )
         await fncall.start()
-        yield Platform(config, edge, images, keys, api_key, recovery, fncall)
+        yield Platform(config, edge, images, keys, api_key, recovery, fncall, roles)
     finally:
         if fncall is not None:
             await fncall.close()
@@ -230,11 +234,16 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
     from dsec.edge.dataplane import DataPlane
     from dsec.edge.tokens import TokenSigner, load_or_create_key
 
-    async with running_platform(config) as platform:
+    async with running_platform(config) as platform, contextlib.AsyncExitStack() as stack:
         signer = TokenSigner(
             load_or_create_key(config.data_dir / "edge_token.key"), ttl=config.token_ttl
         )
         dataplane = DataPlane(platform.edge, signer, config.url)
+        from dsec.rl.trajectory import TrajectoryLog, TrajectoryService
+
+        trajectory_log = TrajectoryLog(config.data_dir / "trajectory.db")
+        stack.callback(trajectory_log.close)
+        platform.edge.trajectory = TrajectoryService(platform.edge, trajectory_log, dataplane)
         from dsec.images.layers import LayerService
 
         app = create_app(
@@ -245,6 +254,8 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
             layers=LayerService(platform.images),
             audit=platform.edge.audit,
             fncall=platform.fncall,
+            roles=platform.roles,
+            trajectory=platform.edge.trajectory,
         )
         tune_gc()
         server = _server_class()(

@@ -7,6 +7,8 @@ the request path (body cap, last-resort error envelope) to keep exec at ~2 ms.
 
 from __future__ import annotations
 
+from typing import cast
+
 from fastapi import FastAPI
 from starlette.responses import Response
 
@@ -18,15 +20,19 @@ from dsec.apiserver.images import image_router
 from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
+from dsec.apiserver.rl import RLEdge, rl_router
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
+from dsec.apiserver.trajectory import trajectory_router
 from dsec.backends.fncall.service import FnCallService
 from dsec.control.keys import KeyStore
+from dsec.control.roles import RoleStore
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
 from dsec.model import HealthInfo
+from dsec.rl.trajectory import TrajectoryService
 from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
@@ -42,6 +48,8 @@ def create_app(
     layers: LayerService | None = None,
     audit: AuditLog | None = None,
     fncall: FnCallService | None = None,
+    roles: RoleStore | None = None,
+    trajectory: TrajectoryService | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -74,4 +82,8 @@ def create_app(
         app.include_router(security_router(audit, auth))
     if fncall is not None:
         app.include_router(fncall_router(fncall, auth))
+    if trajectory is not None:
+        app.include_router(trajectory_router(trajectory, auth))
+    if roles is not None and hasattr(edge, "pause_job"):  # job pause, pack_diff, fork
+        app.include_router(rl_router(cast(RLEdge, edge), auth, roles))
     return app

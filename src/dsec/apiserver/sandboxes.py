@@ -17,6 +17,7 @@ from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
 from dsec.apiserver.responses import model_response, sandboxes_response
+from dsec.apiserver.trajectory import trajectory_ref
 from dsec.edge.api import EdgeAPI
 from dsec.model import (
     CreateSandboxRequest,
@@ -140,14 +141,22 @@ def sandbox_router(
         sandbox_id: str,
         path: Annotated[str, Query(description="absolute path")],
         mode: Annotated[str, Query(description="octal permissions")] = "644",
+        job_id: Annotated[str | None, Query(description="trajectory: job")] = None,
+        rollout_id: Annotated[str | None, Query(description="trajectory: rollout")] = None,
+        step: Annotated[int | None, Query(description="trajectory: step number")] = None,
     ) -> Response:
-        """Create or replace a file with the raw request body."""
+        """Create or replace a file with the raw request body. With `job_id`,
+        `rollout_id` and `step` it is a logged, replayable trajectory step."""
         sid = check_sandbox_id(sandbox_id)
         target = check_sandbox_path(path)
         perms = parse_mode(mode)
+        traj = trajectory_ref(job_id, rollout_id, step)
         set_body_limit(request, limits.max_file_bytes, "file")
         chunks = [chunk async for chunk in request.stream()]
-        await edge.write_file(sid, target, b"".join(chunks), mode=perms)
+        if traj is None:
+            await edge.write_file(sid, target, b"".join(chunks), mode=perms)
+        else:
+            await edge.write_file(sid, target, b"".join(chunks), mode=perms, trajectory=traj)
         return Response(status_code=204)
 
     return router

@@ -17,6 +17,8 @@ from dsec.cli import demo as demo_cmd
 from dsec.cli import events as events_cmd
 from dsec.cli import fncall as fncall_cmd
 from dsec.cli import image, layer, sandbox, store
+from dsec.cli import rl as rl_cmd
+from dsec.cli import trajectory as trajectory_cmd
 from dsec.cli import up as up_cmd
 from dsec.cli.common import Globals, UsageFailure, err, print_error
 from dsec.errors import DSecError, PermissionDenied
@@ -32,6 +34,10 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(image.app, name="image")
 app.add_typer(layer.app, name="layer")
 app.add_typer(store.app, name="store")
+app.add_typer(rl_cmd.job_app, name="job")
+app.add_typer(rl_cmd.env_app, name="env")
+app.add_typer(rl_cmd.role_app, name="role")
+app.add_typer(trajectory_cmd.app, name="trajectory")
 app.command("up")(up_cmd.up)
 app.command("demo")(demo_cmd.demo)
 app.command("events")(events_cmd.events)

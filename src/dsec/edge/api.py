@@ -17,6 +17,7 @@ from dsec.model import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    TrajectoryRef,
 )
 
 
@@ -49,7 +50,13 @@ class EdgeAPI(Protocol):
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes: ...
 
     async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        trajectory: TrajectoryRef | None = None,
     ) -> None: ...
 
     async def health(self) -> HealthInfo: ...

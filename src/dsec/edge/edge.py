@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
@@ -40,19 +40,31 @@ from dsec.model import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    TrajectoryRef,
     check_network_rules,
 )
 from dsec.net.manager import NetworkManager
 from dsec.protected_model import protected_summary, redact_files
+from dsec.rl.jobs import JobControl
+from dsec.rl.pack import fork_sandbox, pack_sandbox
+from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.security.audit import AuditLog
 from dsec.security.events import AuditKind, EventKind
 from dsec.security.limits import LimitWatcher
 from dsec.security.tampering import MAX_REPORTED, TamperWatch
 
+if TYPE_CHECKING:
+    from dsec.rl.trajectory import TrajectoryService
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LIVE_STATES = {SandboxState.CREATING, SandboxState.RUNNING, SandboxState.STOPPING}
+LIVE_STATES = {
+    SandboxState.CREATING,
+    SandboxState.RUNNING,
+    SandboxState.STOPPING,
+    SandboxState.PAUSED,  # frozen by a job pause (dsec.rl.jobs): alive, holds resources
+}
 
 
 def _now() -> datetime:
@@ -90,6 +102,9 @@ class Edge:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
         self._stop_listeners: builtins.list[Callable[[str], None]] = []
+        # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
+        self.trajectory: TrajectoryService | None = None
+        self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
 
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
@@ -99,6 +114,18 @@ class Edge:
         report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}
         for rec in self.state.load(self.edge_id):
             self._records[rec.id] = rec
+            if rec.state is SandboxState.PAUSED:  # stays frozen until a request/resume
+                if await self.jobs.recover(rec):
+                    if self.network is not None and "net" in rec.runtime:
+                        self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
+                    report["adopted"].append(rec.id)
+                    continue
+                self.jobs.release(rec)
+                await self._finish(
+                    rec, SandboxState.FAILED, "lost: the sandbox died while the edge was down"
+                )
+                report["lost"].append(rec.id)
+                continue
             if rec.state is SandboxState.RUNNING:
                 if await self.backend.is_alive(rec):
                     await self.backend.adopt(rec)
@@ -237,6 +264,7 @@ class Edge:
     async def _finish(self, rec: SandboxRecord, final: SandboxState, reason: str | None) -> None:
         """Tear down and record the end; the teardown intent is durable before it starts."""
         was_live = rec.state in LIVE_STATES
+        self.jobs.release(rec)  # a paused sandbox is thawed first: SIGKILL needs that
         if rec.state is SandboxState.RUNNING:
             self.limits.check(rec)  # a last look: limits hit since the last scan
         self._set(rec, SandboxState.STOPPING, reason)
@@ -351,6 +379,8 @@ class Edge:
     def running_record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a running sandbox (marks it active), for the data path."""
         rec = self._get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            self.jobs.thaw(rec, cause="request")  # transparent resume (dsec.rl.jobs)
         if rec.state is not SandboxState.RUNNING:
             raise SandboxNotRunning(
                 f"sandbox {sandbox_id} is {rec.state.value}"
@@ -365,6 +395,10 @@ class Edge:
         return await self._on_running(sandbox_id, op)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        if req.trajectory is not None:  # logged and replayable: dsec.rl.trajectory decides
+            if self.trajectory is None:
+                raise Unsupported("this edge keeps no trajectory log")
+            return await self.trajectory.exec(sandbox_id, req, req.trajectory)
         outcome: dict[str, object] = {"error": "did not finish"}
         try:
             res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
@@ -433,8 +467,19 @@ class Edge:
         )
 
     async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        trajectory: TrajectoryRef | None = None,
     ) -> None:
+        if trajectory is not None:  # logged and replayable: dsec.rl.trajectory decides
+            if self.trajectory is None:
+                raise Unsupported("this edge keeps no trajectory log")
+            await self.trajectory.write_file(sandbox_id, path, data, mode, trajectory)
+            return
         self.audit.record(sandbox_id, AuditKind.FILE, "write_file", path=path, size=len(data))
         await self._on_running(
             sandbox_id, lambda rec: self.backend.write_file(rec, path, data, mode=mode)
@@ -484,3 +529,18 @@ class Edge:
             return_exceptions=True,
         )
         return [rec.id for rec in expired]
+
+    # -- RL co-design (dsec.rl) -----------------------------------------------------------
+    async def pause_job(self, job_id: str) -> JobPauseReport:
+        """Freeze every running sandbox of the job and reclaim its memory."""
+        return await self.jobs.pause_job(job_id)
+
+    async def resume_job(self, job_id: str) -> JobResumeReport:
+        return await self.jobs.resume_job(job_id)
+
+    async def pack_diff(self, sandbox_id: str, name: str, version: str) -> PackedEnv:
+        """The sandbox's changes as a new layer ``name:version`` (dsec.rl.pack)."""
+        return await pack_sandbox(self, sandbox_id, name, version)
+
+    async def fork(self, sandbox_id: str, req: ForkRequest) -> ForkResult:
+        return await fork_sandbox(self, sandbox_id, req)

@@ -28,7 +28,9 @@ from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.datapath import DataPathClient, DataPathMode, SandboxDataMixin
 from dsec.sdk.fncall import FnCallMixin
 from dsec.sdk.layers import LayersMixin
+from dsec.sdk.rl import JobsMixin, SandboxRLMixin
 from dsec.sdk.security import SecurityMixin
+from dsec.sdk.trajectory import TrajectoryMixin
 
 T = TypeVar("T")
 
@@ -36,7 +38,7 @@ DEFAULT_TIMEOUT = 60.0
 POOL_SHARD_SIZE = 32
 
 
-class DSecClient(LayersMixin, SecurityMixin, FnCallMixin):
+class DSecClient(LayersMixin, SecurityMixin, FnCallMixin, TrajectoryMixin, JobsMixin):
     """Async client of a DSec platform.
 
     ``url`` and ``api_key`` default to ``DSEC_URL`` / ``DSEC_API_KEY``, then to what
@@ -203,7 +205,7 @@ class DSecClient(LayersMixin, SecurityMixin, FnCallMixin):
         return await self._send(proto.remove_image(ref))
 
 
-class Sandbox(SandboxDataMixin):
+class Sandbox(SandboxDataMixin, SandboxRLMixin):
     """A handle on one sandbox. ``info`` is its last known state (see ``refresh``).
 
     Commands, sessions, processes, the terminal and files: see ``SandboxDataMixin``.

@@ -58,6 +58,7 @@ from dsec.wire import (
 
 if TYPE_CHECKING:
     from dsec.sdk.client import DSecClient
+    from dsec.sdk.trajectory import Trajectory
 
 DataPathMode = Literal["direct", "proxy"]
 OutputCallback = Callable[[bytes], object]
@@ -611,15 +612,29 @@ class SandboxDataMixin:
         max_output_bytes: int | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        trajectory: Trajectory | None = None,
     ) -> CommandResult:
         """Run ``command`` through ``/bin/sh -c`` in a fresh process; ``timeout`` kills it.
 
         Fresh rather than a default session: concurrent calls never wait for or disturb
         each other and one call's ``cd``/``export`` cannot surprise the next; use
-        :meth:`session` when state should carry over.
+        :meth:`session` when state should carry over. With ``trajectory`` it is that
+        trajectory's next logged, replayable step (``trajectory.run_shell(self, ...)``;
+        output callbacks are not called).
         """
         if not isinstance(command, str):
             raise InvalidArgument("run_shell takes a string; use exec() for an argv list")
+        if trajectory is not None:
+            return await trajectory.run_shell(
+                self,  # type: ignore[arg-type]
+                command,
+                timeout=timeout,
+                env=env,
+                workdir=workdir,
+                user=user,
+                stdin=stdin,
+                max_output_bytes=max_output_bytes,
+            )
         args = command_args(
             command,
             timeout=timeout,
@@ -657,10 +672,22 @@ class SandboxDataMixin:
         max_output_bytes: int | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        trajectory: Trajectory | None = None,
     ) -> CommandResult:
-        """Run an argv directly, without a shell."""
+        """Run an argv directly, without a shell (``trajectory``: as its next step)."""
         if isinstance(argv, str):
             raise InvalidArgument("exec takes an argv list; use run_shell() for a string")
+        if trajectory is not None:
+            return await trajectory.exec(
+                self,  # type: ignore[arg-type]
+                argv,
+                timeout=timeout,
+                env=env,
+                workdir=workdir,
+                user=user,
+                stdin=stdin,
+                max_output_bytes=max_output_bytes,
+            )
         args = command_args(
             list(argv),
             timeout=timeout,
@@ -786,8 +813,18 @@ class SandboxDataMixin:
         finally:
             await resp.aclose()
 
-    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Create or replace a file atomically; a str is written as UTF-8."""
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int = 0o644,
+        trajectory: Trajectory | None = None,
+    ) -> None:
+        """Create or replace a file atomically; a str is written as UTF-8
+        (``trajectory``: as its next logged, replayable step)."""
+        if trajectory is not None:
+            return await trajectory.write_file(self, path, data, mode=mode)  # type: ignore[arg-type]
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes | bytearray | memoryview):

@@ -29,13 +29,17 @@ from dsec.sdk.client import DEFAULT_TIMEOUT, DSecClient
 from dsec.sdk.datapath import DataPathMode
 from dsec.sdk.fncall import SyncFnCallMixin
 from dsec.sdk.layers import SyncLayersMixin
+from dsec.sdk.rl import SyncJobsMixin, SyncSandboxRLMixin
 from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
+from dsec.sdk.trajectory import SyncTrajectoryMixin
 
 T = TypeVar("T")
 
 
-class DSecSyncClient(SyncLayersMixin, SyncSecurityMixin, SyncFnCallMixin):
+class DSecSyncClient(
+    SyncLayersMixin, SyncSecurityMixin, SyncFnCallMixin, SyncTrajectoryMixin, SyncJobsMixin
+):
     """Blocking client of a DSec platform; same arguments and methods as ``DSecClient``."""
 
     def __init__(
@@ -190,7 +194,7 @@ class DSecSyncClient(SyncLayersMixin, SyncSecurityMixin, SyncFnCallMixin):
         return self._send(proto.remove_image(ref))
 
 
-class SyncSandbox(SyncSandboxDataMixin):
+class SyncSandbox(SyncSandboxDataMixin, SyncSandboxRLMixin):
     """A handle on one sandbox. ``info`` is its last known state (see ``refresh``).
 
     Commands, sessions, processes, the terminal and files: see ``SyncSandboxDataMixin``.

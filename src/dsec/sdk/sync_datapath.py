@@ -26,6 +26,7 @@ from dsec.wire import ExitInfo, FileInfo, FileList, ProcessInfo, SessionInfo
 if TYPE_CHECKING:
     from dsec.sdk.client import DSecClient, Sandbox
     from dsec.sdk.sync import DSecSyncClient
+    from dsec.sdk.trajectory import SyncTrajectory
 
 T = TypeVar("T")
 
@@ -238,6 +239,7 @@ class SyncSandboxDataMixin:
         max_output_bytes: int | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        trajectory: SyncTrajectory | None = None,
     ) -> CommandResult:
         """Run ``command`` through ``/bin/sh -c`` in a fresh process (see the async twin)."""
         return self._run(
@@ -251,6 +253,7 @@ class SyncSandboxDataMixin:
                 max_output_bytes=max_output_bytes,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
+                trajectory=None if trajectory is None else trajectory._traj,
             )
         )
 
@@ -266,6 +269,7 @@ class SyncSandboxDataMixin:
         max_output_bytes: int | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        trajectory: SyncTrajectory | None = None,
     ) -> CommandResult:
         """Run an argv directly, without a shell."""
         return self._run(
@@ -279,6 +283,7 @@ class SyncSandboxDataMixin:
                 max_output_bytes=max_output_bytes,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
+                trajectory=None if trajectory is None else trajectory._traj,
             )
         )
 
@@ -369,9 +374,17 @@ class SyncSandboxDataMixin:
     def read_stream(self, path: str) -> Iterator[bytes]:
         return self._client._portal().iterate(self._a().read_stream(path))
 
-    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+    def write_file(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int = 0o644,
+        trajectory: SyncTrajectory | None = None,
+    ) -> None:
         """Create or replace a file atomically; a str is written as UTF-8."""
-        self._run(self._a().write_file(path, data, mode=mode))
+        traj = None if trajectory is None else trajectory._traj
+        self._run(self._a().write_file(path, data, mode=mode, trajectory=traj))
 
     def write_stream(self, path: str, source: str | os.PathLike[str], *, mode: int = 0o644) -> None:
         """Write a file from a local file, without buffering it."""

@@ -1,0 +1,243 @@
+"""Job pause/resume, pack_diff and fork (issue 6, DSEC.md §6.1 and §6.3), in one run.
+
+    .venv/bin/python bench/bench_rl.py [--n 100] [--mib 64] [--creates 30]
+
+On a real platform (`dsec up` in a subprocess, fresh data dir): ``n`` sandboxes of one
+job each hold ``mib`` MiB of anonymous memory (a process whose buffer is filled and
+kept); pause_job, then resume_job, then a pause followed by transparent thaws (the next
+exec). Host MemAvailable is read before and after each step, so "memory returned to the
+host" is what the host saw, not what we asked for. Then pack_diff of a sandbox with 100
+MiB of changes, creates from the packed layer vs from the base image, fork(16). Writes
+bench/results/rl.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import platform_process  # noqa: E402
+
+from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.resources import cgroups  # noqa: E402
+from dsec.rl.jobs import swap_available  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "n": len(s),
+        "p50_ms": round(statistics.median(s) * 1e3, 3),
+        "p99_ms": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 3),
+    }
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def zram_swap(mib: int) -> Iterator[str | None]:
+    """A temporary zram swap device (compressed RAM), removed afterwards; None if 0."""
+    if mib <= 0:
+        yield None
+        return
+    idx = int(Path("/sys/class/zram-control/hot_add").read_text())
+    dev, block = f"/dev/zram{idx}", Path(f"/sys/block/zram{idx}")
+    on = False
+    try:
+        with contextlib.suppress(OSError):
+            (block / "comp_algorithm").write_text("lz4")
+        (block / "disksize").write_text(str(mib * MiB))
+        subprocess.run(["mkswap", dev], check=True, capture_output=True)
+        subprocess.run(["swapon", "-p", "100", dev], check=True)
+        on = True
+        yield dev
+    finally:
+        if on:
+            subprocess.run(["swapoff", dev], check=False)
+        with contextlib.suppress(OSError):
+            (block / "reset").write_text("1")
+        with contextlib.suppress(OSError):
+            Path("/sys/class/zram-control/hot_remove").write_text(str(idx))
+
+
+async def pause_resume(
+    client: DSecClient, image: str, n: int, mib: int, fill: str
+) -> dict[str, object]:
+    job = "bench-job"
+    spec = DSecContainerRunArgs(
+        container_image=image, memory_limit_mb=mib * 2 + 64, job_id=job, ttl_running_stop=None
+    )
+    sbs = []
+    for _ in range(n):
+        sbs.append(await client.run_container(spec))
+    # dd fills a mib-MiB buffer from /dev/zero (touching every page), then blocks forever
+    # writing it into a pipe nobody reads: anonymous memory held by a live process.
+    src = "/dev/zero" if fill == "zero" else "/dev/urandom"
+    hold = (
+        f"(dd if={src} bs={mib}M count=1 iflag=fullblock 2>/dev/null | sleep 100000) "
+        ">/dev/null 2>&1 & sleep 0.3"
+    )
+    await asyncio.gather(*(sb.run_shell(hold) for sb in sbs))
+    # wait until every buffer is filled (random data takes a while on 2 cores)
+    host = cgroups.detect()
+    edge = sbs[0].id.rsplit("-", 1)[0]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        used = [host.memory_usage(f"/dsec/{edge}/{sb.id}") or 0 for sb in sbs]
+        if min(used) >= mib * MiB:
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(2)
+    avail0 = mem_available()
+    t = time.perf_counter()
+    rep = await client.pause_job(job)
+    pause_wall = time.perf_counter() - t
+    await asyncio.sleep(0.5)
+    avail1 = mem_available()
+    t = time.perf_counter()
+    res = await client.resume_job(job)
+    resume_wall = time.perf_counter() - t
+    # transparent thaw: the first exec on a paused sandbox vs an exec on a running one
+    warm = []
+    for sb in sbs[:30]:
+        t = time.perf_counter()
+        await sb.run_shell("true")
+        warm.append(time.perf_counter() - t)
+    await client.pause_job(job)
+    thaw_exec = []
+    for sb in sbs[:30]:
+        t = time.perf_counter()
+        await sb.run_shell("true")
+        thaw_exec.append(time.perf_counter() - t)
+    await client.resume_job(job)
+    anon_left = [p.anon_bytes or 0 for p in rep.sandboxes]
+    before = [p.memory_before_bytes or 0 for p in rep.sandboxes]
+    after = [p.memory_after_bytes or 0 for p in rep.sandboxes]
+    out: dict[str, object] = {
+        "sandboxes": n,
+        "held_mib_each": mib,
+        "fill": fill,
+        "swap_available": rep.swap_available,
+        "paused": rep.paused,
+        "pause_job_wall_s": round(pause_wall, 3),
+        "pause_per_sandbox_wall_ms": round(pause_wall / max(1, n) * 1e3, 3),
+        "pause_each_freeze_plus_reclaim": stats([p.duration for p in rep.sandboxes]),
+        "pause_each_freeze": stats([p.freeze_seconds for p in rep.sandboxes]),
+        "pause_each_reclaim": stats([p.reclaim_seconds for p in rep.sandboxes]),
+        "cgroup_usage_before_mib": round(sum(before) / MiB, 1),
+        "cgroup_usage_after_mib": round(sum(after) / MiB, 1),
+        "reclaimed_mib": round(rep.memory_reclaimed_bytes / MiB, 1),
+        "anon_left_mib": round(sum(anon_left) / MiB, 1),
+        "anon_returned_fraction": round(1 - sum(anon_left) / max(1, n * mib * MiB), 3),
+        "host_memavailable_gain_mib": round((avail1 - avail0) / MiB, 1),
+        "resume_job_wall_s": round(resume_wall, 4),
+        "resume_per_sandbox_ms": round(resume_wall / max(1, res.resumed) * 1e3, 3),
+        "exec_running": stats(warm),
+        "exec_on_paused_transparent_thaw": stats(thaw_exec),
+    }
+    await asyncio.gather(*(sb.stop() for sb in sbs))
+    return out
+
+
+async def pack_and_fork(client: DSecClient, image: str, creates: int) -> dict[str, object]:
+    src = await client.run_container(
+        DSecContainerRunArgs(container_image=image, memory_limit_mb=256, ttl_running_stop=None)
+    )
+    r = await src.run_shell(
+        "mkdir -p /root/data && for i in $(seq 1 100); do "
+        "dd if=/dev/urandom of=/root/data/f$i bs=1M count=1 2>/dev/null; done; du -sm /root/data",
+        timeout=120,
+    )
+    t = time.perf_counter()
+    env = await src.pack_diff(name="bench-env", version="v1")
+    pack_s = time.perf_counter() - t
+    base_spec = DSecContainerRunArgs(container_image=image, memory_limit_mb=64)
+    packed_spec = env.run_args(memory_limit_mb=64)
+    base_t: list[float] = []
+    packed_t: list[float] = []
+    for i in range(creates * 2):
+        spec = base_spec if i % 2 == 0 else packed_spec
+        t = time.perf_counter()
+        sb = await client.run_container(spec)
+        (base_t if i % 2 == 0 else packed_t).append(time.perf_counter() - t)
+        await sb.stop()
+    check = await client.run_container(packed_spec)
+    seen = (await check.run_shell("ls /root/data | wc -l")).stdout.strip()
+    await check.stop()
+    t = time.perf_counter()
+    kids = await src.fork(16)
+    fork_s = time.perf_counter() - t
+    await asyncio.gather(*(k.stop() for k in kids))
+    await src.stop()
+    bs, ps = stats(base_t), stats(packed_t)
+    return {
+        "changes": r.stdout.strip(),
+        "pack_diff_s": round(pack_s, 3),
+        "pack_frozen_s": round(env.frozen_seconds, 3),
+        "layer_mib": round(env.layer.size_bytes / MiB, 1),
+        "files_seen_in_child": seen,
+        "create_from_base": bs,
+        "create_from_packed": ps,
+        "packed_over_base_p50": round(ps["p50_ms"] / bs["p50_ms"], 3),
+        "fork16_s": round(fork_s, 3),
+    }
+
+
+async def run(n: int, mib: int, creates: int, fill: str, zram: int) -> dict[str, object]:
+    with zram_swap(zram) as zdev, platform_process() as plat:
+        client = DSecClient(plat.url, plat.api_key, timeout=600)
+        await client.open()
+        try:
+            await client.build_image("busybox")
+            image = "busybox:latest"
+            return {
+                "host": {
+                    "swap": swap_available(),
+                    "zram_swap": f"{zdev} {zram} MiB" if zdev else None,
+                    "memavailable_mib": mem_available() // MiB,
+                },
+                "pause_resume": await pause_resume(client, image, n, mib, fill),
+                "pack_fork": await pack_and_fork(client, image, creates),
+            }
+        finally:
+            await client.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--creates", type=int, default=30)
+    ap.add_argument("--fill", choices=["zero", "random"], default="random")
+    ap.add_argument(
+        "--zram-mib", type=int, default=0, help="temporary zram swap of this size (0: none)"
+    )
+    ap.add_argument("--out", default="rl.json")
+    a = ap.parse_args()
+    result = asyncio.run(run(a.n, a.mib, a.creates, a.fill, a.zram_mib))
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = REPO / "bench" / "results" / a.out
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

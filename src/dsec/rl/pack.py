@@ -1,0 +1,238 @@
+"""pack_diff and fork (DSEC.md §6.1): a sandbox's changes become a layer; new sandboxes
+start from it.
+
+A container sandbox's changes are exactly its overlay upper: new and modified files,
+whiteouts (char 0:0) for deletions and ``trusted.overlay.opaque`` on replaced
+directories. mkfs.erofs copies all of that as is (devices, xattrs, owners, modes,
+mtimes), and overlayfs honours whiteouts and opaque directories in a *lower* layer too,
+so the upper packed into EROFS and stacked above the source's own layers reproduces the
+source's file system. No tar round trip, no OCI whiteout conversion.
+
+Consistency: the source is frozen (cgroup freezer, ~0.2 ms) while mkfs.erofs reads its
+upper, so no half-written file is captured; a sandbox already paused by its job stays
+frozen. What is never captured: every mount point of the container (the agent at
+/.dsec, /proc, /dev, /sys, /etc/resolv.conf from the egress rules, the protected-path
+decoys: their mount stubs live in the upper) and the protected paths themselves.
+
+The new layer goes into the first free slot above the source's layers (workspace, then
+toolkit), so a sandbox with the same base and that slot filled sees the source's files.
+Who may pack is the apiserver's business (the ``builder`` role, dsec.control.roles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.errors import BackendError, DSecError, ImageBuildError, SandboxNotRunning, Unsupported
+from dsec.layer_model import LayerInfo, LayerRef
+from dsec.model import SandboxInfo, SandboxState
+from dsec.rl_model import ForkRequest, ForkResult, PackedEnv
+from dsec.security import protected
+from dsec.security.events import AuditKind
+
+if TYPE_CHECKING:
+    from dsec.backends.base import SandboxRecord
+    from dsec.edge.edge import Edge
+
+# Never in a packed layer, whatever the container's config says.
+ALWAYS_EXCLUDED = ("/.dsec", "/etc/resolv.conf", "/proc", "/sys", "/dev")
+
+
+def excluded_paths(rec: SandboxRecord, config: dict[str, Any] | None) -> list[str]:
+    """Absolute paths left out of a packed layer: platform mounts and protected paths."""
+    paths = set(ALWAYS_EXCLUDED)
+    for mount in (config or {}).get("mounts", []):
+        dest = mount.get("destination") if isinstance(mount, dict) else None
+        if isinstance(dest, str) and dest.startswith("/") and dest.rstrip("/"):
+            paths.add(os.path.normpath(dest))
+    paths.update(os.path.normpath(m.path) for m in rec.spec.protected)
+    # A parent already excluded covers its children.
+    out: list[str] = []
+    for p in sorted(paths):
+        if not any(p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def _slot(rec: SandboxRecord) -> tuple[str, dict[str, Any]]:
+    """Which slot the packed layer takes, and the other slots pinned by digest."""
+    spec = rec.spec
+    layers = list(rec.image.layers)
+    if spec.toolkit is not None:
+        raise Unsupported(
+            "pack_diff of a sandbox that has a toolkit layer is not supported: the diff "
+            "must stack above every layer and the toolkit slot is the top one"
+        )
+    if spec.workspace is None:
+        return "workspace", {}
+    # image.layers = base..., workspace: pin the workspace the source really used.
+    return "toolkit", {"workspace": LayerRef(digest=layers[-1])}
+
+
+async def _mkfs(out: Path, upper: Path, excluded: list[str], compression: str | None) -> None:
+    args = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
+    if compression:
+        args.append(f"-z{compression}")
+    args += [f"--exclude-path={p.lstrip('/')}" for p in excluded]
+    args += [str(out), str(upper)]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"},
+        )
+    except FileNotFoundError:
+        raise ImageBuildError("mkfs.erofs is not installed (apt-get install erofs-utils)") from None
+    try:
+        output, _ = await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = output.decode(errors="replace").strip()[-1000:]
+        raise ImageBuildError(f"mkfs.erofs of the sandbox's changes failed: {tail}", step="pack")
+
+
+def _count(upper: Path, excluded: list[str]) -> int:
+    skip = {os.path.join(str(upper), p.lstrip("/")) for p in excluded}
+    n = 0
+    for dirpath, dirs, files in os.walk(upper):
+        dirs[:] = [d for d in dirs if os.path.join(dirpath, d) not in skip]
+        n += len(dirs) + sum(1 for f in files if os.path.join(dirpath, f) not in skip)
+    return n
+
+
+async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> PackedEnv:
+    """Freeze, mkfs.erofs the upper (exclusions applied), thaw, register ``name:version``."""
+    t0 = time.perf_counter()
+    rec = edge._get(sandbox_id)
+    backend = edge.backend
+    images: Any = edge.images
+    store = getattr(images, "store", None)
+    if store is None or not hasattr(images, "record_layer"):
+        raise Unsupported("this edge's image service cannot register layers")
+    cgroups = getattr(backend, "cgroups", None)
+    cgroup_of = getattr(backend, "_cgroup", None)
+    if cgroups is None or cgroup_of is None:
+        raise Unsupported(f"the {backend.kind.value} backend cannot pack a sandbox")
+    slot, pinned = _slot(rec)
+    out = store.temp_path(".erofs")
+    async with edge._lock(sandbox_id):
+        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is {rec.state.value}", state=rec.state)
+        upper = backend.writable_dir(rec)
+        if upper is None or not upper.is_dir():
+            raise Unsupported(f"sandbox {sandbox_id} has no writable layer to pack")
+        root = upper.parent
+        try:
+            config = json.loads((root / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+        excluded = excluded_paths(rec, config)
+        rel = cgroup_of(rec.id)
+        was_paused = rec.state is SandboxState.PAUSED
+        f0 = time.perf_counter()
+        if not was_paused:
+            await asyncio.to_thread(protected.freeze, cgroups, rel)
+        try:
+            await _mkfs(out, upper, excluded, getattr(images, "compression", None))
+            files = await asyncio.to_thread(_count, upper, excluded)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                out.unlink()
+            raise
+        finally:
+            if not was_paused:
+                await asyncio.shield(asyncio.to_thread(protected.thaw, cgroups, rel))
+        frozen = time.perf_counter() - f0
+    try:
+        digest = await asyncio.to_thread(store.add_file, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+        raise
+    images._pending.add(digest)  # built, not yet tagged: the GC must not take it
+    try:
+        info = LayerInfo(
+            name=name,
+            version=version,
+            digest=digest,
+            size_bytes=store.size(digest),
+            kind=slot,
+            source=f"pack:{sandbox_id}",
+            created_at=datetime.now(UTC),
+        )
+        before = await images.record_layer(info)
+    finally:
+        images._pending.discard(digest)
+    if before is not None and before.digest != digest:
+        await images.gc()
+    env = PackedEnv(
+        layer=info,
+        container_image=rec.spec.container_image,
+        workspace=(f"{name}:{version}" if slot == "workspace" else str(pinned["workspace"].digest)),
+        toolkit=f"{name}:{version}" if slot == "toolkit" else None,
+        source_sandbox=sandbox_id,
+        files=files,
+        excluded=excluded,
+        frozen_seconds=frozen,
+        duration=time.perf_counter() - t0,
+    )
+    edge.audit.record(
+        sandbox_id,
+        AuditKind.LIFECYCLE,
+        "pack_diff",
+        layer=f"{name}:{version}",
+        digest=digest,
+        size=info.size_bytes,
+        files=files,
+        excluded=excluded,
+        frozen=round(frozen, 6),
+    )
+    return env
+
+
+async def fork_sandbox(edge: Edge, sandbox_id: str, req: ForkRequest) -> ForkResult:
+    """pack_diff, then ``n`` sandboxes with the source's spec plus the new layer (pinned
+    by digest). All or nothing: if one child fails, the others are stopped."""
+    t0 = time.perf_counter()
+    rec = edge._get(sandbox_id)
+    if any(m.files for m in rec.spec.protected):
+        raise Unsupported(
+            "fork of a sandbox with inline protected files is not supported (their "
+            "contents are never stored); give them as a protected layer instead"
+        )
+    name = req.name or f"fork-{sandbox_id.rsplit('-', 1)[-1]}"
+    version = req.version or datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    env = await pack_sandbox(edge, sandbox_id, name, version)
+    layer = LayerRef(digest=env.layer.digest)
+    update: dict[str, Any] = {"labels": {**rec.spec.labels, "dsec.fork-of": sandbox_id}}
+    if env.toolkit is not None:
+        update["toolkit"] = layer
+        update["workspace"] = LayerRef(str(env.workspace))
+    else:
+        update["workspace"] = layer
+    spec = rec.spec.model_copy(update=update)
+    results = await asyncio.gather(
+        *(edge.create(spec, timeout=req.timeout) for _ in range(req.n)), return_exceptions=True
+    )
+    children = [r for r in results if isinstance(r, SandboxInfo)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await asyncio.gather(*(edge.stop(c.id, reason="fork failed") for c in children))
+        first = errors[0]
+        if isinstance(first, DSecError):
+            raise first
+        raise BackendError(f"fork of {sandbox_id} failed: {first}") from first
+    return ForkResult(env=env, children=children, duration=time.perf_counter() - t0)

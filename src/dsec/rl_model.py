@@ -1,0 +1,119 @@
+"""RL co-design in the shared language: job pause/resume reports, pack_diff and fork.
+
+Kept apart from dsec.model (like dsec.layer_model) so that module stays small; these
+are the wire format of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from dsec.layer_model import LayerInfo, check_layer_name, check_layer_version
+from dsec.model import DSecContainerRunArgs, Reply, SandboxInfo, Strict
+
+JOB_ID_MAX = 128
+
+
+class SandboxPause(Reply):
+    """One sandbox of a job pause: what was reclaimed and how long it took."""
+
+    sandbox_id: str
+    memory_before_bytes: int | None = None
+    memory_after_bytes: int | None = None
+    anon_bytes: int | None = Field(None, description="anonymous memory left after the pause")
+    duration: float = Field(..., description="seconds: freeze + reclaim (no queueing)")
+    freeze_seconds: float = 0.0
+    reclaim_seconds: float = 0.0
+    error: str | None = None
+
+
+class JobPauseReport(Reply):
+    """Answer of pause_job: per job, not per sandbox, because a trainer pauses a job."""
+
+    job_id: str
+    paused: int = Field(..., description="sandboxes frozen by this call")
+    already_paused: int = 0
+    failed: int = 0
+    memory_reclaimed_bytes: int = Field(..., description="cgroup usage before minus after")
+    memory_before_bytes: int = 0
+    duration: float = Field(..., description="seconds for the whole job")
+    swap_available: bool = Field(
+        ..., description="False: anonymous memory cannot leave RAM on this host"
+    )
+    sandboxes: list[SandboxPause] = Field(default_factory=list)
+
+
+class JobResumeReport(Reply):
+    job_id: str
+    resumed: int
+    duration: float
+    sandbox_ids: list[str] = Field(default_factory=list)
+
+
+class PackRequest(Strict):
+    """Turn a sandbox's writable upper into a layer ``name:version``."""
+
+    name: str = Field(..., description="layer name in the layer registry")
+    version: str = Field("latest", description="layer version")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_layer_name(v)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return check_layer_version(v)
+
+
+class PackedEnv(Reply):
+    """A packed environment: the layer and how to start a sandbox from it.
+
+    ``workspace``/``toolkit`` say in which slot the layer goes (the first slot the
+    source sandbox left free above its own layers), so a new sandbox with the same
+    image, workspace and toolkit as the source sees exactly the source's files.
+    """
+
+    layer: LayerInfo
+    container_image: str
+    workspace: str | None = None
+    toolkit: str | None = None
+    source_sandbox: str
+    files: int = Field(0, description="entries in the layer (whiteouts included)")
+    excluded: list[str] = Field(default_factory=list, description="paths left out")
+    frozen_seconds: float = Field(0.0, description="how long the source was frozen")
+    duration: float = 0.0
+
+    def run_args(self, **overrides: object) -> DSecContainerRunArgs:
+        """The spec of a sandbox that starts from this environment (plus ``overrides``)."""
+        base: dict[str, object] = {"container_image": self.container_image}
+        if self.workspace is not None:
+            base["workspace"] = self.workspace
+        if self.toolkit is not None:
+            base["toolkit"] = self.toolkit
+        base.update(overrides)
+        return DSecContainerRunArgs.model_validate(base)
+
+
+class ForkRequest(Strict):
+    n: int = Field(..., ge=1, le=256, description="children to start")
+    name: str | None = Field(None, description="layer name; default fork-<sandbox>")
+    version: str | None = Field(None, description="layer version; default a timestamp")
+    timeout: float = Field(120.0, gt=0, le=3600, description="per-child create timeout")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return check_layer_name(v) if v is not None else v
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str | None) -> str | None:
+        return check_layer_version(v) if v is not None else v
+
+
+class ForkResult(Reply):
+    env: PackedEnv
+    children: list[SandboxInfo]
+    duration: float

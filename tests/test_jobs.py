@@ -1,0 +1,168 @@
+"""Job-level pause and resume (DSEC.md §6.3) on a real platform: real cgroup freezer,
+real reclaim, a real SIGKILL of the platform. Nothing here is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+import httpx
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, SandboxState
+from dsec.errors import InvalidArgument
+from dsec.resources import cgroups
+from dsec.security import protected
+from tests.conftest import PlatformProcess, platform_process
+
+pytestmark = pytest.mark.root
+
+MiB = 1024 * 1024
+
+
+def _job() -> str:
+    return "job-" + secrets.token_hex(4)
+
+
+def _frozen(edge_id: str, sandbox_id: str) -> bool:
+    return protected.is_frozen(cgroups.detect(), f"/dsec/{edge_id}/{sandbox_id}")
+
+
+def _edge(sandbox_id: str) -> str:
+    return sandbox_id.rsplit("-", 1)[0]
+
+
+async def test_pause_reclaims_and_next_request_thaws(
+    client: DSecClient, busybox_image: str, platform: PlatformProcess
+) -> None:
+    job = _job()
+    spec = DSecContainerRunArgs(container_image=busybox_image, memory_limit_mb=128, job_id=job)
+    a = await client.run_container(spec)
+    b = await client.run_container(spec)
+    other = await client.run_container(spec.model_copy(update={"job_id": job + "-x"}))
+    proxy = DSecClient(platform.url, platform.api_key, data_path="proxy")
+    await proxy.open()
+    try:
+        for sb in (a, b):
+            # page cache (a file in the upper) and anonymous memory (tmpfs /dev/shm)
+            r = await sb.run_shell(
+                "dd if=/dev/urandom of=/root/data bs=1M count=16 2>/dev/null && "
+                "dd if=/dev/zero of=/dev/shm/anon bs=1M count=8 2>/dev/null && "
+                "md5sum /root/data | cut -c1-32"
+            )
+            assert r.exit_code == 0, r.stderr
+        digest = (await a.run_shell("md5sum /root/data | cut -c1-32")).stdout
+
+        report = await client.pause_job(job)
+        assert report.paused == 2 and report.failed == 0
+        assert {p.sandbox_id for p in report.sandboxes} == {a.id, b.id}
+        assert report.memory_reclaimed_bytes >= 16 * MiB, report  # the file's page cache
+        assert all(p.duration < 5 for p in report.sandboxes)
+        for sb in (a, b):
+            assert (await sb.refresh()).state is SandboxState.PAUSED
+            assert _frozen(_edge(sb.id), sb.id)
+        assert (await other.refresh()).state is SandboxState.RUNNING
+        assert not _frozen(_edge(other.id), other.id)
+        # listed as live, and a second pause is a no-op
+        live = {s.id for s in await client.list_sandboxes()}
+        assert {a.id, b.id} <= live
+        again = await client.pause_job(job)
+        assert again.paused == 0 and again.already_paused == 2
+
+        # The next request thaws transparently: edge data path (a) and API proxy (b).
+        r = await a.run_shell("md5sum /root/data | cut -c1-32; wc -c < /dev/shm/anon")
+        assert r.stdout == digest + str(8 * MiB) + "\n"
+        assert (await a.refresh()).state is SandboxState.RUNNING
+        assert not _frozen(_edge(a.id), a.id)
+        pb = await proxy.get(b.id)
+        assert (await pb.read_file("/dev/shm/anon"))[:4] == b"\0\0\0\0"
+        assert (await b.refresh()).state is SandboxState.RUNNING
+
+        # resume_job thaws what is still paused, and only that.
+        await client.pause_job(job)
+        rep = await client.resume_job(job)
+        assert rep.resumed == 2 and set(rep.sandbox_ids) == {a.id, b.id}
+        for sb in (a, b):
+            assert (await sb.refresh()).state is SandboxState.RUNNING
+            assert not _frozen(_edge(sb.id), sb.id)
+        assert (await client.resume_job(job)).resumed == 0
+
+        # A paused sandbox stops cleanly (frozen tasks must be thawed to die).
+        await client.pause_job(job)
+        assert (await a.stop()).state is SandboxState.STOPPED
+    finally:
+        await proxy.close()
+        for sb in (a, b, other):
+            with contextlib.suppress(Exception):
+                await sb.stop()
+
+
+async def test_ttl_does_not_fire_while_paused(client: DSecClient, busybox_image: str) -> None:
+    job = _job()
+    sb = await client.run_container(
+        DSecContainerRunArgs(
+            container_image=busybox_image, memory_limit_mb=64, job_id=job, ttl_running_stop=2
+        )
+    )
+    try:
+        assert (await client.pause_job(job)).paused == 1
+        await asyncio.sleep(4.5)  # > ttl + reaper interval
+        assert (await sb.refresh()).state is SandboxState.PAUSED
+        assert (await client.resume_job(job)).resumed == 1
+        # the idle clock restarted at the resume: the TTL still works afterwards
+        await asyncio.sleep(1.0)
+        assert (await sb.refresh()).state is SandboxState.RUNNING
+        for _ in range(60):
+            if (await sb.refresh()).state.terminal:
+                break
+            await asyncio.sleep(0.2)
+        assert sb.state is SandboxState.STOPPED and "ttl_running_stop" in (sb.info.reason or "")
+    finally:
+        await sb.stop()
+
+
+async def test_bad_job_ids_are_4xx(client: DSecClient, platform: PlatformProcess) -> None:
+    with pytest.raises(InvalidArgument):
+        await client.pause_job("a/b")
+    assert (await client.pause_job("no-such-job-" + secrets.token_hex(3))).paused == 0
+    async with httpx.AsyncClient() as http:
+        resp = await http.post(
+            f"{platform.url}/v1/jobs/{'x' * 200}/pause",
+            headers={"Authorization": f"Bearer {platform.api_key}"},
+        )
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_argument"
+
+
+async def test_pause_survives_platform_restart() -> None:
+    job = _job()
+    with platform_process() as plat:
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            await client.build_image("busybox")
+            spec = DSecContainerRunArgs(
+                container_image="busybox:latest", memory_limit_mb=64, job_id=job
+            )
+            sb = await client.run_container(spec)
+            left = await client.run_container(spec)
+            await sb.run_shell("echo kept > /dev/shm/mem; echo disk > /root/f")
+            assert (await client.pause_job(job)).paused == 2
+        finally:
+            await client.close()
+        plat.kill()  # SIGKILL: no chance to thaw or record anything more
+        assert _frozen(plat.edge_id, sb.id), "the kernel keeps the freeze"
+        plat.start()
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            again = await client.get(sb.id)
+            assert again.state is SandboxState.PAUSED
+            assert _frozen(plat.edge_id, sb.id)
+            r = await again.run_shell("cat /dev/shm/mem /root/f")  # thaws it
+            assert r.stdout == "kept\ndisk\n"  # same container: memory state kept
+            assert (await again.refresh()).state is SandboxState.RUNNING
+            # `left` stays paused; the platform's shutdown must still tear it down
+            assert (await client.get(left.id)).state is SandboxState.PAUSED
+        finally:
+            await client.close()
