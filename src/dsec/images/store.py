@@ -23,7 +23,7 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dsec import linux
@@ -281,49 +281,9 @@ class LayerStore:
     # -- building --
 
     async def build_erofs(self, tree: Path, *, compression: str | None = None) -> str:
-        """mkfs.erofs ``tree`` into a new blob; returns its digest.
-
-        Per-file mtimes are kept (``--preserve-mtime``, never ``-T``): Python checks
-        .pyc files against their source's mtime and would otherwise recompile its
-        stdlib on every start. Ownership, modes, xattrs, device nodes, symlinks and
-        hard links are kept by mkfs.erofs itself when it runs as root.
-        """
+        """mkfs.erofs ``tree`` into a new blob; returns its digest."""
         out = self.temp_path(".erofs")
-        args = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
-        if compression:
-            args.append(f"-z{compression}")
-        args += [str(out), str(tree)]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env={
-                    "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-                    "LC_ALL": "C",
-                },
-            )
-        except FileNotFoundError:
-            raise ImageBuildError(
-                "mkfs.erofs is not installed (apt-get install erofs-utils)"
-            ) from None
-        try:
-            output, _ = await proc.communicate()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(out)
-            raise
-        if proc.returncode != 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(out)
-            tail = output.decode(errors="replace").strip()[-2000:]
-            raise ImageBuildError(
-                f"mkfs.erofs failed with exit code {proc.returncode}: {tail}", step="mkfs.erofs"
-            )
+        await mkfs_erofs(out, tree, compression=compression)
         try:
             return await asyncio.to_thread(self.add_file, out)
         except BaseException:
@@ -342,3 +302,47 @@ def _pid_alive(pid: int) -> bool:
     except OSError as exc:  # pragma: no cover - unexpected errno
         return exc.errno != errno.ESRCH
     return True
+
+
+async def mkfs_erofs(
+    out: Path, tree: Path, *, compression: str | None = None, exclude: Sequence[str] = ()
+) -> None:
+    """mkfs.erofs ``tree`` into ``out`` (removed again on any failure).
+
+    Per-file mtimes are kept (``--preserve-mtime``, never ``-T``): Python checks .pyc
+    files against their source's mtime and would otherwise recompile its stdlib on
+    every start. Ownership, modes, xattrs, device nodes (overlay whiteouts included),
+    symlinks and hard links are kept by mkfs.erofs itself when it runs as root.
+    ``exclude`` names paths under ``tree`` to leave out.
+    """
+    args = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
+    if compression:
+        args.append(f"-z{compression}")
+    args += [f"--exclude-path={p.lstrip('/')}" for p in exclude]
+    args += [str(out), str(tree)]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"},
+        )
+    except FileNotFoundError:
+        raise ImageBuildError("mkfs.erofs is not installed (apt-get install erofs-utils)") from None
+    try:
+        output, _ = await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out)
+        raise
+    if proc.returncode != 0:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out)
+        tail = output.decode(errors="replace").strip()[-2000:]
+        raise ImageBuildError(
+            f"mkfs.erofs failed with exit code {proc.returncode}: {tail}", step="mkfs.erofs"
+        )

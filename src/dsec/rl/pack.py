@@ -30,7 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.errors import BackendError, DSecError, ImageBuildError, SandboxNotRunning, Unsupported
+from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
+from dsec.images.store import mkfs_erofs
 from dsec.layer_model import LayerInfo, LayerRef
 from dsec.model import SandboxInfo, SandboxState
 from dsec.rl_model import ForkRequest, ForkResult, PackedEnv
@@ -76,34 +77,6 @@ def _slot(rec: SandboxRecord) -> tuple[str, dict[str, Any]]:
     return "toolkit", {"workspace": LayerRef(digest=layers[-1])}
 
 
-async def _mkfs(out: Path, upper: Path, excluded: list[str], compression: str | None) -> None:
-    args = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
-    if compression:
-        args.append(f"-z{compression}")
-    args += [f"--exclude-path={p.lstrip('/')}" for p in excluded]
-    args += [str(out), str(upper)]
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"},
-        )
-    except FileNotFoundError:
-        raise ImageBuildError("mkfs.erofs is not installed (apt-get install erofs-utils)") from None
-    try:
-        output, _ = await proc.communicate()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    if proc.returncode != 0:
-        tail = output.decode(errors="replace").strip()[-1000:]
-        raise ImageBuildError(f"mkfs.erofs of the sandbox's changes failed: {tail}", step="pack")
-
-
 def _count(upper: Path, excluded: list[str]) -> int:
     skip = {os.path.join(str(upper), p.lstrip("/")) for p in excluded}
     n = 0
@@ -146,7 +119,9 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
         if not was_paused:
             await asyncio.to_thread(protected.freeze, cgroups, rel)
         try:
-            await _mkfs(out, upper, excluded, getattr(images, "compression", None))
+            await mkfs_erofs(
+                out, upper, compression=getattr(images, "compression", None), exclude=excluded
+            )
             files = await asyncio.to_thread(_count, upper, excluded)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

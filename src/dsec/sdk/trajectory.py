@@ -144,10 +144,7 @@ class Trajectory:
             stdin=stdin,
             max_output_bytes=max_output_bytes,
         )
-        (answer,) = await self.send(
-            [{"sandbox_id": _sandbox_id(sb), "command": args}], timeout=timeout
-        )
-        return _command_result(answer)
+        return await self._command(sb, args, timeout)
 
     async def exec(
         self,
@@ -171,6 +168,11 @@ class Trajectory:
             stdin=stdin,
             max_output_bytes=max_output_bytes,
         )
+        return await self._command(sb, args, timeout)
+
+    async def _command(
+        self, sb: _HasId | str, args: dict[str, Any], timeout: float | None
+    ) -> CommandResult:
         (answer,) = await self.send(
             [{"sandbox_id": _sandbox_id(sb), "command": args}], timeout=timeout
         )
