@@ -388,11 +388,17 @@ class ContainerBackend(Backend):
         state = await self.runtime.state(rec.id)
         if state is None or state.get("status") not in ("running", "created"):
             return False
-        try:
-            await self._agent(rec).ping(timeout=2.0)
-        except Exception:
-            return False
-        return True
+        # Declaring a live sandbox lost destroys it: on a loaded host (a restart is
+        # often a busy moment, and a thawed agent must first be scheduled) give the
+        # agent more than one chance before believing it dead.
+        for timeout in (2.0, 4.0, 8.0):
+            try:
+                await self._agent(rec).ping(timeout=timeout)
+            except Exception as exc:
+                log.warning("sandbox %s: agent did not answer a ping (%s)", rec.id, exc)
+                continue
+            return True
+        return False
 
     async def adopt(self, rec: SandboxRecord) -> None:
         await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
