@@ -9,6 +9,7 @@ import secrets
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.errors import InvalidArgument
@@ -123,8 +124,11 @@ async def test_ttl_does_not_fire_while_paused(client: DSecClient, busybox_image:
 
 
 async def test_bad_job_ids_are_4xx(client: DSecClient, platform: PlatformProcess) -> None:
-    with pytest.raises(InvalidArgument):
-        await client.pause_job("a/b")
+    for bad in ("a/b", "bad job", "-x", ""):
+        with pytest.raises(InvalidArgument):
+            await client.pause_job(bad)
+    with pytest.raises(ValidationError):  # the spec takes the same job ids
+        DSecContainerRunArgs(container_image="busybox:latest", job_id="bad job")
     assert (await client.pause_job("no-such-job-" + secrets.token_hex(3))).paused == 0
     async with httpx.AsyncClient() as http:
         resp = await http.post(

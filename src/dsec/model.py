@@ -23,6 +23,8 @@ IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 USER_RE = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|\d{1,10}(:\d{1,10})?)$")
+# Job, trajectory and rollout ids: safe in URLs, file names and log lines.
+TRAJECTORY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,16}-[0-9a-f]{16}$")
 
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024
@@ -135,10 +137,14 @@ class DSecRunArgs(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
     job_id: str | None = Field(
-        None, max_length=128, description="RL job this sandbox serves; tags audit and events"
+        None,
+        pattern=TRAJECTORY_NAME_RE.pattern,
+        description="RL job this sandbox serves; tags audit and events ([A-Za-z0-9._:@-])",
     )
     trajectory_id: str | None = Field(
-        None, max_length=128, description="rollout within the job; tags audit and events"
+        None,
+        pattern=TRAJECTORY_NAME_RE.pattern,
+        description="rollout within the job; tags audit and events",
     )
 
     @field_validator("init_user")
@@ -245,9 +251,6 @@ class SandboxInfo(Reply):
 class CreateSandboxRequest(Strict):
     spec: DSecContainerRunArgs
     timeout: float = Field(120, gt=0, le=3600)
-
-
-TRAJECTORY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
 class TrajectoryRef(Strict):

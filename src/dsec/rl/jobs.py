@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec.errors import BackendError, InvalidArgument, Unsupported
-from dsec.model import SandboxState
+from dsec.model import TRAJECTORY_NAME_RE, SandboxState
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.rl_model import JOB_ID_MAX, JobPauseReport, JobResumeReport, SandboxPause
 from dsec.security import protected
@@ -119,8 +119,11 @@ def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> tuple[int | None, int 
 
 
 def check_job_id(job_id: str) -> str:
-    if not job_id or len(job_id) > JOB_ID_MAX or "\x00" in job_id or "/" in job_id:
-        raise InvalidArgument(f"invalid job id {job_id!r}: 1..{JOB_ID_MAX} chars, no '/'")
+    """The same rule as a spec's ``job_id`` (a job no spec can carry has no sandboxes)."""
+    if not TRAJECTORY_NAME_RE.match(job_id):
+        raise InvalidArgument(
+            f"invalid job id {job_id[:200]!r}: 1-{JOB_ID_MAX} letters, digits and ._:@-"
+        )
     return job_id
 
 
