@@ -1,6 +1,6 @@
 """FnCall backend benchmark (issue 7), one run, side by side with the container baseline.
 
-    .venv/bin/python bench/bench_fncall.py [--n 300] [--judges 100] [--overlay]
+    .venv/bin/python bench/bench_fncall.py [--n 300] [--judges 100] [--overlay] [--quick]
 
 A real platform (`dsec up` in a fresh data dir). Measures, client side over HTTP:
 warm ``run_code`` latency (bash ``echo 1``, python ``print(1)``, busybox sh), calls/s
@@ -233,14 +233,17 @@ async def bench(url: str, key: str, ns: argparse.Namespace, pid: int) -> dict[st
         tc = DSecFnCallRunArgs(image=TOOLCHAIN_REF, language="bash", memory_limit_mb=256)
         py = tc.model_copy(update={"language": "python"})
         res: dict[str, Any] = {"host_cpus": os.cpu_count()}
-        res["pool_cold_vs_warm"] = await cold_vs_warm(client, bb)
-        print("cold/warm pool", res["pool_cold_vs_warm"], flush=True)
+        if not ns.quick:
+            res["pool_cold_vs_warm"] = await cold_vs_warm(client, bb)
+            print("cold/warm pool", res["pool_cold_vs_warm"], flush=True)
         res["warm_bash"] = await sequential(client, tc, "echo 1", ns.n)
         print("warm bash", res["warm_bash"], flush=True)
         res["warm_python"] = await sequential(client, py, "print(1)", ns.n)
         print("warm python", res["warm_python"], flush=True)
         res["warm_busybox_sh"] = await sequential(client, bb, "echo 1", ns.n)
         print("warm sh", res["warm_busybox_sh"], flush=True)
+        if ns.quick:
+            return res
         res["saturation_bash"] = await saturation(client, tc, "echo 1", ns.seconds, 32, pid)
         print("saturation bash", res["saturation_bash"], flush=True)
         res["saturation_busybox_sh"] = await saturation(client, bb, "echo 1", ns.seconds, 32, pid)
@@ -290,6 +293,9 @@ def main() -> None:
     ap.add_argument("--judges", type=int, default=100, help="judges of 10 tests each")
     ap.add_argument("--baseline", type=int, default=100, help="container baseline calls")
     ap.add_argument("--overlay", action="store_true", help="also measure overlay mode")
+    ap.add_argument(
+        "--quick", action="store_true", help="warm latencies only (printed, no results file)"
+    )
     ns = ap.parse_args()
     tree = asyncio.run(ensure_toolchain_tree())
     result: dict[str, Any] = {}
@@ -304,6 +310,9 @@ def main() -> None:
             print("overlay", result["overlay_root"], flush=True)
     with open("/proc/loadavg") as fh:
         result["loadavg_after"] = fh.read().split()[:3]
+    if ns.quick:
+        print(json.dumps(result, indent=2))
+        return
     out = REPO / "bench" / "results" / "fncall.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

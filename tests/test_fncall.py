@@ -114,6 +114,44 @@ def test_every_language(fc: DSecSyncClient, toolchain: str) -> None:
     assert {"python", "bash", "sh", "c", "cpp", "node"} <= names
 
 
+def test_prestarted_interpreters_keep_semantics(fc: DSecSyncClient, toolchain: str) -> None:
+    """bash, sh and python are started while the sandbox is built and wait for their
+    program (zygote.c, prestart()): what the program sees and what the call reports are
+    those of a plain start, and any call the pre-started step does not fit (argv, env,
+    a binary-looking program) runs the plain way."""
+    bash = _a(TC, language="bash")
+    code = 'echo "$0 $# $PPID ${BASH_SOURCE[0]}"\nread x; echo "in=$x"\n' + (
+        'test -f "$0" && test ! -p "$0" && wc -l < "$0"; echo "$FOO"; echo "$1"; exit 3\n'
+    )
+    plain = "main.sh 0 1 main.sh\nin=abc\n3\n\n\n"
+    for _ in range(3):  # the first from a pre-started bash, then more of the pool's
+        r = fc.run_code(bash, code, stdin="abc\n")
+        assert (r.status, r.exit_code, r.stdout, r.stderr) == ("runtime_error", 3, plain, ""), r
+        assert r.cpu_time_s > 0
+    r = fc.run_code(bash, code, stdin="abc\n", argv=["x", "y"])
+    assert r.stdout == "main.sh 2 1 main.sh\nin=abc\n3\n\nx\n", r
+    r = fc.run_code(_a(bash, env={"FOO": "bar"}), code, stdin="abc\n")
+    assert r.stdout == "main.sh 0 1 main.sh\nin=abc\n3\nbar\n\n", r
+    r = fc.run_code(bash, "echo hi\0\n")  # bash refuses a binary script: 126
+    assert r.exit_code == 126 and "binary" in r.stderr, r
+    r = fc.run_code(_a(bash, cpu_time_s=0.3), "while :; do :; done")
+    assert r.status == "timeout" and 0.25 < r.cpu_time_s < 0.3 + 0.05, r
+    # RLIMIT_CPU, the backstop for grandchildren: ceil(CPU limit) + 1 s, hard + 2 s
+    assert fc.run_code(bash, "ulimit -t; ulimit -Ht").stdout == "11\n12\n"
+    assert fc.run_code(_a(bash, cpu_time_s=2.5), "ulimit -t; ulimit -Ht").stdout == "4\n5\n"
+    r = fc.run_code(_a(TC, language="sh"), 'echo "$0 $#"; cat; exit 4', stdin="in")
+    assert (r.exit_code, r.stdout) == (4, "main.sh 0\nin"), r
+    r = fc.run_code(
+        TC, 'import sys\nprint(sys.argv, __file__, input())\nraise ValueError("boom")', stdin="s"
+    )
+    assert r.stdout == "['main.py'] /tmp/work/main.py s\n", r  # as python3 main.py
+    assert 'raise ValueError("boom")' in r.stderr and r.exit_code == 1, r  # the source, too
+    big = "x = 1\n" * 40000 + "print(x)"  # more than a pipe's buffer
+    assert fc.run_code(TC, big).stdout == "1\n"
+    with pytest.raises(InvalidArgument, match="python3"):  # its start failed: reported
+        fc.run_code(_a(BB, language="python"), "print(1)")
+
+
 def test_compile_error_and_missing_toolchain(fc: DSecSyncClient, toolchain: str) -> None:
     for lang in ("c", "cpp"):
         r = fc.run_code(_a(TC, language=lang), "int main() { this is not code }")

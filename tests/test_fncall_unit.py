@@ -90,7 +90,29 @@ def test_cgroup_plan_v1_and_v2(tmp_path: Path) -> None:
     )
     text = conf.read_text()
     assert "cgset 0 memory.limit_in_bytes" in text and "rootmode 1" in text
-    assert "newnet 1" in text and "reuse 256" in text
+    assert "newnet 1" in text and "reuse 256" in text and "prestart" not in text
+    bash = language("bash")
+    assert bash.prestart and not language("cpp").prestart
+    write_config(
+        conf,
+        lowers=[tmp_path / "l"],
+        stage=tmp_path / "s",
+        tmpfs_bytes=1,
+        plan=plan,
+        rules=tmp_path / "r",
+        rootmnt=tmp_path / "m",
+        shared=tmp_path / "sh",
+        prestart=(bash.source, bash.argv(bash.run), {"PATH": "/bin", "LANG": "C.UTF-8"}, 2500),
+    )
+    lines = conf.read_text().splitlines()
+    assert [ln for ln in lines if ln.startswith("prestart")] == [
+        "prestart_cpu_ms 2500",
+        "prestart_src main.sh",
+        "prestart_arg bash",
+        "prestart_arg main.sh",
+        "prestart_env PATH=/bin",
+        "prestart_env LANG=C.UTF-8",
+    ]
 
 
 def test_call_stub_checks_the_python_version() -> None:

@@ -27,8 +27,10 @@ Comparator = Literal["exact", "whitespace", "float"]
 
 
 class DSecFnCallRunArgs(Strict):
-    """Limits and image of a stateless call. Calls with equal args share a warm pool
-    (the language does not change the sandbox, so all languages share it too)."""
+    """Limits and image of a stateless call. Calls with equal args share a warm pool.
+    Interpreted languages (python, bash, sh) get pools of their own whose sandboxes
+    hold the interpreter already started, waiting for the program; compiled languages
+    share one pool per image and limits."""
 
     image: str = Field("debian-python:bookworm", description="image ref name[:tag]")
     language: str = Field("python", description="python, bash, sh, c, cpp, node")

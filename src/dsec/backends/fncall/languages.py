@@ -3,7 +3,9 @@
 Each entry names the source file the code is written to (in /work, the sandbox's
 working directory), an optional compile command, and the run command. ``{src}`` and
 ``{bin}`` are replaced by the file names. A compiled language's judge compiles once and
-copies the binary (``artifact``) into each test's fresh sandbox.
+copies the binary (``artifact``) into each test's fresh sandbox. ``prestart``: the
+interpreter is started while the sandbox is built and waits for its program (see
+``prestart()`` in zygote.c); such a language gets warm pools of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Language:
     artifact: str | None = None  # what compile produces and run needs
     aliases: tuple[str, ...] = ()
     needs: str = ""  # the image's program it needs (named in errors)
+    prestart: bool = False  # interpreter started ahead, reads {src} when a call comes
 
     def argv(self, cmd: tuple[str, ...]) -> list[str]:
         return [a.format(src=self.source, bin=self.artifact or "") for a in cmd]
@@ -29,10 +32,15 @@ class Language:
 
 LANGUAGES: tuple[Language, ...] = (
     Language(
-        "python", "main.py", ("python3", "-B", "{src}"), aliases=("py", "python3"), needs="python3"
+        "python",
+        "main.py",
+        ("python3", "-B", "{src}"),
+        aliases=("py", "python3"),
+        needs="python3",
+        prestart=True,
     ),
-    Language("bash", "main.sh", ("bash", "{src}"), needs="bash"),
-    Language("sh", "main.sh", ("sh", "{src}"), aliases=("busybox",), needs="sh"),
+    Language("bash", "main.sh", ("bash", "{src}"), needs="bash", prestart=True),
+    Language("sh", "main.sh", ("sh", "{src}"), aliases=("busybox",), needs="sh", prestart=True),
     Language(
         "c",
         "main.c",

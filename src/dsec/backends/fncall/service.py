@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
@@ -226,6 +228,7 @@ class FnCallService:
                 "use a container sandbox for calls that need egress"
             )
         image = await self.images.resolve(args.image)
+        lang = language(args.language)
         key = "-".join(
             [
                 image.digest.split(":")[-1][:12],
@@ -233,6 +236,9 @@ class FnCallService:
                 f"c{int(args.cpu_cores_limit * 1000)}",
                 f"p{args.pids_limit}",
                 "n1" if self._netns_per_call(args) else "n0",
+                # A language whose interpreter the sandboxes pre-start has pools of its
+                # own, per what that start fixes: the run's RLIMIT_CPU and environment.
+                *(self._prestart_key(lang, args) if lang.prestart else []),
             ]
         )
         pool = self.pools.get(key)
@@ -247,12 +253,26 @@ class FnCallService:
                     "FnCall pool %s lost its zygote (%s); restarting it", key, pool.last_error
                 )
                 await self._close_pool(key)
-            return await self._new_pool(key, image.layers, args)
+            return await self._new_pool(key, image.layers, args, lang)
+
+    @staticmethod
+    def _run_cpu_ms(args: DSecFnCallRunArgs) -> int:
+        """The run step's CPU limit as Runner.exec sends it."""
+        return max(1, int((args.cpu_time_s or args.timeout_s) * 1000))
+
+    def _prestart_key(self, lang: Language, args: DSecFnCallRunArgs) -> list[str]:
+        parts = [f"l{lang.name}", f"t{(self._run_cpu_ms(args) + 999) // 1000}"]
+        if args.env:
+            env = json.dumps(sorted(args.env.items())).encode()
+            parts.append("e" + hashlib.sha256(env).hexdigest()[:10])
+        return parts
 
     def _netns_per_call(self, args: DSecFnCallRunArgs) -> bool:
         return self.config.netns_per_call or args.loopback
 
-    async def _new_pool(self, key: str, layers: list[str], args: DSecFnCallRunArgs) -> WarmPool:
+    async def _new_pool(
+        self, key: str, layers: list[str], args: DSecFnCallRunArgs, lang: Language
+    ) -> WarmPool:
         mounts = self.images.mounts
         await mounts.prepare(layers, "eager")
         acquired: list[str] = []
@@ -285,6 +305,10 @@ class FnCallService:
                 shared=shared,
                 shared_root=self.config.shared_root,
                 newnet=self._netns_per_call(args),
+                # the plain run step (a call with extra argv starts its own)
+                prestart=(lang.source, lang.argv(lang.run), self._env(args), self._run_cpu_ms(args))
+                if lang.prestart
+                else None,
             )
 
             def zygote(pool: WarmPool) -> Zygote:

@@ -28,6 +28,9 @@
  * polling; overruns kill the whole sandbox process tree with kill(-1) from pid 1.
  * Emptied cgroups are reused by later sandboxes (`reuse`), so a call costs no cgroup
  * mkdir/rmdir and leaves no dying memory cgroups behind.
+ * With "prestart_*" lines (languages marked prestart), each sandbox also starts the
+ * pool's run step ahead of its call and the interpreter waits on a FIFO for the program
+ * (see prestart()).
  *
  * Runner protocol on the control socket (stream; little-endian u32 header tag|len):
  *   'F' file:  u32 mode, path NUL, data          (no reply)
@@ -106,6 +109,12 @@ static unsigned uid = 65534;
 static int newnet = 1;
 static struct sock_fprog filter;
 static int have_filter;
+/* A pre-started step (config "prestart_*"): see prestart() below. */
+#define MAX_PRE 64
+static char pre_src[256];
+static char *pre_argv[MAX_PRE + 1], *pre_env[MAX_PRE + 1];
+static int pre_nargs, pre_nenv;
+static uint32_t pre_cpu_ms = 10000;
 
 struct sandbox { int id; int slot; pid_t pid; };
 static struct sandbox sbs[MAX_SB];
@@ -239,6 +248,14 @@ static void load_config(const char *path) {
             if (sscanf(val, "%d %63s %63s", &s->cg, s->file, s->value) != 3) die("bad %s", line);
         } else if (!strcmp(line, "seccomp")) {
             load_seccomp(val);
+        } else if (!strcmp(line, "prestart_cpu_ms")) {
+            pre_cpu_ms = (uint32_t)strtoul(val, NULL, 10);
+        } else if (!strcmp(line, "prestart_src")) {
+            snprintf(pre_src, sizeof pre_src, "%s", val);
+        } else if (!strcmp(line, "prestart_arg") && pre_nargs < MAX_PRE) {
+            pre_argv[pre_nargs++] = strdup(val);
+        } else if (!strcmp(line, "prestart_env") && pre_nenv < MAX_PRE) {
+            pre_env[pre_nenv++] = strdup(val);
         }
     }
     fclose(f);
@@ -296,6 +313,8 @@ static void mkdirs(char *path, mode_t mode) {
     }
 }
 
+static int pre_file(const char *full, const char *data, size_t dlen, uint32_t mode);
+
 static void do_file(char *payload, uint32_t len) {
     if (len < 5) return;
     uint32_t mode;
@@ -307,6 +326,7 @@ static void do_file(char *payload, uint32_t len) {
     size_t dlen = len - 4 - plen - 1;
     char full[PATH_MAX];
     snprintf(full, sizeof full, "%s%s", path[0] == '/' ? "" : WORKDIR "/", path);
+    if (pre_file(full, data, dlen, mode)) return;
     mkdirs(full, 0755);
     int fd = open(full, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode & 07777);
     if (fd < 0) return;
@@ -416,40 +436,97 @@ static void drop_privileges(void) {
     if (!newnet) landlock_scope();
 }
 
-static void do_exec(char *payload, uint32_t len) {
-    uint32_t h[6];
-    if (len < sizeof h) return;
-    memcpy(h, payload, sizeof h);
-    uint32_t cpu_ms = h[0], wall_ms = h[1], out_limit = h[2], nargs = h[3], nenv = h[4],
-             stdin_len = h[5];
-    char *p = payload + sizeof h, *end = payload + len - stdin_len;
-    char **argv = calloc(nargs + 1, sizeof *argv), **envp = calloc(nenv + 1, sizeof *envp);
-    for (uint32_t i = 0; i < nargs + nenv && p < end; i++) {
-        if (i < nargs) argv[i] = p;
-        else envp[i - nargs] = p;
-        p += strnlen(p, (size_t)(end - p)) + 1;
+/* One step's process and the runner's ends of its stdin (a memfd), stdout, stderr and
+ * exec-error pipes. */
+struct step {
+    pid_t pid;
+    int in, out, err, ex;
+};
+
+/* A pre-started step. For an interpreter (bash, python) most of a short call is the
+ * interpreter starting: exec, the dynamic loader, relocations, its own initialisation
+ * (measured: bash ~1.5 ms of a ~2 ms step in a fresh sandbox, more while the host
+ * builds the next sandbox). So while the sandbox is built, its runner already starts
+ * the pool's run step (the language's run argv with the default environment), through
+ * the same start_step() as any step: forked, rlimits, capabilities and uid dropped,
+ * no_new_privs, Landlock, seccomp, then exec. Its source file is a FIFO the runner
+ * holds, so the interpreter stops exactly where it reads the program. A call's 'F' for
+ * that file writes the regular file as usual and renames it over the FIFO (what the
+ * program sees in /tmp/work is identical), and a matching 'X' (same argv and
+ * environment and RLIMIT_CPU) then only writes stdin, arms the CPU timer and feeds the
+ * program into the FIFO: wall time starts there; the CPU time the start took is counted in the
+ * step's CPU time and against its limit, as it would be without this. Anything else
+ * (another argv or environment, the start failed, a program bash would refuse as
+ * binary) kills the pre-started process first and runs the step normally. */
+static struct step pre = {-1, -1, -1, -1, -1};
+static int pre_fifo = -1;        /* our O_RDWR end of the FIFO */
+static char *pre_data;           /* the program, as the last 'F' for pre_src wrote it */
+static size_t pre_len;
+static int pre_have_data;
+
+static void close_step(struct step *s) {
+    int *fds[4] = {&s->in, &s->out, &s->err, &s->ex};
+    for (int i = 0; i < 4; i++)
+        if (*fds[i] >= 0) {
+            close(*fds[i]);
+            *fds[i] = -1;
+        }
+    s->pid = -1;
+}
+
+static void pre_path(char *full, size_t n) {
+    snprintf(full, n, "%s%s", pre_src[0] == '/' ? "" : WORKDIR "/", pre_src);
+}
+
+/* Kill and reap the pre-started step (its CPU time is not any call's). */
+static void discard_prestart(void) {
+    if (pre.pid > 0) {
+        kill(pre.pid, SIGKILL);
+        while (waitpid(pre.pid, NULL, __WALL) < 0 && errno == EINTR) {
+        }
     }
-    int32_t res_exit = -1, res_sig = 0;
-    uint32_t flags = 0, err = 0;
-    uint64_t cpu0 = children_cpu_us(), t0 = now_us();
-    int in = memfd_create("stdin", MFD_CLOEXEC);
-    if (stdin_len) (void)write_full(in, end, stdin_len);
-    lseek(in, 0, SEEK_SET);
+    close_step(&pre);
+    if (pre_fifo >= 0) {
+        close(pre_fifo);
+        pre_fifo = -1;
+        if (!pre_have_data) { /* the FIFO is still in place of the source file */
+            char full[PATH_MAX];
+            pre_path(full, sizeof full);
+            unlink(full);
+        }
+    }
+    free(pre_data);
+    pre_data = NULL;
+    pre_have_data = 0;
+}
+
+static uint32_t cpu_rlimit_s(uint32_t cpu_ms) {
+    return (cpu_ms + 999) / 1000 + 1;
+}
+
+/* stdin is written before the fork: the step's fd 0 shares the memfd's offset. */
+static int start_step(struct step *s, char **argv, char **envp, uint32_t cpu_ms,
+                      const char *in_data, size_t in_len) {
+    s->pid = -1;
+    s->in = memfd_create("stdin", MFD_CLOEXEC);
     int out[2], errp[2], ex[2];
-    if (pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) || pipe2(ex, O_CLOEXEC)) _exit(0);
+    if (s->in < 0 || pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) || pipe2(ex, O_CLOEXEC))
+        _exit(0);
+    if (in_len) (void)write_full(s->in, in_data, in_len);
+    lseek(s->in, 0, SEEK_SET);
     pid_t pid = fork();
     if (pid == 0) {
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
-        dup2(in, 0);
+        dup2(s->in, 0);
         dup2(out[1], 1);
         dup2(errp[1], 2);
         /* Nothing of the runner's reaches the program: above all not the control
          * socket (fd 3, inherited since dup2 clears close-on-exec). */
         syscall(SYS_close_range, 3, (unsigned)ex[1] - 1, 0); /* ex[1]: close-on-exec */
         syscall(SYS_close_range, (unsigned)ex[1] + 1, ~0u, 0);
-        struct rlimit rl = {(cpu_ms + 999) / 1000 + 1, (cpu_ms + 999) / 1000 + 2};
+        struct rlimit rl = {cpu_rlimit_s(cpu_ms), cpu_rlimit_s(cpu_ms) + 1};
         setrlimit(RLIMIT_CPU, &rl); /* per-process backstop for grandchildren */
         struct rlimit core = {0, 0};
         setrlimit(RLIMIT_CORE, &core);
@@ -465,9 +542,129 @@ static void do_exec(char *payload, uint32_t len) {
     close(out[1]);
     close(errp[1]);
     close(ex[1]);
-    close(in);
-    fcntl(out[0], F_SETFL, O_NONBLOCK);
-    fcntl(errp[0], F_SETFL, O_NONBLOCK);
+    s->pid = pid;
+    s->out = out[0];
+    s->err = errp[0];
+    s->ex = ex[0];
+    return pid < 0 ? -1 : 0;
+}
+
+static void prestart(void) {
+    if (!pre_src[0] || !pre_nargs) return;
+    char full[PATH_MAX];
+    pre_path(full, sizeof full);
+    if (mkfifo(full, 0644)) return;
+    (void)chown(full, uid, uid);
+    pre_fifo = open(full, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (pre_fifo < 0) {
+        unlink(full);
+        return;
+    }
+    if (start_step(&pre, pre_argv, pre_env, pre_cpu_ms, NULL, 0)) discard_prestart();
+}
+
+/* An 'F' for the pre-started step's source: the regular file replaces the FIFO (the
+ * interpreter already has the FIFO open), and the program is kept to feed it. */
+static int pre_file(const char *full, const char *data, size_t dlen, uint32_t mode) {
+    char want[PATH_MAX], tmp[PATH_MAX + 16];
+    if (pre_fifo < 0) return 0;
+    pre_path(want, sizeof want);
+    if (strcmp(full, want)) return 0;
+    snprintf(tmp, sizeof tmp, "%s.dsec-new", full);
+    char *copy = malloc(dlen + 1);
+    int fd = copy ? open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode & 07777)
+                  : -1;
+    if (fd < 0 || write_full(fd, data, dlen) || fchown(fd, uid, uid) || fchmod(fd, mode & 07777) ||
+        rename(tmp, full)) {
+        if (fd >= 0) {
+            close(fd);
+            unlink(tmp);
+        }
+        free(copy);
+        discard_prestart();
+        return 0;
+    }
+    close(fd);
+    memcpy(copy, data, dlen);
+    free(pre_data);
+    pre_data = copy;
+    pre_len = dlen;
+    pre_have_data = 1;
+    return 1;
+}
+
+/* bash does not check a script it cannot seek in for being a binary file (and would
+ * then not refuse it with 126); such a program runs the normal way. */
+static int looks_binary(const char *d, size_t n) {
+    if (n > 80) n = 80;
+    if (n >= 4 && !memcmp(d, "\177ELF", 4)) return 1;
+    return memchr(d, 0, n) != NULL;
+}
+
+/* The same argv, environment and RLIMIT_CPU (set before exec; without
+ * CAP_SYS_RESOURCE, which the platform may lack, it cannot be raised afterwards, and
+ * another user's limits cannot be changed at all). */
+static int prestart_matches(char **argv, uint32_t nargs, char **envp, uint32_t nenv,
+                            uint32_t cpu_ms) {
+    if (pre.pid <= 0 || !pre_have_data || (int)nargs != pre_nargs || (int)nenv != pre_nenv ||
+        cpu_rlimit_s(cpu_ms) != cpu_rlimit_s(pre_cpu_ms))
+        return 0;
+    for (uint32_t i = 0; i < nargs; i++)
+        if (!argv[i] || strcmp(argv[i], pre_argv[i])) return 0;
+    for (uint32_t i = 0; i < nenv; i++)
+        if (!envp[i] || strcmp(envp[i], pre_env[i])) return 0;
+    if (looks_binary(pre_data, pre_len)) return 0;
+    siginfo_t si = {0}; /* still waiting for its program (not exited: exec failed) */
+    return waitid(P_PID, (id_t)pre.pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == 0;
+}
+
+static void do_exec(char *payload, uint32_t len) {
+    uint32_t h[6];
+    if (len < sizeof h) return;
+    memcpy(h, payload, sizeof h);
+    uint32_t cpu_ms = h[0], wall_ms = h[1], out_limit = h[2], nargs = h[3], nenv = h[4],
+             stdin_len = h[5];
+    char *p = payload + sizeof h, *end = payload + len - stdin_len;
+    char **argv = calloc(nargs + 1, sizeof *argv), **envp = calloc(nenv + 1, sizeof *envp);
+    for (uint32_t i = 0; i < nargs + nenv && p < end; i++) {
+        if (i < nargs) argv[i] = p;
+        else envp[i - nargs] = p;
+        p += strnlen(p, (size_t)(end - p)) + 1;
+    }
+    int32_t res_exit = -1, res_sig = 0;
+    uint32_t flags = 0, err = 0;
+    struct step st;
+    int feed = -1; /* the FIFO the program still has to be written into */
+    const char *feed_data = NULL;
+    size_t feed_left = 0;
+    uint64_t cpu0, t0;
+    if (prestart_matches(argv, nargs, envp, nenv, cpu_ms)) {
+        cpu0 = children_cpu_us();
+        t0 = now_us();
+        st = pre;
+        pre = (struct step){-1, -1, -1, -1, -1};
+        /* pwrite: the step's fd 0 shares the offset, which stays at 0 (the interpreter
+         * has not read its stdin yet: it waits on the FIFO). */
+        for (size_t off = 0; off < stdin_len;) {
+            ssize_t w = pwrite(st.in, end + off, stdin_len - off, (off_t)off);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) break;
+            off += (size_t)w;
+        }
+        feed = pre_fifo;
+        pre_fifo = -1;
+        feed_data = pre_data;
+        feed_left = pre_len;
+    } else {
+        discard_prestart();
+        cpu0 = children_cpu_us();
+        t0 = now_us();
+        start_step(&st, argv, envp, cpu_ms, end, stdin_len);
+    }
+    pid_t pid = st.pid;
+    close(st.in);
+    fcntl(st.out, F_SETFL, O_NONBLOCK);
+    fcntl(st.err, F_SETFL, O_NONBLOCK);
     int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
     /* The CPU-time limit: a POSIX timer on the step process's CPU clock, delivered
      * to us as SIGUSR1 on a signalfd (exact to the scheduler tick, no polling). */
@@ -491,12 +688,16 @@ static void do_exec(char *payload, uint32_t len) {
     uint64_t deadline = t0 + (uint64_t)wall_ms * 1000u;
     int open_out = 1, open_err = 1, exited = 0, status = 0;
     while (!exited) {
-        struct pollfd fds[4] = {{pidfd, POLLIN, 0}, {sfd, POLLIN, 0},
-                                {open_out ? out[0] : -1, POLLIN, 0},
-                                {open_err ? errp[0] : -1, POLLIN, 0}};
+        if (feed >= 0 && !feed_left) {
+            close(feed); /* the program's EOF */
+            feed = -1;
+        }
+        struct pollfd fds[5] = {{pidfd, POLLIN, 0}, {sfd, POLLIN, 0},
+                                {open_out ? st.out : -1, POLLIN, 0},
+                                {open_err ? st.err : -1, POLLIN, 0}, {feed, POLLOUT, 0}};
         uint64_t now = now_us();
         int timeout = now >= deadline ? 0 : (int)((deadline - now + 999) / 1000);
-        int n = poll(fds, 4, timeout);
+        int n = poll(fds, 5, timeout);
         if (n < 0 && errno == EINTR) continue;
         if (n == 0) {
             flags |= F_WALL;
@@ -506,13 +707,22 @@ static void do_exec(char *payload, uint32_t len) {
             flags |= F_CPU;
             break;
         }
+        if (fds[4].revents) {
+            ssize_t w = write(feed, feed_data, feed_left);
+            if (w > 0) {
+                feed_data += w;
+                feed_left -= (size_t)w;
+            } else if (w < 0 && errno != EAGAIN && errno != EINTR) {
+                feed_left = 0;
+            }
+        }
         if (fds[2].revents) {
-            int r = drain(out[0], &bo, &total, out_limit);
+            int r = drain(st.out, &bo, &total, out_limit);
             if (r == 2) { flags |= F_OUTPUT; break; }
             if (r == 1) open_out = 0;
         }
         if (fds[3].revents) {
-            int r = drain(errp[0], &be, &total, out_limit);
+            int r = drain(st.err, &be, &total, out_limit);
             if (r == 2) { flags |= F_OUTPUT; break; }
             if (r == 1) open_err = 0;
         }
@@ -520,13 +730,14 @@ static void do_exec(char *payload, uint32_t len) {
     }
     uint64_t wall = now_us() - t0;
     kill(-1, SIGKILL); /* the step's whole tree, grandchildren included */
+    if (feed >= 0) close(feed);
     if (!exited) {
         waitpid(pid, &status, __WALL);
     }
     if (!(flags & F_OUTPUT)) {
         int r = 0;
-        if (open_out) r = drain(out[0], &bo, &total, out_limit);
-        if (r != 2 && open_err) r = drain(errp[0], &be, &total, out_limit);
+        if (open_out) r = drain(st.out, &bo, &total, out_limit);
+        if (r != 2 && open_err) r = drain(st.err, &be, &total, out_limit);
         if (r == 2) flags |= F_OUTPUT;
     }
     reap_all();
@@ -536,12 +747,17 @@ static void do_exec(char *payload, uint32_t len) {
     }
     if (WIFEXITED(status)) res_exit = WEXITSTATUS(status);
     if (WIFSIGNALED(status)) res_sig = WTERMSIG(status);
-    if (read(ex[0], &err, sizeof err) == sizeof err) flags |= F_EXECFAIL;
-    close(ex[0]);
-    close(out[0]);
-    close(errp[0]);
+    if (read(st.ex, &err, sizeof err) == sizeof err) flags |= F_EXECFAIL;
+    close(st.ex);
+    close(st.out);
+    close(st.err);
     close(pidfd);
     close(sfd);
+    if (feed_data) { /* the pre-started step's program: used */
+        free(pre_data);
+        pre_data = NULL;
+        pre_have_data = 0;
+    }
     struct {
         int32_t exit, sig;
         uint32_t flags, err;
@@ -640,6 +856,7 @@ static void runner(int go) {
      * (everything pid 1 does from here on is on the allow-list): steps inherit it
      * instead of paying the filter's compilation on every call (~1 ms measured). */
     if (have_filter && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter)) die("seccomp");
+    prestart();
     uint32_t ready[2] = {'R', 0};
     if (write_full(CTL_FD, ready, sizeof ready)) _exit(0);
     for (;;) {

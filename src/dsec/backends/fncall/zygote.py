@@ -131,7 +131,11 @@ def write_config(
     shared_root: bool = True,
     uid: int = 65534,
     newnet: bool = True,
+    prestart: tuple[str, list[str], dict[str, str], int] | None = None,
 ) -> None:
+    """``prestart``: (source file, argv, environment, CPU limit in ms) of the step each
+    sandbox starts ahead of its call (zygote.c, prestart()); one value per line, so a
+    value with a newline turns it off."""
     lines = [f"lower {p}" for p in lowers]
     lines += [f"stage {stage}", f"tmpfs_bytes {tmpfs_bytes}", f"uid {uid}", f"newnet {int(newnet)}"]
     lines += [f"cg {d}" for d in plan.dirs]
@@ -141,6 +145,14 @@ def write_config(
     lines.append(f"reuse {plan.reuse}")
     lines += [f"rootmnt {rootmnt}", f"shared {shared}", f"rootmode {int(shared_root)}"]
     lines.append(f"seccomp {rules}")
+    if prestart is not None:
+        src, argv, env, cpu_ms = prestart
+        values = [src, *argv, *(f"{k}={v}" for k, v in env.items())]
+        if not any("\n" in v for v in values):
+            lines.append(f"prestart_cpu_ms {cpu_ms}")
+            lines.append(f"prestart_src {src}")
+            lines += [f"prestart_arg {a}" for a in argv]
+            lines += [f"prestart_env {k}={v}" for k, v in env.items()]
     path.write_text("\n".join(lines) + "\n")
 
 
