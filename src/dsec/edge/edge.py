@@ -71,6 +71,16 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _outcome(res: ExecResult) -> dict[str, object]:
+    """How a command ended, for its audit record."""
+    out: dict[str, object] = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
+    if res.timed_out:
+        out["timed_out"] = True
+    if res.truncated:
+        out["truncated"] = True
+    return out
+
+
 class Edge:
     def __init__(
         self,
@@ -402,7 +412,7 @@ class Edge:
         outcome: dict[str, object] = {"error": "did not finish"}
         try:
             res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
-            outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
+            outcome = _outcome(res)
             self.command_finished(sandbox_id)
             self.limits.after_exec(
                 self._records[sandbox_id],
@@ -413,10 +423,6 @@ class Edge:
                 max_output_bytes=req.max_output_bytes,
                 timeout=req.timeout,
             )
-            if res.timed_out:
-                outcome["timed_out"] = True
-            if res.truncated:
-                outcome["truncated"] = True
             return res
         finally:
             self.audit.record(
@@ -440,11 +446,7 @@ class Edge:
                     res = await self.backend.verify(rec, req)
                 finally:
                     rec.last_activity = time.monotonic()
-            outcome = {"exit_code": res.exit_code, "duration": round(res.duration, 6)}
-            if res.timed_out:
-                outcome["timed_out"] = True
-            if res.truncated:
-                outcome["truncated"] = True
+            outcome = _outcome(res)
             return res
         except DSecError as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}"[:500]}
