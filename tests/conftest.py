@@ -203,9 +203,19 @@ def lazyfs_daemons(data_dir: Path) -> list[int]:
     return _helpers(data_dir, lambda argv: os.path.basename(argv[0]).startswith(b"dsec-lazyfs"))
 
 
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
 def spawners(data_dir: Path) -> list[int]:
-    """The per-host spawner (dsec-init spawner) of the platform on ``data_dir``."""
-    return _helpers(data_dir, lambda argv: len(argv) > 2 and argv[1] == b"spawner")
+    """The per-host spawner (dsec-init spawner) of the platform on ``data_dir``; not its
+    children between fork and exec, which still carry its argv for a moment."""
+    found = _helpers(data_dir, lambda argv: len(argv) > 2 and argv[1] == b"spawner")
+    return [pid for pid in found if _ppid(pid) not in found]
 
 
 def pid1_orphans(
