@@ -144,11 +144,11 @@ class DataPlane:
         self.signer.verify(token, sandbox_id)
 
     # -- plumbing -------------------------------------------------------------------------
-    def _forget(self, sandbox_id: str) -> None:
+    def _forget(self, sandbox_id: str, reason: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
         if box is not None:
             for proc in box.processes.values():
-                proc.detach()
+                proc.detach(f"the sandbox is ending ({reason})")
 
     def _box(self, sandbox_id: str) -> _Box:
         return self._boxes.setdefault(sandbox_id, _Box())

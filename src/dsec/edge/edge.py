@@ -111,7 +111,7 @@ class Edge:
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
-        self._stop_listeners: builtins.list[Callable[[str], None]] = []
+        self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
         # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
         self.trajectory: TrajectoryService | None = None
         self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
@@ -278,6 +278,8 @@ class Edge:
         if rec.state is SandboxState.RUNNING:
             self.limits.check(rec)  # a last look: limits hit since the last scan
         self._set(rec, SandboxState.STOPPING, reason)
+        for listener in self._stop_listeners:  # before the kill: no command may seem to
+            listener(rec.id, reason or final.value)  # exit on its own while it is torn down
         try:
             await self.backend.destroy(rec)
         except DSecError as exc:
@@ -291,12 +293,10 @@ class Edge:
             self.network.release(rec.id)
         if was_live:
             self.admission.release(rec.spec)
-        for listener in self._stop_listeners:
-            listener(rec.id)
 
-    def add_stop_listener(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(sandbox_id)`` whenever a sandbox ends (the data path drops its
-        sessions and processes)."""
+    def add_stop_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(sandbox_id, reason)`` when a sandbox starts to end, before its
+        processes are killed (the data path fails its sessions and commands)."""
         self._stop_listeners.append(listener)
 
     def _set(self, rec: SandboxRecord, state: SandboxState, reason: str | None = None) -> None:

@@ -52,6 +52,7 @@ class ManagedProcess:
         self.exit: ExitInfo | None = None
         self.error: DSecError | None = None
         self._done = asyncio.Event()
+        self._detached: str | None = None
         self._pump = asyncio.create_task(self._run(), name=f"dsec-process-{self.id}")
 
     @property
@@ -99,7 +100,7 @@ class ManagedProcess:
                 f"the sandbox stopped or its agent died while the command ran: {exc.message}"
             )
         except asyncio.CancelledError:
-            self.error = SandboxNotRunning("the command was abandoned")
+            self.error = SandboxNotRunning(self._detached or "the command was abandoned")
         finally:
             self.ended_monotonic = time.monotonic()
             await self._stream.aclose()
@@ -167,9 +168,10 @@ class ManagedProcess:
                 await self.abandon()
         return self.exit
 
-    def detach(self) -> None:
-        """Stop following the command (its sandbox is gone); no waiting."""
+    def detach(self, reason: str) -> None:
+        """Stop following the command (its sandbox is ending); no waiting."""
         if self.running:
+            self._detached = reason
             self._pump.cancel()
 
     def drain(self) -> list[tuple[int, bytes]]:
