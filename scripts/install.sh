@@ -18,6 +18,7 @@ APT_PACKAGES=(
   procps psmisc   # ps, fuser: leak checks in tests
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
   libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
+  postgresql      # cluster mode's control database (the tests start a real server)
   ca-certificates
 )
 

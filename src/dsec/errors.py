@@ -124,6 +124,20 @@ class AdmissionRejected(DSecError):
     status = 503
 
 
+class QuotaExceeded(DSecError):
+    """A project's quota (or one of its ancestors') would be exceeded; details say which."""
+
+    code = "quota_exceeded"
+    status = 429
+
+
+class ClusterFull(DSecError):
+    """No edge of the cluster can take the sandbox; details carry the capacity figures."""
+
+    code = "cluster_full"
+    status = 503
+
+
 class Unsupported(DSecError):
     """The backend or this version of the platform cannot do what was asked."""
 

@@ -26,6 +26,8 @@ USER_RE = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|\d{1,10}(:\d{1,10})?)$")
 # Job, trajectory and rollout ids: safe in URLs, file names and log lines.
 TRAJECTORY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,16}-[0-9a-f]{16}$")
+# A project is a path in the project tree ("rl", "rl/math", "rl/math/job-42").
+PROJECT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}(/[a-z0-9][a-z0-9._-]{0,62}){0,7}$")
 
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 
@@ -58,10 +60,13 @@ class SandboxState(StrEnum):
     # Frozen by a job-level pause (dsec.rl.jobs): all state kept, thawed by the next
     # request to it or by resume_job.
     PAUSED = "paused"
+    # Cluster mode: its edge stopped answering (dsec.cluster); `reason` says which and
+    # since when. An edge that comes back re-adopts the sandbox if it is still alive.
+    LOST = "lost"
 
     @property
     def terminal(self) -> bool:
-        return self in (SandboxState.STOPPED, SandboxState.FAILED)
+        return self in (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.LOST)
 
 
 def parse_image_ref(ref: str) -> tuple[str, str]:
@@ -145,6 +150,12 @@ class DSecRunArgs(Strict):
         None,
         pattern=TRAJECTORY_NAME_RE.pattern,
         description="rollout within the job; tags audit and events",
+    )
+    project: str | None = Field(
+        None,
+        pattern=PROJECT_RE.pattern,
+        description="project charged for this sandbox (a path like 'rl/math'); None: the "
+        "caller's default project",
     )
 
     @field_validator("init_user")
