@@ -4,7 +4,7 @@ Handlers stay thin: check parameters, call the edge, serialise. The edge raises 
 errors, which the app's handlers turn into the error envelope.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see the local Principal type.
 
 from collections.abc import Awaitable, Callable
 from typing import Annotated
@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
@@ -40,7 +41,11 @@ def sandbox_router(
     limits: ApiLimits,
     *,
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
+    creator: SandboxCreator | None = None,
 ) -> APIRouter:
+    creator = creator or SandboxCreator(edge)
+    Principal = Annotated[str, Depends(auth)]
+
     async def with_data_path(info: SandboxInfo) -> SandboxInfo:
         """Create and inspect answers carry the edge URL and a token for the data path."""
         if data_path is not None and not info.state.terminal:
@@ -55,9 +60,9 @@ def sandbox_router(
     )
 
     @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
-    async def create_sandbox(body: CreateSandboxRequest) -> Response:
+    async def create_sandbox(body: CreateSandboxRequest, principal: Principal) -> Response:
         """Admit, prepare and start a sandbox; returns once it is running."""
-        info = await edge.create(body.spec, timeout=body.timeout)
+        info = await creator.create(principal, body.spec, timeout=body.timeout)
         return model_response(await with_data_path(info), 201)
 
     @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
@@ -87,9 +92,9 @@ def sandbox_router(
         return model_response(await with_data_path(await edge.get(check_sandbox_id(sandbox_id))))
 
     @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Stop a sandbox")
-    async def stop_sandbox(sandbox_id: str) -> Response:
+    async def stop_sandbox(sandbox_id: str, principal: Principal) -> Response:
         """Terminate and release everything; idempotent. Returns the final state."""
-        return model_response(await edge.stop(check_sandbox_id(sandbox_id)))
+        return model_response(await creator.stop(principal, check_sandbox_id(sandbox_id)))
 
     @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
     async def exec_command(sandbox_id: str, body: ExecRequest) -> Response:
