@@ -30,6 +30,7 @@ from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups
 from dsec.resources.disk import loop_devices_backed_by
 from tests.fakenet import FakeService, catalog, fake_service, package_index
+from tests.pg import pg_url, postgres  # noqa: F401  (real PostgreSQL fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -80,6 +80,12 @@ class ProcessNotFound(NotFound):
     code = "process_not_found"
 
 
+class BatchNotFound(NotFound):
+    """No batch with that id on this apiserver (batches live in the apiserver's memory)."""
+
+    code = "batch_not_found"
+
+
 class Conflict(DSecError):
     code = "conflict"
     status = 409
@@ -138,6 +144,13 @@ class ClusterFull(DSecError):
     status = 503
 
 
+class EdgeUnavailable(DSecError):
+    """The edge that holds the sandbox does not answer (cluster mode); retry later."""
+
+    code = "edge_unavailable"
+    status = 503
+
+
 class Unsupported(DSecError):
     """The backend or this version of the platform cannot do what was asked."""
 
@@ -177,6 +190,13 @@ class PlatformUnavailable(DSecError):
     """The SDK could not reach the platform at all."""
 
     code = "unavailable"
+    status = 503
+
+
+class DatabaseUnavailable(DSecError):
+    """The control database cannot be reached or opened (down, wrong URL, no such db)."""
+
+    code = "database_unavailable"
     status = 503
 
 

@@ -1,0 +1,1 @@
+"""Alembic revisions of the control database (see env.py for how to add one)."""

@@ -1,0 +1,1 @@
+"""One file per revision; alembic finds them by their ``revision`` variable, not by name."""
