@@ -1,0 +1,575 @@
+"""Control-plane placement (issue 8, docs/CLUSTER.md "Placement"): speed and balance.
+
+    .venv/bin/python bench/bench_placement.py [--quick] [--out PATH]
+
+Simulated edges in process, each with its own admission (it refuses when full: the edge
+has the final say), and a watcher view refreshed only every ``--period-ms`` of simulated
+time, so decisions in between run on a stale view plus each apiserver's own in-flight
+reservations. Two apiservers with independent reservations share that one stale view
+(where least-loaded herds); "least_loaded_omniscient" refreshes the view before every
+decision and is the balance baseline.
+
+Scenarios: a job burst (32,000 sandboxes into 160 edges; also with one apiserver), an
+overflow burst past capacity (ClusterFull), a steady stream (Poisson arrivals,
+exponential lifetimes), and locality (half the demand is one popular image cached on 5%
+of the edges; the others cached on random quarters; caches are static: the worst case).
+
+Reported per strategy: decisions/s per core (process time spent in the Placer only,
+view updates included), p50/p99 decision latency (candidates()), imbalance (population
+std dev of the edges' load fraction: end of burst, mean over steady state), rejection
+rate (edge refusals / attempts), locality hit rate and hot-spotting (max load among the
+popular image's cachers / mean load). Targets: >= 2,000 decisions/s per core; power-of-k
+imbalance within 1.5x of the omniscient least-loaded, without its herd rejections.
+Writes bench/results/placement.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+from dsec.control.placement import Demand, EdgeView, Placer, Strategy  # noqa: E402
+from dsec.errors import ClusterFull  # noqa: E402
+
+# name -> (strategy, k, omniscient)
+STRATEGIES: dict[str, tuple[Strategy, int, bool]] = {
+    "random": ("random", 1, False),
+    "least_loaded": ("least_loaded", 1, False),
+    "power_of_k2": ("power_of_k", 2, False),
+    "power_of_k3": ("power_of_k", 3, False),
+    "least_loaded_omniscient": ("least_loaded", 1, True),
+}
+CAPACITIES = (150, 200, 250, 300)
+SMALL = Demand(cpu_cores=1.0, memory_mb=1024)
+LARGE = Demand(cpu_cores=2.0, memory_mb=4096)
+
+
+@dataclass
+class SimEdge:
+    """An edge that admits for real: refuses when any budget would be exceeded."""
+
+    edge_id: str
+    capacity: int
+    cpu: float
+    mem: int
+    layers: frozenset[str] = frozenset()
+    n: int = 0
+    cpu_used: float = 0.0
+    mem_used: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def admit(self, d: Demand) -> bool:
+        if (
+            self.n >= self.capacity
+            or self.cpu_used + d.cpu_cores > self.cpu + 1e-9
+            or self.mem_used + d.memory_mb > self.mem
+        ):
+            return False
+        self.n += 1
+        self.cpu_used += d.cpu_cores
+        self.mem_used += d.memory_mb
+        return True
+
+    def release(self, d: Demand) -> None:
+        self.n -= 1
+        self.cpu_used -= d.cpu_cores
+        self.mem_used -= d.memory_mb
+
+    def load(self) -> float:
+        return max(self.n / self.capacity, self.cpu_used / self.cpu, self.mem_used / self.mem)
+
+    def view(self, now: float) -> EdgeView:
+        return EdgeView(
+            edge_id=self.edge_id,
+            url=f"http://{self.edge_id}.sim:8471",
+            capacity=self.capacity,
+            sandboxes=self.n,
+            cpu_cores=self.cpu,
+            cpu_committed=self.cpu_used,
+            memory_mb=self.mem,
+            memory_committed_mb=self.mem_used,
+            labels=self.labels,
+            layers=self.layers,
+            seen_at=now,
+        )
+
+
+def make_edges(count: int, rng: random.Random, images: dict[str, frozenset[str]]) -> list[SimEdge]:
+    """Heterogeneous edges; budgets sized so sandboxes bind first, CPU close behind."""
+    edges = []
+    for i in range(count):
+        cap = CAPACITIES[i % len(CAPACITIES)]
+        edges.append(
+            SimEdge(
+                f"e{i}",
+                capacity=cap,
+                cpu=cap * 1.3,
+                mem=int(cap * 1.9 * 1024),
+                labels={"zone": "ab"[i % 2]},
+            )
+        )
+    popular = images.get("pop")
+    for j, (name, layers) in enumerate(images.items()):
+        if name == "pop" and popular is not None:
+            holders = rng.sample(edges, max(1, count // 20))
+        else:
+            holders = rng.sample(edges, max(1, count // 4))
+        del j
+        for e in holders:
+            e.layers = e.layers | layers
+    return edges
+
+
+class Oracle:
+    """Omniscient least-loaded: scans the edges' true state before every decision.
+
+    The balance baseline (no view could be fresher); not a Placer, so it has no
+    throughput figure of its own.
+    """
+
+    def __init__(self, edges: list[SimEdge], locality_weight: float) -> None:
+        self.edges = edges
+        self.w = locality_weight
+
+    def candidates(self, d: Demand, n: int) -> list[SimEdge]:
+        scored = []
+        for i, e in enumerate(self.edges):
+            if (
+                e.n >= e.capacity
+                or e.cpu_used + d.cpu_cores > e.cpu + 1e-9
+                or e.mem_used + d.memory_mb > e.mem
+            ):
+                continue
+            bonus = 0.0
+            if d.layers and self.w:
+                bonus = self.w * len(d.layers & e.layers) / len(d.layers)
+            scored.append((e.load() - bonus, i, e))
+        return [t[2] for t in heapq.nsmallest(n, scored)]
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+class Sim:
+    """Edges + a stale watcher view + ``apiservers`` placers with their own reservations."""
+
+    def __init__(
+        self,
+        edges: list[SimEdge],
+        name: str,
+        *,
+        apiservers: int,
+        period: float,
+        seed: int,
+        locality_weight: float = 0.1,
+    ) -> None:
+        strategy, k, omniscient = STRATEGIES[name]
+        self.edges = edges
+        self.by_id = {e.edge_id: e for e in edges}
+        self.now = 0.0
+        self.period = 0.0 if omniscient else period
+        self.placers = [
+            Placer(
+                strategy,
+                k=k,
+                rng=random.Random(seed * 100 + i),
+                locality_weight=locality_weight,
+                clock=self._clock,
+            )
+            for i in range(apiservers)
+        ]
+        self.oracle = Oracle(edges, locality_weight) if omniscient else None
+        self.next_refresh = 0.0
+        self.cpu = 0.0
+        self.lat: list[float] = []
+        self.decisions = 0
+        self.attempts = 0
+        self.refusals = 0
+        self.cluster_full = 0
+        self.placed = 0
+        self.failed = 0
+        self.local_hits = 0
+        self.turn = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    def refresh(self) -> None:
+        views = [e.view(self.now) for e in self.edges]
+        t = time.process_time()
+        for p in self.placers:
+            p.update(views)
+        self.cpu += time.process_time() - t
+
+    def advance(self, now: float) -> None:
+        self.now = now
+        if self.oracle is None and now >= self.next_refresh:
+            self.refresh()
+            self.next_refresh = now + self.period
+
+    def place(self, d: Demand) -> SimEdge | None:
+        """One create as the apiserver's router would do it: candidates, try in order."""
+        if self.oracle is not None:
+            t0 = time.perf_counter()
+            picks = self.oracle.candidates(d, 1)
+            self.lat.append(time.perf_counter() - t0)
+            self.decisions += 1
+            if not picks:
+                self.cluster_full += 1
+                self.failed += 1
+                return None
+            self.attempts += 1
+            assert picks[0].admit(d)
+            self.placed += 1
+            if d.layers and d.layers <= picks[0].layers:
+                self.local_hits += 1
+            return picks[0]
+        p = self.placers[self.turn]
+        self.turn = (self.turn + 1) % len(self.placers)
+        for _round in range(2):
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            try:
+                cands = p.candidates(d, 3)
+            except ClusterFull:
+                self.cpu += time.process_time() - c0
+                self.decisions += 1
+                self.cluster_full += 1
+                self.failed += 1
+                return None
+            self.lat.append(time.perf_counter() - t0)
+            self.decisions += 1
+            self.cpu += time.process_time() - c0
+            for v in cands:
+                edge = self.by_id[v.edge_id]
+                c0 = time.process_time()
+                p.reserve(v.edge_id, d)
+                self.cpu += time.process_time() - c0
+                self.attempts += 1
+                ok = edge.admit(d)
+                c0 = time.process_time()
+                if ok:
+                    p.confirm(v.edge_id, d)
+                else:
+                    p.unreserve(v.edge_id, d)
+                    p.refused(v.edge_id, {"running": edge.n, "capacity": edge.capacity})
+                self.cpu += time.process_time() - c0
+                if ok:
+                    self.placed += 1
+                    if d.layers and d.layers <= edge.layers:
+                        self.local_hits += 1
+                    return edge
+                self.refusals += 1
+        self.failed += 1
+        return None
+
+    def imbalance(self) -> float:
+        return statistics.pstdev(e.load() for e in self.edges)
+
+    def figures(self) -> dict[str, Any]:
+        loads = [e.load() for e in self.edges]
+        return {
+            "decisions": self.decisions,
+            "placed": self.placed,
+            "failed": self.failed,
+            "cluster_full": self.cluster_full,
+            "attempts": self.attempts,
+            "refusals": self.refusals,
+            "rejection_rate": round(self.refusals / max(1, self.attempts), 5),
+            "decisions_per_s_per_core": round(self.decisions / self.cpu) if self.cpu else None,
+            "p50_us": round(pct(self.lat, 0.5) * 1e6, 1) if self.lat else None,
+            "p99_us": round(pct(self.lat, 0.99) * 1e6, 1) if self.lat else None,
+            "imbalance_std": round(statistics.pstdev(loads), 5),
+            "load_mean": round(statistics.fmean(loads), 4),
+            "load_max": round(max(loads), 4),
+        }
+
+
+def demand_mix(rng: random.Random, images: dict[str, frozenset[str]] | None = None) -> Demand:
+    base = LARGE if rng.random() < 0.2 else SMALL
+    if not images:
+        return base
+    name = "pop" if rng.random() < 0.5 else f"img{rng.randrange(len(images) - 1)}"
+    return Demand(cpu_cores=base.cpu_cores, memory_mb=base.memory_mb, layers=images[name])
+
+
+def burst(
+    name: str, n_edges: int, count: int, apiservers: int, period: float, rate: float, seed: int
+) -> dict[str, Any]:
+    """``count`` creates arriving at ``rate``/s; the view refreshes every ``period`` s."""
+    rng = random.Random(seed)
+    edges = make_edges(n_edges, rng, {})
+    sim = Sim(edges, name, apiservers=apiservers, period=period, seed=seed)
+    for i in range(count):
+        sim.advance(i / rate)
+        sim.place(demand_mix(rng))
+    out = sim.figures()
+    out["count"] = count
+    out["capacity"] = sum(e.capacity for e in edges)
+    return out
+
+
+def refill(
+    name: str, n_edges: int, apiservers: int, period: float, rate: float, seed: int
+) -> dict[str, Any]:
+    """A job ends on a tenth of the edges of a 90%-full cluster; twice that arrives.
+
+    Every load-aware decider sees the same emptied edges in the stale view; whoever
+    sends them more than their room before the next refresh is refused (the herd).
+    """
+    rng = random.Random(seed)
+    edges = make_edges(n_edges, rng, {})
+    for e in edges:
+        for _ in range(int(0.9 * e.capacity)):
+            e.admit(SMALL)
+    freed = 0
+    for e in rng.sample(edges, max(1, n_edges // 10)):
+        for _ in range(int(0.5 * e.capacity)):
+            e.release(SMALL)
+            freed += 1
+    sim = Sim(edges, name, apiservers=apiservers, period=period, seed=seed)
+    count = 2 * freed
+    for i in range(count):
+        sim.advance(i / rate)
+        sim.place(SMALL)
+    out = sim.figures()
+    out["count"] = count
+    out["freed"] = freed
+    return out
+
+
+def steady(
+    name: str,
+    n_edges: int,
+    occupancy: float,
+    lifetime: float,
+    warm_s: float,
+    measure_s: float,
+    apiservers: int,
+    period: float,
+    seed: int,
+    images: dict[str, frozenset[str]] | None = None,
+    locality_weight: float = 0.1,
+) -> dict[str, Any]:
+    """Poisson arrivals and exponential lifetimes holding ``occupancy`` of the slots.
+
+    The cluster is prefilled to that occupancy (memoryless lifetimes make that the
+    stationary state), then runs ``warm_s`` before measuring for ``measure_s``.
+    """
+    rng = random.Random(seed)
+    edges = make_edges(n_edges, rng, images or {})
+    cap = sum(e.capacity for e in edges)
+    rate = occupancy * cap / lifetime
+    sim = Sim(
+        edges,
+        name,
+        apiservers=apiservers,
+        period=period,
+        seed=seed,
+        locality_weight=locality_weight,
+    )
+    departures: list[tuple[float, int, SimEdge, Demand]] = []
+    seq = 0
+
+    def arrive(t: float) -> None:
+        nonlocal seq
+        sim.advance(t)
+        d = demand_mix(rng, images)
+        edge = sim.place(d)
+        if edge is not None:
+            seq += 1
+            heapq.heappush(departures, (t + rng.expovariate(1 / lifetime), seq, edge, d))
+
+    for _ in range(int(occupancy * cap)):
+        arrive(0.0)
+    t = 0.0
+    samples: list[float] = []
+    measuring = False
+    next_sample = warm_s
+    while t < warm_s + measure_s:
+        t += rng.expovariate(rate)
+        while departures and departures[0][0] <= t:
+            _, _, edge, dd = heapq.heappop(departures)
+            edge.release(dd)
+        if not measuring and t >= warm_s:
+            measuring = True
+            for k in (
+                "decisions",
+                "attempts",
+                "refusals",
+                "cluster_full",
+                "placed",
+                "failed",
+                "local_hits",
+            ):
+                setattr(sim, k, 0)
+            sim.cpu = 0.0
+            sim.lat = []
+        if measuring and t >= next_sample:
+            samples.append(sim.imbalance())
+            next_sample += 0.5
+        arrive(t)
+    out = sim.figures()
+    out["imbalance_std_mean"] = round(statistics.fmean(samples), 5) if samples else None
+    out["occupancy_target"] = occupancy
+    out["rate_per_s"] = round(rate, 1)
+    out["lifetime_s"] = lifetime
+    if images:
+        pop = images["pop"]
+        cachers = [e for e in edges if pop <= e.layers]
+        loads = [e.load() for e in edges]
+        mean = statistics.fmean(loads)
+        cl = [e.load() for e in cachers]
+        out["locality_hit_rate"] = round(sim.local_hits / max(1, sim.placed), 4)
+        out["popular_cachers"] = len(cachers)
+        out["hotspot_max_over_mean"] = round(max(cl) / mean, 3) if mean else None
+        out["cachers_mean_over_mean"] = round(statistics.fmean(cl) / mean, 3) if mean else None
+    return out
+
+
+def run(quick: bool) -> dict[str, Any]:
+    n_edges = 40 if quick else 160
+    cap = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(n_edges))
+    count = 4_000 if quick else 32_000
+    period = 1.0
+    rate = 4_000.0
+    images = {"pop": frozenset({"sha256:pop-base", "sha256:pop-app"})}
+    for i in range(20):
+        images[f"img{i}"] = frozenset({f"sha256:base{i % 4}", f"sha256:app{i}"})
+    life = 20.0 if quick else 60.0
+    warm, meas = (5.0, 10.0) if quick else (20.0, 60.0)
+    results: dict[str, Any] = {}
+    for idx, name in enumerate(STRATEGIES):
+        seed = 1000 + idx
+        r: dict[str, Any] = {}
+        r["burst"] = burst(name, n_edges, count, 2, period, rate, seed)
+        r["burst_one_apiserver"] = burst(name, n_edges, count, 1, period, rate, seed)
+        r["refill"] = refill(name, n_edges, 2, period, rate, seed)
+        r["overflow"] = burst(name, n_edges, int(cap * 1.1), 2, period, rate, seed)
+        r["steady"] = steady(name, n_edges, 0.7, life, warm, meas, 2, period, seed)
+        r["steady_hot"] = steady(name, n_edges, 0.97, life, warm, meas, 2, period, seed)
+        r["locality"] = steady(name, n_edges, 0.5, life, warm, meas, 2, period, seed, images)
+        if name == "power_of_k2":
+            r["locality_off"] = steady(
+                name,
+                n_edges,
+                0.5,
+                life,
+                warm,
+                meas,
+                2,
+                period,
+                seed,
+                images,
+                locality_weight=0.0,
+            )
+        results[name] = r
+        print(f"  {name}: done", file=sys.stderr)
+    checks: dict[str, dict[str, float]] = {}
+    for base in ("least_loaded_omniscient", "least_loaded"):
+        ref = results[base]
+        for name in ("power_of_k2", "power_of_k3"):
+            r = results[name]
+            checks[f"{name} / {base}"] = {
+                sc: round(r[sc][key] / max(1e-9, ref[sc][key]), 2)
+                for sc, key in (
+                    ("burst_one_apiserver", "imbalance_std"),
+                    ("burst", "imbalance_std"),
+                    ("steady", "imbalance_std_mean"),
+                )
+            }
+    return {
+        "config": {
+            "quick": quick,
+            "edges": n_edges,
+            "capacity": cap,
+            "burst_count": count,
+            "view_period_s": period,
+            "burst_rate_per_s": rate,
+            "steady_lifetime_s": life,
+            "apiservers": 2,
+            "candidates_n": 3,
+        },
+        "strategies": results,
+        "imbalance_ratios": checks,
+        "targets": {"decisions_per_s_per_core": 2_000, "imbalance_ratio_max": 1.5},
+    }
+
+
+def table(res: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    st = res["strategies"]
+    lines = [
+        f"{'strategy':<24}{'dec/s/core':>11}{'p50 us':>8}{'p99 us':>8}"
+        f"{'steady dec/s':>13}{'st p99 us':>10}"
+    ]
+    for name, r in st.items():
+        b, s = r["burst"], r["steady"]
+        lines.append(
+            f"{name:<24}{num(b['decisions_per_s_per_core'], ',d'):>11}{b['p50_us']:>8}"
+            f"{b['p99_us']:>8}{num(s['decisions_per_s_per_core'], ',d'):>13}{s['p99_us']:>10}"
+        )
+    lines += [
+        "",
+        "imbalance = std dev of edge load fraction; rej = edge refusals / attempts",
+        f"{'strategy':<24}{'burst 1api':>11}{'burst 2api':>11}{'steady':>8}"
+        f"{'rej burst':>10}{'rej refill':>11}{'rej hot':>8}{'refill std':>11}"
+        f"{'overflow placed/full':>22}",
+    ]
+    for name, r in st.items():
+        o = r["overflow"]
+        lines.append(
+            f"{name:<24}{r['burst_one_apiserver']['imbalance_std']:>11.4f}"
+            f"{r['burst']['imbalance_std']:>11.4f}{r['steady']['imbalance_std_mean']:>8.4f}"
+            f"{r['burst']['rejection_rate']:>10.4f}{r['refill']['rejection_rate']:>11.4f}"
+            f"{r['steady_hot']['rejection_rate']:>8.4f}{r['refill']['imbalance_std']:>11.4f}"
+            f"{str(o['placed']) + '/' + str(o['cluster_full']):>22}"
+        )
+    lines += [
+        "",
+        "locality (half the demand is one image cached on 5% of edges, 50% occupancy)",
+        f"{'strategy':<24}{'hit rate':>9}{'cacher max/mean':>16}{'cacher mean/mean':>17}",
+    ]
+    rows = [(n, r["locality"]) for n, r in st.items()]
+    rows.append(("power_of_k2 (bonus 0)", st["power_of_k2"]["locality_off"]))
+    for name, loc in rows:
+        lines.append(
+            f"{name:<24}{loc['locality_hit_rate']:>9.3f}{loc['hotspot_max_over_mean']:>16.3f}"
+            f"{loc['cachers_mean_over_mean']:>17.3f}"
+        )
+    lines.append("")
+    lines.append("imbalance ratios (burst_one_apiserver, burst with 2, steady with 2):")
+    for name, c in res["imbalance_ratios"].items():
+        lines.append(f"  {name:<40}" + "  ".join(f"{v:>5}x" for v in c.values()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="40 edges, a 4,000 burst (seconds)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "placement.json")
+    args = ap.parse_args()
+    res = run(args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    print(table(res))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
