@@ -4,24 +4,110 @@ Every create goes through ``SandboxCreator`` so that authorisation, the project 
 charge, placement and the release of the charge when the sandbox ends are done in one
 place, whether the edge is in-process (``dsec up``) or a cluster router
 (dsec.cluster). Keeping it out of the HTTP handlers lets batch creation reuse it.
+
+With IAM (dsec.control.iam): the project is ``spec.project`` or the principal's
+default; the principal needs ``runtime`` there (403); the sandbox is charged to the
+project's chain (429) *before* the edge does any work. The edge picks the sandbox id,
+so the charge is made under a provisional id and moved to the real one once the
+sandbox runs; a failed or cancelled create releases it. Without IAM (unit tests of the
+HTTP layer) it is a pass-through.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from dsec.control.iam import IAM, Role
 from dsec.edge.api import EdgeAPI
-from dsec.model import DSecContainerRunArgs, SandboxInfo
+from dsec.model import DSecContainerRunArgs, SandboxInfo, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.edge.edge import Edge
+
+log = logging.getLogger(__name__)
 
 
 class SandboxCreator:
-    def __init__(self, edge: EdgeAPI) -> None:
+    def __init__(self, edge: EdgeAPI, *, iam: IAM | None = None) -> None:
         self.edge = edge
+        self.iam = iam
 
     async def create(
         self, principal: str, spec: DSecContainerRunArgs, *, timeout: float
     ) -> SandboxInfo:
         """Create one sandbox on behalf of ``principal``; returns once it runs."""
-        return await self.edge.create(spec, timeout=timeout)
+        iam = self.iam
+        if iam is None:
+            return await self.edge.create(spec, timeout=timeout)
+        project = spec.project or await iam.default_project(principal)
+        await iam.require(principal, Role.RUNTIME, project, "creating a sandbox")
+        provisional = iam.provisional_id()
+        await iam.charge(project, provisional, spec.cpu_cores_limit, spec.memory_limit_mb)
+        if spec.project != project:
+            spec = spec.model_copy(update={"project": project})
+        try:
+            info = await self.edge.create(spec, timeout=timeout)
+        except BaseException:
+            await asyncio.shield(iam.release(provisional))
+            raise
+        try:
+            await asyncio.shield(iam.rebind(provisional, info.id))
+        except Exception:
+            # Never strand a running sandbox behind a failed bookkeeping write: stop it
+            # and give the charge back, then report the failure.
+            await asyncio.shield(self.edge.stop(info.id, reason="quota charge failed"))
+            await asyncio.shield(iam.release(provisional))
+            raise
+        return info
 
     async def stop(self, principal: str, sandbox_id: str) -> SandboxInfo:
-        """Stop a sandbox on behalf of ``principal``; idempotent."""
-        return await self.edge.stop(sandbox_id)
+        """Stop a sandbox on behalf of ``principal``; idempotent. Needs ``runtime`` on
+        the sandbox's project; releases its charge."""
+        iam = self.iam
+        if iam is None:
+            return await self.edge.stop(sandbox_id)
+        current = await self.edge.get(sandbox_id)
+        project = current.spec.project or iam.default
+        await iam.require(principal, Role.RUNTIME, project, "stopping a sandbox")
+        info = await self.edge.stop(sandbox_id)
+        await iam.release(sandbox_id)
+        return info
+
+
+class StopReleaser:
+    """Releases the charge of every sandbox the edge ends, whoever ends it (a stop, the
+    idle TTL, a failure, shutdown). The edge calls listeners synchronously, so the
+    release runs as a task; ``drain`` awaits the ones in flight before the database
+    goes away."""
+
+    def __init__(self, iam: IAM) -> None:
+        self.iam = iam
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    def __call__(self, sandbox_id: str, _reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.iam.release(sandbox_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("releasing a quota charge failed: %s", task.exception())
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+async def attach_iam(edge: Edge, iam: IAM) -> StopReleaser:
+    """Single-node wiring: release on every end, and give back the charges of
+    sandboxes that ended while the platform was down (recovery)."""
+    releaser = StopReleaser(iam)
+    edge.add_stop_listener(releaser)
+    live = {info.id for info in await edge.list(states={s for s in SandboxState if not s.terminal})}
+    gone = await iam.reconcile(live, prefix=f"{edge.edge_id}-", pending_older_than=0.0)
+    if gone:
+        log.info("released the quota charges of %d sandboxes that ended meanwhile", len(gone))
+    return releaser

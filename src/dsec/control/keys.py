@@ -142,6 +142,15 @@ class KeyStore:
             await session.commit()
         return bool(getattr(result, "rowcount", 0))
 
+    async def revoke_digest(self, digest: str) -> bool:
+        """Forget the key whose hash is ``digest`` (keys are listed by hash, never in
+        plain); True if it existed."""
+        self._known.pop(digest, None)
+        async with self._sessions() as session:
+            result = await session.execute(delete(ApiKeyRow).where(ApiKeyRow.key_hash == digest))
+            await session.commit()
+        return bool(getattr(result, "rowcount", 0))
+
     async def principals(self) -> list[tuple[str, datetime]]:
         """(principal, created_at) of every stored key, oldest first; for admin listings."""
         async with self._sessions() as session:

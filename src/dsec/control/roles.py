@@ -1,34 +1,35 @@
-"""Roles of principals: builder/runtime separation (DSEC.md §6.1).
+"""Roles of principals, the API from before nested projects, now a view of IAM.
 
-A key authenticates a principal (dsec.control.keys); a role says what it may do beyond
-running sandboxes. ``builder`` may turn a sandbox into a layer (pack_diff, fork): a
-rollout's runtime key must not be able to publish environments other jobs start from.
-The bootstrap principal ``admin`` holds every role. Grants live in the control
-database beside the keys and are cached in memory (pack is rare, but the check is on
-its path); a grant or revoke through this instance takes effect at once.
+A key authenticates a principal (dsec.control.keys); a role says what it may do
+(DSEC.md §6.1): ``builder`` may turn a sandbox into a layer (pack_diff, fork), a
+rollout's ``runtime`` key may not. Roles now live in dsec.control.iam, bound to
+projects. This store keeps the earlier, project-less calls working with one meaning:
+
+- ``grant(principal, role)`` / ``revoke`` bind on ROOT (``*``: every project);
+- ``roles(principal)`` are the roles held on ROOT;
+- ``require(principal, role, action, project=P)`` checks ``role`` on P (own or
+  inherited); without P it checks ROOT.
+
+The ``principal_roles`` table stays (baseline schema); its rows are copied into IAM as
+ROOT bindings once at bootstrap.
 """
 
 from __future__ import annotations
 
-import time
-from datetime import UTC, datetime
-from enum import StrEnum
+from datetime import datetime
 
-from sqlalchemy import DateTime, String, delete, select
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy import DateTime, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from dsec.control.db import Base
-from dsec.errors import InvalidArgument, PermissionDenied
+from dsec.control.iam import ADMIN, IAM, ROOT, Role, _role
 
-ADMIN = "admin"
-
-
-class Role(StrEnum):
-    BUILDER = "builder"
+__all__ = ["ADMIN", "Role", "RoleStore"]
 
 
 class PrincipalRoleRow(Base):
+    """The pre-IAM grants (read once by IAM.ensure_bootstrap)."""
+
     __tablename__ = "principal_roles"
 
     principal: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -37,69 +38,31 @@ class PrincipalRoleRow(Base):
 
 
 class RoleStore:
-    def __init__(self, engine: AsyncEngine, *, cache_ttl: float = 60.0) -> None:
-        self._engine = engine
-        self._sessions = async_sessionmaker(engine, expire_on_commit=False, class_=AsyncSession)
-        self._cache_ttl = cache_ttl
-        self._cache: dict[str, tuple[frozenset[str], float]] = {}
+    def __init__(self, iam: IAM) -> None:
+        self.iam = iam
 
     async def create_tables(self) -> None:
-        table = Base.metadata.tables[PrincipalRoleRow.__tablename__]
-        async with self._engine.begin() as conn:
-            await conn.run_sync(lambda sync: Base.metadata.create_all(sync, tables=[table]))
+        await self.iam.create_tables()
 
-    async def grant(self, principal: str, role: Role | str) -> None:
-        role = _role(role)
-        async with self._sessions() as s, s.begin():
-            if await s.get(PrincipalRoleRow, (principal, role.value)) is None:
-                s.add(
-                    PrincipalRoleRow(
-                        principal=principal, role=role.value, created_at=datetime.now(UTC)
-                    )
-                )
-        self._cache.pop(principal, None)
+    async def grant(self, principal: str, role: Role | str, *, caller: str = ADMIN) -> None:
+        """Bind on ROOT; registers a principal known only by its keys."""
+        await self.iam.grant(caller, principal, ROOT, _role(role), create=True)
 
-    async def revoke(self, principal: str, role: Role | str) -> bool:
+    async def revoke(self, principal: str, role: Role | str, *, caller: str = ADMIN) -> bool:
         role = _role(role)
-        async with self._sessions() as s, s.begin():
-            res = await s.execute(
-                delete(PrincipalRoleRow).where(
-                    PrincipalRoleRow.principal == principal, PrincipalRoleRow.role == role.value
-                )
-            )
-        self._cache.pop(principal, None)
-        return bool(getattr(res, "rowcount", 0))
+        if await self.iam.role_on(principal, ROOT) is not role:
+            return False
+        return await self.iam.revoke(caller, principal, ROOT)
 
     async def roles(self, principal: str) -> frozenset[str]:
-        if principal == ADMIN:
-            return frozenset(r.value for r in Role)
-        hit = self._cache.get(principal)
-        now = time.monotonic()
-        if hit is not None and hit[1] > now:
-            return hit[0]
-        async with self._sessions() as s:
-            rows = await s.scalars(
-                select(PrincipalRoleRow.role).where(PrincipalRoleRow.principal == principal)
-            )
-            found = frozenset(rows)
-        self._cache[principal] = (found, now + self._cache_ttl)
-        return found
+        held = await self.iam.role_on(principal, ROOT)
+        if held is None:
+            return frozenset()
+        return frozenset(r.value for r in Role if r.rank <= held.rank)
 
-    async def require(self, principal: str, role: Role, action: str) -> None:
-        """Raise PermissionDenied (403) unless ``principal`` holds ``role``."""
-        if role.value not in await self.roles(principal):
-            raise PermissionDenied(
-                f"{action} needs the {role.value!r} role; principal {principal!r} does not "
-                "have it (an admin grants it: RoleStore.grant / `dsec role grant`)",
-                principal=principal,
-                role=role.value,
-            )
-
-
-def _role(role: Role | str) -> Role:
-    try:
-        return Role(role)
-    except ValueError:
-        raise InvalidArgument(
-            f"unknown role {role!r}; known roles: {', '.join(r.value for r in Role)}"
-        ) from None
+    async def require(
+        self, principal: str, role: Role, action: str, *, project: str = ROOT
+    ) -> None:
+        """Raise PermissionDenied (403) unless ``principal`` holds ``role`` on
+        ``project`` (see the module doc)."""
+        await self.iam.require(principal, role, project, action)
