@@ -481,6 +481,9 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.fncall_model",  # FnCall requests and results (pure pydantic)
         "dsec.rl_model",  # job pause reports, pack_diff/fork (pure pydantic)
         "dsec.rl.model",  # trajectory steps and records (pure pydantic)
+        "dsec.batch_model",  # batch requests and events (pure pydantic)
+        "dsec.iam_model",  # projects, principals, keys, quotas (pure pydantic)
+        "dsec.cluster.model",  # edge heartbeats and status (pure pydantic)
         "cloudpickle",  # client.call(fn) only, imported when called
         "httpx",
         "pydantic",

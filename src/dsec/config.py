@@ -108,9 +108,16 @@ class PlatformConfig:
         )
     )
 
+    # Charge project quotas here (IAM). False on a cluster edge: the apiservers
+    # authorise and charge every create before it reaches the edge (dsec.cluster).
+    quotas: bool = True
+    # The URL others reach this process at, when it is not http://host:port (an edge
+    # listening on 0.0.0.0 in cluster mode advertises its own address).
+    public_url: str | None = None
+
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.public_url or f"http://{self.host}:{self.port}"
 
     @property
     def images_dir(self) -> Path:

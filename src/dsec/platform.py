@@ -14,18 +14,20 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsec import spawn
 from dsec.agent.build import agent_binary
+from dsec.apiserver.creator import StopReleaser, attach_iam
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.backends.fncall.service import FnCallService
 from dsec.config import PlatformConfig
-from dsec.control.db import create_all, make_engine, sqlite_url
+from dsec.control.db import make_engine, migrate, sqlite_url
+from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.edge.admission import Admission
@@ -101,6 +103,7 @@ class Platform:
     recovery: dict[str, list[str]]
     fncall: FnCallService | None = None
     roles: RoleStore | None = None  # builder role for pack_diff/fork (dsec.control.roles)
+    iam: IAM | None = None  # projects, roles, quotas (dsec.control.iam)
 
 
 @contextlib.asynccontextmanager
@@ -115,13 +118,16 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     images: Images | None = None
     spawner: spawn.HostSpawner | None = None
     fncall: FnCallService | None = None
+    releaser: StopReleaser | None = None
+    iam: IAM | None = None
     try:
-        await create_all(engine)
+        await migrate(engine)
         keys = KeyStore(engine)
         api_key = load_or_create_api_key(config)
         await keys.ensure(api_key, principal="admin")
-        roles = RoleStore(engine)
-        await roles.create_tables()
+        iam = IAM(engine)
+        await iam.ensure_bootstrap()
+        roles = RoleStore(iam)
         images = Images(config.images_dir, engine, **layer_store_options(config))
         await images.open()
         host = cgroups.detect()
@@ -170,6 +176,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             network=NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit),
         )
         recovery = await edge.start()
+        releaser = await attach_iam(edge, iam)  # charges released whenever a sandbox ends
         fncall = FnCallService(
             images=images,
             cgroups=host,
@@ -178,12 +185,16 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             audit=audit,
         )
         await fncall.start()
-        yield Platform(config, edge, images, keys, api_key, recovery, fncall, roles)
+        yield Platform(config, edge, images, keys, api_key, recovery, fncall, roles, iam)
     finally:
         if fncall is not None:
             await fncall.close()
         if edge is not None:
             await edge.close()
+        if releaser is not None:
+            await releaser.drain()
+        if iam is not None:
+            await iam.close()
         if spawner is not None:
             await asyncio.to_thread(spawner.stop)
         if images is not None:
@@ -226,10 +237,16 @@ def _server_class() -> type[Any]:
     return Server
 
 
-async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | None = None) -> None:
-    """Serve the HTTP API until SIGINT/SIGTERM, then stop every sandbox and unmount."""
-    import uvicorn
+async def serve(
+    config: PlatformConfig,
+    *,
+    ready: Callable[[str, str], None] | None = None,
+    companion: Callable[[Platform], Awaitable[None]] | None = None,
+) -> None:
+    """Serve the HTTP API until SIGINT/SIGTERM, then stop every sandbox and unmount.
 
+    ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
+    dsec.cluster.node) and is cancelled before the platform shuts down."""
     from dsec.apiserver.app import create_app
     from dsec.edge.dataplane import DataPlane
     from dsec.edge.tokens import TokenSigner, load_or_create_key
@@ -256,45 +273,79 @@ async def serve(config: PlatformConfig, *, ready: Callable[[str, str], None] | N
             fncall=platform.fncall,
             roles=platform.roles,
             trajectory=platform.edge.trajectory,
-        )
-        tune_gc()
-        server = _server_class()(
-            uvicorn.Config(
-                app,
-                host=config.host,
-                port=config.port,
-                log_level="warning",
-                access_log=False,
-                # Longer than any client pool keeps idle connections (httpx: 5 s), so a
-                # client never sends a request on a connection the server is closing.
-                timeout_keep_alive=75,
-                http="httptools",
-                lifespan="off",
-            )
+            iam=platform.iam if config.quotas else None,
         )
 
-        async def announce() -> None:
-            while not server.started:
-                if server.should_exit:
-                    return
-                await asyncio.sleep(0.02)
+        async def started() -> None:
             if ready is not None:
                 ready(config.url, platform.api_key)
+            if companion is not None:
+                await companion(platform)
 
-        task = asyncio.create_task(announce())
-        try:
-            await server.serve()
-        finally:
-            task.cancel()
-        if not server.started:
-            raise OSError(f"could not listen on {config.host}:{config.port}")
+        await serve_app(app, config.host, config.port, started)
 
 
-def run(config: PlatformConfig, *, ready: Callable[[str, str], None] | None = None) -> None:
+async def serve_app(
+    app: Any, host: str, port: int, started: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM (every server process of the platform).
+
+    ``started`` runs once the server listens, beside it, and is cancelled when it
+    stops; running batches are cancelled on exit so that their streams end."""
+    import uvicorn
+
+    from dsec.apiserver.batch import cancel_batches_on_exit
+
+    tune_gc()
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            # Longer than any client pool keeps idle connections (httpx: 5 s), so a
+            # client never sends a request on a connection the server is closing.
+            timeout_keep_alive=75,
+            http="httptools",
+            lifespan="off",
+        )
+    )
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        if started is not None:
+            await started()
+
+    task = asyncio.create_task(announce())
+    batches = asyncio.create_task(cancel_batches_on_exit(server, app))
+    try:
+        await server.serve()
+    finally:
+        task.cancel()
+        batches.cancel()
+    if not server.started:
+        raise OSError(f"could not listen on {host}:{port}")
+
+
+def run(
+    config: PlatformConfig,
+    *,
+    ready: Callable[[str, str], None] | None = None,
+    companion: Callable[[Platform], Awaitable[None]] | None = None,
+) -> None:
     """Blocking entry point; uses uvloop when installed."""
+    run_loop(serve(config, ready=ready, companion=companion))
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when installed (every server process of the platform)."""
     try:
         import uvloop
-
-        uvloop.run(serve(config, ready=ready))
     except ImportError:
-        asyncio.run(serve(config, ready=ready))
+        asyncio.run(main)
+        return
+    uvloop.run(main)

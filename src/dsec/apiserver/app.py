@@ -13,9 +13,12 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.batch import batch_router, batch_runner
+from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.datapath import install_data_path
 from dsec.apiserver.errors import ErrorBody, install_error_handlers
 from dsec.apiserver.fncall import fncall_router
+from dsec.apiserver.iam import iam_router
 from dsec.apiserver.images import image_router
 from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
@@ -25,6 +28,7 @@ from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.trajectory import trajectory_router
 from dsec.backends.fncall.service import FnCallService
+from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.edge.api import EdgeAPI
@@ -40,7 +44,7 @@ API_VERSION = "0.1.0"
 
 def create_app(
     edge: EdgeAPI,
-    images: ImageService,
+    images: ImageService | None,
     keys: KeyStore,
     *,
     limits: ApiLimits | None = None,
@@ -50,6 +54,8 @@ def create_app(
     fncall: FnCallService | None = None,
     roles: RoleStore | None = None,
     trajectory: TrajectoryService | None = None,
+    creator: SandboxCreator | None = None,
+    iam: IAM | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -72,10 +78,14 @@ def create_app(
         return model_response(await edge.health())
 
     data_path = dataplane.data_path if dataplane is not None else None
-    app.include_router(sandbox_router(edge, auth, limits, data_path=data_path))
+    creator = creator or SandboxCreator(edge, iam=iam)  # one create path: sandboxes, batches
+    app.include_router(sandbox_router(edge, auth, limits, data_path=data_path, creator=creator))
+    app.state.batches = batch_runner(creator, data_path)  # see cancel_batches_on_exit
+    app.include_router(batch_router(app.state.batches, auth))
     if dataplane is not None:
         install_data_path(app, dataplane, keys, auth, limits)
-    app.include_router(image_router(images, auth, limits))
+    if images is not None:  # cluster mode: images live on the edges
+        app.include_router(image_router(images, auth, limits))
     if layers is not None:
         app.include_router(layer_router(layers, auth))
     if audit is not None:
@@ -85,5 +95,7 @@ def create_app(
     if trajectory is not None:
         app.include_router(trajectory_router(trajectory, auth))
     if roles is not None and hasattr(edge, "pause_job"):  # job pause, pack_diff, fork
-        app.include_router(rl_router(cast(RLEdge, edge), auth, roles))
+        app.include_router(rl_router(cast(RLEdge, edge), auth, roles, charge=iam is not None))
+    if iam is not None:  # projects, principals, keys, quotas, project roles
+        app.include_router(iam_router(iam, keys, auth))
     return app

@@ -1,11 +1,14 @@
 """/v1/jobs (pause, resume), /v1/sandboxes/{id}/pack|fork and /v1/roles: RL co-design.
 
 Packing publishes an environment other sandboxes start from, so it needs the
-``builder`` role (dsec.control.roles); pausing and resuming a job does not (it only
-touches that job's own sandboxes). Granting roles is for the admin principal only.
+``builder`` role on the sandbox's project or an ancestor (dsec.control.iam); pausing
+and resuming a job does not (it only touches that job's own sandboxes).
+``/v1/roles/{principal}/{role}`` grants and revokes on ROOT (every project), so only a
+root admin may (bounded delegation); per-project roles: /v1/projects/{path}/-/roles.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the local Principal type.
+import asyncio
 from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Depends
@@ -15,8 +18,10 @@ from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import check_sandbox_id
 from dsec.apiserver.responses import model_response
-from dsec.control.roles import ADMIN, Role, RoleStore
-from dsec.errors import PermissionDenied
+from dsec.control.iam import IAM, Request
+from dsec.control.roles import Role, RoleStore
+from dsec.errors import QuotaExceeded
+from dsec.model import SandboxInfo
 from dsec.rl.jobs import check_job_id
 from dsec.rl_model import (
     ForkRequest,
@@ -33,13 +38,24 @@ class RLEdge(Protocol):
     async def resume_job(self, job_id: str) -> JobResumeReport: ...
     async def pack_diff(self, sandbox_id: str, name: str, version: str) -> PackedEnv: ...
     async def fork(self, sandbox_id: str, req: ForkRequest) -> ForkResult: ...
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
 
-def rl_router(edge: RLEdge, auth: Authenticator, roles: RoleStore) -> APIRouter:
+def rl_router(
+    edge: RLEdge, auth: Authenticator, roles: RoleStore, *, charge: bool = True
+) -> APIRouter:
+    """``charge=False`` on a cluster edge: its apiservers charged the fork already."""
     router = APIRouter(
         tags=["rl"], responses={"default": {"model": ErrorBody, "description": "typed error"}}
     )
     Principal = Annotated[str, Depends(auth)]
+
+    async def require_builder(principal: str, sandbox_id: str, action: str) -> SandboxInfo:
+        """Builder on the sandbox's project (sandboxes from before IAM: the default)."""
+        info = await edge.get(sandbox_id)
+        project = info.spec.project or roles.iam.default
+        await roles.require(principal, Role.BUILDER, action, project=project)
+        return info
 
     @router.post("/v1/jobs/{job_id}/pause", response_model=JobPauseReport, summary="Pause a job")
     async def pause_job(job_id: str, _p: Principal) -> Response:
@@ -57,8 +73,9 @@ def rl_router(edge: RLEdge, auth: Authenticator, roles: RoleStore) -> APIRouter:
         summary="Pack a sandbox's changes into a layer (builder role)",
     )
     async def pack(sandbox_id: str, body: PackRequest, principal: Principal) -> Response:
-        await roles.require(principal, Role.BUILDER, "pack_diff")
-        env = await edge.pack_diff(check_sandbox_id(sandbox_id), body.name, body.version)
+        sid = check_sandbox_id(sandbox_id)
+        await require_builder(principal, sid, "pack_diff")
+        env = await edge.pack_diff(sid, body.name, body.version)
         return model_response(env, 201)
 
     @router.post(
@@ -67,27 +84,54 @@ def rl_router(edge: RLEdge, auth: Authenticator, roles: RoleStore) -> APIRouter:
         summary="pack_diff + n sandboxes from it (builder role)",
     )
     async def fork(sandbox_id: str, body: ForkRequest, principal: Principal) -> Response:
-        await roles.require(principal, Role.BUILDER, "fork")
-        return model_response(await edge.fork(check_sandbox_id(sandbox_id), body), 201)
+        sid = check_sandbox_id(sandbox_id)
+        parent = await require_builder(principal, sid, "fork")
+        if not charge:
+            return model_response(await edge.fork(sid, body), 201)
+        return model_response(await charged_fork(roles.iam, edge, parent, body), 201)
 
-    @router.put("/v1/roles/{principal}/{role}", summary="Grant a role (admin only)")
+    @router.put("/v1/roles/{principal}/{role}", summary="Grant a role on every project")
     async def grant(principal: str, role: str, caller: Principal) -> dict[str, str]:
-        _admin(caller)
-        await roles.grant(principal, role)
+        await roles.grant(principal, role, caller=caller)
         return {"principal": principal, "role": role}
 
-    @router.delete("/v1/roles/{principal}/{role}", summary="Revoke a role (admin only)")
+    @router.delete("/v1/roles/{principal}/{role}", summary="Revoke a role on every project")
     async def revoke(principal: str, role: str, caller: Principal) -> dict[str, object]:
-        _admin(caller)
         return {
             "principal": principal,
             "role": role,
-            "revoked": await roles.revoke(principal, role),
+            "revoked": await roles.revoke(principal, role, caller=caller),
         }
 
     return router
 
 
-def _admin(principal: str) -> None:
-    if principal != ADMIN:
-        raise PermissionDenied("only the admin principal may grant or revoke roles")
+async def charged_fork(
+    iam: IAM, edge: RLEdge, parent: SandboxInfo, body: ForkRequest
+) -> ForkResult:
+    """Fork's children are sandboxes too: all ``n`` are charged to the parent's project
+    before any starts (all or none: a partial fork is no use to a trainer), and each
+    charge moves to its child's id once the child runs."""
+    project = parent.spec.project or iam.default
+    ids = [iam.provisional_id() for _ in range(body.n)]
+    demand = [Request(i, parent.spec.cpu_cores_limit, parent.spec.memory_limit_mb) for i in ids]
+    fitted = await iam.charge_many(project, demand)
+    if fitted < body.n:
+        await iam.release_many(ids[:fitted])
+        raise QuotaExceeded(
+            f"quota of {project!r} (or an ancestor's) has room for {fitted} of the "
+            f"{body.n} forked sandboxes; `dsec quota show {project}` says which limit",
+            project=project,
+            requested=body.n,
+            fits=fitted,
+        )
+    try:
+        result = await edge.fork(parent.id, body)
+    except BaseException:
+        await asyncio.shield(iam.release_many(ids))
+        raise
+    for provisional, child in zip(ids, result.children, strict=False):
+        await iam.rebind(provisional, child.id)
+    if len(result.children) < len(ids):
+        await iam.release_many(ids[len(result.children) :])
+    return result

@@ -13,9 +13,13 @@ from typing import Annotated
 
 import typer
 
+from dsec.cli import batch as batch_cmd
+from dsec.cli import cluster as cluster_cmd
+from dsec.cli import db as db_cmd
 from dsec.cli import demo as demo_cmd
 from dsec.cli import events as events_cmd
 from dsec.cli import fncall as fncall_cmd
+from dsec.cli import iam as iam_cmd
 from dsec.cli import image, layer, sandbox, store
 from dsec.cli import rl as rl_cmd
 from dsec.cli import trajectory as trajectory_cmd
@@ -30,6 +34,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+sandbox.app.command("batch")(batch_cmd.batch)
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(image.app, name="image")
 app.add_typer(layer.app, name="layer")
@@ -37,7 +42,16 @@ app.add_typer(store.app, name="store")
 app.add_typer(rl_cmd.job_app, name="job")
 app.add_typer(rl_cmd.env_app, name="env")
 app.add_typer(rl_cmd.role_app, name="role")
+app.add_typer(iam_cmd.project_app, name="project")
+app.add_typer(iam_cmd.principal_app, name="principal")
+app.add_typer(iam_cmd.key_app, name="key")
+app.add_typer(iam_cmd.quota_app, name="quota")
 app.add_typer(trajectory_cmd.app, name="trajectory")
+app.add_typer(db_cmd.app, name="db")
+app.add_typer(cluster_cmd.app, name="cluster")
+app.command("apiserver")(cluster_cmd.apiserver)
+app.command("watcher")(cluster_cmd.watcher)
+app.command("edge")(cluster_cmd.edge)
 app.command("up")(up_cmd.up)
 app.command("demo")(demo_cmd.demo)
 app.command("events")(events_cmd.events)

@@ -24,9 +24,12 @@ from dsec.model import (
 )
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
+from dsec.sdk._batch import BatchMixin
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
+from dsec.sdk.cluster import ClusterMixin
 from dsec.sdk.datapath import DataPathClient, DataPathMode, SandboxDataMixin
 from dsec.sdk.fncall import FnCallMixin
+from dsec.sdk.iam import IAMMixin
 from dsec.sdk.layers import LayersMixin
 from dsec.sdk.rl import JobsMixin, SandboxRLMixin
 from dsec.sdk.security import SecurityMixin
@@ -38,7 +41,16 @@ DEFAULT_TIMEOUT = 60.0
 POOL_SHARD_SIZE = 32
 
 
-class DSecClient(LayersMixin, SecurityMixin, FnCallMixin, TrajectoryMixin, JobsMixin):
+class DSecClient(
+    LayersMixin,
+    SecurityMixin,
+    FnCallMixin,
+    TrajectoryMixin,
+    JobsMixin,
+    BatchMixin,
+    ClusterMixin,
+    IAMMixin,
+):
     """Async client of a DSec platform.
 
     ``url`` and ``api_key`` default to ``DSEC_URL`` / ``DSEC_API_KEY``, then to what

@@ -23,11 +23,14 @@ from dsec.model import (
 )
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
+from dsec.sdk._batch import SyncBatchMixin
 from dsec.sdk._portal import Portal
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.client import DEFAULT_TIMEOUT, DSecClient
+from dsec.sdk.cluster import SyncClusterMixin
 from dsec.sdk.datapath import DataPathMode
 from dsec.sdk.fncall import SyncFnCallMixin
+from dsec.sdk.iam import SyncIAMMixin
 from dsec.sdk.layers import SyncLayersMixin
 from dsec.sdk.rl import SyncJobsMixin, SyncSandboxRLMixin
 from dsec.sdk.security import SyncSecurityMixin
@@ -38,7 +41,14 @@ T = TypeVar("T")
 
 
 class DSecSyncClient(
-    SyncLayersMixin, SyncSecurityMixin, SyncFnCallMixin, SyncTrajectoryMixin, SyncJobsMixin
+    SyncLayersMixin,
+    SyncSecurityMixin,
+    SyncFnCallMixin,
+    SyncTrajectoryMixin,
+    SyncJobsMixin,
+    SyncBatchMixin,
+    SyncClusterMixin,
+    SyncIAMMixin,
 ):
     """Blocking client of a DSec platform; same arguments and methods as ``DSecClient``."""
 

@@ -1,0 +1,1 @@
+"""Cluster mode: apiserver, edges and watcher as separate processes (docs/CLUSTER.md)."""

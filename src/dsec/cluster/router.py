@@ -1,0 +1,382 @@
+"""The apiserver's edge in cluster mode: one EdgeAPI over every edge of the cluster.
+
+Requests about an existing sandbox go to the edge its id names (``e3-...``), with no
+lookup. A create is placed (dsec.control.placement) over the view that the edges'
+heartbeats keep in the database, refreshed every ``refresh`` seconds; an edge that
+refuses (it is full: the edge has the last word) or cannot be reached is skipped and
+the next candidate tried; when no edge can take it the caller gets ``ClusterFull``
+with the figures, never a timeout. Sandboxes of an edge that is down are answered
+from the directory as ``lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import time
+from typing import Any, TypeVar
+
+from dsec.cluster.model import EdgeStatus
+from dsec.cluster.registry import DOWN, Registry, sandbox_info
+from dsec.cluster.remote import RemoteEdge
+from dsec.control.placement import Demand, EdgeView, Placer
+from dsec.errors import (
+    AdmissionRejected,
+    ClusterFull,
+    DSecError,
+    EdgeUnavailable,
+    ImageNotFound,
+    SandboxNotFound,
+    SandboxNotRunning,
+)
+from dsec.model import (
+    DataPathInfo,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    HealthInfo,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+    TrajectoryRef,
+)
+from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+
+log = logging.getLogger(__name__)
+_Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
+
+CLUSTER_EDGE_ID = "cluster"
+# A view older than this is not placed on, even before the watcher marks the edge down.
+STALE_AFTER_S = 5.0
+
+
+def image_key(image: str) -> str:
+    """How an image appears among an edge's cached layers in the placement view."""
+    return "image:" + (image if ":" in image.rsplit("/", 1)[-1] else image + ":latest")
+
+
+def edge_of(sandbox_id: str) -> str:
+    return sandbox_id.split("-", 1)[0]
+
+
+def view_of(status: EdgeStatus, now: float) -> EdgeView:
+    r = status.report
+    return EdgeView(
+        edge_id=status.edge_id,
+        url=status.url,
+        up=status.status != DOWN and now - status.heartbeat_at < STALE_AFTER_S,
+        capacity=r.capacity,
+        sandboxes=r.sandboxes,
+        cpu_cores=r.cpu_cores,
+        cpu_committed=r.cpu_committed,
+        memory_mb=r.memory_mb,
+        memory_committed_mb=r.memory_committed_mb,
+        backends=frozenset(r.backends),
+        labels=dict(r.labels),
+        layers=frozenset(r.layers) | frozenset(image_key(i) for i in r.images),
+        seen_at=status.heartbeat_at,
+        lazy=r.lazy,
+    )
+
+
+class ClusterEdge:
+    edge_id = CLUSTER_EDGE_ID
+
+    def __init__(
+        self,
+        registry: Registry,
+        token: str,
+        placer: Placer | None = None,
+        *,
+        version: str = "0",
+        refresh: float = 0.5,
+        rounds: int = 3,
+    ) -> None:
+        self.registry = registry
+        # k=3: closest to least-loaded balance without its herd (bench/bench_placement.py)
+        self.placer = placer or Placer(k=3)
+        self._token = token
+        self._version = version
+        self._refresh_period = refresh
+        self._rounds = rounds
+        self._edges: dict[str, EdgeStatus] = {}
+        self._remotes: dict[str, RemoteEdge] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # -- the view -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="dsec-cluster-view")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for remote in self._remotes.values():
+            await remote.close()
+        self._remotes.clear()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_period)
+            try:
+                await self.refresh()
+            except Exception:  # the database may blink; the last view stays in use
+                log.exception("cluster view refresh failed")
+
+    async def refresh(self) -> None:
+        statuses = await self.registry.edges()
+        now = time.time()
+        self._edges = {s.edge_id: s for s in statuses}
+        for status in statuses:
+            remote = self._remotes.get(status.edge_id)
+            if remote is None or remote.url != status.url.rstrip("/"):
+                if remote is not None:
+                    await remote.close()
+                self._remotes[status.edge_id] = RemoteEdge(status.edge_id, status.url, self._token)
+        self.placer.update(view_of(s, now) for s in statuses)
+
+    def known_edges(self) -> set[str]:
+        return set(self._edges)
+
+    async def _status(self, sandbox_id: str) -> EdgeStatus:
+        edge_id = edge_of(sandbox_id)
+        status = self._edges.get(edge_id)
+        if status is None:
+            await self.refresh()  # an edge that joined since the last refresh
+            status = self._edges.get(edge_id)
+        if status is None:
+            raise SandboxNotFound(
+                f"no sandbox {sandbox_id!r}: no edge {edge_id!r} in this cluster",
+                sandbox_id=sandbox_id,
+            )
+        return status
+
+    async def _remote(self, sandbox_id: str) -> RemoteEdge:
+        """The live edge holding ``sandbox_id``; a down edge's sandbox is not running."""
+        status = await self._status(sandbox_id)
+        if status.status == DOWN:
+            info = await self._directory(sandbox_id)
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {info.state.value}: {info.reason}",
+                sandbox_id=sandbox_id,
+                state=info.state.value,
+            )
+        return self._remotes[status.edge_id]
+
+    async def _directory(self, sandbox_id: str) -> SandboxInfo:
+        row = await self.registry.sandbox(sandbox_id)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        return sandbox_info(row)
+
+    # -- create ---------------------------------------------------------------------------
+    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        image = frozenset({image_key(spec.container_image)})
+        demand = Demand.for_spec(spec, "container", layers=image, requires=image)
+        tried: set[str] = set()
+        refusals: list[dict[str, Any]] = []
+        no_image: ImageNotFound | None = None
+        for _ in range(self._rounds):
+            candidates = [c for c in self.placer.candidates(demand, n=3) if c.edge_id not in tried]
+            if not candidates:
+                break
+            for view in candidates:
+                tried.add(view.edge_id)
+                remote = self._remotes.get(view.edge_id)
+                if remote is None:
+                    continue
+                self.placer.reserve(view.edge_id, demand)
+                try:
+                    info = await remote.create(spec, timeout=timeout)
+                except AdmissionRejected as exc:
+                    self.placer.unreserve(view.edge_id, demand)
+                    self.placer.refused(view.edge_id, exc.details)
+                    refusals.append({"edge": view.edge_id, "code": exc.code, "reason": exc.message})
+                    continue
+                except (EdgeUnavailable, ImageNotFound) as exc:
+                    # Unreachable, or it died mid-request: were it to come back with the
+                    # sandbox, it stops it (no directory entry; dsec.cluster.registry).
+                    self.placer.unreserve(view.edge_id, demand)
+                    if isinstance(exc, ImageNotFound):
+                        no_image = no_image or exc
+                    refusals.append({"edge": view.edge_id, "code": exc.code, "reason": exc.message})
+                    continue
+                except BaseException:
+                    self.placer.unreserve(view.edge_id, demand)
+                    raise
+                self.placer.confirm(view.edge_id, demand)
+                await self._record(info, remote)
+                return info
+        if no_image is not None and all(r["code"] == no_image.code for r in refusals):
+            raise no_image  # no edge tried has it: not a capacity problem
+        ups = [s for s in self._edges.values() if s.status != DOWN]
+        raise ClusterFull(
+            f"no edge could take the sandbox ({len(tried)} tried, "
+            f"{len(ups)} of {len(self._edges)} edges up); retry later",
+            edges=len(self._edges),
+            edges_up=len(ups),
+            capacity=sum(s.report.capacity for s in ups),
+            sandboxes=sum(s.report.sandboxes for s in ups),
+            refusals=refusals[:20],
+        )
+
+    async def _record(self, info: SandboxInfo, remote: RemoteEdge) -> None:
+        """Enter the sandbox in the directory; a sandbox that cannot be recorded is not
+        kept (it would run unaccounted)."""
+        try:
+            await self.registry.created(info)
+        except BaseException:
+            with contextlib.suppress(DSecError):
+                await remote.stop(info.id, reason="could not be recorded in the cluster")
+            raise
+
+    # -- one sandbox ----------------------------------------------------------------------
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        status = await self._status(sandbox_id)
+        if status.status == DOWN:
+            return await self._directory(sandbox_id)
+        try:
+            return await self._remotes[status.edge_id].get(sandbox_id)
+        except SandboxNotFound:
+            return await self._directory(sandbox_id)  # ended long ago: the directory knows
+
+    async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
+        status = await self._status(sandbox_id)
+        if status.status == DOWN:
+            note = f"{reason} while edge {status.edge_id} was down (stopped when it returns)"
+            await self.registry.ended(sandbox_id, note)
+            return await self._directory(sandbox_id)
+        info = await self._remotes[status.edge_id].stop(sandbox_id, reason=reason)
+        await self.registry.ended(sandbox_id, info.reason or reason)
+        return info
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await (await self._remote(sandbox_id)).exec(sandbox_id, req)
+
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await (await self._remote(sandbox_id)).verify(sandbox_id, req)
+
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
+        remote = await self._remote(sandbox_id)
+        return await remote.read_file(sandbox_id, path, max_bytes=max_bytes)
+
+    async def write_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        trajectory: TrajectoryRef | None = None,
+    ) -> None:
+        remote = await self._remote(sandbox_id)
+        await remote.write_file(sandbox_id, path, data, mode=mode, trajectory=trajectory)
+
+    async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
+        return await (await self._remote(sandbox_id)).update_network(sandbox_id, rules)
+
+    async def data_path(self, sandbox_id: str) -> DataPathInfo:
+        """The edge's own URL and a token it minted: the data path bypasses us."""
+        return await (await self._remote(sandbox_id)).data_path(sandbox_id)
+
+    # -- many sandboxes -------------------------------------------------------------------
+    def _up(self) -> builtins.list[RemoteEdge]:
+        return [self._remotes[e] for e, s in self._edges.items() if s.status != DOWN]
+
+    async def list(
+        self,
+        *,
+        labels: dict[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """Every edge's answer; an edge that does not answer is reported from the
+        directory (with the reason), and ``lost`` sandboxes come from the directory."""
+        remotes = self._up()
+        answers = await asyncio.gather(
+            *(r.list(labels=labels, states=states) for r in remotes), return_exceptions=True
+        )
+        out: builtins.list[SandboxInfo] = []
+        for remote, answer in zip(remotes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, DSecError):
+                    raise answer
+                log.warning("edge %s did not list: %s", remote.edge_id, answer)
+                continue
+            out.extend(answer)
+        if states is None or SandboxState.LOST in states:
+            for info in await self.registry.lost():
+                if all(info.labels.get(k) == v for k, v in (labels or {}).items()):
+                    out.append(info)
+        return out
+
+    async def health(self) -> HealthInfo:
+        ups = [s for s in self._edges.values() if s.status != DOWN]
+        return HealthInfo(
+            version=self._version,
+            edge=CLUSTER_EDGE_ID,
+            sandboxes_running=sum(s.report.sandboxes for s in ups),
+            capacity=sum(s.report.capacity for s in ups),
+        )
+
+    async def pause_job(self, job_id: str) -> JobPauseReport:
+        start = time.perf_counter()
+        reports = await self._fan_out("POST", f"/v1/jobs/{job_id}/pause", JobPauseReport)
+        merged = JobPauseReport(
+            job_id=job_id,
+            paused=sum(r.paused for r in reports),
+            already_paused=sum(r.already_paused for r in reports),
+            failed=sum(r.failed for r in reports),
+            memory_reclaimed_bytes=sum(r.memory_reclaimed_bytes for r in reports),
+            memory_before_bytes=sum(r.memory_before_bytes for r in reports),
+            duration=time.perf_counter() - start,
+            swap_available=any(r.swap_available for r in reports),
+            sandboxes=[s for r in reports for s in r.sandboxes],
+        )
+        return merged
+
+    async def resume_job(self, job_id: str) -> JobResumeReport:
+        start = time.perf_counter()
+        reports = await self._fan_out("POST", f"/v1/jobs/{job_id}/resume", JobResumeReport)
+        return JobResumeReport(
+            job_id=job_id,
+            resumed=sum(r.resumed for r in reports),
+            duration=time.perf_counter() - start,
+            sandbox_ids=[i for r in reports for i in r.sandbox_ids],
+        )
+
+    async def pack_diff(self, sandbox_id: str, name: str, version: str) -> PackedEnv:
+        remote = await self._remote(sandbox_id)
+        body = {"name": name, "version": version}
+        resp = await remote.forward("POST", f"/v1/sandboxes/{sandbox_id}/pack", json=body)
+        return PackedEnv.model_validate_json(resp.content)
+
+    async def fork(self, sandbox_id: str, req: ForkRequest) -> ForkResult:
+        """On the source's edge (its layer is there); the children join the directory."""
+        remote = await self._remote(sandbox_id)
+        path = f"/v1/sandboxes/{sandbox_id}/fork"
+        body = req.model_dump(mode="json", exclude_unset=True)
+        resp = await remote.forward("POST", path, json=body, timeout=req.timeout * req.n + 60)
+        result = ForkResult.model_validate_json(resp.content)
+        for child in result.children:
+            await self._record(child, remote)
+        return result
+
+    async def _fan_out(
+        self, method: str, path: str, model: type[_Report]
+    ) -> builtins.list[_Report]:
+        remotes = self._up()
+        answers = await asyncio.gather(
+            *(r.forward(method, path) for r in remotes), return_exceptions=True
+        )
+        out: builtins.list[_Report] = []
+        for remote, answer in zip(remotes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                raise EdgeUnavailable(
+                    f"edge {remote.edge_id} did not answer {path}: {answer}", edge=remote.edge_id
+                )
+            out.append(model.model_validate_json(answer.content))
+        return out

@@ -1,0 +1,232 @@
+"""Cluster mode for real: PostgreSQL, apiservers, a watcher and edges in their own
+network namespaces (tests/cluster_env.py), driven through the public SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
+from dsec.errors import PermissionDenied, QuotaExceeded, SandboxNotRunning
+from dsec.model import SandboxInfo as SandboxInfoT
+from dsec.model import SandboxState
+from tests.cluster_env import Cluster, cluster
+from tests.pg import PostgresServer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def spec(**extra: object) -> DSecContainerRunArgs:
+    base: dict[str, object] = {"container_image": "busybox:latest", "memory_limit_mb": 64}
+    base.update(extra)
+    return DSecContainerRunArgs.model_validate(base)
+
+
+def build_busybox(c: Cluster) -> None:
+    for edge in c.edges.values():
+        with DSecSyncClient(edge.url, c.token) as client:
+            client.build_image("busybox")
+
+
+@pytest.fixture(scope="module")
+def three_edges(postgres: PostgresServer) -> Iterator[Cluster]:
+    with cluster(postgres, apiservers=2) as c:
+        for i, cap in enumerate((300, 200, 150)):
+            c.add_edge(i, capacity=cap)
+        build_busybox(c)
+        c.wait_edges_up(3)
+        time.sleep(1.2)  # one more beat each: the images are in the view
+        yield c
+
+
+async def test_create_exec_stop_through_any_apiserver(three_edges: Cluster) -> None:
+    c = three_edges
+    async with (
+        DSecClient(c.api_urls[0], c.admin_key) as a,
+        DSecClient(c.api_urls[1], c.admin_key) as b,
+    ):
+        sb = await a.run_container(spec(labels={"t": "basic"}))
+        assert sb.id.split("-")[0] in c.edges
+        other = await b.get(sb.id)
+        assert other.info.state is SandboxState.RUNNING
+        result = await other.run_shell("echo hi from $(hostname)")
+        assert result.stdout.startswith("hi from")
+        listed = await b.list_sandboxes(labels={"t": "basic"})
+        assert [s.id for s in listed] == [sb.id]
+        await other.stop()
+        assert (await a.get(sb.id)).info.state is SandboxState.STOPPED
+
+
+async def _burst(
+    c: Cluster, count: int, *, label: str, parallelism: int = 24
+) -> tuple[list[str], list[Exception]]:
+    """``count`` creates spread over every apiserver; returns (ids, failures)."""
+    clients = [DSecClient(url, c.admin_key, timeout=300) for url in c.api_urls]
+    gate = asyncio.Semaphore(parallelism)
+    ids: list[str] = []
+    failures: list[Exception] = []
+
+    async def one(i: int) -> None:
+        async with gate:
+            try:
+                sb = await clients[i % len(clients)].run_container(
+                    spec(labels={"burst": label}, ttl_running_stop=None)
+                )
+                ids.append(sb.id)
+            except Exception as exc:  # collected and asserted on by the caller
+                failures.append(exc)
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(count)))
+    finally:
+        for client in clients:
+            await client.close()
+    return ids, failures
+
+
+async def _stop_all(c: Cluster, ids: list[str]) -> None:
+    async with DSecClient(c.api_urls[0], c.admin_key, timeout=300) as client:
+        gate = asyncio.Semaphore(32)
+
+        async def stop(sid: str) -> None:
+            async with gate:
+                await client.stop_sandbox(sid)
+
+        await asyncio.gather(*(stop(sid) for sid in ids))
+
+
+async def test_burst_of_600_spread_by_capacity(three_edges: Cluster) -> None:
+    c = three_edges
+    start = time.perf_counter()
+    ids, failures = await _burst(c, 600, label="b600")
+    elapsed = time.perf_counter() - start
+    try:
+        assert not failures, f"{len(failures)} creates failed, e.g. {failures[:3]}"
+        assert len(set(ids)) == 600
+        per_edge = Counter(sid.split("-")[0] for sid in ids)
+        capacity = {
+            e.edge_id: cap for e, cap in zip(c.edges.values(), (300, 200, 150), strict=True)
+        }
+        for edge_id, n in per_edge.items():
+            assert n <= capacity[edge_id]
+        fill = [per_edge[e] / capacity[e] for e in capacity]
+        # Spread by capacity: every edge about as full as the others (600/650 = 92%).
+        assert max(fill) - min(fill) < 0.25, (per_edge, fill)
+        print(f"600 sandboxes in {elapsed:.1f} s over 2 apiservers: {dict(per_edge)}")
+    finally:
+        await _stop_all(c, ids)
+
+
+async def _wait_state(
+    client: DSecClient, sid: str, state: SandboxState, timeout: float = 30.0
+) -> SandboxInfoT:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = (await client.get(sid)).info
+        if info.state is state or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.2)
+
+
+async def test_edge_killed_mid_burst(three_edges: Cluster) -> None:
+    """Its sandboxes become lost with a reason, the burst completes on the others, and
+    when the edge comes back the survivors are re-adopted."""
+    c = three_edges
+    victim = c.edges[next(iter(c.edges))]
+    burst = asyncio.create_task(_burst(c, 150, label="kill", parallelism=12))
+    async with DSecClient(c.api_urls[1], c.admin_key, timeout=120) as client:
+        deadline = time.monotonic() + 60
+        on_victim: list[str] = []
+        while len(on_victim) < 10 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            listed = await client.list_sandboxes(labels={"burst": "kill"})
+            on_victim = [s.id for s in listed if s.id.startswith(victim.edge_id + "-")]
+        assert on_victim, "no sandbox reached the victim edge"
+        victim.proc.kill()
+        ids, failures = await burst
+        try:
+            assert not failures, f"{len(failures)} creates failed, e.g. {failures[:3]}"
+            assert len(ids) == 150
+            # Creates in flight when it died were retried elsewhere: only the ones
+            # answered from the victim are the cluster's, and they are lost.
+            on_victim = [sid for sid in ids if sid.startswith(victim.edge_id + "-")]
+            assert on_victim
+            lost = await _wait_state(client, on_victim[0], SandboxState.LOST)
+            assert lost.state is SandboxState.LOST, lost
+            assert lost.reason and victim.edge_id in lost.reason, lost.reason
+            listed = await client.list_sandboxes(states=[SandboxState.LOST])
+            assert set(on_victim) <= {s.id for s in listed}
+            with pytest.raises(SandboxNotRunning):
+                await (await client.get(on_victim[0])).run_shell("true")
+
+            c.start_edge(victim)  # same data dir: it re-adopts what survived
+            back = await _wait_state(client, on_victim[0], SandboxState.RUNNING)
+            assert back.state is SandboxState.RUNNING, back
+            result = await (await client.get(on_victim[0])).run_shell("echo back")
+            assert result.stdout == "back\n"
+        finally:
+            await _stop_all(c, ids)
+
+
+async def test_apiserver_restart_loses_nothing(three_edges: Cluster) -> None:
+    c = three_edges
+    ids, failures = await _burst(c, 20, label="restart", parallelism=8)
+    assert not failures
+    try:
+        c.apiservers[0].kill()
+        async with DSecClient(c.api_urls[1], c.admin_key) as other:
+            listed = await other.list_sandboxes(labels={"burst": "restart"})
+            assert sorted(s.id for s in listed) == sorted(ids)
+        c.start_apiserver(0)
+        async with DSecClient(c.api_urls[0], c.admin_key) as again:
+            listed = await again.list_sandboxes(labels={"burst": "restart"})
+            assert sorted(s.id for s in listed) == sorted(ids)
+            result = await (await again.get(ids[0])).run_shell("echo still here")
+            assert result.stdout == "still here\n"
+    finally:
+        await _stop_all(c, ids)
+
+
+async def test_quota_holds_under_concurrent_creates_from_two_apiservers(
+    three_edges: Cluster,
+) -> None:
+    """Two apiservers charge one project chain in PostgreSQL: never over the quota."""
+    c = three_edges
+    async with DSecClient(c.api_urls[0], c.admin_key) as admin:
+        await admin.create_project("rlq")
+        await admin.create_project("rlq/math")
+        await admin.set_quota("rlq", max_sandboxes=25)  # the parent binds the child
+        await admin.create_principal("runner", default_project="rlq/math")
+        await admin.grant("runner", "runtime", project="rlq")
+        key = (await admin.create_key("runner")).key
+
+    clients = [DSecClient(url, key, timeout=300) for url in c.api_urls]
+    created: list[str] = []
+    refused: list[QuotaExceeded] = []
+
+    async def one(i: int) -> None:
+        try:
+            sb = await clients[i % 2].run_container(spec(labels={"burst": "quota"}))
+            created.append(sb.id)
+        except QuotaExceeded as exc:
+            refused.append(exc)
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(50)))
+        assert len(created) == 25 and len(refused) == 25, (len(created), len(refused))
+        assert refused[0].details["project"] == "rlq"
+        async with DSecClient(c.api_urls[1], c.admin_key) as admin:
+            usage = await admin.quota("rlq/math")
+            assert usage.usage.sandboxes == 25
+        with pytest.raises(PermissionDenied):
+            await clients[0].run_container(spec(project="default"))
+    finally:
+        await _stop_all(c, created)
+        for client in clients:
+            await client.close()
+    async with DSecClient(c.api_urls[0], c.admin_key) as admin:
+        assert (await admin.quota("rlq")).usage.sandboxes == 0
