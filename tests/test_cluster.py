@@ -4,6 +4,10 @@ network namespaces (tests/cluster_env.py), driven through the public SDK."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -230,3 +234,37 @@ async def test_quota_holds_under_concurrent_creates_from_two_apiservers(
             await client.close()
     async with DSecClient(c.api_urls[0], c.admin_key) as admin:
         assert (await admin.quota("rlq")).usage.sandboxes == 0
+
+
+async def test_batch_across_edges(three_edges: Cluster) -> None:
+    """A job's batch through one apiserver is placed over every edge."""
+    c = three_edges
+    async with DSecClient(c.api_urls[1], c.admin_key, timeout=300) as client:
+        batch = await client.create_batch(spec(), count=90, job="rl-job-42")
+        done = await batch.wait()
+        ids = [sb.id for sb in batch.sandboxes]
+        try:
+            assert (done.created, done.failed, done.cancelled) == (90, 0, 0), done
+            assert len(Counter(sid.split("-")[0] for sid in ids)) == 3
+            listed = await client.list_sandboxes(labels={"dsec.batch": done.batch_id})
+            assert len(listed) == 90 and {s.info.spec.job_id for s in listed} == {"rl-job-42"}
+        finally:
+            await _stop_all(c, ids)
+
+
+def test_cli_lists_edges_and_refuses_bad_edge_ids(three_edges: Cluster) -> None:
+    c = three_edges
+    env = {**os.environ, "DSEC_URL": c.api_urls[0], "DSEC_API_KEY": c.admin_key}
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", "cluster", "edges", "--json"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    edges = {e["edge_id"]: e for e in json.loads(out.stdout)}
+    assert set(edges) == set(c.edges) and {e["status"] for e in edges.values()} == {"up"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", "edge", "--join", c.api_urls[0],
+         "--cluster-token", c.token, "--edge-id", "Bad_Id", "--advertise", "http://x:1"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "edge-id" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from dsec.model import SandboxInfo
 from dsec.platform import Platform, run, run_loop, serve_app
 
 log = logging.getLogger(__name__)
+
+CLUSTER_BATCH_PARALLELISM = 64
 
 
 @dataclass
@@ -75,6 +78,11 @@ async def serve_apiserver(
         app.include_router(
             cluster_router(router, registry, config.cluster_token, Authenticator(keys))
         )
+        if "DSEC_BATCH_PARALLELISM" not in os.environ:
+            # Here a create is a request to some edge, not CPU of this host: batches
+            # may keep many in flight (the edges admit or refuse each).
+            app.state.batches.default_parallelism = CLUSTER_BATCH_PARALLELISM
+            app.state.batches.max_in_flight = 4 * CLUSTER_BATCH_PARALLELISM
 
         async def started() -> None:
             if ready is not None:
