@@ -12,7 +12,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port, host_leaks, remove_edge_cgroup
+from tests.conftest import free_port, host_leaks, kill_process, remove_edge_cgroup, stop_process
 from tests.pg import PostgresServer
 
 
@@ -117,23 +116,13 @@ class Proc:
             return "(no log)"
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         self.proc = None
 
     def kill(self) -> None:
         """SIGKILL the process alone, as a crash (its sandboxes live on in the spawner)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        kill_process(self.proc)
+        self.proc = None
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float = 60.0) -> None:

@@ -99,23 +99,30 @@ class PlatformProcess:
         )
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         self.proc = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash: nothing gets a chance to clean up."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        kill_process(self.proc)
+        self.proc = None
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) -> None:
+    """SIGTERM and wait (a clean shutdown); SIGKILL if it takes longer than ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_process(proc)
+
+
+def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None:
+        proc.kill()
+        proc.wait()
 
 
 def host_leaks(data_dir: Path, edge_id: str) -> list[str]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Table, and_, bindparam, delete, exists, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
@@ -48,6 +48,21 @@ def ancestors(project: str) -> list[str]:
     """``a/b/c`` -> ``[a, a/b, a/b/c]``: the chain a charge goes to, root first."""
     parts = project.split("/")
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def chain_sums(
+    rows: Iterable[Sequence[Any]], sums: dict[str, list[int]] | None = None
+) -> dict[str, list[int]]:
+    """What released charges ``(project, millicores, memory_mb)`` give back to each
+    project of their chains: ``{project: [sandboxes, millicores, memory_mb]}``."""
+    sums = {} if sums is None else sums
+    for project, mc, mem in rows:
+        for p in ancestors(project):
+            acc = sums.setdefault(p, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += mc
+            acc[2] += mem
+    return sums
 
 
 def millicores(cores: float) -> int:
@@ -251,13 +266,7 @@ class Charger:
             ).all()
             if not rows:
                 return 0
-            sums: dict[str, list[int]] = {}
-            for project, mc, mem in rows:
-                for p in ancestors(project):
-                    acc = sums.setdefault(p, [0, 0, 0])
-                    acc[0] += 1
-                    acc[1] += mc
-                    acc[2] += mem
+            sums = chain_sums(rows)
             order = sorted(sums)
             if self._pg:
                 await self._lock_chain(conn, order)
@@ -483,12 +492,7 @@ class SqliteCharger(Charger):
                     part,
                 ).fetchall()
                 count += len(rows)
-                for project, mc, mem in rows:
-                    for p in ancestors(project):
-                        acc = sums.setdefault(p, [0, 0, 0])
-                        acc[0] += 1
-                        acc[1] += mc
-                        acc[2] += mem
+                chain_sums(rows, sums)
             for p in sorted(sums):
                 self._bump(db, [p], -1, sums[p])
             return count
