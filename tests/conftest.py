@@ -263,6 +263,11 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
     try:
         plat.start()
         yield plat
+    except BaseException:
+        # The data dir goes below: keep the platform's own account of a failure.
+        if plat.log_path.exists():
+            sys.stderr.write(f"--- platform log ---\n{plat.log_path.read_text()[-6000:]}\n")
+        raise
     finally:
         plat.stop()
         leaks = host_leaks(plat.data_dir, edge_id)
