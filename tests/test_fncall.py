@@ -152,6 +152,60 @@ def test_prestarted_interpreters_keep_semantics(fc: DSecSyncClient, toolchain: s
         fc.run_code(_a(BB, language="python"), "print(1)")
 
 
+def test_stdin_is_in_place_before_the_program(fc: DSecSyncClient, toolchain: str) -> None:
+    """A sandbox is ready once its interpreter is forked, so a call can come before the
+    pre-started interpreter has opened its source. The regular file used to replace the
+    FIFO on the call's 'F', and stdin came with its 'X' (after the call's other files):
+    an interpreter that opened its source in between ran the program at once: `read`
+    saw an empty stdin (seen once in ~2 full runs, the call with env below) or, if it
+    was done before the 'X', the call ran the program a second time, the plain way.
+    Made deterministic here: BASH_ENV runs before bash opens its script and holds it
+    (bounded: ~0.1-1 s) until main.sh is a regular file, the pause before each call
+    lets the pool's next sandbox reach that hold, and a large extra file written
+    between the 'F' and the 'X' widens the window. Before the fix, every call here
+    lost its stdin."""
+    hold = "$(n=0; until [ -f /tmp/work/main.sh ] || [ $((n += 1)) -gt 40000 ]; do :; done)"
+    held = _a(TC, language="bash", env={"BASH_ENV": hold})
+    pad = {"pad": "x" * (4 << 20)}
+    for _ in range(8):
+        time.sleep(0.1)
+        prog = 'echo >> runs; read x; echo "in=$x runs=$(wc -l < runs)"'
+        r = fc.run_code(held, prog, stdin="abc\n", files=pad)
+        assert (r.status, r.stdout) == ("ok", "in=abc runs=1\n"), r
+
+
+async def test_stdin_reaches_every_call(afc: DSecClient, toolchain: str) -> None:
+    """The call that lost its stdin, looped: bursts on fresh pools (each with its own
+    environment), so most calls land on sandboxes built a moment before, whose
+    interpreter is still starting; pre-started (bash, sh, python) and plain (argv).
+    The program runs once, with its stdin, whatever the interpreter was doing."""
+    count = "echo >> runs; n=$(wc -l < runs)\n"
+    code = (
+        count
+        + 'echo "$0 $# $PPID ${BASH_SOURCE[0]}"\nread x; echo "in=$x $n"\n'
+        + ('test -f "$0" && test ! -p "$0" && wc -l < "$0"; echo "$FOO"; echo "$1"; exit 3\n')
+    )
+    py = (
+        "import os\nwith open('runs', 'a+') as f: f.write('.'); f.seek(0); n = len(f.read())\n"
+        "print('in=' + input(), n, os.environ['FOO'])"
+    )
+    cases: list[tuple[DSecFnCallRunArgs, str, list[str], str]] = [
+        (_a(TC, language="bash"), code, [], "main.sh 0 1 main.sh\nin=abc 1\n4\nbar\n\n"),
+        (_a(TC, language="bash"), code, ["x"], "main.sh 1 1 main.sh\nin=abc 1\n4\nbar\nx\n"),
+        (_a(TC, language="sh"), count + 'read x; echo "in=$x $n $FOO"', [], "in=abc 1 bar\n"),
+        (TC, py, [], "in=abc 1 bar\n"),
+    ]
+    pad = {"pad": "x" * (1 << 20)}  # written between the source and the run: a wider gap
+    for n, (args, prog, argv, want) in enumerate(cases):
+        fresh = _a(args, env={"FOO": "bar", "STDIN_LOOP": str(n)})
+        for _ in range(3):
+            rs = await asyncio.gather(
+                *(afc.run_code(fresh, prog, stdin="abc\n", argv=argv, files=pad) for _ in range(8))
+            )
+            for r in rs:
+                assert r.stdout == want, (argv, r)
+
+
 def test_compile_error_and_missing_toolchain(fc: DSecSyncClient, toolchain: str) -> None:
     for lang in ("c", "cpp"):
         r = fc.run_code(_a(TC, language=lang), "int main() { this is not code }")

@@ -451,18 +451,24 @@ struct step {
  * the same start_step() as any step: forked, rlimits, capabilities and uid dropped,
  * no_new_privs, Landlock, seccomp, then exec. Its source file is a FIFO the runner
  * holds, so the interpreter stops exactly where it reads the program. A call's 'F' for
- * that file writes the regular file as usual and renames it over the FIFO (what the
- * program sees in /tmp/work is identical), and a matching 'X' (same argv and
- * environment and RLIMIT_CPU) then only writes stdin, arms the CPU timer and feeds the
+ * that file writes the regular file aside (pre_tmp), and a matching 'X' (same argv and
+ * environment and RLIMIT_CPU) then only writes stdin, renames the file over the FIFO
+ * (what the program sees in /tmp/work is identical), arms the CPU timer and feeds the
  * program into the FIFO: wall time starts there; the CPU time the start took is counted in the
  * step's CPU time and against its limit, as it would be without this. Anything else
  * (another argv or environment, the start failed, a program bash would refuse as
- * binary) kills the pre-started process first and runs the step normally. */
+ * binary) kills the pre-started process first and runs the step normally.
+ * Why the rename waits for the 'X' and comes after stdin: the sandbox is reported ready
+ * as soon as the interpreter is forked, so a call can arrive before it has opened its
+ * source. It then opens whatever is at that path: the FIFO (and waits for the feed,
+ * which comes after stdin), or, once renamed, the regular file, and runs the program
+ * at once; had the rename come with the 'F', the program could run, and read its
+ * stdin (empty: EOF), before the 'X' that brings stdin was even received. */
 static struct step pre = {-1, -1, -1, -1, -1};
 static int pre_fifo = -1;        /* our O_RDWR end of the FIFO */
 static char *pre_data;           /* the program, as the last 'F' for pre_src wrote it */
 static size_t pre_len;
-static int pre_have_data;
+static int pre_have_data;        /* pre_data is set and written to pre_tmp, not yet in place */
 
 static void close_step(struct step *s) {
     int *fds[4] = {&s->in, &s->out, &s->err, &s->ex};
@@ -478,6 +484,23 @@ static void pre_path(char *full, size_t n) {
     snprintf(full, n, "%s%s", pre_src[0] == '/' ? "" : WORKDIR "/", pre_src);
 }
 
+/* Where the 'F' writes the program until the 'X' puts it in place: on the same tmpfs
+ * as the source (/tmp), outside /tmp/work, where no 'F' of the call can write. */
+static void pre_tmp(char *tmp, size_t n) {
+    if (pre_src[0] == '/') snprintf(tmp, n, "%s.dsec-new", pre_src);
+    else snprintf(tmp, n, "/tmp/.dsec-prestart-src");
+}
+
+/* The program written aside by pre_file() replaces the FIFO at the source's path. */
+static void pre_install(void) {
+    if (!pre_have_data) return;
+    char full[PATH_MAX], tmp[PATH_MAX + 16];
+    pre_path(full, sizeof full);
+    pre_tmp(tmp, sizeof tmp);
+    if (rename(tmp, full)) unlink(tmp);
+    pre_have_data = 0; /* pre_data stays: it is what the FIFO is fed */
+}
+
 /* Kill and reap the pre-started step (its CPU time is not any call's). */
 static void discard_prestart(void) {
     if (pre.pid > 0) {
@@ -489,7 +512,9 @@ static void discard_prestart(void) {
     if (pre_fifo >= 0) {
         close(pre_fifo);
         pre_fifo = -1;
-        if (!pre_have_data) { /* the FIFO is still in place of the source file */
+        if (pre_have_data) { /* the call's program, written aside: now in place */
+            pre_install();
+        } else { /* no program came: the FIFO goes */
             char full[PATH_MAX];
             pre_path(full, sizeof full);
             unlink(full);
@@ -563,19 +588,21 @@ static void prestart(void) {
     if (start_step(&pre, pre_argv, pre_env, pre_cpu_ms, NULL, 0)) discard_prestart();
 }
 
-/* An 'F' for the pre-started step's source: the regular file replaces the FIFO (the
- * interpreter already has the FIFO open), and the program is kept to feed it. */
+/* An 'F' for the pre-started step's source: the regular file is written aside, to
+ * replace the FIFO only when the 'X' has delivered stdin (pre_install()), and the
+ * program is kept to feed the FIFO. */
 static int pre_file(const char *full, const char *data, size_t dlen, uint32_t mode) {
     char want[PATH_MAX], tmp[PATH_MAX + 16];
     if (pre_fifo < 0) return 0;
     pre_path(want, sizeof want);
     if (strcmp(full, want)) return 0;
-    snprintf(tmp, sizeof tmp, "%s.dsec-new", full);
+    pre_tmp(tmp, sizeof tmp);
+    unlink(tmp); /* an earlier 'F' for the same file: this one replaces it */
+    pre_have_data = 0;
     char *copy = malloc(dlen + 1);
     int fd = copy ? open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode & 07777)
                   : -1;
-    if (fd < 0 || write_full(fd, data, dlen) || fchown(fd, uid, uid) || fchmod(fd, mode & 07777) ||
-        rename(tmp, full)) {
+    if (fd < 0 || write_full(fd, data, dlen) || fchown(fd, uid, uid) || fchmod(fd, mode & 07777)) {
         if (fd >= 0) {
             close(fd);
             unlink(tmp);
@@ -644,13 +671,15 @@ static void do_exec(char *payload, uint32_t len) {
         st = pre;
         pre = (struct step){-1, -1, -1, -1, -1};
         /* pwrite: the step's fd 0 shares the offset, which stays at 0 (the interpreter
-         * has not read its stdin yet: it waits on the FIFO). */
+         * has not read its stdin yet: it waits on the FIFO, or has not opened its source
+         * yet). Only then does the program appear at the source's path (see above). */
         for (size_t off = 0; off < stdin_len;) {
             ssize_t w = pwrite(st.in, end + off, stdin_len - off, (off_t)off);
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0) break;
             off += (size_t)w;
         }
+        pre_install();
         feed = pre_fifo;
         pre_fifo = -1;
         feed_data = pre_data;
