@@ -88,8 +88,10 @@ async def test_join_beat_and_end(engine: AsyncEngine) -> None:
     assert not first.want_live and not first.stop
     for sid in ("e1-0000000000000001", "e1-0000000000000002"):
         await reg.created(info(sid))
+    assert len(await reg.live_on("e1")) == 2
     await reg.heartbeat(report(ended={"e1-0000000000000001": "idle timeout"}))
     assert quota.released == ["e1-0000000000000001"]
+    assert [i.id for i in await reg.live_on("e1")] == ["e1-0000000000000002"]
     row = await reg.sandbox("e1-0000000000000001")
     assert row is not None and row.state == "ended" and row.reason == "idle timeout"
     assert sandbox_info(row).state is SandboxState.STOPPED

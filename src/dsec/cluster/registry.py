@@ -287,6 +287,13 @@ class Registry:
             rows = (await s.scalars(query.order_by(SandboxRow.created_at).limit(limit))).all()
         return [sandbox_info(row) for row in rows]
 
+    async def live_on(self, edge_id: str) -> list[SandboxInfo]:
+        """What the directory last knew to run on ``edge_id`` (when it cannot be asked)."""
+        query = select(SandboxRow).where(SandboxRow.edge_id == edge_id, SandboxRow.state == LIVE)
+        async with self._sessions() as s:
+            rows = (await s.scalars(query.order_by(SandboxRow.created_at))).all()
+        return [sandbox_info(row) for row in rows]
+
     async def live_ids(self, edge_ids: Iterable[str] | None = None) -> list[str]:
         query = select(SandboxRow.sandbox_id).where(SandboxRow.state == LIVE)
         if edge_ids is not None:

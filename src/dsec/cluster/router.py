@@ -50,6 +50,7 @@ _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
 CLUSTER_EDGE_ID = "cluster"
 # A view older than this is not placed on, even before the watcher marks the edge down.
 STALE_AFTER_S = 5.0
+MISS_REFRESH_S = 0.2
 
 
 def image_key(image: str) -> str:
@@ -104,6 +105,7 @@ class ClusterEdge:
         self._edges: dict[str, EdgeStatus] = {}
         self._remotes: dict[str, RemoteEdge] = {}
         self._task: asyncio.Task[None] | None = None
+        self._miss_refresh = 0.0
 
     # -- the view -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,8 +147,11 @@ class ClusterEdge:
     async def _status(self, sandbox_id: str) -> EdgeStatus:
         edge_id = edge_of(sandbox_id)
         status = self._edges.get(edge_id)
-        if status is None:
-            await self.refresh()  # an edge that joined since the last refresh
+        if status is None and time.monotonic() - self._miss_refresh > MISS_REFRESH_S:
+            # An edge that joined since the last refresh; at most so often, so that a
+            # flood of made-up ids cannot turn into a flood of database reads.
+            self._miss_refresh = time.monotonic()
+            await self.refresh()
             status = self._edges.get(edge_id)
         if status is None:
             raise SandboxNotFound(
@@ -300,17 +305,25 @@ class ClusterEdge:
             *(r.list(labels=labels, states=states) for r in remotes), return_exceptions=True
         )
         out: builtins.list[SandboxInfo] = []
+        known: builtins.list[SandboxInfo] = []
         for remote, answer in zip(remotes, answers, strict=True):
             if isinstance(answer, BaseException):
                 if not isinstance(answer, DSecError):
                     raise answer
                 log.warning("edge %s did not list: %s", remote.edge_id, answer)
+                for info in await self.registry.live_on(remote.edge_id):
+                    info.reason = f"last known state: edge {remote.edge_id} did not answer"
+                    known.append(info)
                 continue
             out.extend(answer)
         if states is None or SandboxState.LOST in states:
-            for info in await self.registry.lost():
-                if all(info.labels.get(k) == v for k, v in (labels or {}).items()):
-                    out.append(info)
+            known += await self.registry.lost()
+        out += [
+            info
+            for info in known
+            if (states is None or info.state in states)
+            and all(info.labels.get(k) == v for k, v in (labels or {}).items())
+        ]
         return out
 
     async def health(self) -> HealthInfo:
