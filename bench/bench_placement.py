@@ -9,17 +9,25 @@ reservations. Two apiservers with independent reservations share that one stale 
 (where least-loaded herds); "least_loaded_omniscient" refreshes the view before every
 decision and is the balance baseline.
 
-Scenarios: a job burst (32,000 sandboxes into 160 edges; also with one apiserver), an
-overflow burst past capacity (ClusterFull), a steady stream (Poisson arrivals,
-exponential lifetimes), and locality (half the demand is one popular image cached on 5%
-of the edges; the others cached on random quarters; caches are static: the worst case).
+Scenarios: a job burst (32,000 sandboxes into 160 edges; also with one apiserver, and
+with a 0.5 s view), an overflow burst past capacity (ClusterFull), a refill (a tenth of
+the edges of a 90%-full cluster half emptied at once: the herd), a steady stream (Poisson
+arrivals, exponential lifetimes) and locality (half the demand is one popular image
+cached on 5% of the edges; the others cached on random quarters; caches are static: the
+worst case). The steady stream comes in two kinds of departures: stops sent through a
+random apiserver, which tells its Placer (``released``; the RL trainer stops its
+sandboxes through the API), and "unseen" ones that happen on the edges (TTL, crash),
+known only from the next report; each with a 1 s and a 0.5 s view, and once with a single
+apiserver. Every strategy runs the same seeded edges, demands and arrivals.
 
 Reported per strategy: decisions/s per core (process time spent in the Placer only,
 view updates included), p50/p99 decision latency (candidates()), imbalance (population
 std dev of the edges' load fraction: end of burst, mean over steady state), rejection
 rate (edge refusals / attempts), locality hit rate and hot-spotting (max load among the
 popular image's cachers / mean load). Targets: >= 2,000 decisions/s per core; power-of-k
-imbalance within 1.5x of the omniscient least-loaded, without its herd rejections.
+imbalance within 1.5x of the omniscient least-loaded, without its herd rejections. The
+stale least-loaded scan's own ratio is in the table too: it has the same information as
+power-of-k, so where it misses the target too, the gap is the view, not the sampling.
 Writes bench/results/placement.json.
 """
 
@@ -34,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -48,6 +56,7 @@ STRATEGIES: dict[str, tuple[Strategy, int, bool]] = {
     "least_loaded": ("least_loaded", 1, False),
     "power_of_k2": ("power_of_k", 2, False),
     "power_of_k3": ("power_of_k", 3, False),
+    "power_of_k5": ("power_of_k", 5, False),
     "least_loaded_omniscient": ("least_loaded", 1, True),
 }
 CAPACITIES = (150, 200, 250, 300)
@@ -203,6 +212,7 @@ class Sim:
         self.failed = 0
         self.local_hits = 0
         self.turn = 0
+        self.stop_rng = random.Random(seed + 7)
 
     def _clock(self) -> float:
         return self.now
@@ -275,6 +285,16 @@ class Sim:
                 self.refusals += 1
         self.failed += 1
         return None
+
+    def release(self, edge: SimEdge, d: Demand, through_api: bool) -> None:
+        """A sandbox leaves ``edge``: a stop sent through a random apiserver, which
+        tells its Placer (``released``), or, unseen by every apiserver, on the edge."""
+        edge.release(d)
+        if through_api and self.oracle is None:
+            p = self.placers[self.stop_rng.randrange(len(self.placers))]
+            c0 = time.process_time()
+            p.released(edge.edge_id, d)
+            self.cpu += time.process_time() - c0
 
     def imbalance(self) -> float:
         return statistics.pstdev(e.load() for e in self.edges)
@@ -363,6 +383,7 @@ def steady(
     seed: int,
     images: dict[str, frozenset[str]] | None = None,
     locality_weight: float = 0.1,
+    stops: Literal["api", "edge"] = "api",
 ) -> dict[str, Any]:
     """Poisson arrivals and exponential lifetimes holding ``occupancy`` of the slots.
 
@@ -402,8 +423,9 @@ def steady(
     while t < warm_s + measure_s:
         t += rng.expovariate(rate)
         while departures and departures[0][0] <= t:
-            _, _, edge, dd = heapq.heappop(departures)
-            edge.release(dd)
+            td, _, edge, dd = heapq.heappop(departures)
+            sim.advance(td)
+            sim.release(edge, dd, stops == "api")
         if not measuring and t >= warm_s:
             measuring = True
             for k in (
@@ -440,11 +462,31 @@ def steady(
     return out
 
 
+#: (name, column header) of the imbalance ratios, in table order
+RATIO_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("burst_one_apiserver", "burst 1api"),
+    ("burst", "burst"),
+    ("burst_fast", "burst .5s"),
+    ("steady_one_apiserver", "st 1api"),
+    ("steady", "steady"),
+    ("steady_fast", "st .5s"),
+    ("steady_unseen", "unseen"),
+    ("steady_unseen_fast", "unseen .5s"),
+)
+
+
+def _imb(r: dict[str, Any]) -> float:
+    """The imbalance figure of a scenario: end of a burst, mean over a steady run."""
+    v = r.get("imbalance_std_mean")
+    return float(r["imbalance_std"] if v is None else v)
+
+
 def run(quick: bool) -> dict[str, Any]:
     n_edges = 40 if quick else 160
     cap = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(n_edges))
     count = 4_000 if quick else 32_000
     period = 1.0
+    fast = 0.5
     rate = 4_000.0
     images = {"pop": frozenset({"sha256:pop-base", "sha256:pop-app"})}
     for i in range(20):
@@ -452,16 +494,40 @@ def run(quick: bool) -> dict[str, Any]:
     life = 20.0 if quick else 60.0
     warm, meas = (5.0, 10.0) if quick else (20.0, 60.0)
     results: dict[str, Any] = {}
-    for idx, name in enumerate(STRATEGIES):
-        seed = 1000 + idx
+    # Common random numbers: every strategy sees the same edges, demands, arrivals and
+    # lifetimes, so the ratios compare placement, not luck.
+    seed = 1000
+    for name in STRATEGIES:
+        omni = STRATEGIES[name][2]
         r: dict[str, Any] = {}
         r["burst"] = burst(name, n_edges, count, 2, period, rate, seed)
-        r["burst_one_apiserver"] = burst(name, n_edges, count, 1, period, rate, seed)
         r["refill"] = refill(name, n_edges, 2, period, rate, seed)
         r["overflow"] = burst(name, n_edges, int(cap * 1.1), 2, period, rate, seed)
-        r["steady"] = steady(name, n_edges, 0.7, life, warm, meas, 2, period, seed)
-        r["steady_hot"] = steady(name, n_edges, 0.97, life, warm, meas, 2, period, seed)
-        r["locality"] = steady(name, n_edges, 0.5, life, warm, meas, 2, period, seed, images)
+        args = (name, n_edges, 0.7, life, warm, meas)
+        r["steady"] = steady(*args, 2, period, seed, stops="api")
+        hot = (name, n_edges, 0.97, life, warm, meas, 2, period, seed)
+        r["steady_hot"] = steady(*hot, stops="api")
+        if omni:
+            # no view, no in-flight state: apiserver count, view period and who saw a
+            # departure change nothing, so these would be the very same runs
+            for sc in ("burst_one_apiserver", "burst_fast"):
+                r[sc] = r["burst"]
+            for sc in ("steady_one_apiserver", "steady_fast"):
+                r[sc] = r["steady"]
+            for sc in ("steady_unseen", "steady_unseen_fast"):
+                r[sc] = r["steady"]
+            r["steady_hot_unseen"] = r["steady_hot"]
+        else:
+            r["burst_one_apiserver"] = burst(name, n_edges, count, 1, period, rate, seed)
+            r["burst_fast"] = burst(name, n_edges, count, 2, fast, rate, seed)
+            r["steady_one_apiserver"] = steady(*args, 1, period, seed, stops="api")
+            r["steady_fast"] = steady(*args, 2, fast, seed, stops="api")
+            r["steady_unseen"] = steady(*args, 2, period, seed, stops="edge")
+            r["steady_unseen_fast"] = steady(*args, 2, fast, seed, stops="edge")
+            r["steady_hot_unseen"] = steady(*hot, stops="edge")
+        r["locality"] = steady(
+            name, n_edges, 0.5, life, warm, meas, 2, period, seed, images, stops="api"
+        )
         if name == "power_of_k2":
             r["locality_off"] = steady(
                 name,
@@ -475,22 +541,18 @@ def run(quick: bool) -> dict[str, Any]:
                 seed,
                 images,
                 locality_weight=0.0,
+                stops="api",
             )
         results[name] = r
         print(f"  {name}: done", file=sys.stderr)
     checks: dict[str, dict[str, float]] = {}
-    for base in ("least_loaded_omniscient", "least_loaded"):
-        ref = results[base]
-        for name in ("power_of_k2", "power_of_k3"):
-            r = results[name]
-            checks[f"{name} / {base}"] = {
-                sc: round(r[sc][key] / max(1e-9, ref[sc][key]), 2)
-                for sc, key in (
-                    ("burst_one_apiserver", "imbalance_std"),
-                    ("burst", "imbalance_std"),
-                    ("steady", "imbalance_std_mean"),
-                )
-            }
+    pairs = [(n, "least_loaded_omniscient") for n in ("power_of_k2", "power_of_k3", "power_of_k5")]
+    pairs += [("least_loaded", "least_loaded_omniscient"), ("power_of_k5", "least_loaded")]
+    for name, base in pairs:
+        r, ref = results[name], results[base]
+        checks[f"{name} / {base}"] = {
+            sc: round(_imb(r[sc]) / max(1e-9, _imb(ref[sc])), 2) for sc, _ in RATIO_COLUMNS
+        }
     return {
         "config": {
             "quick": quick,
@@ -498,6 +560,7 @@ def run(quick: bool) -> dict[str, Any]:
             "capacity": cap,
             "burst_count": count,
             "view_period_s": period,
+            "fast_view_period_s": fast,
             "burst_rate_per_s": rate,
             "steady_lifetime_s": life,
             "apiservers": 2,
@@ -526,18 +589,23 @@ def table(res: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "imbalance = std dev of edge load fraction; rej = edge refusals / attempts",
-        f"{'strategy':<24}{'burst 1api':>11}{'burst 2api':>11}{'steady':>8}"
-        f"{'rej burst':>10}{'rej refill':>11}{'rej hot':>8}{'refill std':>11}"
-        f"{'overflow placed/full':>22}",
+        "imbalance = std dev of edge load fraction (end of burst; steady: mean of 0.5 s samples)",
+        f"{'strategy':<24}" + "".join(f"{h:>11}" for _, h in RATIO_COLUMNS),
+    ]
+    for name, r in st.items():
+        lines.append(f"{name:<24}" + "".join(f"{_imb(r[sc]):>11.4f}" for sc, _ in RATIO_COLUMNS))
+    lines += [
+        "",
+        "rej = edge refusals / attempts (the herd); hot = 97% occupancy",
+        f"{'strategy':<24}{'rej burst':>10}{'rej refill':>11}{'rej hot':>8}{'hot unseen':>11}"
+        f"{'refill std':>11}{'overflow placed/full':>22}",
     ]
     for name, r in st.items():
         o = r["overflow"]
         lines.append(
-            f"{name:<24}{r['burst_one_apiserver']['imbalance_std']:>11.4f}"
-            f"{r['burst']['imbalance_std']:>11.4f}{r['steady']['imbalance_std_mean']:>8.4f}"
-            f"{r['burst']['rejection_rate']:>10.4f}{r['refill']['rejection_rate']:>11.4f}"
-            f"{r['steady_hot']['rejection_rate']:>8.4f}{r['refill']['imbalance_std']:>11.4f}"
+            f"{name:<24}{r['burst']['rejection_rate']:>10.4f}{r['refill']['rejection_rate']:>11.4f}"
+            f"{r['steady_hot']['rejection_rate']:>8.4f}"
+            f"{r['steady_hot_unseen']['rejection_rate']:>11.4f}{r['refill']['imbalance_std']:>11.4f}"
             f"{str(o['placed']) + '/' + str(o['cluster_full']):>22}"
         )
     lines += [
@@ -553,9 +621,16 @@ def table(res: dict[str, Any]) -> str:
             f"{loc['cachers_mean_over_mean']:>17.3f}"
         )
     lines.append("")
-    lines.append("imbalance ratios (burst_one_apiserver, burst with 2, steady with 2):")
+    cfg = res["config"]
+    lines += [
+        f"imbalance ratios (target <= {res['targets']['imbalance_ratio_max']}x); two apiservers "
+        f"unless '1api'; view every {cfg['view_period_s']:g} s, or {cfg['fast_view_period_s']:g} s "
+        "('.5s'); steady: stops sent through a random apiserver, 'unseen': departures on the "
+        "edges (TTL, crash)",
+        f"{'':<48}" + "".join(f"{h:>11}" for _, h in RATIO_COLUMNS),
+    ]
     for name, c in res["imbalance_ratios"].items():
-        lines.append(f"  {name:<40}" + "  ".join(f"{v:>5}x" for v in c.values()))
+        lines.append(f"{name:<48}" + "".join(f"{v:>10.2f}x" for v in c.values()))
     return "\n".join(lines)
 
 

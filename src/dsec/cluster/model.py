@@ -41,7 +41,7 @@ class HeartbeatReply(Reply):
         default_factory=list, description="sandboxes the cluster no longer knows: stop them"
     )
     want_live: bool = Field(False, description="send the full live list next beat")
-    interval: float = Field(1.0, description="seconds until the next beat")
+    interval: float = Field(0.5, description="seconds until the next beat")
 
 
 class EdgeStatus(Reply):

@@ -42,7 +42,7 @@ class EdgeNode:
         url: str,
         labels: dict[str, str] | None = None,
         lazy: bool = False,
-        interval: float = 1.0,
+        interval: float = 0.5,
     ) -> None:
         self.edge = edge
         self.images = images

@@ -92,12 +92,13 @@ class ClusterEdge:
         placer: Placer | None = None,
         *,
         version: str = "0",
-        refresh: float = 0.5,
+        refresh: float = 0.25,
         rounds: int = 3,
     ) -> None:
         self.registry = registry
-        # k=3: closest to least-loaded balance without its herd (bench/bench_placement.py)
-        self.placer = placer or Placer(k=3)
+        # k=5 with the per-apiserver share guard: closest to an omniscient least-loaded
+        # without its herd rejections (bench/bench_placement.py, dsec.control.placement)
+        self.placer = placer or Placer(k=5)
         self._token = token
         self._version = version
         self._refresh_period = refresh
@@ -256,6 +257,8 @@ class ClusterEdge:
             await self.registry.ended(sandbox_id, note)
             return await self._directory(sandbox_id)
         info = await self._remotes[status.edge_id].stop(sandbox_id, reason=reason)
+        # A slot this apiserver saw free up, before the edge's next report says so.
+        self.placer.released(status.edge_id, Demand.for_spec(info.spec, "container"))
         await self.registry.ended(sandbox_id, info.reason or reason)
         return info
 

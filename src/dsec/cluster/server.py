@@ -44,7 +44,7 @@ class ApiserverConfig:
     admin_key: str
     host: str = "127.0.0.1"
     port: int = 8470
-    refresh: float = 0.5
+    refresh: float = 0.25
 
     @property
     def url(self) -> str:
@@ -65,7 +65,9 @@ async def serve_apiserver(
         iam = IAM(engine)
         await iam.ensure_bootstrap()
         registry = Registry(engine, release=iam.release_many, recharge=recharger(iam))
-        router = ClusterEdge(registry, config.cluster_token, version=API_VERSION)
+        router = ClusterEdge(
+            registry, config.cluster_token, version=API_VERSION, refresh=config.refresh
+        )
         await router.start()
         app = create_app(
             router,
@@ -164,7 +166,7 @@ class EdgeJoin:
     join: list[str]
     cluster_token: str
     labels: dict[str, str] = field(default_factory=dict)
-    interval: float = 1.0
+    interval: float = 0.5  # with the router's 0.25 s refresh: placement views <= 0.75 s old
 
 
 def run_edge(

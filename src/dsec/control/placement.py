@@ -19,6 +19,40 @@ reports grew versus how many of its own creates they absorbed) and scores its ow
 reservations that many times over; the filter still counts only real ones, so this never
 causes a false ClusterFull.
 
+What closes the balance gap, measured (bench/bench_placement.py, 160 edges, two
+apiservers, imbalance as a ratio to an omniscient least-loaded scan; kept only what
+helped, numbers of the full run in the issue's table):
+
+- **Departures this apiserver sees** (``released``): in RL most sandboxes are stopped by
+  the trainer through the API, so the apiserver that forwards a stop knows the slot is
+  free a view period before the report says so. It is a negative reservation with the
+  same stamping rules (counted until a report taken after it). Alone it took the steady
+  stream (k=3, stops through a random apiserver) from 5.1x to 4.0x; what made it pay:
+- **Own freed slots as candidates** ("join the idle queue"): the last edges where our
+  stops freed a slot join the next decision's sample (two per decision; two beat one
+  and three or more, one always winning was worse). Steady k=3: ~2.1x; with a single
+  apiserver, which then knows every departure, 1.26x (k=5: 1.17x). Only our *own*
+  stops: freeing seen in reports (TTL, crash) as candidates made it worse (5.4x vs
+  5.0x), every apiserver chasing the same holes.
+- **The runner-up survives a view refresh** (remapped to the new edge object instead
+  of dropped): burst ratios 1.43x -> 1.30x (one apiserver), 1.82x -> 1.68x (two).
+- **A share guard instead of blindness against the herd**: k=3 avoided the herd by
+  rarely sampling the holes; k>=4 found them and two apiservers refilled each one twice
+  (refill refusals 0.1-0.9%). Now an edge where this apiserver alone used more than
+  1/(peer_factor+1) of the room the last report showed is scored +1 (still a candidate:
+  never a filter). Zero refill refusals up to k=8, so k=5 is affordable: bursts 1.08x /
+  1.36x (k=3: 1.29x / 1.78x) at 44,000 decisions/s per core.
+- Tried and dropped: a floor of peer_factor 2 in steady state (worse: the others' creates
+  refill *their* holes, not ours), sampling from the emptiest quarter/half of the view
+  (little gain, herd refusals back), k=8..64 (steady 2.2x -> 1.7x, costs 2-10x the
+  decision time and herds without the guard).
+
+What is left is information, not sampling: with two apiservers each sees only its own
+stops and creates until the next report, and an exhaustive least-loaded scan over the
+same view, reservations and releases is at 1.6x (1 s reports) / 1.4x (0.5 s), power-of-5
+at 1.95x / 1.72x. Departures no apiserver sees (TTL, crashes) are only as fresh as the
+report: 4.4x (1 s) / 3.3x (0.5 s), and the scan does no better (4.6x / 3.6x).
+
 Nothing here does I/O: a decision is pure Python over per-update precomputed arrays, so
 the cost is k samples, not a scan of every edge (a scan happens only when sampling keeps
 landing on full edges, i.e. when the cluster is nearly full).
@@ -38,6 +72,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,6 +91,9 @@ _REASONS = ("down", "backend", "selector", "image", "refused", "sandboxes", "cpu
 _CACHE_MAX = 4096
 _PEER_MIN_SAMPLE = 16  # own creates per period below which peer_factor is not estimated
 _PEER_MAX = 8.0
+_HOLES_MAX = 256  # slots freed by our own stops, remembered as candidates
+_HOLES_PER_DECISION = 2
+_OVER_SHARE_PENALTY = 1.0  # score added to an edge we alone filled past our share
 
 
 @dataclass
@@ -145,6 +183,7 @@ class _Edge:
     """An edge's view plus reservations, flattened into slots for the hot loop."""
 
     __slots__ = (
+        "base",
         "cap",
         "cpu_total",
         "ghost_cpu",
@@ -162,7 +201,7 @@ class _Edge:
         "view",
     )
 
-    def __init__(self, view: EdgeView, res: list[_Res], refused: bool) -> None:
+    def __init__(self, view: EdgeView, res: list[_Res], rel: list[_Res], refused: bool) -> None:
         self.view = view
         self.cap = view.capacity
         self.cpu_total = view.cpu_cores
@@ -172,13 +211,30 @@ class _Edge:
         self.inv_mem = 1.0 / view.memory_mb if view.memory_mb > 0 else 0.0
         self.layers = view.layers
         self.refused = refused
-        self.used_n = view.sandboxes + len(res)
-        self.used_cpu = view.cpu_committed + sum(r.cpu for r in res)
-        self.used_mem = view.memory_committed_mb + sum(r.mem for r in res)
+        # a report is never below zero, so neither is a report minus what we saw leave
+        self.used_n = max(0, view.sandboxes + len(res) - len(rel))
+        self.used_cpu = max(
+            0.0, view.cpu_committed + sum(r.cpu for r in res) - sum(r.cpu for r in rel)
+        )
+        self.used_mem = max(
+            0, view.memory_committed_mb + sum(r.mem for r in res) - sum(r.mem for r in rel)
+        )
         # score-only estimate of what other apiservers placed here since the view
         self.ghost_n = 0.0
         self.ghost_cpu = 0.0
         self.ghost_mem = 0.0
+        self.base = self._real_load(view.sandboxes, view.cpu_committed, view.memory_committed_mb)
+
+    def _real_load(self, n: float, cpu: float, mem: float) -> float:
+        a = n * self.inv_cap
+        b = cpu * self.inv_cpu
+        c = mem * self.inv_mem
+        return a if a >= b and a >= c else (b if b >= c else c)
+
+    def over_share(self, div: float) -> bool:
+        """This apiserver alone took more than 1/div of the room the view showed."""
+        added = self._real_load(self.used_n, self.used_cpu, self.used_mem) - self.base
+        return added > (1.0 - self.base) / div
 
     def load(self) -> float:
         """max(sandbox, cpu, memory fraction): the scarcest resource decides."""
@@ -253,6 +309,8 @@ class Placer:
         self._edges: dict[str, _Edge] = {}
         self._order: list[_Edge] = []
         self._res: dict[str, list[_Res]] = {}
+        self._rel: dict[str, list[_Res]] = {}
+        self._holes: deque[str] = deque(maxlen=_HOLES_MAX)
         self._refused_at: dict[str, float] = {}
         self.refusals: dict[str, dict[str, Any]] = {}
         self._eligible: dict[
@@ -297,12 +355,21 @@ class Placer:
                 else:
                     del self._res[v.edge_id]
                 res = keep
+            rel = self._rel.get(v.edge_id)
+            if rel:
+                rel = [
+                    r for r in rel if r.stamp > v.seen_at and now - r.stamp < self.reservation_ttl
+                ]
+                if rel:
+                    self._rel[v.edge_id] = rel
+                else:
+                    del self._rel[v.edge_id]
             refused_at = self._refused_at.get(v.edge_id)
             refused = refused_at is not None and refused_at > v.seen_at
             if refused_at is not None and not refused:
                 del self._refused_at[v.edge_id]
                 self.refusals.pop(v.edge_id, None)
-            e = _Edge(v, res or [], refused)
+            e = _Edge(v, res or [], rel or [], refused)
             edges[v.edge_id] = e
             order.append(e)
         self._edges = edges
@@ -311,7 +378,11 @@ class Placer:
         self._estimate_peers(landed, growth, now)
         self._eligible = {}
         self._local = {}
-        self._memo = None
+        # the runner-up outlives the refresh (on the new figures): dropping it at every
+        # view cost balance, the more so the fresher the view
+        memo = self._memo
+        again = edges.get(memo[1].view.edge_id) if memo is not None else None
+        self._memo = (memo[0], again) if memo is not None and again is not None else None
 
     def _estimate_peers(self, landed: int, growth: int, now: float) -> None:
         """peer_factor = everyone's net creates / ours, over enough of ours to mean something.
@@ -388,6 +459,30 @@ class Placer:
             e.used_n -= 1
             e.used_cpu -= r.cpu
             e.used_mem -= r.mem
+
+    def released(self, edge_id: str, demand: Demand) -> None:
+        """A sandbox of ``demand`` left ``edge_id`` through this apiserver (a stop it sent).
+
+        A negative reservation: counted (score and room) until the edge reports figures
+        taken at or after now, which then include the departure; ``reservation_ttl``
+        bounds it like a reservation. Call it once the edge has acknowledged the stop,
+        so that any report stamped later really lacks the sandbox. It also lifts a
+        refusal older than now: the edge has a free slot again.
+        """
+        now = self.clock()
+        r = _Res(now, demand.cpu_cores, demand.memory_mb)
+        self._rel.setdefault(edge_id, []).append(r)
+        refused_at = self._refused_at.get(edge_id)
+        if refused_at is not None and refused_at <= now:
+            del self._refused_at[edge_id]
+            self.refusals.pop(edge_id, None)
+        self._holes.append(edge_id)
+        e = self._edges.get(edge_id)
+        if e is not None:
+            e.used_n = max(0, e.used_n - 1)
+            e.used_cpu = max(0.0, e.used_cpu - r.cpu)
+            e.used_mem = max(0, e.used_mem - r.mem)
+            e.refused = e.refused and edge_id in self._refused_at
 
     def _find(self, edge_id: str, demand: Demand) -> _Res | None:
         for r in reversed(self._res.get(edge_id, ())):
@@ -525,6 +620,12 @@ class Placer:
             if local and loc_w > 0:
                 for e in self._sample_room(local, k, d, chosen + sample, scan=False):
                     sample.append(e)
+            if i == 0 and key is not None:
+                for _ in range(_HOLES_PER_DECISION):
+                    hole = self._hole(d, sample)
+                    if hole is None:
+                        break
+                    sample.append(hole)
             memo = self._memo
             if (
                 i == 0
@@ -532,20 +633,36 @@ class Placer:
                 and memo is not None
                 and memo[0] == key
                 and memo[1] not in sample
-                and memo[1].room(d.cpu_cores, d.memory_mb)
+                and memo[1].why_not(d) is None
             ):
                 sample.append(memo[1])
             if len(sample) == 1:
                 chosen.append(sample[0])
                 continue
+            div = self.peer_factor + 1.0
             scored = sorted(
-                (e.load() - (self._bonus(e, d) if loc_w else 0.0), j, e)
+                (
+                    e.load()
+                    - (self._bonus(e, d) if loc_w else 0.0)
+                    + (_OVER_SHARE_PENALTY if e.over_share(div) else 0.0),
+                    j,
+                    e,
+                )
                 for j, e in enumerate(sample)
             )
             chosen.append(scored[0][2])
             if i == 0 and key is not None:
                 self._memo = (key, scored[1][2])
         return chosen
+
+    def _hole(self, d: Demand, sample: list[_Edge]) -> _Edge | None:
+        holes = self._holes
+        while holes:
+            e = self._edges.get(holes.popleft())
+            if e is None or e in sample or e.why_not(d) is not None:
+                continue
+            return e
+        return None
 
     def _full(self, d: Demand) -> ClusterFull:
         reasons = dict.fromkeys(_REASONS, 0)
