@@ -1,14 +1,18 @@
 """Job pause/resume, pack_diff and fork (issue 6, DSEC.md §6.1 and §6.3), in one run.
 
-    .venv/bin/python bench/bench_rl.py [--n 100] [--mib 64] [--creates 30]
+    .venv/bin/python bench/bench_rl.py [--n 100] [--mib 64] [--creates 30] [--swap-gb 8]
 
 On a real platform (`dsec up` in a subprocess, fresh data dir): ``n`` sandboxes of one
-job each hold ``mib`` MiB of anonymous memory (a process whose buffer is filled and
-kept); pause_job, then resume_job, then a pause followed by transparent thaws (the next
-exec). Host MemAvailable is read before and after each step, so "memory returned to the
-host" is what the host saw, not what we asked for. Then pack_diff of a sandbox with 100
-MiB of changes, creates from the packed layer vs from the base image, fork(16). Writes
-bench/results/rl.json.
+job each hold ``mib`` MiB (at most 64: the sandbox's /dev/shm size) of anonymous memory
+(a tmpfs file of random data: shmem, which only swap can take out of RAM); pause_job,
+then resume_job and the first touch of the held data (reading it back in, minus a
+second, warm read), then a pause followed by transparent thaws (the next exec). Host
+MemAvailable is read before and after each step, so "memory returned to the host" is
+what the host saw, not what we asked for. The pause/resume part runs twice side by
+side: without swap, and with a swap file of ``--swap-gb`` GiB that the platform turns
+on (DSEC_SWAP_FILE, dsec.resources.swap) and that is removed afterwards (0: skip).
+Then pack_diff of a sandbox with 100 MiB of changes, creates from the packed layer vs
+from the base image, fork(16). Writes bench/results/rl.json.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import platform_process  # noqa: E402
 
-from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec import DSecClient, DSecContainerRunArgs, Sandbox  # noqa: E402
 from dsec.resources import cgroups  # noqa: E402
+from dsec.resources import swap as swapmod  # noqa: E402
 from dsec.rl.jobs import swap_available  # noqa: E402
 
 MiB = 1024 * 1024
@@ -43,6 +48,11 @@ def stats(samples: list[float]) -> dict[str, float]:
         "p50_ms": round(statistics.median(s) * 1e3, 3),
         "p99_ms": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 3),
     }
+
+
+def loadavg() -> list[str]:
+    """1, 5 and 15 minute load: other work on the host makes the figures noisy."""
+    return Path("/proc/loadavg").read_text().split()[:3]
 
 
 def mem_available() -> int:
@@ -88,14 +98,18 @@ async def pause_resume(
     sbs = []
     for _ in range(n):
         sbs.append(await client.run_container(spec))
-    # dd fills a mib-MiB buffer from /dev/zero (touching every page), then blocks forever
-    # writing it into a pipe nobody reads: anonymous memory held by a live process.
+    # A tmpfs file: anonymous memory (shmem) that a later exec can read back, so the
+    # first touch after a resume is measurable from inside the sandbox.
     src = "/dev/zero" if fill == "zero" else "/dev/urandom"
-    hold = (
-        f"(dd if={src} bs={mib}M count=1 iflag=fullblock 2>/dev/null | sleep 100000) "
-        ">/dev/null 2>&1 & sleep 0.3"
-    )
-    await asyncio.gather(*(sb.run_shell(hold) for sb in sbs))
+    hold = f"dd if={src} of=/dev/shm/hold bs=1M count={mib} 2>/dev/null"
+    sem = asyncio.Semaphore(4)
+
+    async def fill_one(sb: Sandbox) -> None:
+        async with sem:
+            r = await sb.run_shell(hold, timeout=300)
+            assert r.exit_code == 0, r.stderr
+
+    await asyncio.gather(*(fill_one(sb) for sb in sbs))
     # wait until every buffer is filled (random data takes a while on 2 cores)
     host = cgroups.detect()
     edge = sbs[0].id.rsplit("-", 1)[0]
@@ -115,6 +129,16 @@ async def pause_resume(
     t = time.perf_counter()
     res = await client.resume_job(job)
     resume_wall = time.perf_counter() - t
+    # first touch: read the held data back (swap-in where it was swapped out), then the
+    # same read again (warm); the difference is what the swap-out costs the sandbox.
+    first, again = [], []
+    for sb in sbs[:30]:
+        t = time.perf_counter()
+        await sb.run_shell("cat /dev/shm/hold >/dev/null")
+        first.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await sb.run_shell("cat /dev/shm/hold >/dev/null")
+        again.append(time.perf_counter() - t)
     # transparent thaw: the first exec on a paused sandbox vs an exec on a running one
     warm = []
     for sb in sbs[:30]:
@@ -131,6 +155,7 @@ async def pause_resume(
     anon_left = [p.anon_bytes or 0 for p in rep.sandboxes]
     before = [p.memory_before_bytes or 0 for p in rep.sandboxes]
     after = [p.memory_after_bytes or 0 for p in rep.sandboxes]
+    ft, warm_read = stats(first), stats(again)
     out: dict[str, object] = {
         "sandboxes": n,
         "held_mib_each": mib,
@@ -145,11 +170,17 @@ async def pause_resume(
         "cgroup_usage_before_mib": round(sum(before) / MiB, 1),
         "cgroup_usage_after_mib": round(sum(after) / MiB, 1),
         "reclaimed_mib": round(rep.memory_reclaimed_bytes / MiB, 1),
+        "anon_before_mib": round(rep.anon_before_bytes / MiB, 1),
         "anon_left_mib": round(sum(anon_left) / MiB, 1),
-        "anon_returned_fraction": round(1 - sum(anon_left) / max(1, n * mib * MiB), 3),
+        "anon_returned_fraction": round(1 - sum(anon_left) / max(1, rep.anon_before_bytes), 3),
+        "swapped_mib": round(sum(p.swap_bytes or 0 for p in rep.sandboxes) / MiB, 1),
         "host_memavailable_gain_mib": round((avail1 - avail0) / MiB, 1),
         "resume_job_wall_s": round(resume_wall, 4),
         "resume_per_sandbox_ms": round(resume_wall / max(1, res.resumed) * 1e3, 3),
+        "first_touch_read_after_resume": ft,
+        "warm_read": warm_read,
+        "first_touch_cost_p50_ms": round(ft["p50_ms"] - warm_read["p50_ms"], 3),
+        "first_touch_mib_per_s": round(mib / max(1e-9, ft["p50_ms"] / 1e3), 1),
         "exec_running": stats(warm),
         "exec_on_paused_transparent_thaw": stats(thaw_exec),
     }
@@ -201,24 +232,68 @@ async def pack_and_fork(client: DSecClient, image: str, creates: int) -> dict[st
     }
 
 
-async def run(n: int, mib: int, creates: int, fill: str, zram: int) -> dict[str, object]:
-    with zram_swap(zram) as zdev, platform_process() as plat:
+@contextlib.contextmanager
+def swap_dir(gb: int) -> Iterator[Path | None]:
+    """A directory for the bench's swap file, removed afterwards (the platform turns the
+    file on and, at its clean shutdown, off; swapoff here too if it crashed)."""
+    if gb <= 0:
+        yield None
+        return
+    base = Path("/var/lib/dsec-bench-swap")
+    base.mkdir(mode=0o700, exist_ok=True)
+    try:
+        yield base / "swap"
+    finally:
+        for area in swapmod.active_swaps():
+            if Path(area.filename).parent == base:
+                swapmod.SwapFile(Path(area.filename), 0, activated=True).disable()
+        (base / "swap").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            base.rmdir()
+
+
+async def one_platform(
+    n: int, mib: int, creates: int, fill: str, env: dict[str, str], pack: bool
+) -> dict[str, object]:
+    with platform_process(**env) as plat:
         client = DSecClient(plat.url, plat.api_key, timeout=600)
         await client.open()
         try:
             await client.build_image("busybox")
             image = "busybox:latest"
-            return {
-                "host": {
-                    "swap": swap_available(),
-                    "zram_swap": f"{zdev} {zram} MiB" if zdev else None,
-                    "memavailable_mib": mem_available() // MiB,
-                },
+            out: dict[str, object] = {
+                "swap_areas": [
+                    f"{s.filename} {s.size_bytes // MiB} MiB" for s in swapmod.active_swaps()
+                ],
                 "pause_resume": await pause_resume(client, image, n, mib, fill),
-                "pack_fork": await pack_and_fork(client, image, creates),
             }
+            if pack:
+                out["pack_fork"] = await pack_and_fork(client, image, creates)
+            return out
         finally:
             await client.close()
+
+
+async def run(
+    n: int, mib: int, creates: int, fill: str, zram: int, swap_gb: int
+) -> dict[str, object]:
+    result: dict[str, object] = {"host": {"memavailable_mib": mem_available() // MiB}}
+    with zram_swap(zram) as zdev:
+        result["host"] = {
+            "swap": swap_available(),
+            "zram_swap": f"{zdev} {zram} MiB" if zdev else None,
+            "memavailable_mib": mem_available() // MiB,
+            "loadavg_start": loadavg(),
+        }
+        result["no_swap_file"] = await one_platform(n, mib, creates, fill, {}, True)
+    if swap_gb > 0:
+        with swap_dir(swap_gb) as path:
+            assert path is not None
+            env = {"DSEC_SWAP_FILE": str(path), "DSEC_SWAP_GB": str(swap_gb)}
+            result["swap_file"] = await one_platform(n, mib, creates, fill, env, False)
+        result["swap_areas_after"] = [s.filename for s in swapmod.active_swaps()]
+    result["loadavg_end"] = loadavg()
+    return result
 
 
 def main() -> None:
@@ -230,9 +305,12 @@ def main() -> None:
     ap.add_argument(
         "--zram-mib", type=int, default=0, help="temporary zram swap of this size (0: none)"
     )
+    ap.add_argument(
+        "--swap-gb", type=int, default=8, help="swap-file run with this size (0: skip it)"
+    )
     ap.add_argument("--out", default="rl.json")
     a = ap.parse_args()
-    result = asyncio.run(run(a.n, a.mib, a.creates, a.fill, a.zram_mib))
+    result = asyncio.run(run(a.n, a.mib, a.creates, a.fill, a.zram_mib, a.swap_gb))
     text = json.dumps(result, indent=2)
     print(text)
     out = REPO / "bench" / "results" / a.out

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +18,7 @@ from pydantic import ValidationError
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.errors import InvalidArgument
-from dsec.resources import cgroups
+from dsec.resources import cgroups, swap
 from dsec.security import protected
 from tests.conftest import PlatformProcess, platform_process
 
@@ -170,3 +175,113 @@ async def test_pause_survives_platform_restart() -> None:
             assert (await client.get(left.id)).state is SandboxState.PAUSED
         finally:
             await client.close()
+
+
+def _swap_areas() -> set[tuple[str, int]]:
+    """Active swap areas by name and size (``Used`` may move under the host's own)."""
+    return {(s.filename, s.size_bytes) for s in swap.active_swaps()}
+
+
+@contextlib.contextmanager
+def _scratch_swap_dir() -> Iterator[Path]:
+    """A directory for a test swap file: whatever happens in the test, the file is
+    turned off and removed, and the host's swap is exactly what it was before."""
+    before = _swap_areas()
+    base = Path(tempfile.mkdtemp(prefix="dsec-test-swap-", dir="/tmp"))
+    try:
+        yield base
+    finally:
+        for area in swap.active_swaps():
+            if Path(area.filename).parent == base:
+                swap.SwapFile(Path(area.filename), 0, activated=True).disable()
+        shutil.rmtree(base, ignore_errors=True)
+        assert _swap_areas() == before, "the host's swap changed"
+
+
+def _mstat(edge_id: str, sandbox_id: str) -> dict[str, int]:
+    path = cgroups.detect().v1["memory"] / "dsec" / edge_id / sandbox_id / "memory.stat"
+    return {k: int(v) for k, v in (line.split() for line in path.read_text().splitlines())}
+
+
+def _cg_file(edge_id: str, sandbox_id: str, name: str) -> str:
+    return (cgroups.detect().v1["memory"] / "dsec" / edge_id / sandbox_id / name).read_text()
+
+
+@pytest.mark.skipif("memory" not in cgroups.detect().v1, reason="v1 memory controller")
+async def test_pause_pushes_anon_memory_to_a_configured_swap_file() -> None:
+    with _scratch_swap_dir() as base:
+        swap_file = base / "swap"
+        with platform_process(DSEC_SWAP_FILE=str(swap_file), DSEC_SWAP_GB="1") as plat:
+            assert any(Path(s.filename) == swap_file for s in swap.active_swaps())
+            assert swap_file.stat().st_mode & 0o777 == 0o600
+            client = DSecClient(plat.url, plat.api_key)
+            await client.open()
+            try:
+                await client.build_image("busybox")
+                job = _job()
+                sb = await client.run_container(
+                    DSecContainerRunArgs(
+                        container_image="busybox:latest", memory_limit_mb=256, job_id=job
+                    )
+                )
+                # 64 MiB of incompressible data in tmpfs (anonymous: shmem)
+                r = await sb.run_shell(
+                    "dd if=/dev/urandom of=/dev/shm/data bs=1M count=64 2>/dev/null && "
+                    "md5sum /dev/shm/data | cut -c1-32",
+                    timeout=60,
+                )
+                assert r.exit_code == 0, r.stderr
+                digest = r.stdout
+                limit = _cg_file(plat.edge_id, sb.id, "memory.limit_in_bytes")
+                # a running sandbox stays off swap: at its limit it is OOM-killed as before
+                assert _cg_file(plat.edge_id, sb.id, "memory.swappiness").strip() == "0"
+                before = _mstat(plat.edge_id, sb.id)
+                anon0 = before["total_rss"] + before["total_shmem"]
+                assert anon0 >= 64 * MiB
+
+                report = await client.pause_job(job)
+                assert report.paused == 1 and report.swap_available, report
+                after = _mstat(plat.edge_id, sb.id)
+                anon1 = after["total_rss"] + after["total_shmem"]
+                assert anon1 <= anon0 // 10, (anon0, anon1)  # >= 90% left RAM
+                assert after["total_swap"] >= 64 * MiB * 9 // 10
+                (p,) = report.sandboxes
+                assert p.anon_before_bytes and p.anon_bytes is not None
+                assert p.anon_bytes <= p.anon_before_bytes // 10, p
+                assert (p.swap_bytes or 0) >= 64 * MiB * 9 // 10, p
+                assert (report.anon_returned_fraction or 0) >= 0.9, report
+                assert report.memory_reclaimed_bytes >= 64 * MiB * 9 // 10
+                # nothing of the sandbox's limits or swap policy changed
+                assert _cg_file(plat.edge_id, sb.id, "memory.limit_in_bytes") == limit
+                assert _cg_file(plat.edge_id, sb.id, "memory.swappiness").strip() == "0"
+
+                rep = await client.resume_job(job)
+                assert rep.resumed == 1
+                r = await sb.run_shell("md5sum /dev/shm/data | cut -c1-32", timeout=60)
+                assert r.stdout == digest, "data changed across swap-out and back"
+                assert "oom_kill 0" in _cg_file(plat.edge_id, sb.id, "memory.oom_control")
+                assert (await sb.refresh()).state is SandboxState.RUNNING
+                await sb.stop()
+            finally:
+                await client.close()
+        # the platform's clean shutdown turned off the swap it turned on
+        assert not any(Path(s.filename) == swap_file for s in swap.active_swaps())
+        assert swap_file.exists()  # kept for the next start
+
+
+async def test_swap_file_never_in_a_sandbox_path_nor_touching_operator_swap(
+    tmp_path: Path,
+) -> None:
+    cfg_dir = tmp_path / "d"
+    f = swap.SwapFile(cfg_dir / "sandboxes" / "x" / "swap", 1 << 30)
+    with pytest.raises(swap.SwapError, match="sandbox-visible"):
+        f.check_location([cfg_dir / "sandboxes"])
+    with pytest.raises(swap.SwapError, match="absolute"):
+        swap.SwapFile(Path("rel/swap"), 1 << 30).check_location([])
+    # an existing file without a swap header is never mkswap'ed nor turned on
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"precious" * 1024)
+    os.chmod(junk, 0o600)
+    with pytest.raises(swap.SwapError, match="not a swap file"):
+        swap.SwapFile(junk, 1 << 30).enable()
+    assert junk.read_bytes() == b"precious" * 1024

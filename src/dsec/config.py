@@ -108,6 +108,16 @@ class PlatformConfig:
         )
     )
 
+    # A swap file for job pauses (dsec.resources.swap): created if missing (fallocate,
+    # mkswap, 0600) and turned on at start, off at a clean shutdown. Off when unset.
+    # Never under the data dir's sandboxes or a btrfs file system.
+    swap_file: Path | None = field(
+        default_factory=lambda: (
+            Path(os.environ["DSEC_SWAP_FILE"]) if os.environ.get("DSEC_SWAP_FILE") else None
+        )
+    )
+    swap_gb: int = field(default_factory=lambda: int(os.environ.get("DSEC_SWAP_GB", "8")))
+
     # Charge project quotas here (IAM). False on a cluster edge: the apiservers
     # authorise and charge every create before it reaches the edge (dsec.cluster).
     quotas: bool = True

@@ -37,6 +37,7 @@ from dsec.images.images import Images
 from dsec.net.manager import NetworkManager
 from dsec.resources import cgroups
 from dsec.resources.disk import GiB, SandboxDisk
+from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
 from dsec.security.audit import AuditLog
 from dsec.security.seccomp import SeccompGuard
 
@@ -120,6 +121,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     fncall: FnCallService | None = None
     releaser: StopReleaser | None = None
     iam: IAM | None = None
+    swap: SwapFile | None = None
     try:
         await migrate(engine)
         keys = KeyStore(engine)
@@ -175,6 +177,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             ),
             network=NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit),
         )
+        swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()
         releaser = await attach_iam(edge, iam)  # charges released whenever a sandbox ends
         fncall = FnCallService(
@@ -191,6 +194,8 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             await fncall.close()
         if edge is not None:
             await edge.close()
+        if swap is not None:  # after the sandboxes are gone: fewer pages to swap back in
+            await asyncio.to_thread(swap.disable)
         if releaser is not None:
             await releaser.drain()
         if iam is not None:
@@ -200,6 +205,23 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
         if images is not None:
             await images.close()
         await engine.dispose()
+
+
+def start_swap(config: PlatformConfig, host: cgroups.CgroupHost) -> SwapFile | None:
+    """The operator's swap file for job pauses (dsec.resources.swap), if configured.
+    A file that cannot be used is logged and skipped: pauses then keep anonymous memory
+    in RAM and say so (``swap_available=False``)."""
+    if config.swap_file is None:
+        return None
+    swap = SwapFile(config.swap_file, config.swap_gb * GiB)
+    try:
+        swap.check_location([config.sandboxes_dir, config.sandbox_disk_image, config.images_dir])
+        swap.enable()
+    except (SwapError, OSError) as exc:
+        log.error("swap file %s not used: %s", config.swap_file, exc)
+        return None
+    keep_sandboxes_off_swap(host, f"dsec/{config.edge_id}")
+    return swap
 
 
 def tune_gc() -> None:

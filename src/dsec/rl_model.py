@@ -6,7 +6,7 @@ are the wire format of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from dsec.layer_model import LayerInfo, check_layer_name, check_layer_version
 from dsec.model import DSecContainerRunArgs, Reply, SandboxInfo, Strict
@@ -21,6 +21,8 @@ class SandboxPause(Reply):
     memory_before_bytes: int | None = None
     memory_after_bytes: int | None = None
     anon_bytes: int | None = Field(None, description="anonymous memory left after the pause")
+    anon_before_bytes: int | None = Field(None, description="anonymous memory before it")
+    swap_bytes: int | None = Field(None, description="the sandbox's memory in swap after it")
     duration: float = Field(..., description="seconds: freeze + reclaim (no queueing)")
     freeze_seconds: float = 0.0
     reclaim_seconds: float = 0.0
@@ -41,6 +43,25 @@ class JobPauseReport(Reply):
         ..., description="False: anonymous memory cannot leave RAM on this host"
     )
     sandboxes: list[SandboxPause] = Field(default_factory=list)
+    anon_before_bytes: int = Field(0, description="anonymous memory before the pause")
+    anon_after_bytes: int = Field(0, description="anonymous memory left in RAM after it")
+
+    @model_validator(mode="after")
+    def _anon_totals(self) -> JobPauseReport:
+        """Totals from the sandboxes when a merger (the cluster router) left them out."""
+        ok = [p for p in self.sandboxes if p.error is None]
+        if not self.anon_before_bytes:
+            self.anon_before_bytes = sum(p.anon_before_bytes or 0 for p in ok)
+        if not self.anon_after_bytes:
+            self.anon_after_bytes = sum(p.anon_bytes or 0 for p in ok)
+        return self
+
+    @property
+    def anon_returned_fraction(self) -> float | None:
+        """Share of the sandboxes' anonymous memory that left RAM (None: there was none)."""
+        if not self.anon_before_bytes:
+            return None
+        return 1 - self.anon_after_bytes / self.anon_before_bytes
 
 
 class JobResumeReport(Reply):
