@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port, host_leaks, kill_process, remove_edge_cgroup, stop_process
+from tests.conftest import clean_leftovers, free_port, host_leaks, kill_process, stop_process
 from tests.pg import PostgresServer
 
 
@@ -247,8 +247,7 @@ class Cluster:
             edge.proc.stop()
             found = host_leaks(edge.data_dir, edge.edge_id)
             leaks += [f"{edge.edge_id}: {leak}" for leak in found]
-            if found:
-                remove_edge_cgroup(edge.edge_id)
+            clean_leftovers(edge.data_dir, edge.edge_id)  # an edge killed by a test, too
         if self.watcher is not None:
             self.watcher.stop()
         for proc in self.apiservers:

@@ -247,6 +247,21 @@ def pid1_orphans(
     return found
 
 
+def clean_leftovers(data_dir: Path, edge_id: str) -> None:
+    """Remove even what a stopped platform leaked (its sandboxes' processes, mounts,
+    loop devices, helpers), so that one failure does not cascade into the next test."""
+    remove_edge_cgroup(edge_id)  # kills the sandboxes' processes first
+    for m in reversed(linux.mounts(data_dir)):
+        with contextlib.suppress(OSError):
+            linux.umount(m.mount_point, detach=True)
+    remove_net_leftovers(edge_id)
+    for dev in loop_devices_backed_by(data_dir):
+        subprocess.run(["losetup", "-d", dev], check=False)
+    for pid in [*lazyfs_daemons(data_dir), *spawners(data_dir), *zygotes(data_dir)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def remove_edge_cgroup(edge_id: str) -> None:
     host = cgroups.detect()
     host.kill_and_remove(f"/dsec/{edge_id}", timeout=2)
@@ -271,21 +286,7 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
     finally:
         plat.stop()
         leaks = host_leaks(plat.data_dir, edge_id)
-        # Clean up even what leaked, so one failure does not cascade into the next test.
-        for m in reversed(linux.mounts(plat.data_dir)):
-            with contextlib.suppress(OSError):
-                linux.umount(m.mount_point, detach=True)
-        remove_edge_cgroup(edge_id)
-        remove_net_leftovers(edge_id)
-        for dev in loop_devices_backed_by(plat.data_dir):
-            subprocess.run(["losetup", "-d", dev], check=False)
-        for pid in [
-            *lazyfs_daemons(plat.data_dir),
-            *spawners(plat.data_dir),
-            *zygotes(plat.data_dir),
-        ]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        clean_leftovers(plat.data_dir, edge_id)
         log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""
         shutil.rmtree(base, ignore_errors=True)
         assert not leaks, f"platform left these behind: {leaks}\n--- log ---\n{log_tail}"

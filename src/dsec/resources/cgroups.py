@@ -75,10 +75,13 @@ class CgroupHost:
         return None
 
     def pids(self, rel: str) -> set[int]:
+        """Every process in the cgroup or any cgroup below it (crun may nest, and an
+        edge's cgroup holds its sandboxes' below it)."""
         found: set[int] = set()
         for d in self.dirs(rel):
-            with contextlib.suppress(OSError, ValueError):
-                found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+            for root, _dirs, _files in os.walk(d):
+                with contextlib.suppress(OSError, ValueError):
+                    found.update(int(x) for x in Path(root, "cgroup.procs").read_text().split())
         return found
 
     def kill_all(self, rel: str, *, timeout: float = 5.0) -> bool:
