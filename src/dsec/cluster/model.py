@@ -19,7 +19,7 @@ class EdgeReport(Strict):
     """
 
     edge_id: str = Field(pattern=EDGE_ID_PATTERN)
-    url: str = Field(max_length=256)
+    url: str = Field(max_length=256, pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$")
     incarnation: str = Field(max_length=64, description="changes with every edge start")
     capacity: int = Field(ge=0)
     sandboxes: int = Field(ge=0)

@@ -50,7 +50,7 @@ class Watcher:
                 raise httpx.HTTPStatusError(
                     f"health answered {resp.status_code}", request=resp.request, response=resp
                 )
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # any failure (a malformed URL too) is a failed probe
             probe.failures += 1
             probe.last_error = f"{type(exc).__name__}: {exc}"[:300]
             return
