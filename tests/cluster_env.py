@@ -240,6 +240,11 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"fewer than {count} edges up after {timeout}s")
 
+    def log_tails(self) -> str:
+        """Every process's own account, for a failure report (tests/conftest.py hook)."""
+        procs = [*self.apiservers, self.watcher, *(e.proc for e in self.edges.values())]
+        return "".join(f"--- {p.name} (running: {p.alive()}) ---\n{p.tail()}\n" for p in procs if p)
+
     def stop(self) -> list[str]:
         """Stop everything; return what leaked."""
         leaks: list[str] = []
@@ -268,6 +273,9 @@ def cluster(pg: PostgresServer, apiservers: int = 1) -> Iterator[Cluster]:
                 c.start_apiserver()
             c.start_watcher()
             yield c
+        except BaseException:
+            sys.stderr.write(c.log_tails())  # the base dir goes below
+            raise
         finally:
             leaks = c.stop()
             pg.drop_database(database)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,6 +290,21 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
         log_tail = plat.log_path.read_text()[-3000:] if plat.log_path.exists() else ""
         shutil.rmtree(base, ignore_errors=True)
         assert not leaks, f"platform left these behind: {leaks}\n--- log ---\n{log_tail}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used a whole cluster (tests/cluster_env.py) reports what its
+    processes logged: their directory is gone by the time anyone looks."""
+    report = yield
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            tails = getattr(value, "log_tails", None)
+            if callable(tails):
+                report.sections.append(("cluster process logs", str(tails())))
+    return report
 
 
 @dataclass

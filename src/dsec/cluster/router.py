@@ -159,6 +159,12 @@ class ClusterEdge:
                 f"no sandbox {sandbox_id!r}: no edge {edge_id!r} in this cluster",
                 sandbox_id=sandbox_id,
             )
+        if status.status == DOWN:
+            # The view may be older than the edge's return: ask for this one row, so
+            # that a sandbox the directory re-adopted is never answered as lost.
+            fresh = await self.registry.edge(edge_id)
+            if fresh is not None:
+                self._edges[edge_id] = status = fresh
         return status
 
     async def _remote(self, sandbox_id: str) -> RemoteEdge:
