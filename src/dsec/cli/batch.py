@@ -15,42 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from dsec.batch_model import BatchCreated, BatchDone, BatchError, BatchFailed
-from dsec.cli.common import err, out, parse_pairs, sync_client, usage_from
+from dsec.cli.common import err, out, sync_client
+from dsec.cli.sandbox import container_args
 from dsec.errors import DSecError
-from dsec.model import DSecContainerRunArgs
 from dsec.sdk._batch import SyncBatch
 from dsec.sdk.sync import DSecSyncClient
 
 STOP_THREADS = 8
-
-
-def _spec(
-    image: str,
-    memory: int | None,
-    cpus: float | None,
-    ttl: int | None,
-    label: list[str],
-    env: list[str],
-) -> DSecContainerRunArgs:
-    fields: dict[str, object] = {"container_image": image}
-    if memory is not None:
-        fields["memory_limit_mb"] = memory
-    if cpus is not None:
-        fields["cpu_cores_limit"] = cpus
-    if ttl is not None:
-        fields["ttl_running_stop"] = ttl or None
-    if label:
-        fields["labels"] = parse_pairs(label, "--label")
-    if env:
-        fields["env"] = parse_pairs(env, "--env")
-    try:
-        return DSecContainerRunArgs.model_validate(fields)
-    except ValidationError as exc:
-        raise usage_from(exc) from None
 
 
 def _follow(batch: SyncBatch, count: int, show: bool) -> bool:
@@ -157,7 +131,7 @@ def batch(
     """Create COUNT sandboxes of IMAGE for JOB with a progress bar; Ctrl-C cancels.
 
     Exit status: 0 if all were created, 1 if any failed, 130 if cancelled."""
-    spec = _spec(image, memory, cpus, ttl, label, env)
+    spec = container_args(image, memory, cpus, ttl, label, env)
     with sync_client(ctx, timeout=60.0) as client:
         with client.create_batch(
             spec, count=count, job=job, parallelism=parallelism, timeout=timeout

@@ -38,6 +38,34 @@ DenyOpt = Annotated[
 ]
 
 
+def container_args(
+    image: str,
+    memory: int | None,
+    cpus: float | None,
+    ttl: int | None,
+    label: list[str],
+    env: list[str],
+    **extra: object,
+) -> DSecContainerRunArgs:
+    """A run spec from the options `sandbox create` and `sandbox batch` share (a spec
+    the model refuses is a usage error, exit 2)."""
+    fields: dict[str, object] = {"container_image": image, **extra}
+    if memory is not None:
+        fields["memory_limit_mb"] = memory
+    if cpus is not None:
+        fields["cpu_cores_limit"] = cpus
+    if ttl is not None:
+        fields["ttl_running_stop"] = ttl or None
+    if label:
+        fields["labels"] = parse_pairs(label, "--label")
+    if env:
+        fields["env"] = parse_pairs(env, "--env")
+    try:
+        return DSecContainerRunArgs.model_validate(fields)
+    except ValidationError as exc:
+        raise usage_from(exc) from None
+
+
 def network_rules(allow: list[str], deny: list[str]) -> dict[str, bool]:
     return {**{name: False for name in deny}, **{name: True for name in allow}}
 
@@ -70,32 +98,19 @@ def create(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a container sandbox and print its id."""
-    fields: dict[str, object] = {"container_image": image}
+    extra: dict[str, object] = {}
     if allow or deny:
-        fields["network_rules"] = network_rules(allow, deny)
-    if memory is not None:
-        fields["memory_limit_mb"] = memory
-    if cpus is not None:
-        fields["cpu_cores_limit"] = cpus
+        extra["network_rules"] = network_rules(allow, deny)
     if disk is not None:
-        fields["disk_limit_mb"] = disk
-    if ttl is not None:
-        fields["ttl_running_stop"] = ttl or None
-    if label:
-        fields["labels"] = parse_pairs(label, "--label")
-    if env:
-        fields["env"] = parse_pairs(env, "--env")
+        extra["disk_limit_mb"] = disk
     if user is not None:
-        fields["init_user"] = user
+        extra["init_user"] = user
     if workdir is not None:
-        fields["workdir"] = workdir
+        extra["workdir"] = workdir
     if protect:
         pairs = parse_pairs(protect, "--protect")
-        fields["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]
-    try:
-        args = DSecContainerRunArgs.model_validate(fields)
-    except ValidationError as exc:
-        raise usage_from(exc) from None
+        extra["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]
+    args = container_args(image, memory, cpus, ttl, label, env, **extra)
     with sync_client(ctx) as client:
         sandbox = client.run_container(args, timeout=timeout)
     emit(sandbox.info, sandbox.id, as_json)
