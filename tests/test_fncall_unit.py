@@ -70,13 +70,14 @@ def test_cgroup_plan_v1_and_v2(tmp_path: Path) -> None:
     plan = cgroup_plan(_v1_host(tmp_path), "dsec/e.fncall/k", 64 << 20, 0.5, 100)
     assert [d.relative_to(tmp_path).parts[0] for d in plan.dirs] == ["memory", "cpu", "pids"]
     assert (0, "memory.limit_in_bytes", str(64 << 20)) in plan.sets
-    assert (1, "cpu.cfs_quota_us", "50000") in plan.sets
+    assert (1, "cpu.cfs_period_us", "10000") in plan.sets
+    assert (1, "cpu.cfs_quota_us", "5000") in plan.sets
     assert (2, "pids.max", "100") in plan.sets
     assert plan.reuse > 0 and (0, "memory.max_usage_in_bytes", "0") in plan.resets
     v2root = tmp_path / "v2"
     v2root.mkdir()
     plan2 = cgroup_plan(CgroupHost(Layout.V2, {}, v2root), "dsec/e.fncall/k", 1 << 20, 2, 9)
-    assert plan2.v2 and plan2.reuse == 0 and (0, "cpu.max", "200000 100000") in plan2.sets
+    assert plan2.v2 and plan2.reuse == 0 and (0, "cpu.max", "20000 10000") in plan2.sets
     conf = tmp_path / "conf"
     write_config(
         conf,

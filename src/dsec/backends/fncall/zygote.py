@@ -69,6 +69,18 @@ class CgroupPlan:
     v2: bool
 
 
+# The CPU bandwidth period of a FnCall sandbox. A sandbox that used up its quota is
+# throttled until the period ends, its in-sandbox runner included, and the runner is
+# what enforces the wall limit: with the default 100 ms, a call spinning on every core
+# was killed up to ~100 ms past its limit (CI saw 553 ms for 500). 10 ms bounds that
+# delay at ~10 ms for a negligible cost in bandwidth-timer wake-ups.
+CPU_PERIOD_US = 10_000
+
+
+def cpu_quota_us(cores: float) -> int:
+    return max(1000, int(cores * CPU_PERIOD_US))
+
+
 def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int) -> CgroupPlan:
     """The pool's cgroup directories (created here) and per-sandbox settings."""
     rel = rel.strip("/")
@@ -80,11 +92,10 @@ def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int
             d.mkdir(exist_ok=True)
             with contextlib.suppress(OSError):
                 (d / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-        quota = max(1000, int(cores * 100_000))
         v2sets = [
             (0, "memory.max", str(memory)),
             (0, "memory.swap.max", "0"),
-            (0, "cpu.max", f"{quota} 100000"),
+            (0, "cpu.max", f"{cpu_quota_us(cores)} {CPU_PERIOD_US}"),
             (0, "pids.max", str(pids)),
         ]
         return CgroupPlan([base / rel], v2sets, [], [], 0, base / rel, True)
@@ -111,8 +122,8 @@ def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int
             resets.append((i, "memory.force_empty", "0"))
             resets.append((i, "memory.max_usage_in_bytes", "0"))
         elif ctrl == "cpu":
-            sets.append((i, "cpu.cfs_period_us", "100000"))
-            sets.append((i, "cpu.cfs_quota_us", str(max(1000, int(cores * 100_000)))))
+            sets.append((i, "cpu.cfs_period_us", str(CPU_PERIOD_US)))
+            sets.append((i, "cpu.cfs_quota_us", str(cpu_quota_us(cores))))
         else:
             sets.append((i, "pids.max", str(pids)))
     return CgroupPlan(dirs, sets, ends, resets, 256, mem_dir, False)
