@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
@@ -268,3 +269,53 @@ def test_cli_lists_edges_and_refuses_bad_edge_ids(three_edges: Cluster) -> None:
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "edge-id" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cluster_routes_answer_garbage_with_typed_errors(three_edges: Cluster) -> None:
+    c = three_edges
+    api = c.api_urls[0]
+    edge_auth = {"Authorization": f"Bearer {c.token}"}
+    admin = {"Authorization": f"Bearer {c.admin_key}"}
+    beat = f"{api}/v1/cluster/heartbeat"
+    cases = [
+        (httpx.post(beat, json={}), 401, "unauthenticated"),
+        (httpx.post(beat, json={}, headers=admin), 401, "unauthenticated"),  # a key is no edge
+        (httpx.post(beat, content=b"{not json", headers=edge_auth), 422, "invalid_argument"),
+        (httpx.post(beat, json={"edge_id": "BAD"}, headers=edge_auth), 422, "invalid_argument"),
+        (
+            httpx.post(
+                beat,
+                json={
+                    "edge_id": "zz1",
+                    "url": "file:///etc/passwd",
+                    "incarnation": "i",
+                    "capacity": 1,
+                    "sandboxes": 0,
+                    "cpu_cores": 0,
+                    "cpu_committed": 0,
+                    "memory_mb": 1,
+                    "memory_committed_mb": 0,
+                },
+                headers=edge_auth,
+            ),
+            422,
+            "invalid_argument",
+        ),
+        (httpx.delete(f"{api}/v1/cluster/edges/nope", headers=admin), 404, "not_found"),
+        (
+            httpx.get(f"{api}/v1/sandboxes/zz9-0000000000000000", headers=admin),
+            404,
+            "sandbox_not_found",
+        ),
+        (httpx.post(f"{api}/v1/sandboxes/../token", headers=admin), 404, None),
+        (
+            httpx.post(f"{api}/v1/sandboxes/NOT_AN_ID/token", headers=admin),
+            404,
+            "sandbox_not_found",
+        ),
+        (httpx.get(f"{api}/v1/cluster/edges"), 401, "unauthenticated"),
+    ]
+    for resp, status, code in cases:
+        assert resp.status_code == status, (resp.request.url, resp.status_code, resp.text)
+        if code is not None:
+            assert resp.json()["error"]["code"] == code, resp.text
