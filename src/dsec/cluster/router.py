@@ -255,6 +255,11 @@ class ClusterEdge:
             return await self._remotes[status.edge_id].get(sandbox_id)
         except SandboxNotFound:
             return await self._directory(sandbox_id)  # ended long ago: the directory knows
+        except EdgeUnavailable as exc:
+            # Not (yet) marked down by the watcher: the last known state, and why.
+            info = await self._directory(sandbox_id)
+            info.reason = f"last known state: edge {status.edge_id} did not answer ({exc})"
+            return info
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
         status = await self._status(sandbox_id)
