@@ -16,10 +16,11 @@ import builtins
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from dsec.cluster.model import EdgeStatus
-from dsec.cluster.registry import DOWN, Registry, sandbox_info
+from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
 from dsec.control.placement import Demand, EdgeView, Placer
 from dsec.errors import (
@@ -46,6 +47,7 @@ from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeRepo
 
 log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
+T = TypeVar("T")
 
 CLUSTER_EDGE_ID = "cluster"
 # A view older than this is not placed on, even before the watcher marks the edge down.
@@ -273,15 +275,34 @@ class ClusterEdge:
         await self.registry.ended(sandbox_id, info.reason or reason)
         return info
 
+    async def _on_edge(self, sandbox_id: str, op: Callable[[RemoteEdge], Awaitable[T]]) -> T:
+        """``op`` on the sandbox's edge. An edge that does not answer, for a sandbox the
+        directory already has lost or ended (the watcher was quicker than our view),
+        is ``SandboxNotRunning`` with the reason, like a down edge."""
+        remote = await self._remote(sandbox_id)
+        try:
+            return await op(remote)
+        except EdgeUnavailable:
+            row = await self.registry.sandbox(sandbox_id)
+            if row is None or row.state == LIVE:
+                raise
+            info = sandbox_info(row)
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {info.state.value}: {info.reason}",
+                sandbox_id=sandbox_id,
+                state=info.state.value,
+            ) from None
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await (await self._remote(sandbox_id)).exec(sandbox_id, req)
+        return await self._on_edge(sandbox_id, lambda r: r.exec(sandbox_id, req))
 
     async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await (await self._remote(sandbox_id)).verify(sandbox_id, req)
+        return await self._on_edge(sandbox_id, lambda r: r.verify(sandbox_id, req))
 
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
-        remote = await self._remote(sandbox_id)
-        return await remote.read_file(sandbox_id, path, max_bytes=max_bytes)
+        return await self._on_edge(
+            sandbox_id, lambda r: r.read_file(sandbox_id, path, max_bytes=max_bytes)
+        )
 
     async def write_file(
         self,
@@ -292,15 +313,17 @@ class ClusterEdge:
         mode: int = 0o644,
         trajectory: TrajectoryRef | None = None,
     ) -> None:
-        remote = await self._remote(sandbox_id)
-        await remote.write_file(sandbox_id, path, data, mode=mode, trajectory=trajectory)
+        await self._on_edge(
+            sandbox_id,
+            lambda r: r.write_file(sandbox_id, path, data, mode=mode, trajectory=trajectory),
+        )
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
-        return await (await self._remote(sandbox_id)).update_network(sandbox_id, rules)
+        return await self._on_edge(sandbox_id, lambda r: r.update_network(sandbox_id, rules))
 
     async def data_path(self, sandbox_id: str) -> DataPathInfo:
         """The edge's own URL and a token it minted: the data path bypasses us."""
-        return await (await self._remote(sandbox_id)).data_path(sandbox_id)
+        return await self._on_edge(sandbox_id, lambda r: r.data_path(sandbox_id))
 
     # -- many sandboxes -------------------------------------------------------------------
     def _up(self) -> builtins.list[RemoteEdge]:
