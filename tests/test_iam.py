@@ -377,8 +377,12 @@ async def test_a_sandbox_that_ends_by_itself_gives_its_charge_back(
         )
     )
     assert (await client.quota(project)).usage.sandboxes == 1
-    for _ in range(200):  # the idle reaper stops it; its stop listener releases
-        if (await client.quota(project)).usage.sandboxes == 0:
+    # The idle reaper stops it. The charge is released as the stop begins (before the
+    # kill, when no command can reach it any more); the state turns terminal after.
+    for _ in range(200):
+        if (await client.quota(project)).usage.sandboxes == 0 and (
+            await sb.refresh()
+        ).state.terminal:
             break
         await asyncio.sleep(0.1)
     assert (await sb.refresh()).state.terminal
