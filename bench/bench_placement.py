@@ -18,7 +18,15 @@ worst case). The steady stream comes in two kinds of departures: stops sent thro
 random apiserver, which tells its Placer (``released``; the RL trainer stops its
 sandboxes through the API), and "unseen" ones that happen on the edges (TTL, crash),
 known only from the next report; each with a 1 s and a 0.5 s view, and once with a single
-apiserver. Every strategy runs the same seeded edges, demands and arrivals.
+apiserver. "prod" runs the steady stream as deployed: every edge beats every 0.5 s (its
+own phase) and each apiserver re-reads the view every 0.25 s.
+
+The simulated edges answer creates and stops as a real edge does: with their usage in
+the ``X-DSec-Edge-Load`` header (an EdgeLoad with its sequence), which the simulated
+apiserver parses and hands to its Placer (``confirm``/``released``) as
+dsec.cluster.router does; "power_of_k5_reports_only" ignores it (the placement before:
+reports and own in-flight view only). Every strategy runs the same seeded edges,
+demands and arrivals.
 
 Reported per strategy: decisions/s per core (process time spent in the Placer only,
 view updates included), p50/p99 decision latency (candidates()), imbalance (population
@@ -47,20 +55,25 @@ from typing import Any, Literal
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from dsec.control.placement import Demand, EdgeView, Placer, Strategy  # noqa: E402
+from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer, Strategy  # noqa: E402
 from dsec.errors import ClusterFull  # noqa: E402
 
-# name -> (strategy, k, omniscient)
-STRATEGIES: dict[str, tuple[Strategy, int, bool]] = {
-    "random": ("random", 1, False),
-    "least_loaded": ("least_loaded", 1, False),
-    "power_of_k2": ("power_of_k", 2, False),
-    "power_of_k3": ("power_of_k", 3, False),
-    "power_of_k5": ("power_of_k", 5, False),
-    "least_loaded_omniscient": ("least_loaded", 1, True),
+# name -> (strategy, k, omniscient, piggyback: the apiservers read the usage the edges
+# state in their create and stop answers; without it, reports only: the baseline)
+STRATEGIES: dict[str, tuple[Strategy, int, bool, bool]] = {
+    "random": ("random", 1, False, True),
+    "least_loaded": ("least_loaded", 1, False, True),
+    "power_of_k2": ("power_of_k", 2, False, True),
+    "power_of_k3": ("power_of_k", 3, False, True),
+    "power_of_k5": ("power_of_k", 5, False, True),
+    "power_of_k8": ("power_of_k", 8, False, True),
+    "power_of_k5_reports_only": ("power_of_k", 5, False, False),
+    "least_loaded_omniscient": ("least_loaded", 1, True, False),
 }
 CAPACITIES = (150, 200, 250, 300)
 SMALL = Demand(cpu_cores=1.0, memory_mb=1024)
+PROD_BEAT = 0.5  # dsec.cluster.node: an edge's heartbeat interval
+PROD_REFRESH = 0.25  # dsec.cluster.router: how often an apiserver re-reads the view
 LARGE = Demand(cpu_cores=2.0, memory_mb=4096)
 
 
@@ -77,6 +90,7 @@ class SimEdge:
     cpu_used: float = 0.0
     mem_used: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    seq: int = 1  # usage version, as a real edge's Admission.seq
 
     def admit(self, d: Demand) -> bool:
         if (
@@ -88,12 +102,18 @@ class SimEdge:
         self.n += 1
         self.cpu_used += d.cpu_cores
         self.mem_used += d.memory_mb
+        self.seq += 1
         return True
 
     def release(self, d: Demand) -> None:
         self.n -= 1
         self.cpu_used -= d.cpu_cores
         self.mem_used -= d.memory_mb
+        self.seq += 1
+
+    def load_header(self) -> str:
+        """What a real edge puts in its create and stop answers (``LOAD_HEADER``)."""
+        return EdgeLoad(self.seq, self.n, self.mem_used, self.cpu_used).header()
 
     def load(self) -> float:
         return max(self.n / self.capacity, self.cpu_used / self.cpu, self.mem_used / self.mem)
@@ -111,6 +131,7 @@ class SimEdge:
             labels=self.labels,
             layers=self.layers,
             seen_at=now,
+            seq=self.seq,
         )
 
 
@@ -173,7 +194,13 @@ def pct(samples: list[float], q: float) -> float:
 
 
 class Sim:
-    """Edges + a stale watcher view + ``apiservers`` placers with their own reservations."""
+    """Edges + a stale watcher view + ``apiservers`` placers with their own reservations.
+
+    The view is every edge's state at each refresh (``beat`` None), or, as deployed,
+    each edge's last heartbeat (every ``beat`` s, phases spread at random) re-read every
+    ``period`` s. With piggyback, create and stop answers carry the edge's usage header
+    and the placer reads it, as dsec.cluster.router does with a real edge's answers.
+    """
 
     def __init__(
         self,
@@ -184,12 +211,19 @@ class Sim:
         period: float,
         seed: int,
         locality_weight: float = 0.1,
+        beat: float | None = None,
     ) -> None:
-        strategy, k, omniscient = STRATEGIES[name]
+        strategy, k, omniscient, piggyback = STRATEGIES[name]
         self.edges = edges
         self.by_id = {e.edge_id: e for e in edges}
         self.now = 0.0
         self.period = 0.0 if omniscient else period
+        self.piggyback = piggyback
+        self.beat = None if omniscient else beat
+        self.last_views = [e.view(0.0) for e in edges]
+        phase = random.Random(seed + 11)
+        self.beats = [(phase.uniform(0, beat or 1.0), i) for i in range(len(edges))]
+        heapq.heapify(self.beats)
         self.placers = [
             Placer(
                 strategy,
@@ -218,17 +252,31 @@ class Sim:
         return self.now
 
     def refresh(self) -> None:
-        views = [e.view(self.now) for e in self.edges]
+        views = self.last_views if self.beat else [e.view(self.now) for e in self.edges]
         t = time.process_time()
         for p in self.placers:
             p.update(views)
         self.cpu += time.process_time() - t
 
     def advance(self, now: float) -> None:
+        """To ``now``, before the event due then: the state is still what it was at
+        every heartbeat since the last event, so those reports are exact."""
         self.now = now
-        if self.oracle is None and now >= self.next_refresh:
+        if self.oracle is not None:
+            return
+        beat, beats = self.beat, self.beats
+        if beat:
+            while beats[0][0] <= now:
+                t, i = beats[0]
+                self.last_views[i] = self.edges[i].view(t)
+                heapq.heapreplace(beats, (t + beat, i))
+        if now >= self.next_refresh:
             self.refresh()
             self.next_refresh = now + self.period
+
+    def _answer(self, edge: SimEdge) -> EdgeLoad | None:
+        """The usage an edge's answer states, parsed as the router parses a real one."""
+        return EdgeLoad.parse(edge.load_header()) if self.piggyback else None
 
     def place(self, d: Demand) -> SimEdge | None:
         """One create as the apiserver's router would do it: candidates, try in order."""
@@ -271,8 +319,9 @@ class Sim:
                 self.attempts += 1
                 ok = edge.admit(d)
                 c0 = time.process_time()
+                answer = self._answer(edge) if ok else None
                 if ok:
-                    p.confirm(v.edge_id, d)
+                    p.confirm(v.edge_id, d, answer)
                 else:
                     p.unreserve(v.edge_id, d)
                     p.refused(v.edge_id, {"running": edge.n, "capacity": edge.capacity})
@@ -293,7 +342,8 @@ class Sim:
         if through_api and self.oracle is None:
             p = self.placers[self.stop_rng.randrange(len(self.placers))]
             c0 = time.process_time()
-            p.released(edge.edge_id, d)
+            answer = self._answer(edge)
+            p.released(edge.edge_id, d, answer)
             self.cpu += time.process_time() - c0
 
     def imbalance(self) -> float:
@@ -384,6 +434,7 @@ def steady(
     images: dict[str, frozenset[str]] | None = None,
     locality_weight: float = 0.1,
     stops: Literal["api", "edge"] = "api",
+    beat: float | None = None,
 ) -> dict[str, Any]:
     """Poisson arrivals and exponential lifetimes holding ``occupancy`` of the slots.
 
@@ -401,6 +452,7 @@ def steady(
         period=period,
         seed=seed,
         locality_weight=locality_weight,
+        beat=beat,
     )
     departures: list[tuple[float, int, SimEdge, Demand]] = []
     seq = 0
@@ -472,6 +524,8 @@ RATIO_COLUMNS: tuple[tuple[str, str], ...] = (
     ("steady_fast", "st .5s"),
     ("steady_unseen", "unseen"),
     ("steady_unseen_fast", "unseen .5s"),
+    ("steady_prod", "st prod"),
+    ("steady_prod_unseen", "uns. prod"),
 )
 
 
@@ -481,7 +535,7 @@ def _imb(r: dict[str, Any]) -> float:
     return float(r["imbalance_std"] if v is None else v)
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, seed: int = 1000) -> dict[str, Any]:
     n_edges = 40 if quick else 160
     cap = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(n_edges))
     count = 4_000 if quick else 32_000
@@ -496,7 +550,6 @@ def run(quick: bool) -> dict[str, Any]:
     results: dict[str, Any] = {}
     # Common random numbers: every strategy sees the same edges, demands, arrivals and
     # lifetimes, so the ratios compare placement, not luck.
-    seed = 1000
     for name in STRATEGIES:
         omni = STRATEGIES[name][2]
         r: dict[str, Any] = {}
@@ -514,7 +567,7 @@ def run(quick: bool) -> dict[str, Any]:
                 r[sc] = r["burst"]
             for sc in ("steady_one_apiserver", "steady_fast"):
                 r[sc] = r["steady"]
-            for sc in ("steady_unseen", "steady_unseen_fast"):
+            for sc in ("steady_unseen", "steady_unseen_fast", "steady_prod", "steady_prod_unseen"):
                 r[sc] = r["steady"]
             r["steady_hot_unseen"] = r["steady_hot"]
         else:
@@ -524,6 +577,10 @@ def run(quick: bool) -> dict[str, Any]:
             r["steady_fast"] = steady(*args, 2, fast, seed, stops="api")
             r["steady_unseen"] = steady(*args, 2, period, seed, stops="edge")
             r["steady_unseen_fast"] = steady(*args, 2, fast, seed, stops="edge")
+            # as deployed: heartbeats every 0.5 s, each apiserver re-reads every 0.25 s
+            prod = (*args, 2, PROD_REFRESH, seed)
+            r["steady_prod"] = steady(*prod, stops="api", beat=PROD_BEAT)
+            r["steady_prod_unseen"] = steady(*prod, stops="edge", beat=PROD_BEAT)
             r["steady_hot_unseen"] = steady(*hot, stops="edge")
         r["locality"] = steady(
             name, n_edges, 0.5, life, warm, meas, 2, period, seed, images, stops="api"
@@ -546,8 +603,17 @@ def run(quick: bool) -> dict[str, Any]:
         results[name] = r
         print(f"  {name}: done", file=sys.stderr)
     checks: dict[str, dict[str, float]] = {}
-    pairs = [(n, "least_loaded_omniscient") for n in ("power_of_k2", "power_of_k3", "power_of_k5")]
-    pairs += [("least_loaded", "least_loaded_omniscient"), ("power_of_k5", "least_loaded")]
+    pairs = [
+        (n, "least_loaded_omniscient")
+        for n in (
+            "power_of_k2",
+            "power_of_k3",
+            "power_of_k5",
+            "power_of_k8",
+            "power_of_k5_reports_only",
+        )
+    ]
+    pairs += [("least_loaded", "least_loaded_omniscient"), ("power_of_k8", "least_loaded")]
     for name, base in pairs:
         r, ref = results[name], results[base]
         checks[f"{name} / {base}"] = {
@@ -556,6 +622,7 @@ def run(quick: bool) -> dict[str, Any]:
     return {
         "config": {
             "quick": quick,
+            "seed": seed,
             "edges": n_edges,
             "capacity": cap,
             "burst_count": count,
@@ -627,19 +694,22 @@ def table(res: dict[str, Any]) -> str:
         f"unless '1api'; view every {cfg['view_period_s']:g} s, or {cfg['fast_view_period_s']:g} s "
         "('.5s'); steady: stops sent through a random apiserver, 'unseen': departures on the "
         "edges (TTL, crash)",
-        f"{'':<48}" + "".join(f"{h:>11}" for _, h in RATIO_COLUMNS),
+        f"{'':<52}" + "".join(f"{h:>11}" for _, h in RATIO_COLUMNS),
     ]
     for name, c in res["imbalance_ratios"].items():
-        lines.append(f"{name:<48}" + "".join(f"{v:>10.2f}x" for v in c.values()))
+        lines.append(f"{name:<52}" + "".join(f"{v:>10.2f}x" for v in c.values()))
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="40 edges, a 4,000 burst (seconds)")
+    ap.add_argument("--seed", type=int, default=1000, help="another draw of the same runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "placement.json")
     args = ap.parse_args()
-    res = run(args.quick)
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
+    res = run(args.quick, args.seed)
+    res["loadavg"] = {"start": load_start, "end": Path("/proc/loadavg").read_text().split()[:3]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(table(res))

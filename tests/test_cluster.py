@@ -17,6 +17,10 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
+from dsec.cluster.model import EdgeStatus
+from dsec.cluster.remote import RemoteEdge
+from dsec.cluster.router import view_of
+from dsec.control.placement import Demand, EdgeLoad, Placer
 from dsec.errors import EdgeUnavailable, PermissionDenied, QuotaExceeded, SandboxNotRunning
 from dsec.model import SandboxInfo as SandboxInfoT
 from dsec.model import SandboxState
@@ -65,6 +69,72 @@ async def test_create_exec_stop_through_any_apiserver(three_edges: Cluster) -> N
         assert [s.id for s in listed] == [sb.id]
         await other.stop()
         assert (await a.get(sb.id)).info.state is SandboxState.STOPPED
+
+
+async def test_edge_answers_carry_its_usage_to_placement(three_edges: Cluster) -> None:
+    """Another apiserver's create on an edge reaches this apiserver's placement view
+    with the edge's next answer (LOAD_HEADER), not only with its next heartbeat: a
+    real edge, and an apiserver's RemoteEdge and Placer (as dsec.cluster.router uses
+    them); two RemoteEdges stand for two apiservers."""
+    c = three_edges
+    headers = {"Authorization": f"Bearer {c.admin_key}"}
+    async with httpx.AsyncClient(headers=headers) as http:
+        resp = await http.get(f"{c.api_urls[0]}/v1/cluster/edges")
+    statuses = [EdgeStatus.model_validate(s) for s in resp.json()]
+    status = max(statuses, key=lambda s: s.report.capacity)
+    view = view_of(status, time.time())
+    eid, cap, mem = view.edge_id, view.capacity, view.memory_mb
+    assert view.seq > 0 and view.up  # heartbeats carry the usage version
+    placer = Placer(k=5)
+    placer.update([view])
+    ours = RemoteEdge(eid, view.url, c.token)
+    theirs = RemoteEdge(eid, view.url, c.token)
+    d = Demand.for_spec(spec(), "container")
+    made: list[str] = []
+
+    def load_of(load: EdgeLoad) -> float:
+        return max(load.sandboxes / cap, load.memory_committed_mb / mem)
+
+    try:
+        info, other = await theirs.create_load(spec(labels={"t": "piggy"}), timeout=60)
+        made.append(info.id)
+        assert other is not None and other.seq > view.seq
+        placer.reserve(eid, d)
+        info, load = await ours.create_load(spec(labels={"t": "piggy"}), timeout=60)
+        made.append(info.id)
+        assert load is not None and load.seq > other.seq and load.sandboxes >= 2
+        placer.confirm(eid, d, load)
+        # the other's create is counted, our own once: the newest answer's figures
+        assert placer.reserved(eid) == 0
+        assert placer.load(eid) == pytest.approx(load_of(load))
+        # the heartbeat view from before both does not bring the old figures back
+        placer.update([view_of(status, time.time())])
+        assert placer.load(eid) == pytest.approx(load_of(load))
+        info, gone = await ours.stop_load(made.pop(), reason="test")
+        assert gone is not None and gone.seq > load.seq
+        placer.released(eid, d, gone)
+        assert placer.load(eid) == pytest.approx(load_of(gone))
+        # a heartbeat taken after the stop takes over (newer by sequence)
+        deadline = time.monotonic() + 60
+        while True:
+            async with httpx.AsyncClient(headers=headers) as http:
+                resp = await http.get(f"{c.api_urls[0]}/v1/cluster/edges")
+            fresh = next(EdgeStatus.model_validate(s) for s in resp.json() if s["edge_id"] == eid)
+            if fresh.report.load_seq >= gone.seq or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert fresh.report.load_seq >= gone.seq
+        placer.update([view_of(fresh, time.time())])
+        r = fresh.report
+        assert placer.load(eid) == pytest.approx(
+            max(r.sandboxes / cap, r.memory_committed_mb / mem)
+        )
+    finally:
+        for sid in made:
+            with contextlib.suppress(EdgeUnavailable):
+                await theirs.stop(sid)
+        await ours.close()
+        await theirs.close()
 
 
 async def _burst(

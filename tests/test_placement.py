@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.control.placement import Demand, EdgeView, Placer
+from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.errors import ClusterFull, InvalidArgument
 from dsec.model import DSecContainerRunArgs
 
@@ -185,6 +185,80 @@ def test_confirm_restamps_so_an_in_between_report_does_not_forget() -> None:
         p.candidates(d)
     p.update([edge(0, capacity=1, sandboxes=1, seen_at=103.5)])
     assert p.reserved("e0") == 0
+
+
+def test_edge_load_header_round_trip_and_garbage() -> None:
+    load = EdgeLoad(seq=1764500000123456, sandboxes=7, memory_committed_mb=7168, cpu_committed=3.5)
+    assert EdgeLoad.parse(load.header()) == load
+    for bad in (None, "", "seq=1", "seq=x;n=1;mem=1;cpu=1", "seq=0;n=1;mem=1;cpu=1",
+                "seq=5;n=-1;mem=1;cpu=1", "seq=5;n=1;mem=1;cpu=nan", "garbage"):  # fmt: skip
+        assert EdgeLoad.parse(bad) is None, bad
+    # unknown fields (a newer edge) are ignored
+    assert EdgeLoad.parse(load.header() + ";gpu=2") == load
+
+
+def test_piggybacked_load_ordered_by_sequence_never_double_counted() -> None:
+    """An edge's answers carry its usage (others' creates included); sequences, not
+    arrival order, decide which figures hold and which own creates they include."""
+    clock = Clock()
+    cap = 10
+    p = placer([edge(0, capacity=cap, sandboxes=2, seq=100, seen_at=100.0)], clock)
+    d = Demand(cpu_cores=1.0, memory_mb=1024)
+    clock.t = 101.0
+    p.reserve("e0", d)
+    p.reserve("e0", d)  # two creates in flight
+    # the first answer: usage 6 at seq 105 (ours, and three of another apiserver's, and
+    # perhaps our second): the second, still unanswered, stays counted (never forgotten)
+    p.confirm("e0", d, EdgeLoad(105, 6, 6144, 6.0))
+    assert p.reserved("e0") == 1
+    assert p.load("e0") == pytest.approx(7 / cap)
+    # the second answer overtaken by the first (seq 103 < 105): its create is in the
+    # newer figures, so it stops counting, and the older figures change nothing
+    p.confirm("e0", d, EdgeLoad(103, 5, 5120, 5.0))
+    assert p.reserved("e0") == 0
+    assert p.load("e0") == pytest.approx(6 / cap)
+    # a heartbeat older than the answer (by sequence, however late it arrives) does not
+    # bring the old figures back
+    clock.t = 102.0
+    p.update([edge(0, capacity=cap, sandboxes=4, seq=104, seen_at=102.0)])
+    assert p.load("e0") == pytest.approx(6 / cap)
+    assert p.views()[0].sandboxes == 6 and p.views()[0].capacity == cap
+    # our stop's answer includes the departure (and another stop elsewhere): no negative
+    # reservation left over to count it twice
+    p.released("e0", d, EdgeLoad(107, 4, 4096, 4.0))
+    assert p.load("e0") == pytest.approx(4 / cap)
+    p.update([edge(0, capacity=cap, sandboxes=5, seq=106, seen_at=102.5)])
+    assert p.load("e0") == pytest.approx(4 / cap)
+    # a newer heartbeat wins
+    p.update([edge(0, capacity=cap, sandboxes=3, seq=108, seen_at=103.0)])
+    assert p.load("e0") == pytest.approx(3 / cap)
+    # an answer without the header (an older edge): time rules, as without sequences
+    p.reserve("e0", d)
+    clock.t = 104.0
+    p.confirm("e0", d, None)
+    p.reserve("e0", d)
+    p.confirm("e0", d, EdgeLoad(110, 5, 5120, 5.0))
+    assert p.reserved("e0") == 1  # the header-less one: only a later report drops it
+    p.update([edge(0, capacity=cap, sandboxes=4, seq=109, seen_at=105.0)])
+    assert p.reserved("e0") == 0
+    assert p.load("e0") == pytest.approx(5 / cap)  # seq 110 still newest
+
+
+def test_piggybacked_load_distrusted_when_reports_stay_behind() -> None:
+    """Sequences start at the edge's clock: should a restart step them back, a newer
+    report wins once the answer's figures are older than _SNAP_TRUST_S."""
+    clock = Clock()
+    p = placer([edge(0, capacity=10, sandboxes=1, seq=100, seen_at=100.0)], clock)
+    p.observe("e0", EdgeLoad(10**9, 9, 9216, 9.0))
+    p.update([edge(0, capacity=10, sandboxes=2, seq=200, seen_at=100.5)])
+    assert p.load("e0") == pytest.approx(9 / 10)
+    clock.t += 3.0
+    p.update([edge(0, capacity=10, sandboxes=2, seq=300, seen_at=102.5)])
+    assert p.load("e0") == pytest.approx(2 / 10)
+    # an answer for an edge not in the view yet is kept for when it is
+    p.observe("e1", EdgeLoad(50, 3, 3072, 3.0))
+    p.update([edge(0, seq=300, seen_at=103.0), edge(1, capacity=10, seq=40, seen_at=103.0)])
+    assert p.load("e1") == pytest.approx(3 / 10)
 
 
 def test_reservation_ttl_drops_leaks() -> None:
@@ -365,6 +439,8 @@ def test_bench_quick_reports_every_strategy(tmp_path: Path) -> None:
         "power_of_k2",
         "power_of_k3",
         "power_of_k5",
+        "power_of_k8",
+        "power_of_k5_reports_only",
         "least_loaded_omniscient",
     }
     for name, r in strategies.items():
@@ -380,6 +456,8 @@ def test_bench_quick_reports_every_strategy(tmp_path: Path) -> None:
             "steady_unseen",
             "steady_unseen_fast",
             "steady_hot_unseen",
+            "steady_prod",
+            "steady_prod_unseen",
         ):
             assert r[scenario]["decisions"] > 0, (name, scenario)
             assert "imbalance_std" in r[scenario] and "rejection_rate" in r[scenario]

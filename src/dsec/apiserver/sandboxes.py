@@ -19,6 +19,8 @@ from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
 from dsec.apiserver.responses import model_response, sandboxes_response
 from dsec.apiserver.trajectory import trajectory_ref
+from dsec.control.placement import LOAD_HEADER, EdgeLoad
+from dsec.edge.admission import Admission
 from dsec.edge.api import EdgeAPI
 from dsec.model import (
     CreateSandboxRequest,
@@ -52,6 +54,18 @@ def sandbox_router(
             info.data_path = await data_path(info.id)
         return info
 
+    admission = getattr(edge, "admission", None)
+
+    def with_load(resp: Response) -> Response:
+        """An edge states its usage right after a create or stop (LOAD_HEADER): each
+        apiserver then sees the others' placements on every edge it touches, not only
+        at the next heartbeat (dsec.control.placement.EdgeLoad). Read in one go, so the
+        figures and their sequence agree."""
+        if isinstance(admission, Admission):
+            a = admission
+            resp.headers[LOAD_HEADER] = EdgeLoad(a.seq, a.count, a.memory_mb, a.cpu_cores).header()
+        return resp
+
     router = APIRouter(
         prefix="/v1/sandboxes",
         tags=["sandboxes"],
@@ -63,7 +77,7 @@ def sandbox_router(
     async def create_sandbox(body: CreateSandboxRequest, principal: Principal) -> Response:
         """Admit, prepare and start a sandbox; returns once it is running."""
         info = await creator.create(principal, body.spec, timeout=body.timeout)
-        return model_response(await with_data_path(info), 201)
+        return with_load(model_response(await with_data_path(info), 201))
 
     @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
     async def list_sandboxes(
@@ -94,7 +108,8 @@ def sandbox_router(
     @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Stop a sandbox")
     async def stop_sandbox(sandbox_id: str, principal: Principal) -> Response:
         """Terminate and release everything; idempotent. Returns the final state."""
-        return model_response(await creator.stop(principal, check_sandbox_id(sandbox_id)))
+        info = await creator.stop(principal, check_sandbox_id(sandbox_id))
+        return with_load(model_response(info))
 
     @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
     async def exec_command(sandbox_id: str, body: ExecRequest) -> Response:

@@ -32,6 +32,9 @@ class EdgeReport(Strict):
     images: list[str] = Field(default_factory=list, max_length=10_000)
     layers: list[str] = Field(default_factory=list, max_length=100_000)
     lazy: bool = Field(False, description="can load any layer on demand (shared store)")
+    load_seq: int = Field(
+        0, ge=0, description="usage version of these figures (orders them against answers)"
+    )
     live: dict[str, float] | None = None
     ended: dict[str, str] = Field(default_factory=dict, description="id -> reason")
 

@@ -86,6 +86,7 @@ class EdgeNode:
             images=sorted({i.ref for i in images}),
             layers=sorted({d for i in images for d in i.layers}),
             lazy=self.lazy,
+            load_seq=admission.seq,  # read with count and memory: no await in between
             live=live,
             ended=dict(self._ended),
         )

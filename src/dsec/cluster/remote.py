@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
+from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
 from dsec.model import (
     DataPathInfo,
@@ -76,9 +77,17 @@ class RemoteEdge:
 
     # -- EdgeAPI --------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        return (await self.create_load(spec, timeout=timeout))[0]
+
+    async def create_load(
+        self, spec: DSecContainerRunArgs, *, timeout: float
+    ) -> tuple[SandboxInfo, EdgeLoad | None]:
+        """Create, and the edge's usage right after as its answer states it (None from
+        an edge that does not): placement reads it at once (dsec.control.placement)."""
         body = {"spec": spec.model_dump(mode="json", exclude_unset=True), "timeout": timeout}
         resp = await self._call("POST", "/v1/sandboxes", json=body, timeout=timeout + 10)
-        return SandboxInfo.model_validate_json(resp.content)
+        info = SandboxInfo.model_validate_json(resp.content)
+        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -96,8 +105,15 @@ class RemoteEdge:
         return _sandbox_list.validate_json(resp.content)
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
+        return (await self.stop_load(sandbox_id, reason=reason))[0]
+
+    async def stop_load(
+        self, sandbox_id: str, *, reason: str = "stopped by request"
+    ) -> tuple[SandboxInfo, EdgeLoad | None]:
+        """Stop, and the edge's usage right after (see ``create_load``)."""
         resp = await self._call("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout=60)
-        return SandboxInfo.model_validate_json(resp.content)
+        info = SandboxInfo.model_validate_json(resp.content)
+        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER))
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         body = req.model_dump(mode="json", exclude_unset=True)

@@ -81,6 +81,7 @@ def view_of(status: EdgeStatus, now: float) -> EdgeView:
         layers=frozenset(r.layers) | frozenset(image_key(i) for i in r.images),
         seen_at=status.heartbeat_at,
         lazy=r.lazy,
+        seq=r.load_seq,
     )
 
 
@@ -98,9 +99,10 @@ class ClusterEdge:
         rounds: int = 3,
     ) -> None:
         self.registry = registry
-        # k=5 with the per-apiserver share guard: closest to an omniscient least-loaded
-        # without its herd rejections (bench/bench_placement.py, dsec.control.placement)
-        self.placer = placer or Placer(k=5)
+        # k=8 with the per-apiserver share guard and the edges' piggybacked usage:
+        # closest to an omniscient least-loaded without its herd rejections
+        # (bench/bench_placement.py, dsec.control.placement)
+        self.placer = placer or Placer(k=8)
         self._token = token
         self._version = version
         self._refresh_period = refresh
@@ -205,7 +207,7 @@ class ClusterEdge:
                     continue
                 self.placer.reserve(view.edge_id, demand)
                 try:
-                    info = await remote.create(spec, timeout=timeout)
+                    info, load = await remote.create_load(spec, timeout=timeout)
                 except AdmissionRejected as exc:
                     self.placer.unreserve(view.edge_id, demand)
                     self.placer.refused(view.edge_id, exc.details)
@@ -222,7 +224,8 @@ class ClusterEdge:
                 except BaseException:
                     self.placer.unreserve(view.edge_id, demand)
                     raise
-                self.placer.confirm(view.edge_id, demand)
+                # the edge's usage from its answer: the other apiservers' creates there
+                self.placer.confirm(view.edge_id, demand, load)
                 await self._record(info, remote)
                 return info
         if no_image is not None and all(r["code"] == no_image.code for r in refusals):
@@ -269,9 +272,9 @@ class ClusterEdge:
             note = f"{reason} while edge {status.edge_id} was down (stopped when it returns)"
             await self.registry.ended(sandbox_id, note)
             return await self._directory(sandbox_id)
-        info = await self._remotes[status.edge_id].stop(sandbox_id, reason=reason)
+        info, load = await self._remotes[status.edge_id].stop_load(sandbox_id, reason=reason)
         # A slot this apiserver saw free up, before the edge's next report says so.
-        self.placer.released(status.edge_id, Demand.for_spec(info.spec, "container"))
+        self.placer.released(status.edge_id, Demand.for_spec(info.spec, "container"), load)
         await self.registry.ended(sandbox_id, info.reason or reason)
         return info
 

@@ -8,6 +8,7 @@ fraction of their limit), but never beyond a configured factor of physical memor
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 from dsec.errors import AdmissionRejected, LimitExceeded
@@ -26,6 +27,12 @@ class Admission:
         self.memory_budget_mb = int(self.host_memory_mb * memory_overcommit)
         self.count = 0
         self.memory_mb = 0
+        # CPU committed (limits of the sandboxes admitted): reported, not admitted by.
+        self.cpu_cores = 0.0
+        # Usage version, bumped on every change: orders the usage piggybacked on create
+        # and stop answers against heartbeat reports (dsec.control.placement.EdgeLoad).
+        # Starts at the clock (us) so that it keeps growing across a restart.
+        self.seq = time.time_ns() // 1000
 
     def check_limits(self, spec: DSecRunArgs) -> None:
         """Limits no host of this size could ever honour: a 4xx, not a retry."""
@@ -58,14 +65,21 @@ class Admission:
             )
         self.count += 1
         self.memory_mb += spec.memory_limit_mb
+        self.cpu_cores += spec.cpu_cores_limit
+        self.seq += 1
 
     def release(self, spec: DSecRunArgs) -> None:
         self.count = max(0, self.count - 1)
         self.memory_mb = max(0, self.memory_mb - spec.memory_limit_mb)
+        self.cpu_cores = max(0.0, self.cpu_cores - spec.cpu_cores_limit)
+        self.seq += 1
 
     def reset(self, live: Iterable[DSecRunArgs]) -> None:
         self.count = 0
         self.memory_mb = 0
+        self.cpu_cores = 0.0
+        self.seq += 1
         for spec in live:
             self.count += 1
             self.memory_mb += spec.memory_limit_mb
+            self.cpu_cores += spec.cpu_cores_limit
