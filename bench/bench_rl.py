@@ -1,18 +1,25 @@
 """Job pause/resume, pack_diff and fork (issue 6, DSEC.md §6.1 and §6.3), in one run.
 
     .venv/bin/python bench/bench_rl.py [--n 100] [--mib 64] [--creates 30] [--swap-gb 8]
+        [--modes loop,file] [--skip-no-swap] [--no-4k]
 
 On a real platform (`dsec up` in a subprocess, fresh data dir): ``n`` sandboxes of one
 job each hold ``mib`` MiB (at most 64: the sandbox's /dev/shm size) of anonymous memory
-(a tmpfs file of random data: shmem, which only swap can take out of RAM); pause_job,
-then resume_job and the first touch of the held data (reading it back in, minus a
-second, warm read), then a pause followed by transparent thaws (the next exec). Host
-MemAvailable is read before and after each step, so "memory returned to the host" is
-what the host saw, not what we asked for. The pause/resume part runs twice side by
-side: without swap, and with a swap file of ``--swap-gb`` GiB that the platform turns
-on (DSEC_SWAP_FILE, dsec.resources.swap) and that is removed afterwards (0: skip).
-Then pack_diff of a sandbox with 100 MiB of changes, creates from the packed layer vs
-from the base image, fork(16). Writes bench/results/rl.json.
+(a tmpfs file of random data written 1 MiB at a time: shmem, which only swap can take
+out of RAM); pause_job, then resume_job and the first touch of the held data (reading
+it back in, minus a second, warm read), then a pause followed by transparent thaws (the
+next exec). Host MemAvailable is read before and after each step, so "memory returned
+to the host" is what the host saw, not what we asked for; the host's CPU split and the
+kernel's swap-out counters during the pause say where the time went.
+
+Runs, side by side: without swap (plus pack_diff/fork); with a swap file of
+``--swap-gb`` GiB that the platform turns on through a loop device (``loop``, the
+default: DSEC_SWAP_FILE, dsec.resources.swap), where an extra row holds the same random
+data written 4 KiB at a time (``random-4k``: 4 KiB pages, the worst case: no large
+folios); and the same file turned on directly (``file``: DSEC_SWAP_LOOP=0, the previous
+design, as the baseline). Each swap file is removed afterwards. Then pack_diff of a
+sandbox with 100 MiB of changes, creates from the packed layer vs from the base image,
+fork(16). Writes bench/results/rl.json.
 """
 
 from __future__ import annotations
@@ -53,6 +60,36 @@ def stats(samples: list[float]) -> dict[str, float]:
 def loadavg() -> list[str]:
     """1, 5 and 15 minute load: other work on the host makes the figures noisy."""
     return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def vmstat() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        key, _, val = line.partition(" ")
+        out[key] = int(val)
+    return out
+
+
+def large_folio_swpout() -> dict[str, int]:
+    """Pages swapped out inside large (multi-page) folios, and large folios that had to
+    be split first (per-size mTHP counters; thp_swpout counts only 2 MiB ones)."""
+    out = {"pages": 0, "fallback_folios": 0}
+    for d in Path("/sys/kernel/mm/transparent_hugepage").glob("hugepages-*kB"):
+        pages = int(d.name.removeprefix("hugepages-").removesuffix("kB")) // 4
+        with contextlib.suppress(OSError, ValueError):
+            out["pages"] += pages * int((d / "stats" / "swpout").read_text())
+            out["fallback_folios"] += int((d / "stats" / "swpout_fallback").read_text())
+    return out
+
+
+def cpu_ticks() -> list[int]:
+    """/proc/stat's all-CPU line: user nice system idle iowait irq softirq steal."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def cpu_split(d: list[int]) -> tuple[int, int, int, int]:
+    """user+nice, system+irq+softirq, iowait, idle+steal."""
+    return d[0] + d[1], d[2] + d[5] + d[6], d[4], d[3] + d[7]
 
 
 def mem_available() -> int:
@@ -101,7 +138,10 @@ async def pause_resume(
     # A tmpfs file: anonymous memory (shmem) that a later exec can read back, so the
     # first touch after a resume is measurable from inside the sandbox.
     src = "/dev/zero" if fill == "zero" else "/dev/urandom"
-    hold = f"dd if={src} of=/dev/shm/hold bs=1M count={mib} 2>/dev/null"
+    if fill == "random-4k":  # written 4 KiB at a time: 4 KiB pages, no large folios
+        hold = f"dd if={src} of=/dev/shm/hold bs=4k count={mib * 256} 2>/dev/null"
+    else:
+        hold = f"dd if={src} of=/dev/shm/hold bs=1M count={mib} 2>/dev/null"
     sem = asyncio.Semaphore(4)
 
     async def fill_one(sb: Sandbox) -> None:
@@ -121,9 +161,12 @@ async def pause_resume(
         await asyncio.sleep(0.5)
     await asyncio.sleep(2)
     avail0 = mem_available()
+    load = loadavg()
+    vm0, cpu0, lf0 = vmstat(), cpu_ticks(), large_folio_swpout()
     t = time.perf_counter()
     rep = await client.pause_job(job)
     pause_wall = time.perf_counter() - t
+    vm1, cpu1, lf1 = vmstat(), cpu_ticks(), large_folio_swpout()
     await asyncio.sleep(0.5)
     avail1 = mem_available()
     t = time.perf_counter()
@@ -156,10 +199,23 @@ async def pause_resume(
     before = [p.memory_before_bytes or 0 for p in rep.sandboxes]
     after = [p.memory_after_bytes or 0 for p in rep.sandboxes]
     ft, warm_read = stats(first), stats(again)
+    busy = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
     out: dict[str, object] = {
         "sandboxes": n,
         "held_mib_each": mib,
         "fill": fill,
+        "loadavg_before_pause": load,
+        # all CPUs, whole host, during pause_job: user+nice (others' work: the platform
+        # itself does ~1 ms per sandbox), system+softirq (the reclaim), iowait, idle
+        "host_cpu_pct_during_pause": {
+            k: round(100 * v / max(1, sum(busy)), 1)
+            for k, v in zip(("user", "system", "iowait", "idle"), cpu_split(busy), strict=True)
+        },
+        "vmstat_during_pause": {
+            k: vm1.get(k, 0) - vm0.get(k, 0) for k in ("pswpout", "thp_split_page")
+        },
+        "swpout_pages_in_large_folios": lf1["pages"] - lf0["pages"],
+        "large_folios_split_for_swap": lf1["fallback_folios"] - lf0["fallback_folios"],
         "swap_available": rep.swap_available,
         "paused": rep.paused,
         "pause_job_wall_s": round(pause_wall, 3),
@@ -245,7 +301,7 @@ def swap_dir(gb: int) -> Iterator[Path | None]:
         yield base / "swap"
     finally:
         for area in swapmod.active_swaps():
-            if Path(area.filename).parent == base:
+            if Path(swapmod.area_file(area)).parent == base:
                 swapmod.SwapFile(Path(area.filename), 0, activated=True).disable()
         (base / "swap").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
@@ -253,7 +309,7 @@ def swap_dir(gb: int) -> Iterator[Path | None]:
 
 
 async def one_platform(
-    n: int, mib: int, creates: int, fill: str, env: dict[str, str], pack: bool
+    n: int, mib: int, creates: int, fills: list[str], env: dict[str, str], pack: bool
 ) -> dict[str, object]:
     with platform_process(**env) as plat:
         client = DSecClient(plat.url, plat.api_key, timeout=600)
@@ -265,8 +321,10 @@ async def one_platform(
                 "swap_areas": [
                     f"{s.filename} {s.size_bytes // MiB} MiB" for s in swapmod.active_swaps()
                 ],
-                "pause_resume": await pause_resume(client, image, n, mib, fill),
+                "pause_resume": await pause_resume(client, image, n, mib, fills[0]),
             }
+            for extra in fills[1:]:
+                out[f"pause_resume_{extra}"] = await pause_resume(client, image, n, mib, extra)
             if pack:
                 out["pack_fork"] = await pack_and_fork(client, image, creates)
             return out
@@ -275,7 +333,16 @@ async def one_platform(
 
 
 async def run(
-    n: int, mib: int, creates: int, fill: str, zram: int, swap_gb: int
+    n: int,
+    mib: int,
+    creates: int,
+    fill: str,
+    zram: int,
+    swap_gb: int,
+    *,
+    modes: list[str],
+    no_swap_run: bool = True,
+    fill_4k: bool = True,
 ) -> dict[str, object]:
     result: dict[str, object] = {"host": {"memavailable_mib": mem_available() // MiB}}
     with zram_swap(zram) as zdev:
@@ -285,12 +352,17 @@ async def run(
             "memavailable_mib": mem_available() // MiB,
             "loadavg_start": loadavg(),
         }
-        result["no_swap_file"] = await one_platform(n, mib, creates, fill, {}, True)
-    if swap_gb > 0:
+        if no_swap_run:
+            result["no_swap_file"] = await one_platform(n, mib, creates, [fill], {}, True)
+    for mode in modes if swap_gb > 0 else []:
+        # loop: the swap file through a loop device (the default); file: the file itself
         with swap_dir(swap_gb) as path:
             assert path is not None
             env = {"DSEC_SWAP_FILE": str(path), "DSEC_SWAP_GB": str(swap_gb)}
-            result["swap_file"] = await one_platform(n, mib, creates, fill, env, False)
+            env["DSEC_SWAP_LOOP"] = "1" if mode == "loop" else "0"
+            fills = [fill, "random-4k"] if mode == "loop" and fill_4k else [fill]
+            key = "swap_file" if mode == "loop" else "swap_file_no_loop"
+            result[key] = await one_platform(n, mib, creates, fills, env, False)
         result["swap_areas_after"] = [s.filename for s in swapmod.active_swaps()]
     result["loadavg_end"] = loadavg()
     return result
@@ -301,16 +373,37 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--creates", type=int, default=30)
-    ap.add_argument("--fill", choices=["zero", "random"], default="random")
+    ap.add_argument("--fill", choices=["zero", "random", "random-4k"], default="random")
     ap.add_argument(
         "--zram-mib", type=int, default=0, help="temporary zram swap of this size (0: none)"
     )
     ap.add_argument(
         "--swap-gb", type=int, default=8, help="swap-file run with this size (0: skip it)"
     )
+    ap.add_argument(
+        "--modes",
+        default="loop,file",
+        help="swap-file runs: loop (through a loop device, the default) and/or file",
+    )
+    ap.add_argument(
+        "--skip-no-swap", action="store_true", help="only the swap-file runs (no pack/fork)"
+    )
+    ap.add_argument("--no-4k", action="store_true", help="skip the extra row with 4 KiB-page data")
     ap.add_argument("--out", default="rl.json")
     a = ap.parse_args()
-    result = asyncio.run(run(a.n, a.mib, a.creates, a.fill, a.zram_mib, a.swap_gb))
+    result = asyncio.run(
+        run(
+            a.n,
+            a.mib,
+            a.creates,
+            a.fill,
+            a.zram_mib,
+            a.swap_gb,
+            modes=[m for m in a.modes.split(",") if m],
+            no_swap_run=not a.skip_no_swap,
+            fill_4k=not a.no_4k,
+        )
+    )
     text = json.dumps(result, indent=2)
     print(text)
     out = REPO / "bench" / "results" / a.out

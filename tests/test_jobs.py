@@ -192,7 +192,7 @@ def _scratch_swap_dir() -> Iterator[Path]:
         yield base
     finally:
         for area in swap.active_swaps():
-            if Path(area.filename).parent == base:
+            if Path(swap.area_file(area)).parent == base:  # the file, or its loop device
                 swap.SwapFile(Path(area.filename), 0, activated=True).disable()
         shutil.rmtree(base, ignore_errors=True)
         assert _swap_areas() == before, "the host's swap changed"
@@ -212,7 +212,11 @@ async def test_pause_pushes_anon_memory_to_a_configured_swap_file() -> None:
     with _scratch_swap_dir() as base:
         swap_file = base / "swap"
         with platform_process(DSEC_SWAP_FILE=str(swap_file), DSEC_SWAP_GB="1") as plat:
-            assert any(Path(s.filename) == swap_file for s in swap.active_swaps())
+            # on through a loop device of its own: direct I/O, SSD mode (module doc)
+            (area,) = [s for s in swap.active_swaps() if swap.area_file(s) == str(swap_file)]
+            loop = Path("/sys/block") / Path(area.filename).name
+            assert (loop / "loop" / "dio").read_text().strip() == "1"
+            assert (loop / "queue" / "rotational").read_text().strip() == "0"
             assert swap_file.stat().st_mode & 0o777 == 0o600
             client = DSecClient(plat.url, plat.api_key)
             await client.open()
@@ -264,9 +268,25 @@ async def test_pause_pushes_anon_memory_to_a_configured_swap_file() -> None:
                 await sb.stop()
             finally:
                 await client.close()
-        # the platform's clean shutdown turned off the swap it turned on
-        assert not any(Path(s.filename) == swap_file for s in swap.active_swaps())
+        # the platform's clean shutdown turned off the swap it turned on, and the loop
+        # device went with it (autoclear)
+        assert not any(swap.area_file(s) == str(swap_file) for s in swap.active_swaps())
+        assert swap.loop_backing_file(area.filename) != str(swap_file)
         assert swap_file.exists()  # kept for the next start
+
+
+@pytest.mark.skipif("memory" not in cgroups.detect().v1, reason="v1 memory controller")
+def test_swap_file_without_loop_device_is_turned_on_as_a_file() -> None:
+    """DSEC_SWAP_LOOP=0 (or no loop support): the file itself, as before."""
+    with _scratch_swap_dir() as base:
+        f = swap.SwapFile(base / "swap", 1 << 30, loop=False)
+        f.enable()
+        try:
+            assert f.activated and f.device is None
+            assert any(s.filename == str(base / "swap") for s in swap.active_swaps())
+        finally:
+            f.remove()
+        assert not (base / "swap").exists()
 
 
 async def test_swap_file_never_in_a_sandbox_path_nor_touching_operator_swap(

@@ -117,6 +117,9 @@ class PlatformConfig:
         )
     )
     swap_gb: int = field(default_factory=lambda: int(os.environ.get("DSEC_SWAP_GB", "8")))
+    # Swap through a loop device over the file (large folios swap out whole; SSD mode),
+    # unless DSEC_SWAP_LOOP=0: then the file itself (dsec.resources.swap).
+    swap_loop: bool = field(default_factory=lambda: os.environ.get("DSEC_SWAP_LOOP") != "0")
 
     # Charge project quotas here (IAM). False on a cluster edge: the apiservers
     # authorise and charge every create before it reaches the edge (dsec.cluster).

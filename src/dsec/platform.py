@@ -213,7 +213,7 @@ def start_swap(config: PlatformConfig, host: cgroups.CgroupHost) -> SwapFile | N
     in RAM and say so (``swap_available=False``)."""
     if config.swap_file is None:
         return None
-    swap = SwapFile(config.swap_file, config.swap_gb * GiB)
+    swap = SwapFile(config.swap_file, config.swap_gb * GiB, loop=config.swap_loop)
     try:
         swap.check_location([config.sandboxes_dir, config.sandbox_disk_image, config.images_dir])
         swap.enable()

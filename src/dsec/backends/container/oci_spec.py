@@ -72,6 +72,15 @@ READONLY_PATHS = [
 
 CPU_PERIOD_US = 100_000
 
+# /dev/shm keeps data written in big chunks in large folios (up to 2 MiB, never past
+# the file's size), which a job pause swaps out whole: ~6x less kernel CPU per page
+# than 4 KiB pages (dsec.resources.swap). Only where the kernel knows the option.
+SHM_HUGE = (
+    ["huge=within_size"]
+    if Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").exists()
+    else []
+)
+
 
 def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
     nosuid_noexec_nodev = ["nosuid", "noexec", "nodev"]
@@ -93,7 +102,7 @@ def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
             "destination": "/dev/shm",
             "type": "tmpfs",
             "source": "shm",
-            "options": [*nosuid_noexec_nodev, "mode=1777", "size=65536k"],
+            "options": [*nosuid_noexec_nodev, "mode=1777", "size=65536k", *SHM_HUGE],
         },
         {
             "destination": "/dev/mqueue",
