@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_fncall.py [--n 300] [--judges 100] [--overlay] [--quick]
 
-A real platform (`dsec up` in a fresh data dir). Measures, client side over HTTP:
+A real platform (`dsec up` in a fresh data dir). Measures, client side (the SDK's FnCall
+WebSocket; ``warm_bash_http`` is the same over the HTTP route, for comparison):
 warm ``run_code`` latency (bash ``echo 1``, python ``print(1)``, busybox sh), calls/s
 at saturation, a pool's warm-up to 32 ready sandboxes, the first call on a cold pool
 against a warm one, 1,000 judge runs of a small C++ program (100 judges x 10 tests,
@@ -238,6 +239,13 @@ async def bench(url: str, key: str, ns: argparse.Namespace, pid: int) -> dict[st
             print("cold/warm pool", res["pool_cold_vs_warm"], flush=True)
         res["warm_bash"] = await sequential(client, tc, "echo 1", ns.n)
         print("warm bash", res["warm_bash"], flush=True)
+        http = DSecClient(url, key)
+        http._fncall_http_only = True  # what every call paid before the WebSocket
+        try:
+            res["warm_bash_http"] = await sequential(http, tc, "echo 1", ns.n)
+        finally:
+            await http.close()
+        print("warm bash over HTTP", res["warm_bash_http"], flush=True)
         res["warm_python"] = await sequential(client, py, "print(1)", ns.n)
         print("warm python", res["warm_python"], flush=True)
         res["warm_busybox_sh"] = await sequential(client, bb, "echo 1", ns.n)
@@ -299,6 +307,8 @@ def main() -> None:
     ns = ap.parse_args()
     tree = asyncio.run(ensure_toolchain_tree())
     result: dict[str, Any] = {}
+    with open("/proc/loadavg") as fh:
+        result["loadavg_before"] = fh.read().split()[:3]
     with platform_process(DSEC_FNCALL_MAX_READY="128") as plat:
         prepare(plat.url, plat.api_key, tree)
         assert plat.proc is not None

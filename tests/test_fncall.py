@@ -13,11 +13,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
+from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecSyncClient
 from dsec.backends.fncall.service import compare
@@ -26,9 +30,11 @@ from dsec.errors import (
     ImageNotFound,
     InvalidArgument,
     LimitExceeded,
+    Unauthenticated,
     Unsupported,
 )
-from dsec.fncall_model import DSecFnCallRunArgs
+from dsec.fncall_model import FNCALL_RPC_PATH, DSecFnCallRunArgs
+from dsec.sdk._rpc import ws_url
 from dsec.sdk.fncall import RemoteCallFailed
 from tests.conftest import PlatformProcess, platform_process
 
@@ -541,3 +547,144 @@ def test_cli_run_code(fc_platform: PlatformProcess, tmp_path: Path) -> None:
     )
     assert p.returncode == 1 and "0: AC" in p.stdout and "1: WA" in p.stdout, p
     assert "WA 1/2" in p.stdout
+
+
+# -- transport: the FnCall WebSocket, and the HTTP route as the fallback ------------------
+
+
+async def test_websocket_and_http_answer_alike(afc: DSecClient, fc: DSecSyncClient) -> None:
+    code = "read x; echo out $x; echo err >&2; exit 3"
+    r = await afc.run_code(BB, code, stdin="in")
+    # served over the client's one FnCall WebSocket (the sync client's too)
+    assert not afc._fncall_http_only
+    assert any(k.endswith(FNCALL_RPC_PATH) for k in afc._data_path()._rpcs)
+    s = fc.run_code(BB, code, stdin="in")
+    assert any(k.endswith(FNCALL_RPC_PATH) for k in fc._async_client()._data_path()._rpcs)
+    http = DSecClient(afc.url, fc._settings.api_key)
+    http._fncall_http_only = True  # what clients of older servers use
+    try:
+        h = await http.run_code(BB, code, stdin="in")
+        for res in (r, s, h):
+            assert (res.status, res.exit_code, res.stdout, res.stderr) == (
+                "runtime_error",
+                3,
+                "out in\n",
+                "err\n",
+            ), res
+        for c in (afc, http):  # typed errors either way
+            with pytest.raises(InvalidArgument, match="unknown language"):
+                await c.run_code(_a(BB, language="cobol"), "x")
+            with pytest.raises(InvalidArgument, match="empty"):
+                await c.run_code(BB, " ")
+            j = await c.judge(BB, "read a b; echo $((a + b))", [("1 2", "3"), ("2 2", "5")])
+            assert (j.verdict, j.passed) == ("WA", 1), j
+        # a request too large for a WebSocket message goes over HTTP, same typed error
+        with pytest.raises(LimitExceeded):
+            await afc.run_code(BB, "#" * (2 << 20))
+    finally:
+        await http.close()
+
+
+async def test_websocket_refuses_a_bad_key(fc_platform: PlatformProcess) -> None:
+    c = DSecClient(fc_platform.url, "dsk_not_a_key")
+    try:
+        with pytest.raises(Unauthenticated):
+            await c.run_code(BB, "echo 1")
+        assert not c._fncall_http_only  # refused on the socket, with the HTTP route's error
+    finally:
+        await c.close()
+
+
+async def test_websocket_protocol_and_cancel(afc: DSecClient, fc_platform: PlatformProcess) -> None:
+    args = _a(BB, memory_limit_mb=56)  # a pool of its own, to watch it
+    headers = {"Authorization": f"Bearer {fc_platform.api_key}"}
+    url = ws_url(fc_platform.url, FNCALL_RPC_PATH)
+    async with connect(url, additional_headers=headers) as ws:
+        await ws.send("not json")
+        msg = json.loads(await ws.recv())
+        assert msg["id"] == 0 and msg["error"]["code"] == "invalid_argument", msg
+        await ws.send(json.dumps({"id": 5, "op": "fncall.nope", "args": {}}))
+        msg = json.loads(await ws.recv())
+        assert msg["id"] == 5 and "unknown op" in msg["error"]["message"], msg
+        await ws.send(json.dumps({"id": 6, "op": "fncall.run", "args": {"code": 1}}))
+        msg = json.loads(await ws.recv())
+        assert msg["id"] == 6 and msg["error"]["code"] == "invalid_argument", msg
+        # a call abandoned by "cancel" releases its sandbox; the connection goes on
+        body = {"args": args.model_dump(mode="json"), "code": "sleep 30"}
+        await ws.send(json.dumps({"id": 7, "op": "fncall.run", "args": body}))
+        deadline = time.monotonic() + 30
+        while not any(p.in_use for p in await afc.fncall_pools() if p.memory_limit_mb == 56):
+            assert time.monotonic() < deadline, "the call never started"
+            await asyncio.sleep(0.05)
+        await ws.send(json.dumps({"id": 7, "op": "cancel"}))
+        while any(p.in_use for p in await afc.fncall_pools() if p.memory_limit_mb == 56):
+            assert time.monotonic() < deadline, "the cancelled call kept its sandbox"
+            await asyncio.sleep(0.05)
+        body["code"] = "echo after"
+        await ws.send(json.dumps({"id": 8, "op": "fncall.run", "args": body}))
+        msg = json.loads(await ws.recv())  # nothing ever answers the cancelled 7
+        assert msg["id"] == 8 and msg["result"]["stdout"] == "after\n", msg
+
+
+class _OlderServer(BaseHTTPRequestHandler):
+    """An apiserver from before the FnCall WebSocket: HTTP routes only (proxied)."""
+
+    target = ""
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        if self.headers.get("Upgrade"):  # the WebSocket handshake: no such route
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self._forward("GET", b"")
+
+    def do_POST(self) -> None:
+        self._forward("POST", self.rfile.read(int(self.headers["Content-Length"])))
+
+    def _forward(self, method: str, body: bytes) -> None:
+        headers = {k: v for k, v in self.headers.items() if k.lower() in _FORWARD}
+        resp = httpx.request(
+            method, self.target + self.path, content=body, headers=headers, timeout=60
+        )
+        self.send_response(resp.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(resp.content)))
+        self.end_headers()
+        self.wfile.write(resp.content)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+_FORWARD = {"authorization", "content-type"}
+
+
+def test_older_server_gets_http(fc_platform: PlatformProcess) -> None:
+    handler = type("Handler", (_OlderServer,), {"target": fc_platform.url})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with DSecSyncClient(url, fc_platform.api_key) as c:
+            for _ in range(2):  # the second goes straight to HTTP
+                r = c.run_code(BB, "echo old")
+                assert r.status == "ok" and r.stdout == "old\n", r
+            assert c._async_client()._fncall_http_only
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_calls_run_at_normal_priority(fc: DSecSyncClient, toolchain: str) -> None:
+    """Sandboxes are built at SCHED_IDLE; the pre-started interpreter a call takes, and
+    what it starts, run at SCHED_OTHER (0)."""
+    r = fc.run_code(_a(TC, language="bash"), "read -r -a f < /proc/$$/stat; echo ${f[40]}")
+    assert r.stdout == "0\n", r
+    r = fc.run_code(TC, "import os\nprint(os.sched_getscheduler(0))")
+    assert r.stdout == "0\n", r
+    r = fc.run_code(BB, "sh -c 'cut -d\" \" -f41 /proc/$$/stat'")
+    assert r.stdout == "0\n", r

@@ -126,7 +126,9 @@ def test_call_stub_checks_the_python_version() -> None:
 def test_sdk_builds_requests_and_validates_locally() -> None:
     args = DSecFnCallRunArgs(image="busybox:latest", language="sh")
     call = proto.judge(args, "x", [("1", "1"), {"stdin": "2", "expected": "2"}])
-    body = json.loads(call.content or b"{}")
+    body = json.loads(call.body)
+    assert call.op == "fncall.judge" and call.ws_args() == body
+    assert json.loads(call.http().content or b"{}") == body
     assert [t["stdin"] for t in body["tests"]] == ["1", "2"]
     with pytest.raises(InvalidArgument):
         proto.judge(args, "x", [])  # at least one test

@@ -19,6 +19,14 @@ MAX_FILE_BYTES = 8 << 20
 MAX_TESTS = 1000
 MAX_OUTPUT_BYTES = 64 << 20
 
+#: The FnCall WebSocket (API key): ``dsec.wire``'s framing (JSON text frames ``{"id", "op",
+#: "args"}`` answered by ``{"id", "result"}`` or ``{"id", "error"}``, ``{"id", "op":
+#: "cancel"}``) with the ops below, whose args and result are those of the HTTP routes.
+#: Why: a warm call costs ~1-3 ms on the edge, an HTTP request through FastAPI and httpx
+#: ~3 ms more; a message on an open WebSocket ~0.3 ms (bench/bench_fncall.py).
+FNCALL_RPC_PATH = "/v1/fncall/rpc"
+OP_RUN, OP_JUDGE, OP_CALL = "fncall.run", "fncall.judge", "fncall.call"
+
 RunStatus = Literal[
     "ok", "runtime_error", "timeout", "memory_limit", "compile_error", "output_limit"
 ]

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import base64
+import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from dsec.errors import DSecError
 from dsec.fncall_model import (
+    OP_CALL,
+    OP_JUDGE,
+    OP_RUN,
     CallRequest,
     CallResult,
     Comparator,
@@ -30,6 +35,11 @@ from dsec.sdk._protocol import Call, _list_of, _model, invalid, wait_timeout
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # Slack over the call's own limits: waiting for a sandbox, the HTTP round trip.
 _SLACK_S = 40.0
+#: Larger requests go over HTTP: the server takes WebSocket messages up to 16 MiB, and
+#: one character may take up to 12 bytes there (JSON escapes of astral characters).
+WS_MAX_REQUEST_CHARS = 1 << 20
+
+R = TypeVar("R", bound=BaseModel)
 
 TestSpec = JudgeTest | tuple[str, str] | Mapping[str, str]
 
@@ -58,6 +68,46 @@ def _budget(args: DSecFnCallRunArgs) -> float:
     return args.timeout_s + args.compile_timeout_s + _SLACK_S
 
 
+@dataclass(frozen=True, slots=True)
+class FnCallOp(Generic[R]):
+    """A run_code, judge or call: ``op`` on the FnCall WebSocket, or the same body POSTed
+    to ``path`` (older servers, large requests)."""
+
+    op: str
+    path: str
+    body: str
+    result: type[R]
+    timeout: float | None  # what the caller waits for the answer; None: no limit
+
+    def http(self) -> Call[R]:
+        return Call(
+            "POST",
+            self.path,
+            _model(self.result),
+            content=self.body.encode(),
+            headers=_JSON_HEADERS,
+            timeout=wait_timeout(self.timeout),
+        )
+
+    def ws_args(self) -> dict[str, Any] | None:
+        """The args of the WebSocket message, or None if the request is too large for it."""
+        if len(self.body) > WS_MAX_REQUEST_CHARS:
+            return None
+        args: dict[str, Any] = json.loads(self.body)
+        return args
+
+    def wait_s(self) -> float | None:
+        """The WebSocket's wait, like the HTTP read timeout: past the server's own limits."""
+        return None if self.timeout is None else self.timeout * 1.05 + 5.0
+
+    def parse(self, result: Any) -> R:
+        return self.result.model_validate(result)
+
+
+def _op(op: str, path: str, body: BaseModel, result: type[R], timeout: float | None) -> FnCallOp[R]:
+    return FnCallOp(op, path, body.model_dump_json(), result, timeout)
+
+
 def run_code(
     args: DSecFnCallRunArgs,
     code: str,
@@ -66,14 +116,14 @@ def run_code(
     files: Mapping[str, str] | None = None,
     argv: Sequence[str] = (),
     timeout: float | None = None,
-) -> Call[RunCodeResult]:
+) -> FnCallOp[RunCodeResult]:
     try:
         body = RunCodeRequest(
             args=args, code=code, stdin=stdin, files=dict(files or {}), argv=list(argv)
         )
     except ValidationError as exc:
         raise invalid(exc) from None
-    return _post("/v1/fncall/run", body, _model(RunCodeResult), timeout or _budget(args))
+    return _op(OP_RUN, "/v1/fncall/run", body, RunCodeResult, timeout or _budget(args))
 
 
 def _test(t: TestSpec) -> JudgeTest:
@@ -94,7 +144,7 @@ def judge(
     stop_on_failure: bool = False,
     files: Mapping[str, str] | None = None,
     timeout: float | None = None,
-) -> Call[JudgeResult]:
+) -> FnCallOp[JudgeResult]:
     try:
         body = JudgeRequest(
             args=args,
@@ -110,7 +160,7 @@ def judge(
             raise invalid(exc) from None
         raise invalid_tests() from None
     # Tests run in parallel on the server; no read limit unless the caller sets one.
-    return _post("/v1/fncall/judge", body, _model(JudgeResult), timeout)
+    return _op(OP_JUDGE, "/v1/fncall/judge", body, JudgeResult, timeout)
 
 
 def invalid_tests() -> DSecError:
@@ -125,14 +175,14 @@ def call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float | None = None,
-) -> Call[CallResult]:
+) -> FnCallOp[CallResult]:
     import cloudpickle
 
     payload = base64.b64encode(cloudpickle.dumps((fn, args, kwargs))).decode()
     body = CallRequest(
         args=run_args, payload_b64=payload, python=f"{sys.version_info[0]}.{sys.version_info[1]}"
     )
-    return _post("/v1/fncall/call", body, _model(CallResult), timeout or _budget(run_args))
+    return _op(OP_CALL, "/v1/fncall/call", body, CallResult, timeout or _budget(run_args))
 
 
 def call_value(res: CallResult) -> Any:

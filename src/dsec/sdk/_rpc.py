@@ -34,10 +34,20 @@ def ws_url(http_url: str, path: str) -> str:
 
 
 class RpcClient:
-    def __init__(self, base_url: str, headers: dict[str, str], *, open_timeout: float = 10.0):
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        *,
+        open_timeout: float = 10.0,
+        path: str = RPC_PATH,
+        max_size: int | None = MAX_FRAME,
+    ):
         self.base_url = base_url
         self._headers = headers
         self._open_timeout = open_timeout
+        self._path = path  # another endpoint of the same framing (FNCALL_RPC_PATH)
+        self._max_size = max_size  # None: answers as large as an HTTP body may be
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
@@ -51,13 +61,13 @@ class RpcClient:
             self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._ws is None:
-                url = ws_url(self.base_url, RPC_PATH)
+                url = ws_url(self.base_url, self._path)
                 try:
                     ws = await connect(
                         url,
                         additional_headers=self._headers,
                         compression=None,
-                        max_size=MAX_FRAME,
+                        max_size=self._max_size,
                         open_timeout=self._open_timeout,
                         ping_interval=20,
                         ping_timeout=60,

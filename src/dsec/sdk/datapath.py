@@ -174,6 +174,16 @@ class DataPathClient:
             self._rpcs[url] = rpc
         return rpc
 
+    def api_rpc(self, path: str, *, max_size: int | None = MAX_FRAME) -> RpcClient:
+        """A connection to the apiserver itself with the API key, for calls that name no
+        sandbox (FnCall's ``FNCALL_RPC_PATH``); closed with the others."""
+        key = self._client.url + path
+        rpc = self._rpcs.get(key)
+        if rpc is None:
+            rpc = RpcClient(self._client.url, self._headers(None), path=path, max_size=max_size)
+            self._rpcs[key] = rpc
+        return rpc
+
     async def call(
         self,
         sandbox_id: str,

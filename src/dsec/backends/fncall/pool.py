@@ -6,6 +6,10 @@ without a miss it halves towards the peak number of calls in flight in that wind
 (and ``min_ready``), and surplus ready sandboxes are destroyed. Each call consumes its
 sandbox (destroyed after the call) and is replaced right away in the background, so
 a steady load keeps ``target`` ready ahead of it.
+
+Priority (``idle``): building is background work at SCHED_IDLE (see zygote.c), except
+while a call or a warm-up waits for a sandbox; a sandbox runs at normal priority from
+the moment a call takes it until it is released.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections import deque
@@ -55,6 +60,7 @@ class WarmPool:
         max_ready: int = 64,
         shrink_s: float = 2.0,
         args: DSecFnCallRunArgs | None = None,
+        idle: bool = False,
     ) -> None:
         self.key = key
         self.args = args or DSecFnCallRunArgs()
@@ -63,6 +69,8 @@ class WarmPool:
         self.min_ready = min_ready
         self.max_ready = max_ready
         self.shrink_s = shrink_s
+        self.idle = idle
+        self._urgent = 0  # calls and warm-ups waiting for a sandbox (see ``idle``)
         self.zygote = zygote_factory(self)
         self.ready: deque[Runner] = deque()
         self.waiters: deque[asyncio.Future[Runner]] = deque()
@@ -91,8 +99,11 @@ class WarmPool:
 
     # -- zygote callbacks ------------------------------------------------------------
 
-    def on_spawned(self, sid: int, name: str, sock: socket.socket) -> None:
-        runner = Runner(sid, name, sock)
+    def on_spawned(
+        self, sid: int, name: str, sock: socket.socket, pid: int = 0, base_memory: int = 0
+    ) -> None:
+        runner = Runner(sid, name, sock, pid, base_memory)
+        runner.idle = self.idle
         task = asyncio.create_task(self._await_ready(runner))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -115,6 +126,7 @@ class WarmPool:
         if self.closed:
             runner.close()
             return
+        runner.oom_kills = self.oom_kills(runner)  # here, not on the call's path
         while self.waiters:
             fut = self.waiters.popleft()
             if not fut.done():
@@ -177,6 +189,12 @@ class WarmPool:
                     self.ready.pop().close()
             self._peak_in_use = self.in_use
 
+    def _wait_urgently(self, delta: int) -> None:
+        was = self._urgent > 0
+        self._urgent += delta
+        if self.idle and was != (self._urgent > 0):
+            self.zygote.urgent(self._urgent > 0)
+
     # -- calls -----------------------------------------------------------------------
 
     async def acquire(self, timeout: float = 30.0) -> tuple[Runner, bool]:
@@ -196,6 +214,7 @@ class WarmPool:
                 fut: asyncio.Future[Runner] = asyncio.get_running_loop().create_future()
                 self.waiters.append(fut)
                 self.refill()
+                self._wait_urgently(1)
                 try:
                     runner = await asyncio.wait_for(fut, timeout)
                 except TimeoutError:
@@ -205,12 +224,14 @@ class WarmPool:
                         f"{self.budget.used}/{self.budget.limit}); retry later"
                     ) from None
                 finally:
+                    self._wait_urgently(-1)
                     with contextlib.suppress(ValueError):
                         self.waiters.remove(fut)
                 warm = False
         except BaseException:
             self.in_use -= 1
             raise
+        runner.activate()
         self.refill()
         return runner, warm
 
@@ -229,19 +250,59 @@ class WarmPool:
             self.target = size
         self.refill()
         deadline = time.monotonic() + timeout
-        while len(self.ready) < self.target:
-            self._ready_changed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.zygote.alive:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready_changed.wait(), left)
+        self._wait_urgently(1)
+        try:
+            while len(self.ready) < self.target:
+                self._ready_changed.clear()
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.zygote.alive:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._ready_changed.wait(), left)
+        finally:
+            self._wait_urgently(-1)
         self._missed = True  # do not shrink what was just asked for
         self.warm_s = time.perf_counter() - t0
         return self.warm_s
 
     def sandbox_cgroup(self, runner: Runner) -> Path | None:
         return self.plan.memory_dir / runner.name if self.plan.memory_dir else None
+
+    def _read(self, runner: Runner, name: str) -> bytes:
+        """One file of the sandbox's memory cgroup (b"" if unreadable): raw os calls,
+        on the call's path twice (pathlib's read_text cost ~50 us each)."""
+        d = self.plan.memory_dir
+        if d is None:
+            return b""
+        try:
+            fd = os.open(f"{d}/{runner.name}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return b""
+        try:
+            return os.read(fd, 4096)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    def oom_kills(self, runner: Runner) -> int:
+        """OOM kills in the sandbox's memory cgroup so far (its slot may be reused)."""
+        text = self._read(runner, "memory.events" if self.plan.v2 else "memory.oom_control")
+        for line in text.splitlines():
+            k, _, v = line.partition(b" ")
+            if k == b"oom_kill":
+                with contextlib.suppress(ValueError):
+                    return int(v)
+        return 0
+
+    def peak_memory(self, runner: Runner) -> int:
+        """Peak charge of the sandbox's memory cgroup above what a reused one had charged
+        before it (shared page cache; see zygote.c)."""
+        text = self._read(runner, "memory.peak" if self.plan.v2 else "memory.max_usage_in_bytes")
+        try:
+            return max(0, int(text) - runner.base_memory)
+        except ValueError:
+            return 0
 
     async def close(self) -> None:
         self.closed = True

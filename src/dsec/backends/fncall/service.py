@@ -99,6 +99,9 @@ class FnCallConfig:
     # its sandboxes, with Landlock scoping between calls (see zygote.c); "call": one per
     # call (also what ``loopback=True`` asks for). Neither has any route out.
     netns_per_call: bool = os.environ.get("DSEC_FNCALL_NETNS", "pool") == "call"
+    # Build sandboxes at SCHED_IDLE unless a call waits for one (zygote.c, pool.py):
+    # a sandbox built beside a call no longer slows it down. "0" builds at normal.
+    idle_build: bool = os.environ.get("DSEC_FNCALL_IDLE_BUILD", "1") != "0"
 
 
 def _decode(data: bytes) -> str:
@@ -309,6 +312,7 @@ class FnCallService:
                 prestart=(lang.source, lang.argv(lang.run), self._env(args), self._run_cpu_ms(args))
                 if lang.prestart
                 else None,
+                idle=self.config.idle_build,
             )
 
             def zygote(pool: WarmPool) -> Zygote:
@@ -329,6 +333,7 @@ class FnCallService:
                 max_ready=self.config.max_ready,
                 shrink_s=self.config.shrink_s,
                 args=args,
+                idle=self.config.idle_build,
             )
             await pool.start()
         except BaseException:
@@ -405,25 +410,10 @@ class FnCallService:
         env.update(args.env)
         return env
 
-    def _stats(self, pool: WarmPool, runner: Runner) -> tuple[int, int]:
+    @staticmethod
+    def _stats(pool: WarmPool, runner: Runner) -> tuple[int, int]:
         """(peak memory, OOM kills) of the sandbox's memory cgroup."""
-        d = pool.sandbox_cgroup(runner)
-        if d is None:
-            return 0, 0
-        peak = oom = 0
-        names = (
-            ("memory.peak", "memory.events")
-            if pool.plan.v2
-            else ("memory.max_usage_in_bytes", "memory.oom_control")
-        )
-        with contextlib.suppress(OSError, ValueError):
-            peak = int((d / names[0]).read_text())
-        with contextlib.suppress(OSError, ValueError):
-            for line in (d / names[1]).read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k == "oom_kill":
-                    oom = int(v)
-        return peak, oom
+        return pool.peak_memory(runner), pool.oom_kills(runner)
 
     def _reset_peak(self, pool: WarmPool, runner: Runner) -> None:
         d = pool.sandbox_cgroup(runner)
@@ -445,12 +435,10 @@ class FnCallService:
     ) -> ExecOutcome | None:
         """One step; None if the runner itself stopped answering (then it is killed)."""
         try:
-            return await asyncio.wait_for(
-                runner.exec(
+            async with asyncio.timeout(wall_s + 5.0):  # no extra task, unlike wait_for
+                return await runner.exec(
                     argv, env, stdin, cpu_s=cpu_s, wall_s=wall_s, output_limit=output_limit
-                ),
-                wall_s + 5.0,
-            )
+                )
         except (TimeoutError, OSError, asyncio.IncompleteReadError):
             pool.zygote.kill(runner.id)
             return None
@@ -488,7 +476,7 @@ class FnCallService:
                     output_limit=args.output_limit_bytes,
                 )
                 if o is None:
-                    return _Run("timeout", None, None, self._stats(pool, runner)[0], warm)
+                    return _Run("timeout", None, None, pool.peak_memory(runner), warm)
                 self._check_exec(o, lang, args, lang.compile[0])
                 compiled = _step(o)
                 if o.exit_code != 0:
@@ -499,9 +487,12 @@ class FnCallService:
                     return _Run("ok", None, compiled, 0, warm, artifact=data)
             elif artifact is not None and lang.artifact:
                 runner.put_file(lang.artifact, artifact, 0o755)
-            if compiled is not None:  # the run's own peak (the zygote resets a fresh one)
+            # OOM kills before the run: counted when the sandbox became ready, unless a
+            # compile ran in it since (the zygote resets a fresh sandbox's peak).
+            oom0 = runner.oom_kills
+            if compiled is not None:
                 self._reset_peak(pool, runner)
-            _, oom0 = self._stats(pool, runner)
+                oom0 = pool.oom_kills(runner)
             o = await self._exec(
                 pool,
                 runner,

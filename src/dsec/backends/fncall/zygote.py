@@ -67,6 +67,9 @@ class CgroupPlan:
     reuse: int  # emptied cgroups kept for the next sandbox (v1: peak resettable)
     memory_dir: Path | None  # pool dir of the memory controller (stats)
     v2: bool
+    # A reused cgroup's leftover charge is reclaimed past this many bytes (zygote.c):
+    # (controller index, usage file, file to write to reclaim, threshold).
+    reclaim: tuple[int, str, str, int] | None = None
 
 
 # The CPU bandwidth period of a FnCall sandbox. A sandbox that used up its quota is
@@ -79,6 +82,12 @@ CPU_PERIOD_US = 10_000
 
 def cpu_quota_us(cores: float) -> int:
     return max(1000, int(cores * CPU_PERIOD_US))
+
+
+def reclaim_bytes(memory: int) -> int:
+    """Leftover charge a reused cgroup may keep (shared page cache, reclaimable anyway):
+    an eighth of the limit, at most 32 MiB."""
+    return min(memory // 8, 32 << 20)
 
 
 def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int) -> CgroupPlan:
@@ -100,6 +109,7 @@ def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int
         ]
         return CgroupPlan([base / rel], v2sets, [], [], 0, base / rel, True)
     dirs: list[Path] = []
+    reclaim: tuple[int, str, str, int] | None = None
     sets: list[tuple[int, str, str]] = []
     ends: list[tuple[int, str, str]] = []
     resets: list[tuple[int, str, str]] = []
@@ -119,14 +129,14 @@ def cgroup_plan(host: CgroupHost, rel: str, memory: int, cores: float, pids: int
                 sets.append((i, "memory.memsw.limit_in_bytes", str(memory)))
             sets.append((i, "memory.swappiness", "0"))
             ends.append((i, "memory.force_empty", "0"))
-            resets.append((i, "memory.force_empty", "0"))
             resets.append((i, "memory.max_usage_in_bytes", "0"))
+            reclaim = (i, "memory.usage_in_bytes", "memory.force_empty", reclaim_bytes(memory))
         elif ctrl == "cpu":
             sets.append((i, "cpu.cfs_period_us", str(CPU_PERIOD_US)))
             sets.append((i, "cpu.cfs_quota_us", str(cpu_quota_us(cores))))
         else:
             sets.append((i, "pids.max", str(pids)))
-    return CgroupPlan(dirs, sets, ends, resets, 256, mem_dir, False)
+    return CgroupPlan(dirs, sets, ends, resets, 256, mem_dir, False, reclaim)
 
 
 def write_config(
@@ -143,17 +153,22 @@ def write_config(
     uid: int = 65534,
     newnet: bool = True,
     prestart: tuple[str, list[str], dict[str, str], int] | None = None,
+    idle: bool = False,
 ) -> None:
     """``prestart``: (source file, argv, environment, CPU limit in ms) of the step each
     sandbox starts ahead of its call (zygote.c, prestart()); one value per line, so a
-    value with a newline turns it off."""
+    value with a newline turns it off. ``idle``: build sandboxes at SCHED_IDLE (the
+    caller then switches a runner to normal when a call takes it: ``Runner.activate``)."""
     lines = [f"lower {p}" for p in lowers]
     lines += [f"stage {stage}", f"tmpfs_bytes {tmpfs_bytes}", f"uid {uid}", f"newnet {int(newnet)}"]
+    lines.append(f"idle {int(idle)}")
     lines += [f"cg {d}" for d in plan.dirs]
     lines += [f"cgset {i} {f} {v}" for i, f, v in plan.sets]
     lines += [f"cgend {i} {f} {v}" for i, f, v in plan.ends]
     lines += [f"cgreset {i} {f} {v}" for i, f, v in plan.resets]
     lines.append(f"reuse {plan.reuse}")
+    if plan.reclaim is not None:
+        lines.append("cgreclaim " + " ".join(str(v) for v in plan.reclaim))
     lines += [f"rootmnt {rootmnt}", f"shared {shared}", f"rootmode {int(shared_root)}"]
     lines.append(f"seccomp {rules}")
     if prestart is not None:
@@ -181,14 +196,24 @@ class ExecOutcome:
 
 class Runner:
     """A ready sandbox: its pid 1 on the other end of ``sock``. Closing the socket
-    destroys the sandbox (pid 1 exits; the kernel kills its pid namespace)."""
+    destroys the sandbox (pid 1 exits; the kernel kills its pid namespace).
 
-    def __init__(self, sid: int, name: str, sock: socket.socket) -> None:
+    Requests that need no answer ('F') wait in ``_out`` and leave with the next one
+    that does, in one write: the runner wakes once per step, not once per part."""
+
+    def __init__(
+        self, sid: int, name: str, sock: socket.socket, pid: int = 0, base_memory: int = 0
+    ) -> None:
         self.id = sid
         self.name = name
         self.sock = sock
+        self.pid = pid  # pid 1 of the sandbox as the platform sees it (0: not known)
+        self.idle = False  # built at SCHED_IDLE (zygote.c): activate() on take
+        self.oom_kills = 0  # its memory cgroup's OOM kills when it became ready
+        self.base_memory = base_memory  # what its reused memory cgroup had charged
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self._out: list[bytes] = []
 
     async def wait_ready(self) -> None:
         self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
@@ -197,16 +222,20 @@ class Runner:
             raise BackendError("sandbox runner sent a bad hello")
 
     def _send(self, tag: str, *parts: bytes) -> None:
+        self._out.append(_HDR.pack(ord(tag), sum(len(p) for p in parts)))
+        self._out.extend(parts)
+
+    def _flush(self) -> None:
         assert self.writer is not None
-        self.writer.write(_HDR.pack(ord(tag), sum(len(p) for p in parts)))
-        for p in parts:
-            self.writer.write(p)
+        out, self._out = self._out, []
+        self.writer.write(b"".join(out))
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         self._send("F", struct.pack("<I", mode), os.fsencode(path), b"\0", data)
 
     async def _reply(self, tag: str) -> bytes:
         assert self.reader is not None and self.writer is not None
+        self._flush()
         await self.writer.drain()
         kind, length = _HDR.unpack(await self.reader.readexactly(_HDR.size))
         if kind != ord(tag):
@@ -248,11 +277,28 @@ class Runner:
         body = await self._reply("g")
         return body[4:] if body[:4] == b"\x01\0\0\0" else None
 
+    def activate(self) -> None:
+        """A call takes this sandbox: its pid 1 leaves the zygote's SCHED_IDLE."""
+        if self.idle:
+            _set_policy(self.pid, os.SCHED_OTHER)
+
     def close(self) -> None:
+        """Destroy the sandbox; its teardown is background work (SCHED_IDLE) again."""
+        if self.idle:
+            _set_policy(self.pid, os.SCHED_IDLE)
         if self.writer is not None:
             self.writer.close()
         else:
             self.sock.close()
+
+
+_SCHED_PARAM = os.sched_param(0)
+
+
+def _set_policy(pid: int, policy: int) -> None:
+    if pid > 0:
+        with contextlib.suppress(OSError):  # gone already: nothing left to schedule
+            os.sched_setscheduler(pid, policy, _SCHED_PARAM)
 
 
 class Zygote:
@@ -263,7 +309,7 @@ class Zygote:
         config: Path,
         log_path: Path,
         *,
-        on_spawned: Callable[[int, str, socket.socket], None],
+        on_spawned: Callable[[int, str, socket.socket, int, int], None],
         on_gone: Callable[[int], None],
         on_error: Callable[[str], None],
     ) -> None:
@@ -327,8 +373,9 @@ class Zygote:
             text = msg.decode(errors="replace")
             kind, _, rest = text.partition(" ")
             if kind == "R" and fds:
-                sid, _, name = rest.partition(" ")
-                self.on_spawned(int(sid), name, socket.socket(fileno=fds[0]))
+                sid, name, pid, base = [*rest.split(" "), "0", "0"][:4]
+                sock = socket.socket(fileno=fds[0])
+                self.on_spawned(int(sid), name, sock, int(pid), int(base))
             elif kind == "D":
                 self.on_gone(int(rest))
             elif kind == "H":
@@ -366,6 +413,10 @@ class Zygote:
 
     def kill(self, sid: int) -> None:
         self.command(f"K {sid}")
+
+    def urgent(self, on: bool) -> None:
+        """Build at normal priority while someone waits for a sandbox (zygote.c "P")."""
+        self.command(f"P {int(on)}")
 
     async def close(self) -> None:
         """Kill every sandbox, remove their cgroups, wait for the zygote to exit."""
