@@ -6,9 +6,10 @@ discards or penalises it; ``/v1/audit`` is the full record for an investigation.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Protocol
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
+from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
@@ -49,7 +50,13 @@ def query_filters(
 QueryFilters = Annotated[Filters, Depends(query_filters)]
 
 
-def security_router(audit: AuditLog, auth: Authenticator) -> APIRouter:
+class AuditQuery(Protocol):
+    """Rows kept elsewhere (cluster mode: every edge's own log, dsec.cluster.fanout)."""
+
+    async def answer(self, params: QueryParams, filters: Filters, events: bool) -> Response: ...
+
+
+def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRouter:
     router = APIRouter(
         tags=["security"],
         dependencies=[Depends(auth)],
@@ -58,18 +65,24 @@ def security_router(audit: AuditLog, auth: Authenticator) -> APIRouter:
 
     @router.get("/v1/events", response_model=list[SecurityEvent], summary="Misbehaviour events")
     async def events(
+        request: Request,
         filters: QueryFilters,
         kind: Annotated[list[EventKind], Query(description="repeatable")] = [],  # noqa: B006
     ) -> Response:
         """Events in order; page with ``since_seq`` = the last ``seq`` seen."""
+        if not isinstance(audit, AuditLog):
+            return await audit.answer(request.query_params, filters, events=True)
         return _json_list(audit.events(kinds=kind, **filters))
 
     @router.get("/v1/audit", response_model=list[AuditRecord], summary="Audit log")
     async def audit_records(
+        request: Request,
         filters: QueryFilters,
         kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
     ) -> Response:
         """Every command, file operation, network decision and event, in order."""
+        if not isinstance(audit, AuditLog):
+            return await audit.answer(request.query_params, filters, events=False)
         return _json_list(audit.records(kinds=kind, **filters))
 
     return router

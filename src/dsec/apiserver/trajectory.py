@@ -8,7 +8,7 @@ answer assembled by hand: logged results are stored as JSON text and sent back a
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
@@ -44,7 +44,19 @@ def _summary(exc: ValidationError) -> str:
     )
 
 
-def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRouter:
+class TrajectoryRemote(Protocol):
+    """Logs kept elsewhere (cluster mode: on the edges, dsec.cluster.fanout)."""
+
+    async def steps(self, job: str, rollout: str, body: bytes, batch: StepBatch) -> Response: ...
+    async def job(self, job: str, format: str, rollout: str | None) -> Response: ...
+    async def rollout(self, job: str, rollout: str) -> Response: ...
+    async def records(self, job: str, rollout: str, after: int, limit: int) -> Response: ...
+    async def discard(self, job: str, rollout: str, from_step: int) -> dict[str, int]: ...
+
+
+def trajectory_router(
+    service: TrajectoryService | TrajectoryRemote, auth: Authenticator
+) -> APIRouter:
     router = APIRouter(
         prefix="/v1/trajectories",
         tags=["trajectories"],
@@ -68,10 +80,13 @@ def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRou
         the log (number and content hash) is answered from it without touching the
         sandbox (`replayed: true`); the first that differs runs for real and the log
         after it is discarded. Stops after the first step that failed (its `error`)."""
+        raw = await request.body()
         try:
-            batch = StepBatch.model_validate_json(await request.body())
+            batch = StepBatch.model_validate_json(raw)
         except ValidationError as exc:
             raise InvalidArgument(f"bad steps: {_summary(exc)}") from None
+        if not isinstance(service, TrajectoryService):
+            return await service.steps(job_id, rollout_id, raw, batch)
         out = await service.run(job_id, rollout_id, batch.steps)
         body = '{"results":[' + ",".join(o.json() for o in out) + "]}"
         return Response(body, media_type=_JSON)
@@ -91,6 +106,8 @@ def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRou
         check_name(job_id, "job id")
         if rollout_id is not None:
             check_name(rollout_id, "rollout id")
+        if not isinstance(service, TrajectoryService):
+            return await service.job(job_id, format, rollout_id)
         if format == "jsonl":
             return StreamingResponse(
                 service.log.export(job_id, rollout_id), media_type="application/x-ndjson"
@@ -100,6 +117,9 @@ def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRou
 
     @router.get("/{job_id}/{rollout_id}", response_model=TrajectoryInfo, summary="One rollout")
     async def rollout(job_id: str, rollout_id: str) -> Response:
+        if not isinstance(service, TrajectoryService):
+            check_name(job_id, "job id")
+            return await service.rollout(job_id, check_name(rollout_id, "rollout id"))
         infos = service.log.infos(check_name(job_id, "job id"), check_name(rollout_id, "rollout"))
         if not infos:
             raise NotFound(f"no trajectory {job_id}/{rollout_id}")
@@ -117,6 +137,10 @@ def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRou
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> Response:
         """Steps with a number greater than `after`, in order (page with the last one)."""
+        if not isinstance(service, TrajectoryService):
+            check_name(job_id, "job id")
+            check_name(rollout_id, "rollout id")
+            return await service.records(job_id, rollout_id, after, limit)
         recs = service.log.records(
             check_name(job_id, "job id"),
             check_name(rollout_id, "rollout id"),
@@ -131,6 +155,8 @@ def trajectory_router(service: TrajectoryService, auth: Authenticator) -> APIRou
     ) -> dict[str, int]:
         """Drop `from_step` and everything after it (e.g. an in-doubt step after a
         platform crash, once you checked the sandbox); the next run executes them."""
+        if not isinstance(service, TrajectoryService):
+            return await service.discard(job_id, rollout_id, from_step)
         return {"discarded": service.discard(job_id, rollout_id, from_step)}
 
     return router

@@ -19,6 +19,11 @@ from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.cluster import cluster_router
 from dsec.apiserver.creator import SandboxCreator
+from dsec.apiserver.fncall import fncall_router
+from dsec.apiserver.security import security_router
+from dsec.apiserver.trajectory import trajectory_router
+from dsec.cluster.fanout import ClusterAudit, ClusterTrajectories
+from dsec.cluster.fncall import ClusterFnCall
 from dsec.cluster.node import EdgeNode
 from dsec.cluster.registry import Registry
 from dsec.cluster.router import ClusterEdge
@@ -56,6 +61,7 @@ async def serve_apiserver(
 ) -> None:
     engine = make_engine(database_url(config.db))
     router: ClusterEdge | None = None
+    fncall: ClusterFnCall | None = None
     iam: IAM | None = None
     try:
         await check_reachable(engine)
@@ -77,9 +83,15 @@ async def serve_apiserver(
             iam=iam,
             roles=RoleStore(iam),
         )
-        app.include_router(
-            cluster_router(router, registry, config.cluster_token, Authenticator(keys))
-        )
+        auth = Authenticator(keys)
+        app.include_router(cluster_router(router, registry, config.cluster_token, auth))
+        # What each edge keeps for itself (audit log, trajectory log, FnCall pools),
+        # asked of the edges: routed by sandbox id or fanned out (dsec.cluster.fanout).
+        app.include_router(security_router(ClusterAudit(router), auth))
+        app.include_router(trajectory_router(ClusterTrajectories(router), auth))
+        fncall = ClusterFnCall(router)
+        await fncall.start()
+        app.include_router(fncall_router(fncall, auth))
         if "DSEC_BATCH_PARALLELISM" not in os.environ:
             # Here a create is a request to some edge, not CPU of this host: batches
             # may keep many in flight (the edges admit or refuse each).
@@ -92,6 +104,8 @@ async def serve_apiserver(
 
         await serve_app(app, config.host, config.port, started)
     finally:
+        if fncall is not None:
+            await fncall.close()
         if router is not None:
             await router.close()
         if iam is not None:

@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 
 from dsec.sdk import _security as proto
 from dsec.sdk._protocol import Call
+from dsec.sdk._security import Page
 from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
 T = TypeVar("T")
@@ -54,6 +55,34 @@ class SecurityMixin:
         """The audit log: commands, file operations, network decisions and events."""
         return await self._send(proto.audit(job, sandbox, trajectory, kinds, since_seq, limit))
 
+    async def events_page(
+        self: _AsyncSender,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[EventKind | str] | None = None,
+        cursor: str = "",
+        limit: int = 1000,
+    ) -> Page[SecurityEvent]:
+        """``events`` a page at a time, on one node or over a cluster's edges: pass the
+        page's ``cursor`` back for the next one (rows written later come then)."""
+        call = proto.events_page(job, sandbox, trajectory, kinds, cursor, limit)
+        return await self._send(call)
+
+    async def audit_page(
+        self: _AsyncSender,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[AuditKind | str] | None = None,
+        cursor: str = "",
+        limit: int = 1000,
+    ) -> Page[AuditRecord]:
+        """``audit`` a page at a time; see ``events_page``."""
+        return await self._send(proto.audit_page(job, sandbox, trajectory, kinds, cursor, limit))
+
 
 class SyncSecurityMixin:
     def events(
@@ -79,3 +108,27 @@ class SyncSecurityMixin:
         limit: int = 1000,
     ) -> list[AuditRecord]:
         return self._send(proto.audit(job, sandbox, trajectory, kinds, since_seq, limit))
+
+    def events_page(
+        self: _SyncSender,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[EventKind | str] | None = None,
+        cursor: str = "",
+        limit: int = 1000,
+    ) -> Page[SecurityEvent]:
+        return self._send(proto.events_page(job, sandbox, trajectory, kinds, cursor, limit))
+
+    def audit_page(
+        self: _SyncSender,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[AuditKind | str] | None = None,
+        cursor: str = "",
+        limit: int = 1000,
+    ) -> Page[AuditRecord]:
+        return self._send(proto.audit_page(job, sandbox, trajectory, kinds, cursor, limit))
