@@ -124,6 +124,10 @@ class PlatformConfig:
     # Charge project quotas here (IAM). False on a cluster edge: the apiservers
     # authorise and charge every create before it reaches the edge (dsec.cluster).
     quotas: bool = True
+    # Answer creates and stops with this edge's usage (X-DSec-Edge-Load) for the
+    # apiservers' placement. Only on a cluster edge: tenants of a single node need not
+    # learn how busy the host is.
+    report_load: bool = False
     # The URL others reach this process at, when it is not http://host:port (an edge
     # listening on 0.0.0.0 in cluster mode advertises its own address).
     public_url: str | None = None

@@ -296,6 +296,7 @@ async def serve(
             roles=platform.roles,
             trajectory=platform.edge.trajectory,
             iam=platform.iam if config.quotas else None,
+            report_load=config.report_load,
         )
 
         async def started() -> None:

@@ -56,6 +56,7 @@ def create_app(
     trajectory: TrajectoryService | None = None,
     creator: SandboxCreator | None = None,
     iam: IAM | None = None,
+    report_load: bool = False,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -79,7 +80,11 @@ def create_app(
 
     data_path = dataplane.data_path if dataplane is not None else None
     creator = creator or SandboxCreator(edge, iam=iam)  # one create path: sandboxes, batches
-    app.include_router(sandbox_router(edge, auth, limits, data_path=data_path, creator=creator))
+    app.include_router(
+        sandbox_router(
+            edge, auth, limits, data_path=data_path, creator=creator, report_load=report_load
+        )
+    )
     app.state.batches = batch_runner(creator, data_path)  # see cancel_batches_on_exit
     app.include_router(batch_router(app.state.batches, auth))
     if dataplane is not None:

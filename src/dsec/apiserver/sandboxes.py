@@ -44,6 +44,7 @@ def sandbox_router(
     *,
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
     creator: SandboxCreator | None = None,
+    report_load: bool = False,
 ) -> APIRouter:
     creator = creator or SandboxCreator(edge)
     Principal = Annotated[str, Depends(auth)]
@@ -54,7 +55,7 @@ def sandbox_router(
             info.data_path = await data_path(info.id)
         return info
 
-    admission = getattr(edge, "admission", None)
+    admission = getattr(edge, "admission", None) if report_load else None
 
     def with_load(resp: Response) -> Response:
         """An edge states its usage right after a create or stop (LOAD_HEADER): each

@@ -68,11 +68,9 @@ class Edges:
         """(clients of the edges to ask, edge -> why it is not asked)."""
         up: list[RemoteEdge] = []
         down: dict[str, str] = {}
-        remotes = self.router._remotes
-        for edge_id, status in sorted(self.router._edges.items()):
-            remote = remotes.get(edge_id)
+        for status, remote in self.router.members():
             if status.status == DOWN or remote is None:
-                down[edge_id] = f"down: {status.down_reason or 'marked down'}"
+                down[status.edge_id] = f"down: {status.down_reason or 'marked down'}"
             else:
                 up.append(remote)
         return up, down
@@ -81,10 +79,9 @@ class Edges:
         """The client of the edge holding ``sandbox_id``; None when no such edge exists.
         A down edge holds the rows asked for: a 503 naming it, not an empty answer."""
         try:
-            status = await self.router._status(sandbox_id)
+            status, remote = await self.router.status_of(sandbox_id)
         except SandboxNotFound:
             return None
-        remote = self.router._remotes.get(status.edge_id)
         if status.status == DOWN or remote is None:
             raise EdgeUnavailable(
                 f"edge {status.edge_id}, which holds sandbox {sandbox_id} and its logs, is "
@@ -267,7 +264,7 @@ class ClusterTrajectories:
                 "so send the steps of each edge's sandbox in batches of their own"
             )
         sid = batch.steps[0].sandbox_id
-        remote = await self.router._remote(sid)
+        remote = await self.router.remote_of(sid)
         path = _traj_path(job, rollout) + "/steps"
         resp = await remote.forward(
             "POST",

@@ -151,8 +151,8 @@ class ClusterFnCall:
         now = time.time()
         want = image_key(args.image)
         scored: list[tuple[int, int, float, RemoteEdge]] = []
-        for edge_id, status in self.router._edges.items():
-            remote = self.router._remotes.get(edge_id)
+        for status, remote in self.router.members():
+            edge_id = status.edge_id
             if remote is None or status.status == DOWN:
                 continue
             if now - status.heartbeat_at > STALE_AFTER_S:
@@ -225,7 +225,7 @@ class ClusterFnCall:
         remotes = [
             r
             for r in self.candidates(req.args)
-            if (s := self.router._edges.get(r.edge_id)) is not None
+            if (s := self.router.edge_status(r.edge_id)) is not None
             and (s.report.lazy or any(image_key(i) == want for i in s.report.images))
         ]
         if not remotes:

@@ -149,6 +149,24 @@ class ClusterEdge:
     def known_edges(self) -> set[str]:
         return set(self._edges)
 
+    def members(self) -> list[tuple[EdgeStatus, RemoteEdge | None]]:
+        """Every edge of the view with its client (None until the view has one), by id:
+        for the apiserver's fan-outs (dsec.cluster.fanout, dsec.cluster.fncall)."""
+        return [(s, self._remotes.get(e)) for e, s in sorted(self._edges.items())]
+
+    def edge_status(self, edge_id: str) -> EdgeStatus | None:
+        return self._edges.get(edge_id)
+
+    async def status_of(self, sandbox_id: str) -> tuple[EdgeStatus, RemoteEdge | None]:
+        """The edge named by ``sandbox_id`` (SandboxNotFound if none), as fresh as a
+        down edge needs, and its client."""
+        status = await self._status(sandbox_id)
+        return status, self._remotes.get(status.edge_id)
+
+    async def remote_of(self, sandbox_id: str) -> RemoteEdge:
+        """The live edge holding ``sandbox_id``; a down edge's sandbox is not running."""
+        return await self._remote(sandbox_id)
+
     async def _status(self, sandbox_id: str) -> EdgeStatus:
         edge_id = edge_of(sandbox_id)
         status = self._edges.get(edge_id)

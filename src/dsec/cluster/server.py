@@ -189,6 +189,7 @@ def run_edge(
     """A `dsec up` that answers to the cluster token and beats to the apiservers."""
     config.api_key = join.cluster_token
     config.quotas = False  # the apiservers charge every create before it gets here
+    config.report_load = True  # their placement reads it (dsec.control.placement)
 
     async def member(platform: Platform) -> None:
         node = EdgeNode(
