@@ -220,7 +220,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
 def run(opts: argparse.Namespace, work: Path) -> None:
+    load_start = loadavg()  # the host is shared: other work moves the times
     store_root = work / "store"
     store = DirStore(store_root)
     print(f"building a {opts.gib:g} GiB image and a 64 MiB one ...", flush=True)
@@ -289,6 +295,7 @@ def run(opts: argparse.Namespace, work: Path) -> None:
         "ttfc_small_vs_big_s": [round(v, 4) for v in ttfc.values()],
     }
     results["summary"] = summary
+    results["host_loadavg"] = {"start": load_start, "end": loadavg()}
     print("summary:", json.dumps(summary), flush=True)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(results, indent=2) + "\n")

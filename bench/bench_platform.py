@@ -47,6 +47,11 @@ def summary(samples_s: list[float]) -> dict[str, float]:
     }
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
 def mem_used_bytes() -> int:
     info: dict[str, int] = {}
     with open("/proc/meminfo") as fh:
@@ -170,9 +175,16 @@ def main() -> None:
     ap.add_argument("--execs", type=int, default=300)
     opts = ap.parse_args()
     os.environ.setdefault("DSEC_MAX_SANDBOXES", str(opts.idle + 100))
+    load_start = loadavg()
     with platform_process() as plat:
         res = asyncio.run(run(opts, plat.url, plat.api_key, plat.data_dir))
-    res["host"] = {"cpus": os.cpu_count(), "kernel": os.uname().release}
+    res["host"] = {
+        "cpus": os.cpu_count(),
+        "kernel": os.uname().release,
+        # the host is shared: other work running meanwhile moves every figure
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+    }
     out = REPO / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "platform.json").write_text(json.dumps(res, indent=2))

@@ -299,12 +299,22 @@ class Edge:
         processes are killed (the data path fails its sessions and commands)."""
         self._stop_listeners.append(listener)
 
-    def _set(self, rec: SandboxRecord, state: SandboxState, reason: str | None = None) -> None:
+    def _set(
+        self,
+        rec: SandboxRecord,
+        state: SandboxState,
+        reason: str | None = None,
+        *,
+        spec_changed: bool = False,
+    ) -> None:
         rec.state = state
         if reason is not None:
             rec.reason = reason
         rec.updated_at = _now()
-        self.state.save(rec)
+        if spec_changed:
+            self.state.save(rec)
+        else:
+            self.state.save_state(rec)  # the spec and image were written at create
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
         """Replace (not merge) a running sandbox's egress rules; applies to new
@@ -317,7 +327,7 @@ class Edge:
             start = time.perf_counter()
             await self.network.update(sandbox_id, rules)
             old, rec.spec.network_rules = rec.spec.network_rules, dict(rules)
-            self._set(rec, rec.state)
+            self._set(rec, rec.state, spec_changed=True)
             self.audit.record(
                 sandbox_id,
                 AuditKind.LIFECYCLE,

@@ -57,6 +57,27 @@ class EdgeStateDB:
                 "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
             )
 
+    def save_state(self, rec: SandboxRecord) -> None:
+        """Write a state change: state, reason, times and runtime facts, not the spec or
+        image, which do not change after create (save() when they do). Re-encoding
+        both with pydantic on every change was most of a write's cost. A record that
+        was never saved is written whole."""
+        row = (
+            rec.state.value,
+            rec.updated_at.isoformat(),
+            rec.reason,
+            json.dumps(rec.runtime),
+            rec.id,
+        )
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE sandboxes SET state = ?, updated_at = ?, reason = ?, runtime = ? "
+                "WHERE id = ?",
+                row,
+            )
+        if cur.rowcount != 1:
+            self.save(rec)
+
     def load(self, edge: str) -> list[SandboxRecord]:
         with self._lock:
             rows = self._db.execute(

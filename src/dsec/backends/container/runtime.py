@@ -5,21 +5,34 @@ cgroup hosts hides the v2 controllers from crun in a private mount namespace and
 the sandbox's root overlay there. A wrapper in C costs a fraction of
 ``unshare -m sh -c 'mount ...'`` on every create. Processes are started with
 ``posix_spawn`` (see dsec.spawn): forking the platform's interpreter cost ~4 ms each.
+crun runs from one sealed in-memory copy of itself (it would otherwise copy itself on
+every call) and keeps its state on a tmpfs (see open()).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec import spawn
+from dsec import linux, spawn
 from dsec.backends.container.oci_spec import AGENT_FD
 from dsec.errors import BackendError
 from dsec.resources.cgroups import CgroupHost
+
+MS_NOEXEC = 8
+# crun's cloned_binary.c: a binary running from a memfd with exactly these seals is
+# not copied again.
+_CRUN_MEMFD_NAME = "crun_cloned:/proc/self/exe"
+_CRUN_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,9 @@ class OCIRuntime:
             )
         self.path = path
         self.name = Path(path).name
+        # What the wrapper executes: ``path``, or a sealed in-memory copy of it (open()).
+        self.exec_path = path
+        self._sealed_fd: int | None = None
         self.state_root = state_root
         self.wrapper = wrapper
         self.cgroups = cgroups
@@ -56,13 +72,84 @@ class OCIRuntime:
         if not empty_file.exists():
             empty_file.write_bytes(b"")
 
+    def open(self) -> None:
+        """Keep the runtime's state on a tmpfs of its own.
+
+        crun creates and deletes ~10 files per sandbox there; on the data disk (ext4
+        here, which skips recently deleted inodes when it allocates one) that cost
+        ~3.4 ms of CPU per sandbox lifecycle in a burst, measured. The state only
+        describes live containers, which a reboot ends anyway; an edge restart finds the
+        mount still there. State that already sits on disk (containers started by an
+        older version) is left where it is, not hidden under a new mount."""
+        if self.name == "crun":
+            self._seal_binary()
+        if linux.is_mounted(self.state_root) or self.list_ids():
+            return
+        linux.mount(
+            "tmpfs",
+            self.state_root,
+            "tmpfs",
+            linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC,
+            "mode=0700,size=256m",
+        )
+
+    def close(self) -> None:
+        """Unmount the state tmpfs once no container is left in it (else it stays for
+        the next edge process, like the sandboxes)."""
+        if not self.list_ids() and linux.is_mounted(self.state_root):
+            linux.umount(self.state_root, detach=True)
+        if self._sealed_fd is not None:
+            self.exec_path = self.path
+            with contextlib.suppress(OSError):
+                self._exec_link().unlink()
+            os.close(self._sealed_fd)
+            self._sealed_fd = None
+
+    def _exec_link(self) -> Path:
+        return self.state_root.with_name(self.state_root.name + ".exe") / self.name
+
+    def _seal_binary(self) -> None:
+        """Run crun from one sealed in-memory copy of itself that we hold.
+
+        Against CVE-2019-5736 every crun call first copies its own binary into a
+        sealed memfd (or a read-only bind mount of a temp file) and re-executes itself
+        from it, unless it already runs from a fully sealed memfd: ~1.2 ms of CPU of the
+        ~2.4 ms of each call, measured, two calls per sandbox. One sealed copy made
+        here protects the same way (crun's own check accepts it: nothing can write to
+        it); the wrapper executes it through a symlink named like the runtime (the
+        process name stays ``crun`` for the orphan reaper). If it does not work here,
+        the plain binary is used."""
+        fd = os.memfd_create(_CRUN_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            with open(self.path, "rb") as src:
+                os.write(fd, src.read())
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _CRUN_SEALS)
+            link = self._exec_link()
+            link.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp = link.with_name(f".{link.name}.{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            os.symlink(f"/proc/{os.getpid()}/fd/{fd}", tmp)
+            os.replace(tmp, link)
+            probe = subprocess.run(
+                [str(link), "--version"], capture_output=True, timeout=30, check=False
+            )
+            if probe.returncode != 0:
+                raise OSError(f"sealed copy does not run: {probe.stderr[-200:]!r}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("running %s from its own file (no sealed copy: %s)", self.path, exc)
+            os.close(fd)
+            return
+        self._sealed_fd = fd
+        self.exec_path = str(link)
+
     def _argv(self, args: list[str], *, overlay: tuple[Path, str] | None = None) -> list[str]:
         argv = [str(self.wrapper), "crun-wrap"]
         if overlay is not None:
             argv += ["--overlay-target", str(overlay[0]), "--overlay-data", overlay[1]]
         if self.cgroups.crun_needs_empty_unified and self.name == "crun":
             argv += ["--mask-cgroup2", str(self.empty_file)]
-        argv += ["--", self.path, "--root", str(self.state_root), *args]
+        argv += ["--", self.exec_path, "--root", str(self.state_root), *args]
         return argv
 
     async def call(self, *args: str, timeout: float = 60.0) -> RuntimeResult:
@@ -125,6 +212,19 @@ class OCIRuntime:
         res = await self.call("delete", "--force", container_id)
         if res.returncode != 0 and not _is_missing(res.stderr):
             raise BackendError(f"{self.name} delete {container_id} failed: {res.stderr.strip()}")
+
+    def forget(self, container_id: str) -> bool:
+        """Remove the state of a container whose processes are all gone (its cgroup
+        was emptied by the caller) without starting the runtime: for crun, ``delete``
+        of a dead container removes its cgroups (the caller does) and this directory,
+        and costs a fork and exec (~2 ms of CPU). False: not crun, call delete()."""
+        if self.name != "crun":
+            return False
+        state = self.state_root / container_id
+        if os.sep in container_id or container_id in ("", ".", ".."):
+            return False
+        shutil.rmtree(state, ignore_errors=True)
+        return not state.exists()
 
     async def state(self, container_id: str) -> dict[str, Any] | None:
         res = await self.call("state", container_id)

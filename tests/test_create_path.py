@@ -1,0 +1,159 @@
+"""The cheap create/teardown path (bench/results/lazy.md): each shortcut still does
+what the slow path did. Real cgroups, a real tmpfs, the real crun binary."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from dsec import linux
+from dsec.backends.base import SandboxRecord
+from dsec.backends.container.backend import drop_page_charges
+from dsec.backends.container.runtime import OCIRuntime
+from dsec.edge.state import EdgeStateDB
+from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
+from dsec.resources import cgroups
+
+
+@pytest.fixture
+def tmp_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dsec-cp-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        for m in reversed(linux.mounts(path)):
+            with contextlib.suppress(OSError):
+                linux.umount(m.mount_point, detach=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _memory_usage(d: Path) -> tuple[int, int]:
+    usage = int((d / "memory.usage_in_bytes").read_text())
+    kmem = int((d / "memory.kmem.usage_in_bytes").read_text())
+    return usage, kmem
+
+
+def test_drop_page_charges_reclaims_pages_of_an_emptied_cgroup(tmp_dir: Path) -> None:
+    host = cgroups.detect()
+    if "memory" not in host.v1:
+        pytest.skip("v1 memory controller only (v2 uses memory.reclaim as before)")
+    rel = f"/dsec-test-cp-{secrets.token_hex(4)}"
+    d = host.v1["memory"] / rel.strip("/")
+    data = tmp_dir / "data"
+    d.mkdir()
+    try:
+        # Pages a sandbox wrote (synced: clean, reclaimable) stay charged to its cgroup.
+        subprocess.run(
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {d}/cgroup.procs && exec dd if=/dev/zero of="$1" bs=1M count=4 '
+                "conv=fsync status=none",
+                "sh",
+                str(data),
+            ],
+            check=True,
+        )
+        usage, kmem = _memory_usage(d)
+        assert usage - kmem >= 1 << 20, "the writer's page cache was not charged here"
+        drop_page_charges(host, rel)
+        usage, kmem = _memory_usage(d)
+        assert usage <= kmem  # no page left to pin the cgroup once it is removed
+        drop_page_charges(host, rel)  # nothing to do: a no-op, not an error
+    finally:
+        host.kill_and_remove(rel, timeout=5)
+    assert not d.exists()
+
+
+def _record(sid: str) -> SandboxRecord:
+    now = datetime.now(UTC)
+    return SandboxRecord(
+        id=sid,
+        spec=DSecContainerRunArgs(container_image="busybox:latest"),
+        image=ImageInfo(
+            name="busybox",
+            tag="latest",
+            digest="sha256:" + "0" * 64,
+            layers=["sha256:" + "1" * 64],
+            size_bytes=1,
+            created_at=now,
+        ),
+        state=SandboxState.CREATING,
+        created_at=now,
+        updated_at=now,
+        edge="e1",
+    )
+
+
+def test_state_only_write_keeps_the_spec_and_writes_unsaved_records_whole(
+    tmp_dir: Path,
+) -> None:
+    db = EdgeStateDB(tmp_dir / "edge.db")
+    try:
+        rec = _record("e1-" + "a" * 16)
+        db.save(rec)
+        rec.state, rec.reason = SandboxState.STOPPED, "stopped by request"
+        rec.runtime = {"dir": "/x"}
+        db.save_state(rec)
+        fresh = _record("e1-" + "b" * 16)
+        fresh.state = SandboxState.RUNNING
+        db.save_state(fresh)  # never saved before: written whole
+        loaded = {r.id: r for r in db.load("e1")}
+        assert loaded[rec.id].state is SandboxState.STOPPED
+        assert loaded[rec.id].reason == "stopped by request"
+        assert loaded[rec.id].runtime == {"dir": "/x"}
+        assert loaded[rec.id].spec == rec.spec and loaded[rec.id].image == rec.image
+        assert loaded[fresh.id].state is SandboxState.RUNNING
+        assert loaded[fresh.id].spec == fresh.spec
+    finally:
+        db.close()
+
+
+def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
+    if shutil.which("crun") is None:
+        pytest.skip("crun not installed")
+    run = tmp_dir / "run"
+    rt = OCIRuntime(
+        runtime="crun",
+        state_root=run / "crun",
+        wrapper=Path("/bin/true"),
+        cgroups=cgroups.detect(),
+        empty_file=run / "empty",
+    )
+    rt.open()
+    try:
+        assert linux.is_mounted(rt.state_root)
+        assert rt.exec_path != rt.path and Path(rt.exec_path).name == "crun"
+        # The sealed copy is crun, and runs as crun (the orphan reaper goes by name).
+        out = subprocess.run(
+            [rt.exec_path, "--root", str(rt.state_root), "list"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "NAME" in out.stdout
+        # A dead container's state goes without a crun call; ids cannot escape the root.
+        (rt.state_root / "c1").mkdir()
+        (rt.state_root / "c1" / "status").write_text("{}")
+        assert rt.list_ids() == {"c1"}
+        assert rt.forget("c1") and rt.list_ids() == set()
+        assert not rt.forget("../crun") and rt.state_root.is_dir()
+        # Kept while a container is left (the next edge process needs it) ...
+        (rt.state_root / "c2").mkdir()
+        rt.close()
+        assert linux.is_mounted(rt.state_root)
+        rt.open()
+        assert rt.forget("c2")
+    finally:
+        rt.close()
+    # ... unmounted once none is.
+    assert not linux.is_mounted(rt.state_root)
+    assert rt.exec_path == rt.path
