@@ -23,7 +23,8 @@ from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_mode
 from dsec.apiserver.responses import model_response
-from dsec.apiserver.rpc import RpcConnection, close_with_error
+from dsec.apiserver.rpc import RpcConnection
+from dsec.apiserver.wsmux import close_with_error
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import DSecError, Unauthenticated

@@ -7,22 +7,19 @@ an HTTP request through httpx and FastAPI cost ~3 ms more (measured, bench_fncal
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.responses import Response
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from dsec.apiserver.auth import Authenticator
-from dsec.apiserver.errors import ErrorBody, validation_message
+from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
-from dsec.apiserver.rpc import close_with_error
+from dsec.apiserver.wsmux import MuxConnection, close_with_error
 from dsec.backends.fncall.service import FnCallService
 from dsec.errors import DSecError, InvalidArgument
 from dsec.fncall_model import (
@@ -118,13 +115,10 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
     return outer
 
 
-def _error(rid: int, exc: DSecError) -> str:
-    body = {"code": exc.code, "message": exc.message, "details": exc.details}
-    return json.dumps({"id": rid, "error": body}, default=str)
+class FnCallRpc(MuxConnection):
+    """One client's FnCall WebSocket."""
 
-
-class FnCallRpc:
-    """One client's FnCall WebSocket: each request in its own task, answered in any order."""
+    kind = "FnCall"
 
     def __init__(
         self,
@@ -133,74 +127,20 @@ class FnCallRpc:
         auth: Authenticator,
         creds: HTTPAuthorizationCredentials | None,
     ) -> None:
-        self.ws = ws
+        super().__init__(ws)
         self.service = service
         self.auth = auth
         self.creds = creds
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._send_lock = asyncio.Lock()
 
-    async def serve(self) -> None:
-        try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text = message.get("text")
-                if text is not None:
-                    self._dispatch(text)
-        except WebSocketDisconnect:
-            return
-        finally:  # the client is gone: its calls are abandoned (sandboxes released)
-            for task in list(self._tasks.values()):
-                task.cancel()
-
-    def _dispatch(self, text: str) -> None:
-        try:
-            msg = json.loads(text)
-            rid = int(msg["id"])
-            op = str(msg["op"])
-        except (ValueError, KeyError, TypeError):
-            rid, op, msg = 0, "", None
-        if op == "cancel":
-            target = self._tasks.get(rid)
-            if target is not None:
-                target.cancel()
-            return
-        task = asyncio.create_task(self._handle(rid, op, msg))
-        self._tasks[rid] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
-
-    async def _send(self, text: str) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(text)
-
-    async def _handle(self, rid: int, op: str, msg: Any) -> None:
-        try:
-            if not isinstance(msg, dict):
-                raise InvalidArgument("every message needs a JSON object with an integer id and op")
-            await self.auth(self.creds)  # per call: a revoked key stops working here too
-            args = msg.get("args")
-            if not isinstance(args, dict):
-                raise InvalidArgument("args must be a JSON object (the HTTP route's body)")
-            result: BaseModel
-            if op == OP_RUN:
-                result = await self.service.run_code(RunCodeRequest.model_validate(args))
-            elif op == OP_JUDGE:
-                result = await self.service.judge(JudgeRequest.model_validate(args))
-            elif op == OP_CALL:
-                result = await self.service.call(CallRequest.model_validate(args))
-            else:
-                raise InvalidArgument(f"unknown op {op!r}; one of {[OP_RUN, OP_JUDGE, OP_CALL]}")
-            text = f'{{"id":{rid},"result":{result.model_dump_json()}}}'
-        except asyncio.CancelledError:
-            raise
-        except DSecError as exc:
-            text = _error(rid, exc)
-        except ValidationError as exc:
-            text = _error(rid, InvalidArgument(validation_message(exc.errors())))
-        except Exception:
-            log.exception("FnCall op %s failed", op)
-            text = _error(rid, DSecError("internal error; the server log has details"))
-        with contextlib.suppress(Exception):  # the client went away: nobody to tell
-            await self._send(text)
+    async def answer(self, rid: int, op: str, msg: dict[str, Any]) -> BaseModel:
+        await self.auth(self.creds)  # per call: a revoked key stops working here too
+        args = msg.get("args")
+        if not isinstance(args, dict):
+            raise InvalidArgument("args must be a JSON object (the HTTP route's body)")
+        if op == OP_RUN:
+            return await self.service.run_code(RunCodeRequest.model_validate(args))
+        if op == OP_JUDGE:
+            return await self.service.judge(JudgeRequest.model_validate(args))
+        if op == OP_CALL:
+            return await self.service.call(CallRequest.model_validate(args))
+        raise InvalidArgument(f"unknown op {op!r}; one of {[OP_RUN, OP_JUDGE, OP_CALL]}")

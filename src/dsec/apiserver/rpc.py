@@ -13,15 +13,14 @@ import base64
 import binascii
 import contextlib
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from dsec.apiserver.errors import validation_message
 from dsec.apiserver.params import check_sandbox_id
+from dsec.apiserver.wsmux import MuxConnection, error_payload
 from dsec.edge.dataplane import DataPlane, check_path
 from dsec.errors import DSecError, InvalidArgument, Unauthenticated
 from dsec.sessions.processes import ManagedProcess
@@ -37,28 +36,7 @@ from dsec.wire import (
     signal_number,
 )
 
-log = logging.getLogger("dsec.apiserver.rpc")
-
 Handler = Callable[["RpcConnection", int, str, dict[str, Any]], Awaitable[Any]]
-
-
-def _error_payload(exc: DSecError) -> dict[str, Any]:
-    return {"code": exc.code, "message": exc.message, "details": exc.details}
-
-
-async def close_with_error(ws: WebSocket, exc: DSecError) -> None:
-    """Tell the client why (a JSON text frame), then close with code 4000 + HTTP status."""
-    with contextlib.suppress(Exception):
-        await ws.send_text(json.dumps({"type": "error", "error": _error_payload(exc)}, default=str))
-        await ws.close(code=4000 + exc.status, reason=exc.code[:100])
-
-
-def _dump(value: Any) -> str:
-    if isinstance(value, BaseModel):
-        return value.model_dump_json()
-    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-        return "[" + ",".join(v.model_dump_json() for v in value) + "]"
-    return json.dumps(value, default=str)
 
 
 def _arg(args: dict[str, Any], key: str) -> str:
@@ -68,88 +46,28 @@ def _arg(args: dict[str, Any], key: str) -> str:
     return value
 
 
-class RpcConnection:
+class RpcConnection(MuxConnection):
+    kind = "data path"
+
     def __init__(self, ws: WebSocket, plane: DataPlane, *, trusted: bool) -> None:
-        self.ws = ws
+        super().__init__(ws)
         self.plane = plane
         self.trusted = trusted
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._side: set[asyncio.Task[None]] = set()
-        self._send_lock = asyncio.Lock()
 
-    async def send_text(self, text: str) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(text)
-
-    async def send_bytes(self, data: bytes) -> None:
-        async with self._send_lock:
-            await self.ws.send_bytes(data)
-
-    async def serve(self) -> None:
-        try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text = message.get("text")
-                if text is None:
-                    continue  # no binary requests (yet)
-                self._dispatch(text)
-        except WebSocketDisconnect:
-            return
-        finally:
-            for task in list(self._tasks.values()):
-                task.cancel()
-
-    def _dispatch(self, text: str) -> None:
-        try:
-            msg = json.loads(text)
-            rid = int(msg["id"])
-            op = str(msg["op"])
-        except (ValueError, KeyError, TypeError):
-            err = InvalidArgument("every message needs a JSON object with an integer id and op")
-            side = asyncio.create_task(self._reply_error(0, err))
-            self._side.add(side)
-            side.add_done_callback(self._side.discard)
-            return
-        if op == "cancel":
-            target = self._tasks.get(rid)
-            if target is not None:
-                target.cancel()
-            return
-        handle = asyncio.create_task(self._handle(rid, op, msg))
-        self._tasks[rid] = handle
-        handle.add_done_callback(lambda _t: self._tasks.pop(rid, None))
-
-    async def _reply_error(self, rid: int, exc: DSecError) -> None:
-        with contextlib.suppress(Exception):
-            await self.send_text(_dump({"id": rid, "error": _error_payload(exc)}))
-
-    async def _handle(self, rid: int, op: str, msg: dict[str, Any]) -> None:
-        try:
-            handler = HANDLERS.get(op)
-            if handler is None:
-                raise InvalidArgument(f"unknown op {op!r}; one of {sorted(HANDLERS)}")
-            sandbox_id = check_sandbox_id(str(msg.get("sandbox", "")))
-            if not self.trusted:
-                token = msg.get("token")
-                if not isinstance(token, str) or not token:
-                    raise Unauthenticated("a sandbox token is required (field 'token')")
-                self.plane.authorize(sandbox_id, token)
-            args = msg.get("args") or {}
-            if not isinstance(args, dict):
-                raise InvalidArgument("args must be a JSON object")
-            result = await handler(self, rid, sandbox_id, args)
-            await self.send_text(f'{{"id":{rid},"result":{_dump(result)}}}')
-        except asyncio.CancelledError:
-            raise
-        except DSecError as exc:
-            await self._reply_error(rid, exc)
-        except ValidationError as exc:
-            await self._reply_error(rid, InvalidArgument(validation_message(exc.errors())))
-        except Exception:
-            log.exception("data path op %s failed", op)
-            await self._reply_error(rid, DSecError("internal error; the server log has details"))
+    async def answer(self, rid: int, op: str, msg: dict[str, Any]) -> Any:
+        handler = HANDLERS.get(op)
+        if handler is None:
+            raise InvalidArgument(f"unknown op {op!r}; one of {sorted(HANDLERS)}")
+        sandbox_id = check_sandbox_id(str(msg.get("sandbox", "")))
+        if not self.trusted:
+            token = msg.get("token")
+            if not isinstance(token, str) or not token:
+                raise Unauthenticated("a sandbox token is required (field 'token')")
+            self.plane.authorize(sandbox_id, token)
+        args = msg.get("args") or {}
+        if not isinstance(args, dict):
+            raise InvalidArgument("args must be a JSON object")
+        return await handler(self, rid, sandbox_id, args)
 
     async def stream_output(self, rid: int, proc: ManagedProcess, start: int, trim: bool) -> None:
         async for fd, data in proc.output(start, trim=trim):
@@ -319,7 +237,7 @@ async def serve_pty(ws: WebSocket, proc: ManagedProcess, control: type[PtyContro
             status = await proc.wait()
             await ws.send_text(json.dumps({"type": "exit", **status.model_dump()}))
         except DSecError as exc:
-            await ws.send_text(json.dumps({"type": "error", "error": _error_payload(exc)}))
+            await ws.send_text(json.dumps({"type": "error", "error": error_payload(exc)}))
         await ws.close(1000)
 
     pump = asyncio.create_task(to_client())
