@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -140,6 +142,21 @@ async def test_events_of_two_edges_merged_and_paged(
         assert one.cursor == f"@{one.items[0].seq}"
         rest = await client.events_page(sandbox=spread[1].id, cursor=one.cursor)
         assert [e.detail["changes"] for e in rest.items] == [["deleted /bin/cat"]]
+    # The CLI pages the same way, and says how to go on.
+    env = {"DSEC_URL": c.api_urls[0], "DSEC_API_KEY": c.admin_key, "PATH": "/usr/bin:/bin"}
+    env["COLUMNS"] = "400"  # whole sandbox ids in the table
+    cli = [sys.executable, "-m", "dsec.cli.main", "events", "--job", job]
+    res = await asyncio.to_thread(
+        subprocess.run, [*cli, "--cursor", ""], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert spread[1].id in res.stdout
+    printed = res.stdout.split("next: --cursor '")[1].split("'")[0]
+    assert parse_cursor(printed).keys() == set(c.edges)
+    res = await asyncio.to_thread(
+        subprocess.run, [*cli, "--since", "1"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode != 0 and "cursor" in res.stderr + res.stdout
 
 
 async def test_audit_of_one_sandbox_is_its_edges(two_edges: Cluster, spread: list[Sandbox]) -> None:

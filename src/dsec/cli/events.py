@@ -17,6 +17,14 @@ JobOpt = Annotated[str | None, typer.Option("--job", help="RL job id")]
 SandboxOpt = Annotated[str | None, typer.Option("--sandbox", help="sandbox id")]
 TrajectoryOpt = Annotated[str | None, typer.Option("--trajectory", help="trajectory id")]
 SinceOpt = Annotated[int, typer.Option("--since", help="only rows after this seq")]
+CursorOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cursor",
+        help="page on from a cursor ('' for the first page; the next one is printed): "
+        "works across the edges of a cluster, where --since only works with --sandbox",
+    ),
+]
 LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=10_000)]
 
 
@@ -30,15 +38,16 @@ def _when(t: datetime) -> str:
 
 
 def _filters(
-    job: str | None, sandbox: str | None, trajectory: str | None, since: int, limit: int
+    job: str | None, sandbox: str | None, trajectory: str | None, limit: int
 ) -> dict[str, Any]:
-    return {
-        "job": job,
-        "sandbox": sandbox,
-        "trajectory": trajectory,
-        "since_seq": since,
-        "limit": limit,
-    }
+    return {"job": job, "sandbox": sandbox, "trajectory": trajectory, "limit": limit}
+
+
+def _page_note(cursor: str, missing: list[str]) -> None:
+    """The next cursor, and the edges whose rows this page lacks (they follow later)."""
+    out.print(f"next: --cursor '{cursor}'")
+    if missing:
+        out.print(f"[yellow]not in this page (edges down or silent): {', '.join(missing)}[/]")
 
 
 def events(
@@ -48,12 +57,18 @@ def events(
     trajectory: TrajectoryOpt = None,
     kind: Annotated[list[EventKind], typer.Option("--kind", help="repeatable")] = [],  # noqa: B006
     since: SinceOpt = 0,
+    cursor: CursorOpt = None,
     limit: LimitOpt = 1000,
     as_json: JsonOpt = False,
 ) -> None:
     """Misbehaviour events (protected paths, denied connections, seccomp, ...)."""
+    filters = _filters(job, sandbox, trajectory, limit)
     with sync_client(ctx) as client:
-        items = client.events(kinds=kind, **_filters(job, sandbox, trajectory, since, limit))
+        if cursor is None:
+            items, page = client.events(kinds=kind, since_seq=since, **filters), None
+        else:
+            page = client.events_page(kinds=kind, cursor=cursor, **filters)
+            items = page.items
     if as_json:
         emit_json(items)
         return
@@ -69,6 +84,8 @@ def events(
             _detail(e.detail),
         )
     out.print(table)
+    if page is not None:
+        _page_note(page.cursor, page.missing)
 
 
 def audit(
@@ -78,12 +95,18 @@ def audit(
     trajectory: TrajectoryOpt = None,
     kind: Annotated[list[AuditKind], typer.Option("--kind", help="repeatable")] = [],  # noqa: B006
     since: SinceOpt = 0,
+    cursor: CursorOpt = None,
     limit: LimitOpt = 1000,
     as_json: JsonOpt = False,
 ) -> None:
     """The audit log: every command, file operation, network decision and event."""
+    filters = _filters(job, sandbox, trajectory, limit)
     with sync_client(ctx) as client:
-        items = client.audit(kinds=kind, **_filters(job, sandbox, trajectory, since, limit))
+        if cursor is None:
+            items, page = client.audit(kinds=kind, since_seq=since, **filters), None
+        else:
+            page = client.audit_page(kinds=kind, cursor=cursor, **filters)
+            items = page.items
     if as_json:
         emit_json(items)
         return
@@ -93,3 +116,5 @@ def audit(
             str(r.seq), _when(r.time), r.sandbox_id, r.kind.value, r.action, _detail(r.detail)
         )
     out.print(table)
+    if page is not None:
+        _page_note(page.cursor, page.missing)
