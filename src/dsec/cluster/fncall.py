@@ -166,8 +166,22 @@ class ClusterFnCall:
         return [t[3] for t in scored]
 
     async def _forward(
-        self, args: DSecFnCallRunArgs, path: str, body: BaseModel, model: type[M], wait: float
+        self,
+        args: DSecFnCallRunArgs,
+        path: str,
+        body: BaseModel,
+        model: type[M],
+        wait: float,
+        *,
+        single_sandbox: bool = True,
     ) -> M:
+        """Send the call to the best edge; another edge only when it surely did not run.
+        A refusal for want of room (AdmissionRejected) is such a sign only for a call
+        that takes one sandbox before any of its code runs: a judge takes one per test,
+        so by its refusal the compile and some tests may have run."""
+        retry: tuple[type[DSecError], ...] = (EdgeNotReached, ImageNotFound)
+        if single_sandbox:
+            retry += (AdmissionRejected,)
         self._touch()
         candidates = self.candidates(args)[:MAX_ATTEMPTS]
         if not candidates:
@@ -185,7 +199,7 @@ class ClusterFnCall:
                     headers={"Content-Type": "application/json"},
                     timeout=wait,
                 )
-            except (EdgeNotReached, ImageNotFound, AdmissionRejected) as exc:
+            except retry as exc:
                 # It surely did not run there: ask the next edge.
                 refusals.append({"edge": remote.edge_id, "code": exc.code, "reason": exc.message})
                 last = exc
@@ -211,7 +225,9 @@ class ClusterFnCall:
     async def judge(self, req: JudgeRequest) -> JudgeResult:
         # Tests may run one after another on the edge: each within its own limit.
         wait = min((req.args.timeout_s + 5) * len(req.tests) + 60, 4 * 3600.0)
-        return await self._forward(req.args, "/v1/fncall/judge", req, JudgeResult, wait)
+        return await self._forward(
+            req.args, "/v1/fncall/judge", req, JudgeResult, wait, single_sandbox=False
+        )
 
     async def call(self, req: CallRequest) -> CallResult:
         wait = req.args.timeout_s + 60

@@ -692,7 +692,14 @@ class FnCallService:
                 stderr=_decode(o.stderr)[:4096] if o else "",
             )
 
-        done = await asyncio.gather(*(one(t) for t in req.tests))
+        runs = [asyncio.ensure_future(one(t)) for t in req.tests]
+        try:
+            done = await asyncio.gather(*runs)
+        except BaseException:  # one test's error ends the judge: the others stop too
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
         tests = [t for t in done if t is not None]
         passed = sum(t.verdict == "AC" for t in tests)
         first_bad = next((t.verdict for t in tests if t.verdict != "AC"), None)
