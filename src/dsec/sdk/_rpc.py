@@ -125,6 +125,7 @@ class RpcClient:
         """Send one request and wait for its answer; cancelling tells the edge to abandon
         it (a foreground command is then killed)."""
         ws = await self._connection()
+        reader = self._reader
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, on_data)
@@ -135,6 +136,15 @@ class RpcClient:
             await ws.send(json.dumps(msg))
             return await fut
         except ConnectionClosed as exc:
+            # An edge that refuses the connection sends why, then closes: the reader
+            # fails every pending call with that typed error. Prefer it to a bare
+            # "lost", also when the close overtook our send.
+            if reader is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(reader), 2)
+            refused = fut.exception() if fut.done() and not fut.cancelled() else None
+            if refused is not None:
+                raise refused from exc
             raise PlatformUnavailable(f"lost the data path to {self.base_url}") from exc
         except asyncio.CancelledError:
             if self._pending.pop(rid, None) is not None and self._ws is ws:
