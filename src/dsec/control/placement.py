@@ -114,6 +114,11 @@ _SNAP_TRUST_S = 2.0
 LOAD_HEADER = "X-DSec-Edge-Load"
 
 
+# A sane edge's figures fit these; a value past them is garbage, read as no header.
+MAX_LOAD_HEADER = 200
+MAX_LOAD_SEQ = 1 << 63
+
+
 @dataclass(frozen=True)
 class EdgeLoad:
     """An edge's usage at one point of its history, piggybacked on its answers.
@@ -141,16 +146,20 @@ class EdgeLoad:
     @classmethod
     def parse(cls, value: str | None) -> EdgeLoad | None:
         """The header's value; None if absent or malformed (an older edge: reports only)."""
-        if not value:
+        if not value or len(value) > MAX_LOAD_HEADER:
             return None
         try:
             f = dict(part.split("=", 1) for part in value.split(";"))
             load = cls(int(f["seq"]), int(f["n"]), int(f["mem"]), float(f["cpu"]))
         except (KeyError, ValueError):
             return None
-        if load.seq <= 0 or load.sandboxes < 0 or load.memory_committed_mb < 0:
+        if not 0 < load.seq < MAX_LOAD_SEQ:
             return None
-        if not load.cpu_committed >= 0:  # also NaN
+        if not (
+            0 <= load.sandboxes < MAX_LOAD_SEQ and 0 <= load.memory_committed_mb < MAX_LOAD_SEQ
+        ):
+            return None
+        if not 0 <= load.cpu_committed < 1e9:  # also NaN and inf
             return None
         return load
 
