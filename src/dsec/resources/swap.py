@@ -353,6 +353,12 @@ class SwapFile:
         """Turn off what ``enable`` turned on (blocks while used pages come back)."""
         if not self.activated:
             return
+        backing = loop_backing_file(self.device) if self.device else None
+        if self.device and (backing is None or Path(backing) != self.path.resolve()):
+            # Turned off by someone else and the loop device freed (autoclear): the
+            # number may now serve another swap area, which is not ours to turn off.
+            self.activated, self.device = False, None
+            return
         try:
             _swapoff(Path(self.device) if self.device else self.path)  # autoclear: loop gone
         except OSError as exc:
