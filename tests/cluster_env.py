@@ -240,6 +240,23 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"fewer than {count} edges up after {timeout}s")
 
+    def wait_edges_have(self, image: str, timeout: float = 30.0) -> None:
+        """Until every edge's last report lists ``image``, plus one view refresh of the
+        apiservers (0.25 s): placement filters on the images in its view."""
+        deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.admin_key}"}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                resp = httpx.get(f"{self.api_urls[0]}/v1/cluster/edges", headers=headers)
+                reports = {e["edge_id"]: e["report"]["images"] for e in resp.json()}
+                if set(self.edges) <= reports.keys() and all(
+                    image in reports[e] for e in self.edges
+                ):
+                    time.sleep(1.0)
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"not every edge reported {image} after {timeout}s")
+
     def log_tails(self) -> str:
         """Every process's own account, for a failure report (tests/conftest.py hook)."""
         procs = [*self.apiservers, self.watcher, *(e.proc for e in self.edges.values())]

@@ -47,7 +47,7 @@ def two_edges(postgres: PostgresServer) -> Iterator[Cluster]:
             with DSecSyncClient(edge.url, c.token) as client:
                 client.build_image("busybox")
         c.wait_edges_up(2)
-        time.sleep(1.2)  # one more beat each: the images are in the view
+        c.wait_edges_have("busybox:latest")  # placement filters on the images in its view
         yield c
 
 
