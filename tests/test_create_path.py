@@ -157,3 +157,43 @@ def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
     # ... unmounted once none is.
     assert not linux.is_mounted(rt.state_root)
     assert rt.exec_path == rt.path
+
+
+def test_sealed_crun_is_copied_again_when_the_binary_is_replaced(tmp_dir: Path) -> None:
+    """A package upgrade (a crun CVE fix) takes effect at the next call, not at the next
+    edge restart."""
+    crun = shutil.which("crun")
+    if crun is None:
+        pytest.skip("crun not installed")
+    binary = tmp_dir / "bin" / "crun"
+    binary.parent.mkdir()
+    shutil.copy2(crun, binary)
+    run = tmp_dir / "run"
+    rt = OCIRuntime(
+        runtime=str(binary),
+        state_root=run / "crun",
+        wrapper=Path("/bin/true"),
+        cgroups=cgroups.detect(),
+        empty_file=run / "empty",
+    )
+    rt.open()
+    try:
+        before = Path(rt.exec_path).readlink()
+        assert rt._argv(["list"])[-1] == "list" and Path(rt.exec_path).readlink() == before
+        upgraded = binary.with_name("crun.new")  # a new inode, as dpkg installs one
+        shutil.copy2(crun, upgraded)
+        with upgraded.open("ab") as f:
+            f.write(b"\0")  # a different file, still the same program
+        upgraded.replace(binary)
+        argv = rt._argv(["list"])
+        assert rt.exec_path in argv and Path(rt.exec_path).readlink() != before
+        out = subprocess.run(
+            [rt.exec_path, "--root", str(rt.state_root), "list"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "NAME" in out.stdout
+    finally:
+        rt.close()
+    assert not linux.is_mounted(rt.state_root)

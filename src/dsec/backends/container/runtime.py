@@ -63,6 +63,7 @@ class OCIRuntime:
         # What the wrapper executes: ``path``, or a sealed in-memory copy of it (open()).
         self.exec_path = path
         self._sealed_fd: int | None = None
+        self._sealed_from: tuple[int, int, int] | None = None  # (inode, mtime, size)
         self.state_root = state_root
         self.wrapper = wrapper
         self.cgroups = cgroups
@@ -99,11 +100,9 @@ class OCIRuntime:
         if not self.list_ids() and linux.is_mounted(self.state_root):
             linux.umount(self.state_root, detach=True)
         if self._sealed_fd is not None:
-            self.exec_path = self.path
             with contextlib.suppress(OSError):
                 self._exec_link().unlink()
-            os.close(self._sealed_fd)
-            self._sealed_fd = None
+            self._drop_sealed()
 
     def _exec_link(self) -> Path:
         return self.state_root.with_name(self.state_root.name + ".exe") / self.name
@@ -119,6 +118,7 @@ class OCIRuntime:
         it); the wrapper executes it through a symlink named like the runtime (the
         process name stays ``crun`` for the orphan reaper). If it does not work here,
         the plain binary is used."""
+        identity = _identity(self.path)  # before the copy: a later change copies again
         fd = os.memfd_create(_CRUN_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             with open(self.path, "rb") as src:
@@ -139,11 +139,23 @@ class OCIRuntime:
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning("running %s from its own file (no sealed copy: %s)", self.path, exc)
             os.close(fd)
+            self._drop_sealed()  # an outdated copy is not kept either
             return
-        self._sealed_fd = fd
+        self._drop_sealed()  # a re-seal after an upgrade: the old copy goes
+        self._sealed_fd, self._sealed_from = fd, identity
         self.exec_path = str(link)
 
+    def _drop_sealed(self) -> None:
+        if self._sealed_fd is not None:
+            os.close(self._sealed_fd)
+            self._sealed_fd = None
+        self.exec_path = self.path
+
     def _argv(self, args: list[str], *, overlay: tuple[Path, str] | None = None) -> list[str]:
+        if self._sealed_fd is not None and _identity(self.path) != self._sealed_from:
+            # The binary was replaced (a package upgrade, say a CVE fix): copy it anew,
+            # or the edge would run the old one until it restarts. One stat per call.
+            self._seal_binary()
         argv = [str(self.wrapper), "crun-wrap"]
         if overlay is not None:
             argv += ["--overlay-target", str(overlay[0]), "--overlay-data", overlay[1]]
@@ -246,3 +258,11 @@ class OCIRuntime:
 def _is_missing(stderr: str) -> bool:
     low = stderr.lower()
     return "does not exist" in low or "no such file" in low or "not found" in low
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
