@@ -117,17 +117,26 @@ def test_state_only_write_keeps_the_spec_and_writes_unsaved_records_whole(
         db.close()
 
 
-def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
-    if shutil.which("crun") is None:
-        pytest.skip("crun not installed")
+def _crun() -> str:
+    crun = shutil.which("crun")
+    assert crun is not None, "crun is installed by scripts/install.sh"
+    return crun
+
+
+def _runtime(tmp_dir: Path, runtime: str) -> OCIRuntime:
+    """An OCIRuntime of its own under ``tmp_dir`` (the wrapper is never started here)."""
     run = tmp_dir / "run"
-    rt = OCIRuntime(
-        runtime="crun",
+    return OCIRuntime(
+        runtime=runtime,
         state_root=run / "crun",
         wrapper=Path("/bin/true"),
         cgroups=cgroups.detect(),
         empty_file=run / "empty",
     )
+
+
+def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
+    rt = _runtime(tmp_dir, _crun())
     rt.open()
     try:
         assert linux.is_mounted(rt.state_root)
@@ -162,20 +171,11 @@ def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
 def test_sealed_crun_is_copied_again_when_the_binary_is_replaced(tmp_dir: Path) -> None:
     """A package upgrade (a crun CVE fix) takes effect at the next call, not at the next
     edge restart."""
-    crun = shutil.which("crun")
-    if crun is None:
-        pytest.skip("crun not installed")
+    crun = _crun()
     binary = tmp_dir / "bin" / "crun"
     binary.parent.mkdir()
     shutil.copy2(crun, binary)
-    run = tmp_dir / "run"
-    rt = OCIRuntime(
-        runtime=str(binary),
-        state_root=run / "crun",
-        wrapper=Path("/bin/true"),
-        cgroups=cgroups.detect(),
-        empty_file=run / "empty",
-    )
+    rt = _runtime(tmp_dir, str(binary))
     rt.open()
     try:
         before = Path(rt.exec_path).readlink()
