@@ -131,6 +131,15 @@ def test_cli_events_and_audit(platform: PlatformProcess) -> None:
     assert res.returncode == 2 and "nonsense" in res.stderr
     res = subprocess.run([*cli, "audit", "--limit", "5"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+    # Cursors: a page starts at '', a cluster's cursor is refused here, garbage too.
+    res = subprocess.run([*cli, "audit", "--cursor", ""], env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and "next: --cursor '@" in res.stdout, res.stderr
+    for bad, says in (("e1:5", "one node"), ("@x", "bad cursor")):
+        res = subprocess.run(
+            [*cli, "events", "--cursor", bad], env=env, capture_output=True, text=True
+        )
+        assert res.returncode != 0 and says in res.stdout + res.stderr, (bad, res)
+        assert "Traceback" not in res.stderr
 
 
 def test_tamper_watch_reports_each_change_once(tmp_path: Path) -> None:

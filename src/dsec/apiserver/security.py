@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
+from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog, Filters
 from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
@@ -56,6 +57,15 @@ class AuditQuery(Protocol):
     async def answer(self, params: QueryParams, filters: Filters, events: bool) -> Response: ...
 
 
+def _no_cluster_cursor(request: Request) -> None:
+    """One node pages with since_seq; a cluster cursor here would silently restart."""
+    if "cursor" in request.query_params:
+        raise InvalidArgument(
+            "this server is one node: page with since_seq (the SDK's '@N' cursors); "
+            "'edge:seq' cursors come from a cluster's apiserver"
+        )
+
+
 def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRouter:
     router = APIRouter(
         tags=["security"],
@@ -72,6 +82,7 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
         """Events in order; page with ``since_seq`` = the last ``seq`` seen."""
         if not isinstance(audit, AuditLog):
             return await audit.answer(request.query_params, filters, events=True)
+        _no_cluster_cursor(request)
         return _json_list(audit.events(kinds=kind, **filters))
 
     @router.get("/v1/audit", response_model=list[AuditRecord], summary="Audit log")
@@ -83,6 +94,7 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
         """Every command, file operation, network decision and event, in order."""
         if not isinstance(audit, AuditLog):
             return await audit.answer(request.query_params, filters, events=False)
+        _no_cluster_cursor(request)
         return _json_list(audit.records(kinds=kind, **filters))
 
     return router

@@ -8,6 +8,7 @@ from typing import Generic, TypeVar
 
 import httpx
 
+from dsec.errors import InvalidArgument
 from dsec.sdk._protocol import Call, _list_of
 from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
@@ -28,6 +29,14 @@ class Page(Generic[R]):
     missing: list[str] = field(default_factory=list)
 
 
+def _seq_of(cursor: str) -> int:
+    """The seq of an ``@N`` cursor ('' = the start); anything else is a typed error."""
+    text = cursor[1:] if cursor[:1] == _SEQ else cursor
+    if cursor and (cursor[:1] != _SEQ or not text.isdigit() or len(text) > 18):
+        raise InvalidArgument(f"bad cursor {cursor[:200]!r}: pass back a Page.cursor")
+    return int(text or 0)
+
+
 def _page_params(
     job: str | None,
     sandbox: str | None,
@@ -37,7 +46,7 @@ def _page_params(
     limit: int,
 ) -> list[tuple[str, str]]:
     if not cursor or cursor.startswith(_SEQ):
-        return _params(job, sandbox, trajectory, kinds, int(cursor[1:] or 0), limit)
+        return _params(job, sandbox, trajectory, kinds, _seq_of(cursor), limit)
     return [*_params(job, sandbox, trajectory, kinds, 0, limit), ("cursor", cursor)]
 
 
@@ -48,7 +57,7 @@ def _page_of(cls: type[R], cursor: str) -> Callable[[httpx.Response], Page[R]]:
         items = rows(resp)
         after = resp.headers.get("X-DSec-Cursor")
         if after is None:  # one node, or one sandbox's edge: a plain seq
-            last = items[-1].seq if items else int(cursor[1:] or 0) if cursor[:1] == _SEQ else 0
+            last = items[-1].seq if items else _seq_of(cursor) if cursor[:1] == _SEQ else 0
             after = f"{_SEQ}{last}"
         missing = resp.headers.get("X-DSec-Edges-Missing", "")
         return Page(items, after, [e for e in missing.split(",") if e])
