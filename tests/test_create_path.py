@@ -135,6 +135,17 @@ def _runtime(tmp_dir: Path, runtime: str) -> OCIRuntime:
     )
 
 
+def _lists(rt: OCIRuntime) -> bool:
+    """What the wrapper would execute runs, as crun, on the runtime's state root."""
+    out = subprocess.run(
+        [rt.exec_path, "--root", str(rt.state_root), "list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return "NAME" in out.stdout
+
+
 def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
     rt = _runtime(tmp_dir, _crun())
     rt.open()
@@ -142,13 +153,7 @@ def test_runtime_state_on_tmpfs_and_sealed_crun(tmp_dir: Path) -> None:
         assert linux.is_mounted(rt.state_root)
         assert rt.exec_path != rt.path and Path(rt.exec_path).name == "crun"
         # The sealed copy is crun, and runs as crun (the orphan reaper goes by name).
-        out = subprocess.run(
-            [rt.exec_path, "--root", str(rt.state_root), "list"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert "NAME" in out.stdout
+        assert _lists(rt)
         # A dead container's state goes without a crun call; ids cannot escape the root.
         (rt.state_root / "c1").mkdir()
         (rt.state_root / "c1" / "status").write_text("{}")
@@ -187,13 +192,7 @@ def test_sealed_crun_is_copied_again_when_the_binary_is_replaced(tmp_dir: Path) 
         upgraded.replace(binary)
         argv = rt._argv(["list"])
         assert rt.exec_path in argv and Path(rt.exec_path).readlink() != before
-        out = subprocess.run(
-            [rt.exec_path, "--root", str(rt.state_root), "list"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert "NAME" in out.stdout
+        assert _lists(rt)
     finally:
         rt.close()
     assert not linux.is_mounted(rt.state_root)
