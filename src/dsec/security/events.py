@@ -36,6 +36,12 @@ class EventKind(StrEnum):
     BINARY_TAMPERING = "binary_tampering"  # changed system binaries or libraries
     RESOURCE_LIMIT = "resource_limit"  # hit its memory, pids, disk, or output limit
     ESCAPE_ATTEMPT = "escape_attempt"  # tried a path out of the sandbox (agent socket, ...)
+    GRADED_LINK_ESCAPE = "graded_link_escape"  # a graded path's link leaves the graded tree
+    SCAN_INCOMPLETE = "scan_incomplete"  # a detector could not finish its scan (fail closed)
+    DETECTOR_ERROR = "detector_error"  # a detector raised; it goes on, the gap is on record
+    DNS_REBINDING = "dns_rebinding"  # an allowed name answered with a private/metadata address
+    DNS_TUNNEL_SUSPECTED = "dns_tunnel_suspected"  # query names or rates that carry data out
+    SIGNAL_TO_INIT = "signal_to_init"  # a process inside signalled pid 1 (ignored)
 
 
 class Severity(StrEnum):
@@ -52,6 +58,12 @@ DEFAULT_SEVERITY: dict[EventKind, Severity] = {
     EventKind.BINARY_TAMPERING: Severity.WARNING,
     EventKind.RESOURCE_LIMIT: Severity.INFO,
     EventKind.ESCAPE_ATTEMPT: Severity.CRITICAL,
+    EventKind.GRADED_LINK_ESCAPE: Severity.CRITICAL,
+    EventKind.SCAN_INCOMPLETE: Severity.CRITICAL,
+    EventKind.DETECTOR_ERROR: Severity.WARNING,
+    EventKind.DNS_REBINDING: Severity.CRITICAL,
+    EventKind.DNS_TUNNEL_SUSPECTED: Severity.CRITICAL,
+    EventKind.SIGNAL_TO_INIT: Severity.CRITICAL,
 }
 
 
