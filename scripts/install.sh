@@ -58,5 +58,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" >"$stamp"
 fi
 # Compile the in-sandbox agent now rather than on the first sandbox.
-.venv/bin/python -c 'from dsec.agent.build import agent_binary; agent_binary()'
+.venv/bin/python -c 'from dsec.agent.build import agent_binary, untrusted_binary; agent_binary(); untrusted_binary()'
 .venv/bin/python -c 'from dsec.images.lazy.build import lazyfs_binary; lazyfs_binary()'

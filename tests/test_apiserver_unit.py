@@ -52,6 +52,7 @@ from dsec.model import (
     TrajectoryRef,
     parse_image_ref,
 )
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 KEY = "dsk_test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -249,7 +250,7 @@ class FakeEdge:
         except KeyError:
             raise FileNotFound(f"no such file: {path}") from None
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         raise Unsupported("the fake edge has no verifier")
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.root
 SECRET = "ANSWER-7f3c91e2"
 GRADE = """#!/bin/sh
 # the grader: runs the agent's solution and compares with the hidden answer
-out=$(sh /work/solution.sh) || exit 2
+out=$($DSEC_UNTRUSTED sh /work/solution.sh) || exit 2
 [ "$out" = "$(cat /grader/expected.txt)" ] && echo PASS && exit 0
 echo "FAIL: got $out"; exit 1
 """
@@ -163,21 +163,22 @@ async def test_verifier_grades_the_agents_current_files(
     sb = await client.run_container(spec(busybox_image))
     try:
         await sb.run_shell("mkdir -p /work && echo 'echo wrong' > /work/solution.sh")
-        v = await sb.verify("sh /grader/grade.sh")
-        assert (v.exit_code, v.stdout) == (1, "FAIL: got wrong\n")
+        v = await sb.verify("sh /grader/grade.sh", mode="isolated")
+        assert (v.exit_code, v.stdout, v.passed) == (1, "FAIL: got wrong\n", False)
         # The agent fixes its solution (through the file API this time); verify sees it.
         await sb.write_file("/work/solution.sh", f"echo {SECRET}\n".encode())
-        v = await sb.verify(["sh", "/grader/grade.sh"])
-        assert (v.exit_code, v.stdout) == (0, "PASS\n")
+        v = await sb.verify(["sh", "/grader/grade.sh"], mode="isolated")
+        assert (v.exit_code, v.stdout, v.passed) == (0, "PASS\n", True)
+        assert "/work" in v.graded
         # A deleted file is gone for the verifier too (whiteouts of the agent's upper).
         await sb.run_shell("rm /work/solution.sh")
-        assert (await sb.verify("test -e /work/solution.sh")).exit_code == 1
+        assert (await sb.verify("test -e /work/solution.sh", mode="isolated")).exit_code == 1
         # The verifier's own writes never reach the agent.
-        assert (await sb.verify("echo x > /tmp/from-verifier")).exit_code == 0
+        assert (await sb.verify("echo x > /tmp/from-verifier", mode="isolated")).exit_code == 0
         assert (await sb.run_shell("test -e /tmp/from-verifier")).exit_code == 1
         # A separate pid namespace and a fresh root: the agent's processes are not there.
         proc = await sb.start("sleep 300")
-        v = await sb.verify("ps -o comm | grep -c sleep")
+        v = await sb.verify("ps -o comm | grep -c sleep", mode="isolated")
         assert v.stdout.strip() == "0"
         await proc.kill()
         assert verifier_leftovers(platform, sb.id) == []
@@ -194,7 +195,9 @@ async def test_agent_frozen_during_verify_and_thawed_after(
     try:
         await sb.start("while :; do cut -d' ' -f1 /proc/uptime >> /tmp/ticks; usleep 20000; done")
         await asyncio.sleep(0.2)
-        task = asyncio.create_task(sb.verify("sleep 1; wc -l < /tmp/ticks"))
+        task = asyncio.create_task(
+            sb.verify("sleep 1; wc -l < /tmp/ticks", graded=["/tmp"], mode="isolated")
+        )
         seen_frozen = False
         while not task.done():
             seen_frozen |= protected_paths.is_frozen(host, rel)
@@ -209,9 +212,9 @@ async def test_agent_frozen_during_verify_and_thawed_after(
         assert int(v.stdout) <= len(ticks)
 
         # Failing and timed-out verifier commands thaw the agent as well.
-        v = await sb.verify("exit 3")
+        v = await sb.verify("exit 3", mode="isolated")
         assert v.exit_code == 3 and not protected_paths.is_frozen(host, rel)
-        v = await sb.verify("sleep 30", timeout=0.5)
+        v = await sb.verify("sleep 30", timeout=0.5, mode="isolated")
         assert v.timed_out and not protected_paths.is_frozen(host, rel)
         assert (await sb.run_shell("echo alive")).stdout == "alive\n"
         assert verifier_leftovers(platform, sb.id) == []
@@ -317,11 +320,15 @@ def test_verify_cli(platform: PlatformProcess, busybox_image: str, tmp_path: Pat
         try:
             res = dsec("sandbox", "exec", sandbox_id, "cat", "/g/answer.txt")
             assert SECRET not in res.stdout
-            res = dsec("sandbox", "verify", sandbox_id, "cat", "/g/answer.txt")
+            res = dsec("sandbox", "verify", "--isolated", sandbox_id, "cat", "/g/answer.txt")
             assert (res.returncode, res.stdout) == (0, SECRET), res.stderr
-            res = dsec("sandbox", "verify", "--shell", sandbox_id, "exit", "5")
+            res = dsec("sandbox", "verify", "--isolated", "--shell", sandbox_id, "exit", "5")
             assert res.returncode == 5
-            assert c.get(sandbox_id).verify("exit 4").exit_code == 4  # the sync twin
+            v = c.get(sandbox_id).verify("exit 4", mode="isolated")  # the sync twin
+            assert (v.exit_code, v.passed) == (4, False)
+            res = dsec("sandbox", "verify", sandbox_id, "true")  # fresh: the sandbox ends
+            assert res.returncode == 0, res.stderr
+            assert c.get(sandbox_id).info.state.value == "stopped"
         finally:
             dsec("sandbox", "rm", sandbox_id)
         res = dsec("sandbox", "create", "--image", busybox_image, "--protect", "/proc/x=a:1")
@@ -356,7 +363,7 @@ def test_edge_killed_mid_verify_thaws_the_agent_after_restart() -> None:
         async with DSecClient(plat.url, plat.api_key) as c:
             await c.build_image("busybox")
             sb = await c.run_container(spec("busybox:latest"))
-            task = asyncio.create_task(sb.verify("sleep 30"))
+            task = asyncio.create_task(sb.verify("sleep 30", mode="isolated"))
             rel = sandbox_cgroup(plat, sb.id)
             for _ in range(500):
                 if protected_paths.is_frozen(host, rel):

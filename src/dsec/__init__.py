@@ -60,6 +60,7 @@ from dsec.sdk import (
     SyncSandbox,
     SyncSession,
 )
+from dsec.verify_model import GradedRefusal, VerifyResult
 from dsec.wire import ExitInfo, FileInfo, FileList, ProcessInfo, SessionInfo
 
 __version__ = "0.1.0"
@@ -81,6 +82,7 @@ __all__ = [
     "FileInfo",
     "FileList",
     "FileNotFound",
+    "GradedRefusal",
     "ImageBuildError",
     "ImageInfo",
     "ImageNotFound",
@@ -110,5 +112,6 @@ __all__ = [
     "Timeout",
     "Unauthenticated",
     "Unsupported",
+    "VerifyResult",
     "__version__",
 ]

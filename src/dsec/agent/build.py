@@ -11,7 +11,7 @@ from dsec.native import cache_dir
 SOURCE = Path(__file__).with_name("dsec-init.c")
 CFLAGS = ["-std=c11", "-static", "-Os", "-s", "-Wall", "-Wextra", "-Werror"]
 
-__all__ = ["CFLAGS", "SOURCE", "agent_binary", "cache_dir", "source_digest"]
+__all__ = ["CFLAGS", "SOURCE", "agent_binary", "cache_dir", "source_digest", "untrusted_binary"]
 
 
 def source_digest() -> str:
@@ -22,4 +22,19 @@ def agent_binary() -> Path:
     """Path of the compiled agent for the current source, compiling it if needed."""
     return native.binary(
         SOURCE, name="dsec-init", subdir="agent", cflags=CFLAGS, what="the sandbox agent"
+    )
+
+
+UNTRUSTED_SOURCE = Path(__file__).with_name("dsec-untrusted.c")
+
+
+def untrusted_binary() -> Path:
+    """The runner a grader uses for the agent's code inside a verifier
+    (dsec-untrusted.c: unprivileged, protected paths hidden by Landlock)."""
+    return native.binary(
+        UNTRUSTED_SOURCE,
+        name="dsec-untrusted",
+        subdir="agent",
+        cflags=CFLAGS,
+        what="the verifier's untrusted-code runner",
     )

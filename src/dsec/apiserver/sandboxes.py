@@ -31,6 +31,7 @@ from dsec.model import (
     SandboxInfo,
     SandboxState,
 )
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 LIVE_STATES = frozenset(s for s in SandboxState if not s.terminal)
 
@@ -117,12 +118,13 @@ def sandbox_router(
         """Run one command to completion; a string goes through `/bin/sh -c`."""
         return model_response(await edge.exec(check_sandbox_id(sandbox_id), body))
 
-    @router.post("/{sandbox_id}/verify", response_model=ExecResult, summary="Run a verifier step")
-    async def verify_command(sandbox_id: str, body: ExecRequest) -> Response:
-        """Run one command in a short-lived verifier container that sees the sandbox's
-        current files *and* its protected paths (which the sandbox itself never does).
-        The sandbox is frozen while it runs; the default user is root, the default
-        timeout 600 s."""
+    @router.post("/{sandbox_id}/verify", response_model=VerifyResult, summary="Run a verifier step")
+    async def verify_command(sandbox_id: str, body: VerifyRequest) -> Response:
+        """Run a grader in a short-lived verifier built from the pristine image: it sees
+        read-only snapshots of the graded paths and the protected paths (which the
+        sandbox itself never does), never the agent's other changes. ``mode=fresh``
+        (default) stops the sandbox first; ``isolated`` freezes it and lets it go on.
+        The default user is root, the default timeout 600 s."""
         return model_response(await edge.verify(check_sandbox_id(sandbox_id), body))
 
     @router.put(

@@ -25,6 +25,7 @@ from dsec.model import (
     SandboxState,
 )
 from dsec.sessions.agent_client import AgentClient
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 
 @dataclass
@@ -126,8 +127,10 @@ class Backend(ABC):
         or None when this backend has none to offer."""
         return None
 
-    async def verify(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
-        """Run ``req`` where the spec's protected paths are visible (a verifier step)."""
+    async def verify(self, rec: SandboxRecord, req: VerifyRequest) -> VerifyResult:
+        """Run a grader where the spec's protected paths and snapshots of the graded
+        paths are visible, from the pristine image (a verifier step). Bad input is
+        refused before the sandbox is touched."""
         raise Unsupported(f"the {self.kind} backend cannot run verifier steps yet")
 
     async def pause(self, rec: SandboxRecord) -> None:

@@ -191,10 +191,21 @@ def verify(
     shell: Annotated[
         bool, typer.Option("--shell", "-s", help="join CMD and run it with /bin/sh -c")
     ] = False,
+    graded: Annotated[
+        list[str],
+        typer.Option("--graded", "-g", help="agent path the grader sees (read-only); repeatable"),
+    ] = [],  # noqa: B006
+    isolated: Annotated[
+        bool,
+        typer.Option(
+            "--isolated", help="freeze the sandbox and let it go on (default: stop it first)"
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a grader where the sandbox's protected paths are visible (the sandbox is
-    frozen meanwhile); output passes through and its exit code is dsec's."""
+    """Run a grader in a pristine verifier that sees the protected paths and read-only
+    snapshots of the graded ones; the sandbox is stopped first unless --isolated.
+    Output passes through and the grader's exit code is dsec's."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -202,6 +213,8 @@ def verify(
     with sync_client(ctx) as client:
         result = client.get(sandbox_id).verify(
             " ".join(command) if shell else command,
+            graded=graded or None,
+            mode="isolated" if isolated else "fresh",
             timeout=timeout,
             env=parse_pairs(env, "--env"),
             workdir=workdir,
@@ -216,6 +229,14 @@ def verify(
         sys.stderr.flush()
         if result.timed_out:
             err.print("dsec: verify command timed out", style="yellow", markup=False)
+        for refusal in result.refused:
+            err.print(
+                f"dsec: left out of the snapshot: {refusal.path!r}: {refusal.reason}",
+                style="yellow",
+                markup=False,
+            )
+        if result.error:
+            err.print(f"dsec: the grader did not run: {result.error}", style="red", markup=False)
     raise typer.Exit(result.exit_code)
 
 

@@ -28,6 +28,7 @@ from dsec.model import (
     TrajectoryRef,
 )
 from dsec.sdk._http import raise_for_error
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 _sandbox_list = TypeAdapter(list[SandboxInfo])
 
@@ -121,12 +122,12 @@ class RemoteEdge:
         resp = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=wait)
         return ExecResult.model_validate_json(resp.content)
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         body = req.model_dump(mode="json", exclude_unset=True)
         wait = (req.timeout or 600) + 30
         path = f"/v1/sandboxes/{sandbox_id}/verify"
         resp = await self._call("POST", path, json=body, timeout=wait)
-        return ExecResult.model_validate_json(resp.content)
+        return VerifyResult.model_validate_json(resp.content)
 
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})

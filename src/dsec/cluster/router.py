@@ -44,6 +44,7 @@ from dsec.model import (
     TrajectoryRef,
 )
 from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
@@ -317,7 +318,7 @@ class ClusterEdge:
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await self._on_edge(sandbox_id, lambda r: r.exec(sandbox_id, req))
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         return await self._on_edge(sandbox_id, lambda r: r.verify(sandbox_id, req))
 
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:

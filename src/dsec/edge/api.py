@@ -19,6 +19,7 @@ from dsec.model import (
     SandboxState,
     TrajectoryRef,
 )
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 
 class EdgeAPI(Protocol):
@@ -43,8 +44,9 @@ class EdgeAPI(Protocol):
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        """Run a command where the protected paths are visible, the agent frozen."""
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
+        """Run a grader in a pristine verifier that sees the protected paths and
+        snapshots of the graded ones (the agent frozen; stopped first in fresh mode)."""
         ...
 
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes: ...

@@ -25,6 +25,7 @@ from dsec.edge.state import EdgeStateDB
 from dsec.errors import (
     BackendError,
     DSecError,
+    InvalidArgument,
     SandboxNotFound,
     SandboxNotRunning,
     Timeout,
@@ -52,6 +53,7 @@ from dsec.security.audit import AuditLog
 from dsec.security.events import AuditKind, EventKind
 from dsec.security.limits import LimitWatcher
 from dsec.security.tampering import MAX_REPORTED, TamperWatch
+from dsec.verify_model import VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
     from dsec.rl.trajectory import TrajectoryService
@@ -445,18 +447,30 @@ class Edge:
                 **outcome,
             )
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        """Run ``req`` in a verifier that sees the protected paths (the agent frozen
-        meanwhile). Holds the sandbox's lock, so a stop waits for the verify to end."""
+    async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
+        """Run a grader in a pristine verifier that sees snapshots of the graded paths
+        and the protected paths. Holds the sandbox's lock, so a stop waits for the
+        verify to end. The detectors look at the sandbox once more first (a background
+        process may have changed binaries since the last command). In ``fresh`` mode
+        the sandbox is stopped by the step: it ends stopped, whatever the grader did."""
         outcome: dict[str, object] = {"error": "did not finish"}
         try:
             async with self._lock(sandbox_id):
                 rec = self.running_record(sandbox_id)
+                try:  # bad input is refused before the sandbox is touched
+                    req = req.model_copy(update={"graded": resolve_graded(rec.spec, req)})
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc)) from None
+                self.command_finished(sandbox_id)
                 try:
                     res = await self.backend.verify(rec, req)
                 finally:
                     rec.last_activity = time.monotonic()
-            outcome = _outcome(res)
+                    if req.mode == "fresh" and not rec.state.terminal:
+                        await self._finish(rec, SandboxState.STOPPED, "stopped by a fresh verify")
+            outcome = {**_outcome(res), "passed": res.passed, "graded": res.graded}
+            if res.refused:
+                outcome["refused"] = len(res.refused)
             return res
         except DSecError as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -469,6 +483,7 @@ class Edge:
                 command=req.command,
                 user=req.user,
                 workdir=req.workdir,
+                mode=req.mode,
                 **outcome,
             )
 

@@ -8,8 +8,8 @@ what both senders share (settings, failure translation), so no logic exists twic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
@@ -36,6 +36,7 @@ from dsec.model import (
     parse_image_ref,
 )
 from dsec.sdk._upload import Upload
+from dsec.verify_model import VerifyMode, VerifyRequest, VerifyResult
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -230,25 +231,39 @@ def verify_command(
     sandbox_id: str,
     command: str | list[str],
     *,
+    graded: Sequence[str] | None = None,
+    mode: VerifyMode = "fresh",
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     user: str | None = None,
     stdin: str | None = None,
     max_output_bytes: int | None = None,
-) -> Call[ExecResult]:
-    """Like ``exec_command``, run in a verifier that sees the protected paths."""
-    call = exec_command(
-        sandbox_id,
-        command,
-        timeout=timeout,
-        env=env,
-        workdir=workdir,
-        user=user,
-        stdin=stdin,
-        max_output_bytes=max_output_bytes,
+) -> Call[VerifyResult]:
+    """A grader in a pristine verifier that sees the graded paths as read-only data."""
+    fields: dict[str, Any] = {"command": command, "env": dict(env or {}), "mode": mode}
+    for key, value in (
+        ("graded", list(graded) if graded is not None else None),
+        ("timeout", timeout),
+        ("workdir", workdir),
+        ("user", user),
+        ("stdin", stdin),
+        ("max_output_bytes", max_output_bytes),
+    ):
+        if value is not None:
+            fields[key] = value
+    try:
+        body = VerifyRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        sandbox_path(sandbox_id) + "/verify",
+        _model(VerifyResult),
+        content=body.model_dump_json(exclude_defaults=True).encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout or 600.0),
     )
-    return replace(call, path=sandbox_path(sandbox_id) + "/verify")
 
 
 def update_network(sandbox_id: str, rules: Mapping[str, bool]) -> Call[NetworkRules]:

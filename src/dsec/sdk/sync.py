@@ -15,7 +15,6 @@ import httpx
 from dsec.errors import DSecError, SandboxNotFound
 from dsec.model import (
     DSecContainerRunArgs,
-    ExecResult,
     HealthInfo,
     ImageInfo,
     SandboxInfo,
@@ -36,6 +35,7 @@ from dsec.sdk.rl import SyncJobsMixin, SyncSandboxRLMixin
 from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 from dsec.sdk.trajectory import SyncTrajectoryMixin
+from dsec.verify_model import VerifyMode, VerifyResult
 
 T = TypeVar("T")
 
@@ -247,22 +247,33 @@ class SyncSandbox(SyncSandboxDataMixin, SyncSandboxRLMixin):
         self,
         command: str | Sequence[str],
         *,
+        graded: Sequence[str] | None = None,
+        mode: VerifyMode = "fresh",
         timeout: float | None = None,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
         user: str | None = None,
         stdin: str | None = None,
         max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run a grader in a short-lived verifier container: it sees this sandbox's
-        current files plus the spec's ``protected`` paths, which the sandbox itself
-        never contains. The sandbox is frozen meanwhile (thawed after, however the
-        command ends). A string runs through ``/bin/sh -c``; the user defaults to root,
-        the timeout to 600 s."""
+    ) -> VerifyResult:
+        """Grade this sandbox's work in a verifier the agent cannot reach.
+
+        The verifier is built from the pristine image layers and the spec's
+        ``protected`` paths; the agent's files reach it only as read-only snapshots of
+        ``graded`` (default: the spec's workdir, or the usual work directories), links
+        leaving a graded tree refused. ``mode="fresh"`` (default) stops this sandbox
+        first, so nothing the grader does can flow back to it; ``"isolated"`` freezes
+        it for the step and lets it go on. ``passed`` is the grader's exit status 0;
+        ``results`` holds the files it wrote to ``$DSEC_RESULT_DIR``. Run the agent's
+        code from a grader through ``$DSEC_UNTRUSTED CMD...`` (unprivileged, cannot
+        see the protected paths). A string runs through ``/bin/sh -c`` from ``/``; the
+        user defaults to root, the timeout to 600 s."""
         return self._client._send(
             proto.verify_command(
                 self.id,
                 command if isinstance(command, str) else list(command),
+                graded=graded,
+                mode=mode,
                 timeout=timeout,
                 env=env,
                 workdir=workdir,

@@ -28,7 +28,7 @@ from typing import Any
 from dsec import linux, spawn
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.backends.container import verifier
-from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
+from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, InvalidArgument, LimitExceeded
 from dsec.images.mounts import LayerMounts
@@ -42,25 +42,13 @@ from dsec.security.events import AuditKind
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
+from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # AF_UNIX paths are limited to 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
-
-
-def image_env(config: dict[str, Any]) -> dict[str, str]:
-    raw = config.get("env") or config.get("Env") or {}
-    env: dict[str, str] = {}
-    if isinstance(raw, dict):
-        env.update({str(k): str(v) for k, v in raw.items()})
-    elif isinstance(raw, list):
-        for item in raw:
-            key, sep, val = str(item).partition("=")
-            if sep:
-                env[key] = val
-    return env
 
 
 def prewarm_tree(root: Path, limit: int) -> int:
@@ -346,9 +334,9 @@ class ContainerBackend(Backend):
         rec.runtime["protected"] = [p.as_json() for p in prepared]
         return prepared
 
-    async def verify(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
-        """Run ``req`` in a verifier that sees the agent's files and the protected
-        paths, with the agent frozen meanwhile (dsec.backends.container.verifier)."""
+    async def verify(self, rec: SandboxRecord, req: VerifyRequest) -> VerifyResult:
+        """Run the grader in a pristine verifier that sees snapshots of the graded
+        paths and the protected paths (dsec.backends.container.verifier)."""
         return await verifier.run_verify(self, rec, req)
 
     def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:

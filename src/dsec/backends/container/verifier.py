@@ -1,40 +1,60 @@
-"""The verifier: a short-lived container that sees the agent's files *and* the
-protected content, which the agent's own sandbox never contains.
+"""The verifier: a grader that runs in a world the agent never wrote to.
 
-Root fs = overlay of (the agent's writable upper dir, read as a lower) over the agent's
-layers, with a private upper of its own, so the grader can write scratch files without
-touching the agent's; the protected sources are bind-mounted read-only at their paths,
-*on top of* whatever the agent put there (a planted /grader/expected.txt is hidden). It
-is a separate crun container: its own pid, mount, ipc, uts and network namespaces, so
-nothing in the agent's sandbox can reach it through /proc. pid 1 is the same agent as
-in every sandbox, so user names, env, workdir, timeouts and output caps behave exactly
-as for ``exec``.
+A reward is only worth something if nothing the agent did can decide it except the work
+it was asked to do. So a verify step trusts three things and nothing else: the caller's
+grader command, the platform-owned read-only layers (the pristine image layers the
+sandbox started from, and the protected grader/answer sources), and its own code. The
+agent's work reaches it only as *data*:
 
-While it runs the agent's cgroup is frozen: overlayfs must not see a lower layer change
-under a mount that uses it, and the agent must not swap its solution mid-grading.
-Freezing costs ~0.2 ms whatever the upper's size (a copy, even with reflinks where the
-file system has them, grows with the number of files). The agent is thawed after the
-verifier is gone: also when the command fails, times out or the create fails.
-(The kernel logs "lowerdir is in-use as upperdir" once per verify: expected, and the
-freeze is what makes it safe.)
+1. The agent is frozen (cgroup freezer, ~0.2 ms). In ``fresh`` mode (the default) its
+   processes are then killed: it is stopped before the grader starts, so nothing the
+   grader does (cache residency of shared files, timing) can ever flow back to it. In
+   ``isolated`` mode it stays frozen for the whole step and is thawed after.
+2. In a thread of its own, in a private mount namespace (no host mount, none left
+   behind by a crash), the edge mounts the agent's merged view read-only and copies each
+   graded path out of it (dsec.security.graded: nothing followed, links that leave the
+   graded tree refused and reported, own inodes, bounded).
+3. The verifier is a separate crun container: own pid, mount, ipc, uts, network and
+   cgroup namespaces (no shared /tmp, /dev/shm, processes or sockets with the agent).
+   Its root is an overlay of the *pristine* layers only with a private upper, so the
+   agent's interpreter, libraries, loader configuration, start-up files and PATH shadows
+   are not there. The snapshots are bind-mounted read-only at their graded paths, the
+   protected sources read-only at theirs.
+4. The grader runs as root (by default) with a fixed environment, from ``/``. When it
+   must run the agent's code it uses ``$DSEC_UNTRUSTED`` (dsec-untrusted.c): an
+   unprivileged user that Landlock keeps out of the protected paths and the result
+   directory. The verdict is the grader's exit status, decided here; files the grader
+   writes to ``$DSEC_RESULT_DIR`` come back as ``results`` (only root can write there).
+
+pid 1 of the verifier is the same agent as in every sandbox, so user names, timeouts and
+output caps behave exactly as for ``exec``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
+import signal
 import socket
+import stat
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.container.oci_spec import build_config
+from dsec import linux
+from dsec.agent.build import untrusted_binary
+from dsec.backends.container.oci_spec import build_config, image_env
 from dsec.errors import BackendError, Conflict
-from dsec.model import ExecRequest, ExecResult
+from dsec.security import graded as graded_trees
 from dsec.security import protected
+from dsec.security.events import EventKind
 from dsec.sessions.agent_client import AgentClient
+from dsec.verify_model import GradedRefusal, VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
     from dsec.backends.base import SandboxRecord
@@ -45,6 +65,52 @@ log = logging.getLogger(__name__)
 # A verify without a timeout would keep the agent frozen forever.
 DEFAULT_VERIFY_TIMEOUT = 600.0
 SUFFIX = ".v"
+UNTRUSTED_IN_VERIFIER = "/.dsec/untrusted"
+VERIFY_DIR_IN_VERIFIER = "/.dsec/verify"
+RESULT_DIR_IN_VERIFIER = "/.dsec/result"
+MAX_RESULT_FILES = 64
+MAX_RESULT_BYTES = 64 * 1024
+# The grader's environment: nothing inherited from the agent's sandbox, no loader or
+# interpreter hooks. Defaults the pristine image's own environment may change ...
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+# ... and what it may not (the request's own env, the caller's, comes last).
+FIXED_ENV = {
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    # A planted *.dist-info on the grader's module path must not load a pytest plug-in.
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "DSEC_UNTRUSTED": UNTRUSTED_IN_VERIFIER,
+    "DSEC_RESULT_DIR": RESULT_DIR_IN_VERIFIER,
+}
+# Never taken from the image's environment: they would run code before the grader's.
+HOOK_VARIABLES = frozenset(
+    {
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        "PYTHONSTARTUP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONUSERBASE",
+        "PERL5OPT",
+        "PERL5LIB",
+        "RUBYOPT",
+        "NODE_OPTIONS",
+        "BASH_ENV",
+        "ENV",
+        "PYTEST_ADDOPTS",
+        "PYTEST_PLUGINS",
+    }
+)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+CLONE_NEWNS = 0x00020000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 
 
 def verifier_id(sandbox_id: str) -> str:
@@ -84,49 +150,141 @@ async def _cleanup(backend: ContainerBackend, vid: str, runtime: dict[str, Any])
         log.warning("cleanup of verifier %s incomplete: %s", vid, exc)
 
 
-async def run_verify(backend: ContainerBackend, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
-    """Start the verifier, run ``req`` in it as pid 1's child, kill it, thaw the agent;
-    the rest of the teardown runs in the background (see Verifiers)."""
+async def run_verify(
+    backend: ContainerBackend, rec: SandboxRecord, req: VerifyRequest
+) -> VerifyResult:
+    """Freeze (and in fresh mode stop) the agent, snapshot its graded paths, run the
+    grader in a pristine verifier, kill it, thaw; the rest of the teardown runs in the
+    background (see Verifiers)."""
+    graded = resolve_graded(rec.spec, req) if req.graded is None else list(req.graded)
     state = backend.verifiers
     if rec.id in state.busy:
         raise Conflict(f"sandbox {rec.id} is already being verified; wait for that to end")
     state.busy.add(rec.id)
     try:
         await state.settle(rec.id)
-        return await _verify(backend, rec, req)
+        return await _verify(backend, rec, req, graded)
     finally:
         state.busy.discard(rec.id)
 
 
-async def _verify(backend: ContainerBackend, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
+def _stop_frozen(backend: ContainerBackend, rel: str) -> None:
+    """Kill every process of a frozen cgroup without letting any run again: SIGKILL is
+    queued while frozen, so on thaw each dies before returning to user space."""
+    for d in backend.cgroups.dirs(rel)[:1]:
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (d / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+    protected.thaw(backend.cgroups, rel)
+    if not backend.cgroups.kill_all(rel, timeout=5.0):
+        raise BackendError(f"the processes of {rel} did not die within 5s")
+
+
+def _snapshot_in_private_ns(
+    view: Path, lowers: list[str], graded: list[str], dest: Path
+) -> graded_trees.Snapshot:
+    """Mount the agent's merged view read-only and copy the graded paths out of it, in a
+    thread with a mount namespace of its own: the mount is never on the host, and it
+    vanishes with the thread (also if the edge dies meanwhile)."""
+    out: list[graded_trees.Snapshot] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            if _libc.unshare(CLONE_NEWNS) != 0:
+                err = ctypes.get_errno()
+                raise BackendError(f"unshare(CLONE_NEWNS): {os.strerror(err)}", errno=err)
+            linux.mount("none", "/", "none", MS_REC | MS_PRIVATE)
+            view.mkdir(mode=0o700, exist_ok=True)
+            linux.mount(
+                "overlay",
+                view,
+                "overlay",
+                linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV,
+                f"lowerdir={':'.join(lowers)}",
+            )
+            out.append(graded_trees.snapshot(view, graded, dest))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, name="dsec-verify-snapshot", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def _refusal_event(
+    backend: ContainerBackend, rec: SandboxRecord, snap: graded_trees.Snapshot
+) -> None:
+    if not snap.refused_count:
+        return
+    backend.audit.event(
+        rec.id,
+        EventKind.GRADED_LINK_ESCAPE,
+        count=snap.refused_count,
+        refused=[f"{path}: {why}" for path, why in snap.refused[:20]],
+    )
+
+
+async def _verify(
+    backend: ContainerBackend, rec: SandboxRecord, req: VerifyRequest, graded: list[str]
+) -> VerifyResult:
     vid = verifier_id(rec.id)
     root = backend._dir(vid)
+    agent_dir = backend._dir(rec.id)
     prepared = [protected.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
     runtime: dict[str, Any] = {"layers_held": []}
     rel = backend._cgroup(rec.id)
     await asyncio.to_thread(protected.freeze, backend.cgroups, rel)
     dead = False
+    started = False
     try:
         try:
-            await _start(backend, rec, vid, root, backend._dir(rec.id), prepared, runtime)
-            argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command
+            if req.mode == "fresh":
+                await asyncio.to_thread(_stop_frozen, backend, rel)
+            await asyncio.to_thread(
+                backend.disk.create_dir,
+                root,
+                limit_bytes=backend.disk.limit_bytes(rec.spec.disk_limit_mb),
+            )
+            started = True
+            lowers = [str(agent_dir / "upper")]
+            for digest in reversed(rec.image.layers):
+                lowers.append(str(backend.layers.acquire(digest)))
+                runtime["layers_held"].append(digest)
+            try:
+                snap = await asyncio.to_thread(
+                    _snapshot_in_private_ns, root / "view", lowers, graded, root / "graded"
+                )
+            except graded_trees.SnapshotTooLarge as exc:
+                backend.audit.event(
+                    rec.id, EventKind.SCAN_INCOMPLETE, what="graded snapshot", reason=str(exc)
+                )
+                return _not_run(req, graded, f"the graded tree cannot be snapshotted: {exc}")
+            _refusal_event(backend, rec, snap)
+            await _start(backend, rec, vid, root, lowers[1:], prepared, snap)
             res = await AgentClient(backend._socket(vid)).exec(
-                argv,
-                env=backend._env(rec, req.env),
-                cwd=req.workdir or rec.spec.workdir,
+                ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command,
+                env=grader_env(rec, req),
+                cwd=req.workdir or "/",
                 user=req.user or "root",
                 timeout=req.timeout or DEFAULT_VERIFY_TIMEOUT,
                 max_output=req.max_output_bytes,
                 stdin=req.stdin.encode() if req.stdin is not None else None,
             )
         finally:
-            # Once every verifier process is dead its overlay has no reader left, and
-            # the agent may change its files again.
-            dead = await asyncio.shield(
-                asyncio.to_thread(backend.cgroups.kill_all, backend._cgroup(vid), timeout=5.0)
-            )
-            if not dead:
-                await asyncio.shield(backend._teardown(vid, runtime))
+            # Once every verifier process is dead its mounts have no reader left, and
+            # an isolated agent may change its files again.
+            if started:
+                dead = await asyncio.shield(
+                    asyncio.to_thread(backend.cgroups.kill_all, backend._cgroup(vid), timeout=5.0)
+                )
+                if not dead:
+                    await asyncio.shield(backend._teardown(vid, runtime))
+        results = await asyncio.to_thread(read_results, root / "result")
     finally:
         try:
             await asyncio.shield(asyncio.to_thread(protected.thaw, backend.cgroups, rel))
@@ -135,7 +293,64 @@ async def _verify(backend: ContainerBackend, rec: SandboxRecord, req: ExecReques
                 backend.verifiers.cleanups[rec.id] = asyncio.create_task(
                     _cleanup(backend, vid, runtime), name=f"dsec-verifier-cleanup-{vid}"
                 )
-    return res.as_exec_result()
+    out = res.as_exec_result()
+    return VerifyResult(
+        **out.model_dump(),
+        passed=out.exit_code == 0 and not out.timed_out,
+        mode=req.mode,
+        graded=sorted(snap.copies),
+        refused=[GradedRefusal(path=p, reason=why) for p, why in snap.refused],
+        results=results,
+    )
+
+
+def _not_run(req: VerifyRequest, graded: list[str], why: str) -> VerifyResult:
+    return VerifyResult(
+        exit_code=-1,
+        stdout="",
+        stderr=why,
+        duration=0.0,
+        passed=False,
+        mode=req.mode,
+        graded=graded,
+        error=why,
+    )
+
+
+def grader_env(rec: SandboxRecord, req: VerifyRequest) -> dict[str, str]:
+    """Defaults, the pristine image's variables (minus code-loading hooks), the fixed
+    ones, then the caller's own for this step; never the agent's or the sandbox spec's
+    (the agent may have had a say in neither, but the step must not depend on it)."""
+    env = dict(BASE_ENV)
+    env.update({k: v for k, v in image_env(rec.image.config).items() if k not in HOOK_VARIABLES})
+    env.update(FIXED_ENV)
+    env.update(req.env)
+    return env
+
+
+def read_results(result_dir: Path) -> dict[str, str]:
+    """The regular files the grader left in its result directory (bounded; links and
+    anything else ignored)."""
+    out: dict[str, str] = {}
+    try:
+        dir_fd = os.open(result_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return out
+    try:
+        for name in sorted(os.listdir(dir_fd))[:MAX_RESULT_FILES]:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                out[name] = os.read(fd, MAX_RESULT_BYTES).decode(errors="replace")
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return out
 
 
 async def recover(backend: ContainerBackend, sandbox_id: str) -> None:
@@ -157,26 +372,48 @@ async def recover(backend: ContainerBackend, sandbox_id: str) -> None:
         await asyncio.to_thread(protected.thaw, backend.cgroups, rel)
 
 
+def _bind(source: Path | str, dest: str, *, writable: bool = False) -> dict[str, Any]:
+    return {
+        "destination": dest,
+        "type": "bind",
+        "source": str(source),
+        "options": ["bind", "rw" if writable else "ro", "nosuid", "nodev"],
+    }
+
+
+def _verifier_dirs(root: Path, prepared: list[protected.Prepared]) -> None:
+    """The verifier's own directories: its root overlay's upper and work, the list of
+    paths dsec-untrusted hides, and the result directory only root can write."""
+    for d in ("rootfs", "upper", "work"):
+        (root / d).mkdir(mode=0o755)
+    (root / "verify").mkdir(mode=0o755)
+    hidden = "".join(p.path + "\n" for p in prepared)
+    (root / "verify" / "hidden").write_text(hidden)
+    (root / "result").mkdir(mode=0o700)
+
+
 async def _start(
     backend: ContainerBackend,
     rec: SandboxRecord,
     vid: str,
     root: Path,
-    sandbox_dir: Path,
+    pristine: list[str],
     prepared: list[protected.Prepared],
-    runtime: dict[str, Any],
+    snap: graded_trees.Snapshot,
 ) -> None:
     sock = backend._socket(vid)
     if len(os.fsencode(sock)) > 107:
         raise BackendError(f"verifier socket path too long ({sock}); use a shorter --data-dir")
+    await asyncio.to_thread(_verifier_dirs, root, prepared)
     rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
-    for d in (rootfs, upper, work):
-        d.mkdir(parents=True, exist_ok=False)
-    lowers = [str(sandbox_dir / "upper")]
-    for digest in reversed(rec.image.layers):
-        lowers.append(str(backend.layers.acquire(digest)))
-        runtime["layers_held"].append(digest)
-    overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
+    overlay = f"lowerdir={':'.join(pristine)},upperdir={upper},workdir={work},volatile"
+    mounts = [
+        _bind(untrusted_binary(), UNTRUSTED_IN_VERIFIER),
+        _bind(root / "verify", VERIFY_DIR_IN_VERIFIER),
+        _bind(root / "result", RESULT_DIR_IN_VERIFIER, writable=True),
+        *protected.verifier_mounts(prepared),
+        *(_bind(copy, path) for path, copy in sorted(snap.copies.items())),
+    ]
     config = build_config(
         sandbox_id=vid,
         spec=rec.spec,
@@ -184,8 +421,8 @@ async def _start(
         agent_binary=backend.agent_binary,
         cgroup_path=backend._cgroup(vid),
         host_cpus=backend.host_cpus,
-        extra_mounts=protected.verifier_mounts(prepared),
-        # The grader runs the agent's code: same seccomp profile, violations reported
+        extra_mounts=mounts,
+        # The grader may run the agent's code: same seccomp profile, violations reported
         # as the sandbox's. No netns_path: a fresh empty network, whatever the rules.
         seccomp=backend.seccomp_profile(vid, report_as=rec.id),
     )
@@ -201,5 +438,3 @@ async def _start(
             )
     finally:
         listener.close()
-    with contextlib.suppress(OSError, ValueError):
-        runtime["pid"] = int((root / "init.pid").read_text().strip())
