@@ -248,9 +248,13 @@ class FakeResolver:
             records = self._records(name.lower())
             if records is None:
                 reply.header.rcode = RCODE.NXDOMAIN
-            for owner, rtype, value, ttl in records or []:
-                rr = RR(owner, getattr(QTYPE, rtype), rdata=rdata[rtype](value), ttl=ttl)
-                reply.add_answer(rr)
+            try:
+                for owner, rtype, value, ttl in records or []:
+                    rr = RR(owner, getattr(QTYPE, rtype), rdata=rdata[rtype](value), ttl=ttl)
+                    reply.add_answer(rr)
+            except (ValueError, DNSError):  # a test's typo: answer, and keep serving
+                reply = query.reply()
+                reply.header.rcode = RCODE.SERVFAIL
             with contextlib.suppress(OSError):
                 self._sock.sendto(reply.pack(), addr)
 
