@@ -19,11 +19,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSError, DNSRecord
+
+from dsec.net.catalog import DEFAULT_SERVICES, Service
+from dsec.net.dns import DnsServer, Resolved
+from dsec.net.manager import NetworkManager
+from dsec.net.netns import Slot
+from dsec.security.events import AuditKind, EventKind, Severity
 
 # socketserver, not http.server's HTTPServer: its server_bind() looks up the address's
 # host name, which would hang (and send a DNS query) in a namespace without DNS.
@@ -170,3 +180,162 @@ def package_index(root: Path) -> Path:
         f'<a href="/packages/{wheel_name}#sha256={sha}">{wheel_name}</a>\n'
     )
     return root
+
+
+# A record the fake resolver answers: (owner name, type "A"/"AAAA"/"CNAME", value, ttl).
+FakeRecord = tuple[str, str, str, int]
+
+
+class FakeResolver:
+    """The edge's upstream resolver, faked: a UDP server on the host's loopback (the
+    edge reaches it, sandboxes never do) that answers what a test sets and remembers
+    every question it was asked, so a test can tell what left the edge.
+
+    ``answers[name]`` is a list of answers, each a list of records; a query consumes
+    the first while more than one is left (a TTL-0 rebinding returns a new answer to
+    each query). Names below ``wildcards[suffix]`` get that answer; anything else is
+    NXDOMAIN."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[list[FakeRecord]]] = {}
+        self.wildcards: dict[str, list[FakeRecord]] = {}
+        self.queries: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set(self, name: str, *answers: list[FakeRecord]) -> None:
+        with self._lock:
+            self.answers[name] = [list(a) for a in answers]
+
+    def asked(self, needle: str = "") -> list[str]:
+        """Names asked so far that contain ``needle``."""
+        with self._lock:
+            return [name for name, _ in self.queries if needle in name]
+
+    def _records(self, name: str) -> list[FakeRecord] | None:
+        with self._lock:
+            queue = self.answers.get(name)
+            if queue:
+                return queue.pop(0) if len(queue) > 1 else queue[0]
+            for suffix, records in self.wildcards.items():
+                if name.endswith("." + suffix):
+                    return records
+        return None
+
+    def _serve(self) -> None:
+        rdata = {"A": A, "AAAA": AAAA, "CNAME": CNAME}
+        while True:
+            try:
+                data, addr = self._sock.recvfrom(65535)
+            except OSError:
+                return
+            try:
+                query = DNSRecord.parse(data)
+            except DNSError:
+                continue
+            name = str(query.q.qname).rstrip(".")
+            with self._lock:
+                self.queries.append((name, str(QTYPE.get(query.q.qtype, query.q.qtype))))
+            reply = query.reply()
+            records = self._records(name.lower())
+            if records is None:
+                reply.header.rcode = RCODE.NXDOMAIN
+            try:
+                for owner, rtype, value, ttl in records or []:
+                    rr = RR(owner, getattr(QTYPE, rtype), rdata=rdata[rtype](value), ttl=ttl)
+                    reply.add_answer(rr)
+            except (ValueError, DNSError):  # a test's typo: answer, and keep serving
+                reply = query.reply()
+                reply.header.rcode = RCODE.SERVFAIL
+            with contextlib.suppress(OSError):
+                self._sock.sendto(reply.pack(), addr)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def fake_resolver() -> Iterator[FakeResolver]:
+    resolver = FakeResolver()
+    try:
+        yield resolver
+    finally:
+        resolver.close()
+
+
+class StaticUpstream:
+    """An in-process upstream for the responder (unit tests, bench): answers what
+    ``records`` holds, remembers the names it was asked."""
+
+    def __init__(self, records: dict[str, Resolved] | None = None) -> None:
+        self.records: dict[str, Resolved] = dict(records or {})
+        self.asked: list[str] = []
+
+    async def resolve(self, name: str) -> Resolved:
+        self.asked.append(name)
+        return self.records.get(name, Resolved(()))
+
+
+@dataclass
+class RecordingAudit:
+    """An audit sink that keeps what it is given (unit tests)."""
+
+    records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    events: list[tuple[EventKind, dict[str, Any]]] = field(default_factory=list)
+
+    def record(self, sandbox_id: str, kind: AuditKind, action: str, **detail: Any) -> None:
+        self.records.append((action, detail))
+
+    def event(
+        self, sandbox_id: str, kind: EventKind, *, severity: Severity | None = None, **detail: Any
+    ) -> None:
+        self.events.append((kind, detail))
+
+
+@dataclass
+class OfflineDns:
+    """The edge's responder and DNS decisions in-process, for one registered sandbox,
+    without nftables or sockets: ``ask`` goes through the same code as a datagram."""
+
+    manager: NetworkManager
+    server: DnsServer
+    upstream: StaticUpstream
+    audit: RecordingAudit
+    source: str = "100.64.0.2"
+
+    async def ask(self, name: str, qtype: str = "A") -> DNSRecord | None:
+        reply = await self.server.answer(DNSRecord.question(name, qtype).pack(), self.source)
+        return None if reply is None else DNSRecord.parse(reply)
+
+    def sandbox(self) -> Any:
+        return self.manager._by_ip[self.source]
+
+
+def offline_dns(
+    rules: dict[str, bool], services: dict[str, Service], upstream: StaticUpstream | None = None
+) -> OfflineDns:
+    audit = RecordingAudit()
+    manager = NetworkManager(
+        edge_id="offline",
+        run_dir=Path("/nonexistent"),
+        audit=audit,
+        catalog={**DEFAULT_SERVICES, **services},
+        upstream=("127.0.0.1", 9),
+    )
+    manager._exec.shutdown()
+    manager._upstream = upstream = upstream or StaticUpstream()
+    slot = Slot(idx=0, ifname="offline0", ip="100.64.0.2", gw="100.64.0.1")
+    manager._register("sb-offline", slot, manager.check(rules))
+    server = DnsServer(manager._resolve, lambda ip: ip in manager._by_ip)
+    return OfflineDns(manager, server, upstream, audit)

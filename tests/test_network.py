@@ -8,9 +8,12 @@ service names to them with static DNS answers.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.server
+import ipaddress
 import json
+import logging
 import os
 import secrets
 import socketserver
@@ -22,15 +25,19 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from dnslib import QTYPE, RCODE, DNSRecord
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.errors import InvalidArgument
-from dsec.net.catalog import compile_rules, load_catalog
+from dsec.net.catalog import DEFAULT_SERVICES, Service, compile_rules, load_catalog
+from dsec.net.dns import Resolved, Upstream
+from dsec.net.dnsguard import EventLimiter, Limits, Reason, TunnelGuard, looks_like_data, screen
 from dsec.security.events import AuditKind, EventKind
 from tests.conftest import PlatformProcess, platform_process
-from tests.fakenet import FakeService, fake_service
+from tests.fakenet import FakeService, StaticUpstream, fake_resolver, fake_service, offline_dns
 
 pytestmark = [
     pytest.mark.root,
@@ -327,3 +334,281 @@ def test_cli_create_and_replace_rules(net: Net) -> None:
         assert bad.returncode != 0 and "nosuchservice" in bad.stderr
     finally:
         run("sandbox", "rm", sid)
+
+
+# ---- DNS rebinding and tunnelling, in-process (dsec.net.dnsguard) -------------------------
+
+EVIL = Service(name="evil", hosts=("*.evil.test", "exact.evil.test"), ports=((80, 80),))
+
+
+def ip4(*texts: str) -> tuple[ipaddress.IPv4Address, ...]:
+    return tuple(ipaddress.IPv4Address(t) for t in texts)
+
+
+def answers(reply: DNSRecord | None) -> list[str]:
+    assert reply is not None
+    return [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A]
+
+
+def rcode(reply: DNSRecord | None) -> str:
+    assert reply is not None
+    return str(RCODE.get(reply.header.rcode))
+
+
+def test_screen_drops_every_special_range_and_keeps_public_ones() -> None:
+    bad = ("169.254.169.254", "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1",
+           "100.64.0.6", "100.127.255.254", "0.0.0.0", "224.0.0.251", "255.255.255.255",
+           "198.18.0.2", "192.0.2.1", "240.0.0.1")  # fmt: skip
+    good = ("93.184.216.34", "151.101.0.223", "140.82.112.3")
+    out = screen(ip4(*bad, *good), [])
+    assert [str(ip) for ip in out.kept] == list(good)
+    assert [str(ip) for ip in out.dropped] == list(bad) and not out.covered
+    # A static network of the sandbox (raw IP rule, service CIDR) covers its range only.
+    out = screen(
+        ip4("10.1.2.3", "10.9.9.9", "169.254.169.254"), [ipaddress.IPv4Network("10.1.0.0/16")]
+    )
+    assert [str(ip) for ip in out.covered] == ["10.1.2.3"]
+    assert [str(ip) for ip in out.dropped] == ["10.9.9.9", "169.254.169.254"]
+
+
+def test_static_catalog_addresses_are_trusted_but_never_special(tmp_path: Path) -> None:
+    def load(address: object) -> dict[str, Any]:
+        path = tmp_path / "c.json"
+        doc = {"services": {"m": {"hosts": ["m.test"], "addresses": {"m.test": [address]}}}}
+        path.write_text(json.dumps(doc))
+        return dict(load_catalog(path)["m"].addresses)
+
+    assert load("10.0.0.5") == {"m.test": ("10.0.0.5",)}  # a private mirror: allowed
+    for bad in ("169.254.169.254", "127.0.0.1", "100.64.0.2", "0.0.0.0", "224.0.0.1",
+                2852039166, "0251.0376.0251.0376", "::ffff:169.254.169.254"):  # fmt: skip
+        with pytest.raises(InvalidArgument):
+            load(bad)
+
+
+async def test_rebinding_answers_are_dropped_and_recorded() -> None:
+    up = StaticUpstream(
+        {
+            "mixed.evil.test": Resolved(ip4("93.184.216.34", "169.254.169.254", "10.0.0.1")),
+            "alias.evil.test": Resolved(ip4("192.168.1.10"), chain=("internal.corp.example",)),
+            "stray.evil.test": Resolved(ip4("151.101.0.223"), stray=ip4("127.0.0.1")),
+            "many.evil.test": Resolved(ip4(*(f"10.0.{i // 250}.{i % 250}" for i in range(500)))),
+        }
+    )
+    dns = offline_dns({"evil": True}, {"evil": EVIL}, up)
+    clock = FakeClock()  # one event per zone every 10 s: step past it between attempts
+    dns.sandbox().events = EventLimiter(clock=clock)
+    reply = await dns.ask("mixed.evil.test")
+    assert rcode(reply) == "NOERROR" and answers(reply) == ["93.184.216.34"]
+    assert dns.sandbox().learned == {"mixed.evil.test": ["93.184.216.34"]}
+    clock.now += 10
+    reply = await dns.ask("alias.evil.test")  # nothing left: an empty NOERROR
+    assert rcode(reply) == "NOERROR" and answers(reply) == []
+    clock.now += 10
+    assert answers(await dns.ask("stray.evil.test")) == ["151.101.0.223"]
+    clock.now += 10
+    assert answers(await dns.ask("many.evil.test")) == []
+    for _ in range(100):  # then the stream is held back, the count kept
+        assert answers(await dns.ask("mixed.evil.test")) == ["93.184.216.34"]
+    events = [d for k, d in dns.audit.events if k == EventKind.DNS_REBINDING]
+    assert [e["name"] for e in events] == [
+        "mixed.evil.test",
+        "alias.evil.test",
+        "stray.evil.test",
+        "many.evil.test",
+    ]
+    assert events[0]["dropped"] == ["169.254.169.254", "10.0.0.1"]
+    assert events[1]["cname"] == ["internal.corp.example"]
+    assert events[2]["dropped"] == ["127.0.0.1"]
+    assert len(events[3]["dropped"]) == 8 and events[3]["dropped_count"] == 32  # bounded
+    rows = [d for a, d in dns.audit.records if a == "dns_rebinding_dropped"]
+    assert len(rows) == 104 and len(events) == 4
+    clock.now += 10
+    await dns.ask("mixed.evil.test")
+    assert dns.audit.events[-1][1]["suppressed"] == 100
+    assert all(ip != "169.254.169.254" for ips in dns.sandbox().learned.values() for ip in ips)
+
+
+async def test_a_rule_for_the_range_allows_its_answers() -> None:
+    up = StaticUpstream({"meta.evil.test": Resolved(ip4("169.254.169.254", "10.1.2.3"))})
+    dns = offline_dns({"evil": True, "metadata": True, "10.1.0.0/16:443": True}, {"evil": EVIL}, up)
+    assert answers(await dns.ask("meta.evil.test")) == ["169.254.169.254", "10.1.2.3"]
+    assert not dns.audit.events
+    # Answered, but not learned: the static rule alone decides their ports.
+    assert dns.sandbox().learned == {}
+
+
+async def test_only_a_queries_of_allowed_names_go_upstream() -> None:
+    up = StaticUpstream({"x.evil.test": Resolved(ip4("93.184.216.34"))})
+    dns = offline_dns({"evil": True}, {"evil": EVIL}, up)
+    for qtype in ("AAAA", "TXT", "NULL", "MX", "ANY", "SRV", "CNAME", "HTTPS"):
+        reply = await dns.ask("x.evil.test", qtype)
+        assert rcode(reply) == "NOERROR" and not reply.rr  # type: ignore[union-attr]
+    assert rcode(await dns.ask("x.not-allowed.test")) == "REFUSED"
+    assert up.asked == []
+    # Case carries no bits upstream (0x20 encoding): the edge asks in lower case.
+    assert answers(await dns.ask("X.EvIl.TeSt")) == ["93.184.216.34"]
+    assert up.asked == ["x.evil.test"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_tunnel_guard_limits_names_rate_and_new_names_per_zone() -> None:
+    clock = FakeClock()
+    guard = TunnelGuard(clock=clock)
+    assert guard.name("a" * 48 + ".evil.test", "evil.test") is None
+    assert guard.name("a" * 49 + ".evil.test", "evil.test") is Reason.LONG_LABEL
+    assert guard.name(".".join(["a" * 40] * 4) + ".evil.test", "evil.test") is Reason.LONG_NAME
+    assert guard.name("a.b.c.d.e.evil.test", "evil.test") is Reason.DEEP_NAME
+    assert guard.name("x" * 200 + ".exact", None) is None  # exact names carry nothing
+    # New short names: 64 per zone and window; repeats are free; the window slides.
+    guard = TunnelGuard(clock=clock)
+    assert all(guard.name(f"n{i}.evil.test", "evil.test") is None for i in range(64))
+    assert guard.name("n64.evil.test", "evil.test") is Reason.UNIQUE_SUBDOMAINS
+    assert guard.name("n3.evil.test", "evil.test") is None
+    assert guard.name("n0.other.test", "other.test") is None  # zones are separate
+    clock.now += 61
+    assert guard.name("n64.evil.test", "evil.test") is None
+    # Names that look like encoded data cost four times their length.
+    guard = TunnelGuard(clock=clock)
+    chunk = base64.b32encode(secrets.token_bytes(20)).decode().lower()  # 32 characters
+    assert looks_like_data(chunk) and not looks_like_data("objects")
+    passed = sum(
+        guard.name(f"{chunk[i:] + chunk[:i]}.evil.test", "evil.test") is None for i in range(32)
+    )
+    assert passed == 2048 // (4 * 32)
+    # The rate: a burst of 500, then 50 a second.
+    guard = TunnelGuard(clock=clock)
+    assert sum(guard.rate() is None for _ in range(1000)) == 500
+    clock.now += 1
+    assert sum(guard.rate() is None for _ in range(1000)) == 50
+    assert guard.refused[Reason.QUERY_RATE] == 1450
+
+
+def test_event_limiter_holds_back_and_counts() -> None:
+    clock = FakeClock()
+    limiter = EventLimiter(interval=10, clock=clock, max_keys=4)
+    assert limiter.allow("k") == (True, 0)
+    assert all(limiter.allow("k") == (False, 0) for _ in range(10_000))
+    clock.now += 10
+    assert limiter.allow("k") == (True, 10_000) and limiter.total["k"] == 10_002
+    for i in range(100):
+        limiter.allow(f"other{i}")
+    assert len(limiter.last) <= 4 and len(limiter.total) <= 5 and len(limiter.held) <= 4
+
+
+async def test_tunnelling_is_refused_and_events_are_rate_limited() -> None:
+    dns = offline_dns({"evil": True}, {"evil": EVIL})
+    for i in range(300):  # all A: each new name would reach the zone's servers
+        await dns.ask(f"c{i}.evil.test")
+    assert len(dns.upstream.asked) == 64
+    kinds = [(k, d["reason"]) for k, d in dns.audit.events]
+    assert kinds == [(EventKind.DNS_TUNNEL_SUSPECTED, "unique_subdomains")]
+    await dns.ask("z" * 60 + ".evil.test", "TXT")
+    assert dns.audit.events[-1][1]["reason"] == "long_label"
+    for _ in range(1000):
+        await dns.ask("exact.evil.test")
+    rate = [d for _, d in dns.audit.events if d["reason"] == "query_rate"]
+    assert len(rate) == 1 and len(dns.audit.events) == 3
+
+
+async def test_honest_lookups_raise_nothing() -> None:
+    """What pip, git and apt do: the same few names over and over, A and AAAA, a handful
+    of CDN names below a wildcard."""
+    github = DEFAULT_SERVICES["github"]
+    names = ["pypi.org", "files.pythonhosted.org", "github.com", "objects.githubusercontent.com",
+             "pkg-containers.githubusercontent.com", "release-assets.githubusercontent.com",
+             "avatars.githubusercontent.com", "media.githubusercontent.com"]  # fmt: skip
+    up = StaticUpstream({n: Resolved(ip4("151.101.0.223", "151.101.64.223")) for n in names})
+    dns = offline_dns({"pypi": True, "github": True}, {"github": github}, up)
+    for _ in range(30):
+        for name in names:
+            assert answers(await dns.ask(name)) == ["151.101.0.223", "151.101.64.223"]
+            assert rcode(await dns.ask(name, "AAAA")) == "NOERROR"
+    assert dns.audit.events == []
+    assert not any(a == "dns_refused" for a, _ in dns.audit.records)
+
+
+async def test_memory_is_bounded_whatever_the_sandbox_asks() -> None:
+    up = StaticUpstream()
+    dns = offline_dns({"evil": True}, {"evil": EVIL}, up)
+    sb = dns.sandbox()
+    sb.guard = TunnelGuard(
+        Limits(query_rate=1e9, query_burst=1e9, zone_names=10**6, zone_budget=10**9)
+    )
+    for i in range(2000):  # each name a new set of public addresses
+        up.records[f"r{i}.evil.test"] = Resolved(
+            ip4(*(f"93.{i % 200}.{j}.{i // 200}" for j in range(4)))
+        )
+        await dns.ask(f"r{i}.evil.test")
+    assert len(sb.learned) <= 256 and sb.learned_count <= 1024
+    assert any(
+        d.get("reason") == "address_limit" for a, d in dns.audit.records if a == "dns_refused"
+    )
+    assert len([1 for k, _ in dns.audit.events if k == EventKind.RESOURCE_LIMIT]) == 1
+    guard = TunnelGuard()  # the default budget caps a zone's window
+    for i in range(100_000):
+        guard.name(f"m{i}.evil.test", "evil.test")
+    assert len(guard.zones["evil.test"].seen) <= 64
+
+
+def malformed_datagrams() -> list[bytes]:
+    good = DNSRecord.question("x.evil.test").pack()
+    header = good[:12]
+    two = bytearray(good)
+    two[5] = 2
+    response = bytearray(good)
+    response[2] |= 0x80
+    loop = header[:5] + b"\x01" + header[6:] + b"\xc0\x0c\x00\x01\x00\x01"
+    forward = header[:5] + b"\x01" + header[6:] + b"\xc0\x20\x00\x01\x00\x01"
+    out = [b"", b"\x00", header, good[:-3], bytes(two), bytes(response), loop, forward,
+           good + b"\x00" * 70_000, bytes(range(256)) * 8, header[:4] + b"\xff" * 8]  # fmt: skip
+    for label in (b"a.b", b"\x00evil", b"a" * 64, b"\xff\xfe", b"a b", "é".encode()):
+        out.append(
+            header[:5]
+            + b"\x01"
+            + header[6:]
+            + bytes([len(label)])
+            + label
+            + b"\x04evil\x04test\x00\x00\x01\x00\x01"
+        )
+    long_name = b"".join(bytes([63]) + b"a" * 63 for _ in range(5)) + b"\x04evil\x04test\x00"
+    out.append(header[:5] + b"\x01" + header[6:] + long_name + b"\x00\x01\x00\x01")
+    out.extend(secrets.token_bytes(n) for n in (12, 40, 300, 4000) for _ in range(50))
+    return out
+
+
+async def test_malformed_and_huge_queries_never_raise(caplog: pytest.LogCaptureFixture) -> None:
+    dns = offline_dns({"evil": True}, {"evil": EVIL})
+    caplog.set_level(logging.DEBUG)
+    for data in malformed_datagrams():
+        reply = await dns.server.answer(data, dns.source)
+        if reply is not None:
+            assert DNSRecord.parse(reply).header.rcode in (RCODE.FORMERR, RCODE.REFUSED)
+    assert dns.upstream.asked == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert any(d["reason"] == "malformed_name" for _, d in dns.audit.events)
+
+
+async def test_upstream_client_follows_the_chain_of_the_name_only() -> None:
+    with fake_resolver() as fake:
+        fake.set(
+            "a.evil.test",
+            [
+                ("a.evil.test", "CNAME", "b.cdn.example", 0),
+                ("b.cdn.example", "A", "93.184.216.34", 0),
+                ("metadata.google.internal", "A", "169.254.169.254", 0),
+                ("a.evil.test", "AAAA", "::ffff:a9fe:a9fe", 0),
+            ],
+        )
+        up = Upstream(("127.0.0.1", fake.port), timeout=2)
+        got = await up.resolve("a.evil.test")
+        assert got.addresses == ip4("93.184.216.34") and got.chain == ("b.cdn.example",)
+        assert got.stray == ip4("169.254.169.254")
+        assert (await up.resolve("nx.evil.test")).addresses == ()
+        assert fake.queries == [("a.evil.test", "A"), ("nx.evil.test", "A")]

@@ -27,6 +27,7 @@ A host name ``"*.example.org"`` matches every name below example.org.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -122,6 +123,27 @@ def _network(text: str, where: str) -> str:
     return str(net)
 
 
+# Static DNS answers are operator configuration, trusted like a raw IP rule (a mirror
+# on a private network is their point), but never where no service can be: the host's
+# loopback, link-local/metadata, "this network", multicast/reserved, or a sandbox.
+_NEVER_STATIC = tuple(
+    ipaddress.IPv4Network(n)
+    for n in ("0.0.0.0/8", "127.0.0.0/8", METADATA_CIDR, "100.64.0.0/12", "224.0.0.0/3")
+)
+
+
+def _static_address(raw: Any, where: str) -> str:
+    try:
+        ip = ipaddress.IPv4Address(raw if isinstance(raw, str) else str(raw))
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+    if any(ip in net for net in _NEVER_STATIC):
+        raise InvalidArgument(
+            f"{where}: static address {ip} is loopback, link-local, a sandbox or reserved"
+        )
+    return str(ip)
+
+
 def _service_from(name: str, raw: dict[str, Any], where: str) -> Service:
     unknown = set(raw) - {"hosts", "cidrs", "ports", "addresses"}
     if unknown:
@@ -132,7 +154,7 @@ def _service_from(name: str, raw: dict[str, Any], where: str) -> Service:
             raise InvalidArgument(f"{where}: bad host name {h!r}")
     addresses = {
         str(h).lower().rstrip("."): tuple(
-            str(ipaddress.IPv4Address(a)) for a in (ips if isinstance(ips, list) else [ips])
+            _static_address(a, where) for a in (ips if isinstance(ips, list) else [ips])
         )
         for h, ips in dict(raw.get("addresses", {})).items()
     }
@@ -179,15 +201,28 @@ class Policy:
 
     def lookup(self, qname: str) -> tuple[PortRange, ...] | None:
         """The ports a DNS name opens, or None when the name is not allowed."""
+        found = self.match(qname)
+        return None if found is None else found[0]
+
+    def match(self, qname: str) -> tuple[tuple[PortRange, ...], str | None] | None:
+        """(ports, wildcard zone) of an allowed name: the zone is the ``*.`` suffix it
+        matched, None for an exact name; None when the name is not allowed."""
         name = qname.lower().rstrip(".")
         if name in self.names:
-            return self.names[name]
+            return self.names[name], None
         parts = name.split(".")
         for i in range(1, len(parts)):
-            ports = self.suffixes.get(".".join(parts[i:]))
+            zone = ".".join(parts[i:])
+            ports = self.suffixes.get(zone)
             if ports is not None:
-                return ports
+                return ports, zone
         return None
+
+    @functools.cached_property
+    def exempt(self) -> list[ipaddress.IPv4Network]:
+        """The networks a rule of this sandbox allows by address (raw IP rules, service
+        CIDRs such as "metadata"): DNS answers inside them are not rebinding."""
+        return sorted({ipaddress.IPv4Network(net) for net, _ in self.static})
 
 
 def compile_rules(rules: dict[str, bool], catalog: dict[str, Service]) -> Policy:

@@ -1,28 +1,76 @@
-"""The edge's DNS responder for sandboxes with network rules.
+"""The edge's DNS responder for sandboxes with network rules, and its upstream client.
 
 Every UDP query a sandbox sends to port 53 (whatever its resolv.conf says) is redirected
 here by nftables. A name its rules allow is answered, from the catalog's static
-addresses or through the host's resolver, and the answered IPv4 addresses are added to
+addresses or through an upstream resolver, and the answered IPv4 addresses are added to
 that sandbox's allowed set *before* the answer leaves (so the connection that follows
 is accepted); any other name gets REFUSED. This is how DNS-based egress filters work:
 rules name services, the kernel enforces addresses.
+
+The responder is the agent's first contact with the edge, so it treats each datagram as
+hostile: anything that does not parse as one plain query is answered FORMERR or not at
+all, without a traceback; what is pending at once is bounded. Upstream, the edge sends
+its *own* query (fresh id and port, the lower-cased name, type A, no EDNS options), never
+the sandbox's packet, so nothing but the name of an A query ever leaves (see
+``dsec.net.dnsguard`` for what bounds the name).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
-from typing import cast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, cast
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSLabel, DNSRecord
+from dnslib.label import DNSLabelError
+
+from dsec.net.dnsguard import name_from_labels
 
 log = logging.getLogger(__name__)
 
-# (source ip, query name, query type) -> addresses to answer, or None to refuse.
-Resolver = Callable[[str, str, str], Awaitable[list[str] | None]]
 ANSWER_TTL = 30
+MAX_DATAGRAM = 4096  # larger than any honest query (EDNS payload sizes top out here)
+MAX_PENDING = 1024  # queries in progress per edge; more are dropped unanswered
+MAX_ANSWERS = 16  # addresses per answer, after screening
+MAX_CNAME_HOPS = 8
+
+
+@dataclass(frozen=True)
+class Query:
+    """A question as the responder validated it."""
+
+    name: str  # lower case, plain labels
+    qtype: str  # "A", "AAAA", "TXT", ... or the number
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Answer REFUSED."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Answer NOERROR with these IPv4 addresses (none: an empty answer)."""
+
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServFail:
+    """Answer SERVFAIL (upstream unreachable, too much pending)."""
+
+
+Verdict = Refuse | Answer | ServFail
+# (source ip, validated query) -> what to answer; None when the query is not valid DNS
+# text (a label with other bytes than letters, digits, hyphen, underscore).
+Resolver = Callable[[str, Query | None], Awaitable[Verdict]]
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -34,17 +82,44 @@ class _Protocol(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if len(self.server.tasks) >= MAX_PENDING or len(data) > MAX_DATAGRAM:
+            self.server.dropped += 1
+            return
         task = asyncio.ensure_future(self.server.answer(data, addr[0]))
         self.server.tasks.add(task)
         task.add_done_callback(lambda t: self._send(t, addr))
 
     def _send(self, task: asyncio.Future[bytes | None], addr: tuple[str, int]) -> None:
         self.server.tasks.discard(task)
-        if task.cancelled() or task.exception() is not None or self.transport is None:
+        if task.cancelled() or self.transport is None:
+            return
+        if (exc := task.exception()) is not None:
+            log.error("DNS responder failed on a query from %s: %r", addr[0], exc)
             return
         reply = task.result()
         if reply is not None:
             self.transport.sendto(reply, addr)
+
+
+def parse_query(data: bytes) -> DNSRecord | None:
+    """The record of a datagram that is a single standard query, else None."""
+    if len(data) > MAX_DATAGRAM:
+        return None
+    try:
+        record = DNSRecord.parse(data)
+    except (DNSError, DNSLabelError, UnicodeError, ValueError, IndexError):
+        return None
+    if record.header.qr or record.header.opcode != 0:
+        return None  # a response or a non-QUERY opcode: not ours to answer
+    return record
+
+
+def pack(reply: DNSRecord) -> bytes | None:
+    """The wire form of a reply, or None when the echoed question cannot be packed."""
+    try:
+        return bytes(reply.pack())
+    except (DNSError, DNSLabelError, ValueError):
+        return None
 
 
 class DnsServer:
@@ -55,6 +130,7 @@ class DnsServer:
         self.accept = accept  # does this source address belong to one of our sandboxes?
         self.port = 0
         self.tasks: set[asyncio.Future[bytes | None]] = set()
+        self.dropped = 0  # datagrams not answered: oversized or too many pending
         self._transport: asyncio.DatagramTransport | None = None
 
     async def start(self) -> int:
@@ -67,32 +143,29 @@ class DnsServer:
         return self.port
 
     async def answer(self, data: bytes, source: str) -> bytes | None:
+        """The reply to one datagram from ``source`` (None: send nothing)."""
         if not self.accept(source):
             return None
-        try:
-            query = DNSRecord.parse(data)
-        except Exception:
+        query = parse_query(data)
+        if query is None:
             return None
         reply = query.reply()
-        if not query.questions:
+        if len(query.questions) != 1:
             reply.header.rcode = RCODE.FORMERR
-            return bytes(reply.pack())
+            return pack(reply)
         q = query.questions[0]
-        qname = str(q.qname).rstrip(".")
+        name = name_from_labels(q.qname.label)
         qtype = QTYPE.get(q.qtype, str(q.qtype))
-        try:
-            addresses = await self.resolve(source, qname, str(qtype))
-        except Exception:
-            log.exception("DNS resolution of %s failed", qname)
-            reply.header.rcode = RCODE.SERVFAIL
-            return bytes(reply.pack())
-        if addresses is None:
+        verdict = await self.resolve(source, None if name is None else Query(name, str(qtype)))
+        if isinstance(verdict, Refuse):
             reply.header.rcode = RCODE.REFUSED
+        elif isinstance(verdict, ServFail):
+            reply.header.rcode = RCODE.SERVFAIL
         elif q.qtype == QTYPE.A:
-            for ip in addresses:
+            for ip in verdict.addresses[:MAX_ANSWERS]:
                 reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(ip), ttl=ANSWER_TTL))
-        # AAAA and other types of an allowed name: an empty answer (IPv4 only).
-        return bytes(reply.pack())
+        # Other types of an allowed name: an empty answer (IPv4 only, never upstream).
+        return pack(reply)
 
     async def close(self) -> None:
         if self._transport is not None:
@@ -100,3 +173,132 @@ class DnsServer:
             self._transport = None
         for task in list(self.tasks):
             task.cancel()
+
+
+# -- upstream -------------------------------------------------------------------------------
+
+
+class UpstreamError(Exception):
+    """The upstream resolver did not give a usable answer."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The A records at the end of a name's CNAME chain, as the upstream answered."""
+
+    addresses: tuple[ipaddress.IPv4Address, ...]
+    chain: tuple[str, ...] = ()  # the CNAME targets followed, in order
+    stray: tuple[ipaddress.IPv4Address, ...] = ()  # A records of other owners: ignored
+
+
+class UpstreamResolver(Protocol):
+    """What the manager looks allowed names up with (tests and benches fake it)."""
+
+    async def resolve(self, name: str) -> Resolved: ...
+
+
+def default_upstream(resolv_conf: Path = Path("/etc/resolv.conf")) -> tuple[str, int]:
+    """The host's first IPv4 name server (``DSEC_DNS_UPSTREAM`` overrides it)."""
+    with contextlib.suppress(OSError):
+        for line in resolv_conf.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    return str(ipaddress.IPv4Address(parts[1])), 53
+    return "127.0.0.1", 53
+
+
+def parse_upstream(text: str) -> tuple[str, int]:
+    """``"ip"`` or ``"ip:port"`` (ValueError otherwise)."""
+    host, _, port = text.strip().rpartition(":") if ":" in text else (text.strip(), "", "53")
+    return str(ipaddress.IPv4Address(host)), int(port)
+
+
+def follow_chain(reply: DNSRecord, name: str) -> Resolved:
+    """The A records of ``name`` in ``reply``, following CNAMEs from ``name`` only: a
+    record for any other owner (stuffed in by a hostile zone) is ignored, and so are
+    AAAA records (sandboxes have no IPv6)."""
+    current = DNSLabel(name)
+    chain: list[str] = []
+    for _ in range(MAX_CNAME_HOPS):
+        target = next(
+            (rr.rdata.label for rr in reply.rr if rr.rtype == QTYPE.CNAME and rr.rname == current),
+            None,
+        )
+        if target is None:
+            break
+        current = target
+        chain.append(str(target).rstrip(".").lower())
+    owners = {DNSLabel(name), *(DNSLabel(c) for c in chain)}
+    found: list[ipaddress.IPv4Address] = []
+    stray: list[ipaddress.IPv4Address] = []
+    for rr in reply.rr:
+        if rr.rtype != QTYPE.A:
+            continue
+        try:
+            ip = ipaddress.IPv4Address(str(rr.rdata))
+        except ValueError:
+            continue
+        bucket = found if rr.rname in owners else stray
+        if ip not in bucket:
+            bucket.append(ip)
+    return Resolved(tuple(found), tuple(chain), tuple(stray))
+
+
+class _Exchange(asyncio.DatagramProtocol):
+    def __init__(self, qid: int, name: str) -> None:
+        self.qid, self.name = qid, DNSLabel(name)
+        self.done: asyncio.Future[DNSRecord] = asyncio.get_running_loop().create_future()
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.done.done():
+            return
+        try:
+            reply = DNSRecord.parse(data)
+        except (DNSError, DNSLabelError, UnicodeError, ValueError, IndexError):
+            return  # garbage on our port: keep waiting for the real reply
+        if reply.header.id != self.qid or not reply.header.qr or not reply.questions:
+            return
+        if reply.questions[0].qname != self.name or reply.questions[0].qtype != QTYPE.A:
+            return
+        self.done.set_result(reply)
+
+    def error_received(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(UpstreamError(f"upstream unreachable: {exc}"))
+
+
+class Upstream:
+    """A minimal stub resolver: one A query per call to one recursive server, over UDP
+    from a fresh socket (random port and id), answer matched by id and question."""
+
+    def __init__(self, server: tuple[str, int], timeout: float = 2.0, attempts: int = 2) -> None:
+        self.server, self.timeout, self.attempts = server, timeout, attempts
+
+    async def resolve(self, name: str) -> Resolved:
+        last: Exception = UpstreamError("no attempt")
+        for _ in range(self.attempts):
+            try:
+                return await self._once(name)
+            except (TimeoutError, OSError, UpstreamError) as exc:
+                last = exc
+        raise UpstreamError(f"{name}: {last}")
+
+    async def _once(self, name: str) -> Resolved:
+        qid = secrets.randbelow(1 << 16)
+        query = DNSRecord.question(name, "A")
+        query.header.id = qid
+        loop = asyncio.get_running_loop()
+        transport, proto = await loop.create_datagram_endpoint(
+            lambda: _Exchange(qid, name), remote_addr=self.server, family=socket.AF_INET
+        )
+        try:
+            transport.sendto(bytes(query.pack()))
+            reply = await asyncio.wait_for(proto.done, self.timeout)
+        finally:
+            transport.close()
+        if reply.header.rcode == RCODE.NXDOMAIN:
+            return Resolved(())
+        if reply.header.rcode != RCODE.NOERROR:
+            raise UpstreamError(f"rcode {RCODE.get(reply.header.rcode)}")
+        return follow_chain(reply, name)

@@ -16,7 +16,11 @@ Design (numbers from HOST_LIMITS and bench/):
   reads into the audit log and events (``dsec.net.nflog``).
 - DNS from a sandbox (UDP 53, any server) is redirected to the edge's responder
   (``dsec.net.dns``): allowed names are answered and their addresses added to the set
-  before the answer is sent; other names are REFUSED.
+  before the answer is sent; other names are REFUSED. Upstream answers that point into
+  private, loopback, metadata, CGNAT/sandbox or other special ranges are dropped unless
+  a static rule of the sandbox covers them, and query names are rate- and
+  budget-limited against tunnelling (``dsec.net.dnsguard``); what one sandbox's DNS
+  holds here is bounded (``MAX_*`` below).
 - The host (every local address: the edge API, other services), the metadata range and
   other sandboxes are not in any set, so they are unreachable unless a rule says so
   ("host", "metadata", or a raw IP rule). IPv6 from sandboxes is dropped.
@@ -39,6 +43,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +54,20 @@ from pyroute2 import IPRoute
 from dsec.errors import BackendError, InvalidArgument
 from dsec.net import netns
 from dsec.net.catalog import Policy, PortRange, Service, compile_rules, load_catalog
-from dsec.net.dns import DnsServer
+from dsec.net.dns import (
+    Answer,
+    DnsServer,
+    Query,
+    Refuse,
+    ServFail,
+    Upstream,
+    UpstreamError,
+    UpstreamResolver,
+    Verdict,
+    default_upstream,
+    parse_upstream,
+)
+from dsec.net.dnsguard import EventLimiter, Reason, Screened, TunnelGuard, blocked, screen
 from dsec.net.nflog import LoggedPacket, NflogReader
 from dsec.net.nft import Nft, NftError
 from dsec.security.audit import AuditSink, NullAudit
@@ -62,6 +80,15 @@ BLOCK_PREFIX = 20  # per edge: 1024 slots of /30
 MAX_SLOTS = 1 << (32 - BLOCK_PREFIX - 2)
 METADATA_NET = ipaddress.IPv4Network("169.254.0.0/16")
 LOG_RATE = "limit rate 20/second burst 40 packets"
+# What one sandbox's DNS may hold at the edge, whatever it sends (dsec.net.dnsguard).
+MAX_INFLIGHT = 8  # upstream queries at once; more get SERVFAIL
+MAX_UPSTREAM_ADDRESSES = 32  # A records of one upstream answer that are looked at
+MAX_LEARNED_NAMES = 256
+MAX_ADDRESSES_PER_NAME = 32
+MAX_LEARNED_ADDRESSES = 1024
+MAX_DROPPED_RECORDED = 8
+MAX_CNAME_RECORDED = 8
+MAX_NAME_RECORDED = 253
 
 
 @dataclass
@@ -70,7 +97,11 @@ class _Sandbox:
     slot: netns.Slot
     policy: Policy
     learned: dict[str, list[str]] = field(default_factory=dict)  # DNS name -> addresses
+    learned_count: int = 0
     host_ok: bool = False
+    guard: TunnelGuard = field(default_factory=TunnelGuard)
+    events: EventLimiter = field(default_factory=EventLimiter)
+    inflight: int = 0
 
 
 def _ports(ranges: PortRange) -> str:
@@ -87,6 +118,7 @@ class NetworkManager:
         audit: AuditSink | None = None,
         pool_size: int = 2,
         catalog: dict[str, Service] | None = None,
+        upstream: tuple[str, int] | None = None,
     ) -> None:
         self.edge_id = edge_id
         self.run_dir = run_dir
@@ -113,17 +145,22 @@ class NetworkManager:
         self._refill: asyncio.Event | None = None
         self._pool_task: asyncio.Task[None] | None = None
         self._dns: DnsServer | None = None
+        self._upstream: UpstreamResolver = Upstream(upstream or default_upstream())
         self._nflog = NflogReader()
         self.started = False
 
     @classmethod
     def from_env(cls, edge_id: str, run_dir: Path, audit: AuditSink) -> NetworkManager | None:
         """The edge's manager; ``DSEC_NETWORK=0`` turns egress rules off (Unsupported),
-        ``DSEC_NETWORK_POOL`` sets the warm pool size (default 2)."""
+        ``DSEC_NETWORK_POOL`` sets the warm pool size (default 2), ``DSEC_DNS_UPSTREAM``
+        (``ip[:port]``) the resolver allowed names are looked up at (default: the first
+        name server of /etc/resolv.conf)."""
         if os.environ.get("DSEC_NETWORK", "1") == "0":
             return None
         pool = int(os.environ.get("DSEC_NETWORK_POOL", "2"))
-        return cls(edge_id=edge_id, run_dir=run_dir, audit=audit, pool_size=pool)
+        raw = os.environ.get("DSEC_DNS_UPSTREAM")
+        upstream = parse_upstream(raw) if raw else None
+        return cls(edge_id=edge_id, run_dir=run_dir, audit=audit, pool_size=pool, upstream=upstream)
 
     # -- configuration ---------------------------------------------------------------------
     @property
@@ -409,6 +446,8 @@ class NetworkManager:
         t = f"inet {self.table}"
         old_policy, sb.policy = sb.policy, policy
         sb.learned = {n: ips for n, ips in sb.learned.items() if policy.lookup(n) is not None}
+        sb.learned_count = sum(len(ips) for ips in sb.learned.values())
+        sb.guard.forget_zones(policy.suffixes)
         text = f"flush set {t} a{sb.slot.idx}\n" + self._fill_text(sb)
         if policy.host and not sb.host_ok:
             text += f'add element {t} host_ok {{ "{sb.slot.ifname}" }}\n'
@@ -442,32 +481,130 @@ class NetworkManager:
         self._free.append(sb.slot.idx)
 
     # -- DNS and logged packets ----------------------------------------------------------------
-    async def _resolve(self, source: str, qname: str, qtype: str) -> list[str] | None:
+    async def _resolve(self, source: str, query: Query | None) -> Verdict:
+        """What one sandbox's query gets: every check runs before anything goes upstream
+        or into the allow set (``dsec.net.dnsguard``)."""
         sb = self._by_ip.get(source)
         if sb is None:
-            return None
-        ports = sb.policy.lookup(qname)
-        if ports is None:
-            self.audit.record(sb.sid, AuditKind.NETWORK, "dns_refused", name=qname, qtype=qtype)
-            return None
-        if qtype != "A":
-            return []
-        name = qname.lower().rstrip(".")
-        ips = list(sb.policy.static_answers.get(name, ()))
-        if not ips:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                name, None, family=socket.AF_INET, type=socket.SOCK_STREAM
+            return Refuse()
+        if (reason := sb.guard.rate()) is not None:
+            self._tunnel_event(sb, reason, None)  # no audit row: the bucket bounds those
+            return Refuse()
+        if query is None:
+            self._tunnel_event(sb, sb.guard.malformed(), None)
+            self.audit.record(sb.sid, AuditKind.NETWORK, "dns_refused", reason="malformed")
+            return Refuse()
+        name, qtype = query.name, query.qtype
+        found = sb.policy.match(name)
+        if found is None:
+            self.audit.record(sb.sid, AuditKind.NETWORK, "dns_refused", name=name, qtype=qtype)
+            return Refuse()
+        ports, zone = found
+        if (reason := sb.guard.name(name, zone)) is not None:
+            self._tunnel_event(sb, reason, zone, name)
+            self.audit.record(
+                sb.sid, AuditKind.NETWORK, "dns_refused", name=name, qtype=qtype, reason=reason
             )
-            ips = sorted({str(info[4][0]) for info in infos})
-        new = [ip for ip in ips if ip not in sb.learned.get(name, [])]
-        if new and self._nft is not None and self._by_sid.get(sb.sid) is sb:
+            return Refuse()
+        if qtype != "A":
+            return Answer()  # only A queries ever go upstream
+        static = sb.policy.static_answers.get(name)
+        if static:  # operator configuration: trusted (dsec.net.catalog)
+            return self._learn(sb, name, ports, [ipaddress.IPv4Address(ip) for ip in static])
+        if sb.inflight >= MAX_INFLIGHT:
+            return ServFail()
+        sb.inflight += 1
+        try:
+            resolved = await self._upstream.resolve(name)
+        except UpstreamError as exc:
+            log.warning("DNS upstream for %s: %s", name, exc)
+            return ServFail()
+        finally:
+            sb.inflight -= 1
+        screened = self._screen(sb, resolved.addresses)
+        # Records for other owners are never answered; the blocked ones still tell.
+        dropped = [*screened.dropped, *(ip for ip in resolved.stray if blocked(ip))]
+        if dropped:
+            self._rebinding(sb, name, zone, resolved.chain, dropped)
+        return self._learn(sb, name, ports, screened.kept, screened.covered, resolved.chain)
+
+    def _screen(self, sb: _Sandbox, addresses: Sequence[ipaddress.IPv4Address]) -> Screened:
+        return screen(addresses[:MAX_UPSTREAM_ADDRESSES], sb.policy.exempt)
+
+    def _learn(
+        self,
+        sb: _Sandbox,
+        name: str,
+        ports: tuple[PortRange, ...],
+        kept: Sequence[ipaddress.IPv4Address],
+        covered: Sequence[ipaddress.IPv4Address] = (),
+        chain: Sequence[str] = (),
+    ) -> Verdict:
+        """Add the kept addresses to the set (bounded per sandbox), then answer them and
+        the ones a static rule already covers."""
+        ips = [str(ip) for ip in kept]
+        known = sb.learned.get(name, [])
+        new = [ip for ip in ips if ip not in known]
+        if new and (
+            len(known) + len(new) > MAX_ADDRESSES_PER_NAME
+            or (name not in sb.learned and len(sb.learned) >= MAX_LEARNED_NAMES)
+            or sb.learned_count + len(new) > MAX_LEARNED_ADDRESSES
+        ):
+            self.audit.record(
+                sb.sid, AuditKind.NETWORK, "dns_refused", name=name, reason="address_limit"
+            )
+            self._limited_event(sb, EventKind.RESOURCE_LIMIT, "dns_addresses", limit="dns")
+            return Refuse()
+        if new and self._by_sid.get(sb.sid) is sb:  # (not released while upstream ran)
             sb.learned.setdefault(name, []).extend(new)
-            for ip in new:
-                elements = ", ".join(f"{ip} . {_ports(p)}" for p in ports)
-                with contextlib.suppress(NftError):  # already covered by a CIDR rule
-                    self._nft.run(f"add element inet {self.table} a{sb.slot.idx} {{ {elements} }}")
-        self.audit.record(sb.sid, AuditKind.NETWORK, "dns_answered", name=name, addresses=ips)
-        return ips
+            sb.learned_count += len(new)
+            self._allow(sb, new, ports)
+        answer = [*ips, *(str(ip) for ip in covered)]
+        detail: dict[str, Any] = {"name": name, "addresses": answer}
+        if chain:
+            detail["cname"] = list(chain[:MAX_CNAME_RECORDED])
+        self.audit.record(sb.sid, AuditKind.NETWORK, "dns_answered", **detail)
+        return Answer(tuple(answer))
+
+    def _allow(self, sb: _Sandbox, ips: Sequence[str], ports: tuple[PortRange, ...]) -> None:
+        """Put (address . port range) elements into the sandbox's set."""
+        if self._nft is None:
+            return
+        for ip in ips:
+            elements = ", ".join(f"{ip} . {_ports(p)}" for p in ports)
+            with contextlib.suppress(NftError):  # already covered by a CIDR rule
+                self._nft.run(f"add element inet {self.table} a{sb.slot.idx} {{ {elements} }}")
+
+    def _rebinding(
+        self,
+        sb: _Sandbox,
+        name: str,
+        zone: str | None,
+        chain: Sequence[str],
+        dropped: Sequence[ipaddress.IPv4Address],
+    ) -> None:
+        """Record answers dropped as rebinding: an audit row each time, an event per
+        allowed name or zone at most every few seconds (the count rides along)."""
+        listed = [str(ip) for ip in dropped[:MAX_DROPPED_RECORDED]]
+        detail: dict[str, Any] = {"name": name, "dropped": listed, "dropped_count": len(dropped)}
+        if chain:
+            detail["cname"] = list(chain[:MAX_CNAME_RECORDED])
+        self.audit.record(sb.sid, AuditKind.NETWORK, "dns_rebinding_dropped", **detail)
+        self._limited_event(sb, EventKind.DNS_REBINDING, f"rebind:{zone or name}", **detail)
+
+    def _tunnel_event(self, sb: _Sandbox, reason: Reason, zone: str | None, name: str = "") -> None:
+        detail: dict[str, Any] = {"reason": str(reason), "refused": sb.guard.refused[reason]}
+        if zone is not None:
+            detail["zone"] = zone
+        if name:
+            detail["name"] = name[:MAX_NAME_RECORDED]
+        key = f"tunnel:{reason}:{zone or ''}"
+        self._limited_event(sb, EventKind.DNS_TUNNEL_SUSPECTED, key, **detail)
+
+    def _limited_event(self, sb: _Sandbox, kind: EventKind, key: str, **detail: Any) -> None:
+        emit, held = sb.events.allow(key)
+        if emit:
+            self.audit.event(sb.sid, kind, suppressed=held, total=sb.events.total[key], **detail)
 
     def _classify(self, dst: str) -> str | None:
         addr = ipaddress.IPv4Address(dst)
