@@ -14,7 +14,9 @@ inline protected answer and a graded work tree, then times, through the SDK / HT
 - ``fresh``: the new verify that stops the agent first (includes the stop);
 - ``old verify + stop``: what fresh replaces.
 
-Work trees: ``small`` (one answer file) and ``repo`` (1,000 files, 8 MiB). Prints
+Work trees: ``small`` (one answer file), ``layer repo`` (a 1,000-file, 8 MiB repository
+in a workspace layer, one file changed by the agent: only the change is copied) and
+``repo`` (the same written by the agent itself: all of it is copied). Prints
 p50/p99 per case and the ratios new/old; writes bench/results/verify.json.
 """
 
@@ -47,6 +49,8 @@ from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount  # noqa: E402
 GRADER = '[ "$(cat /work/answer.txt)" = "$(cat /grader/expected.txt)" ]'
 TREES = {
     "small": "mkdir -p /work && echo 42 > /work/answer.txt",
+    # The task's repository in a workspace layer (1,000 files, 8 MiB), one file changed.
+    "layer repo": "echo 42 > /work/answer.txt && echo changed >> /work/src/f7",
     "repo": "mkdir -p /work/src && echo 42 > /work/answer.txt && cd /work/src && i=0;"
     " while [ $i -lt 1000 ]; do dd if=/dev/urandom of=f$i bs=8k count=1 2>/dev/null;"
     " i=$((i+1)); done",
@@ -83,9 +87,10 @@ def baseline_tree(rev: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def spec(image: str) -> DSecContainerRunArgs:
+def spec(image: str, tree: str) -> DSecContainerRunArgs:
     return DSecContainerRunArgs(
         container_image=image,
+        workspace="bench-repo:v1" if tree == "layer repo" else None,
         memory_limit_mb=128,
         protected=[ProtectedMount(path="/grader", files={"expected.txt": "42\n"})],
     )
@@ -108,7 +113,7 @@ async def one_round(
     out: dict[str, list[float]],
 ) -> None:
     for name, client in (("new", new), ("old", old)):
-        sb = await client.run_container(spec("busybox:latest"))
+        sb = await client.run_container(spec("busybox:latest", tree))
         try:
             await sb.run_shell(TREES[tree], timeout=300)
             t = time.perf_counter()
@@ -146,8 +151,13 @@ async def run(opts: argparse.Namespace, new_plat: Any, old_plat: Any) -> dict[st
             timeout=300,
         ) as old_http,
     ):
-        await new.build_image("busybox")
-        await old.build_image("busybox")
+        with tempfile.TemporaryDirectory() as src:
+            (Path(src) / "src").mkdir()
+            for i in range(1000):
+                (Path(src) / "src" / f"f{i}").write_bytes(os.urandom(8192))
+            for client in (new, old):
+                await client.build_image("busybox")
+                await client.build_layer("bench-repo:v1", "dir", src, prefix="/work")
         for tree in TREES:
             samples: dict[str, list[float]] = {
                 k: [] for k in ("exec", "old verify", "isolated", "fresh", "old verify + stop")

@@ -58,6 +58,11 @@ def check_graded_path(value: str) -> str:
         raise ValueError(f"graded path must be normalised (no '..', '//', '.'), got {value!r}")
     if norm == "/":
         raise ValueError("the root directory cannot be graded: name the agent's work paths")
+    if any(c in norm for c in ",:\\") or any(not c.isprintable() or c.isspace() for c in norm):
+        raise ValueError(
+            f"graded path {value!r} has a character a mount option cannot carry "
+            "(',', ':', '\\', spaces or control characters)"
+        )
     for prefix in SYSTEM_PREFIXES:
         if _under(norm, prefix):
             raise ValueError(

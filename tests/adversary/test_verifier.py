@@ -16,6 +16,7 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -348,5 +349,52 @@ async def test_a_graded_tree_past_the_bounds_fails_closed(
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("no scan_incomplete event")
+    finally:
+        await sb.stop()
+
+
+# ---- the agent's changes over a pristine repository ----------------------------------
+
+
+async def test_changes_over_a_pristine_repository_are_exact(
+    client: DSecClient, busybox_image: str, tmp_path: Path
+) -> None:
+    """Only the agent's changes are copied; what it deleted stays deleted (whiteouts),
+    a directory it re-made hides the pristine one (opaque), and a link it put in place
+    of a pristine file hides that file instead of letting it show through."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "keep.txt").write_text("pristine\n")
+    (repo / "gone.txt").write_text("pristine\n")
+    (repo / "answer.txt").write_text("pristine answer\n")
+    (repo / "tests" / "t1").write_text("pristine test\n")
+    layer = await client.build_layer("verify-repo:v1", "dir", str(repo), prefix="/work")
+    sb = await client.run_container(
+        DSecContainerRunArgs(
+            container_image=busybox_image,
+            workspace=layer.ref,
+            memory_limit_mb=128,
+            protected=[ProtectedMount(path="/grader", files={"expected.txt": "secret"})],
+        )
+    )
+    try:
+        await sb.run_shell(
+            "cd /work && rm gone.txt && echo new > new.txt && rm -rf tests && mkdir tests &&"
+            " echo mine > tests/t2 && rm answer.txt && ln -s /grader/expected.txt answer.txt"
+        )
+        v = await sb.verify(
+            "cd /work && for f in keep.txt gone.txt new.txt tests/t1 tests/t2 answer.txt; do"
+            ' printf "%s=" $f; cat $f 2>/dev/null || echo missing; done',
+            graded=["/work"],
+        )
+        assert v.stdout.splitlines() == [
+            "keep.txt=pristine",
+            "gone.txt=missing",
+            "new.txt=new",
+            "tests/t1=missing",
+            "tests/t2=mine",
+            "answer.txt=missing",
+        ], v.stdout
+        assert [r.path for r in v.refused] == ["/work/answer.txt"]
     finally:
         await sb.stop()

@@ -1,21 +1,27 @@
 """Snapshots of graded trees: the agent's work, taken as data, never followed out.
 
 A verify step must see the agent's files without trusting anything about them. So the
-edge copies each graded path out of the agent's (frozen) merged view into a directory
-of its own before the grader starts, and the grader sees only that copy, read-only:
+edge copies what the agent *changed* under each graded path (its overlay upper: files,
+directories, deletions) into a directory of its own before the grader starts; the
+grader sees that copy, read-only, layered over the same path of the pristine image (an
+overlay inside the verifier), so a large unchanged repository costs nothing to grade:
 
 - **Nothing is followed.** Every directory is opened with ``openat2`` and
   ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` relative to the graded root, every entry is
   looked at with ``lstat``, so no path the agent planted (a link, a link in a parent, a
   bind of ``/proc``) can take the copy anywhere else.
-- **Links are inspected, not followed.** A symbolic link is kept only if the kernel
-  resolves it inside its graded tree (``RESOLVE_BENEATH``); a link that would leave it
-  (``/grader/expected.txt``, ``../../etc``, a loop) is left out and reported. Kept links
-  resolve identically in the copy, because the copy has the same shape.
+- **Links are inspected, not followed.** A link the agent made is kept only if the
+  kernel resolves it inside its graded tree in the agent's merged view
+  (``RESOLVE_BENEATH``); a link that would leave it (``/grader/expected.txt``,
+  ``../../etc``, a loop) is left out (a whiteout, so nothing pristine shows through
+  either) and reported. Kept links resolve identically in the verifier, whose graded
+  tree has the same shape. The image's own links are the image's: trusted.
 - **Only regular files, directories and links.** FIFOs (a grader reading one would
-  hang), sockets and device nodes are left out and reported; set-id bits are dropped.
-- **Own inodes.** A copy shares no inode and so no page cache with the agent's files:
-  nothing the grader reads is visible to the agent afterwards as cache residency.
+  hang), sockets and device nodes the agent made are left out and reported; set-id bits
+  are dropped.
+- **Own inodes for the agent's files.** A copy shares no page cache with the agent's
+  file, so nothing the grader reads of the agent's work is visible to the agent as cache
+  residency afterwards (pristine files are the shared read-only layers).
 - **Bounded and iterative.** No recursion (a 100,000-deep tree is just a long list),
   bounded file count, bytes and depth; exceeding a bound fails the snapshot (fail
   closed), it never silently grades part of the work.
@@ -50,6 +56,7 @@ MAX_BYTES = int(os.environ.get("DSEC_VERIFY_MAX_BYTES", str(4 << 30)))
 MAX_DEPTH = 256
 MAX_REFUSALS = 100  # listed in the result; the count is exact
 COPY_CHUNK = 1 << 24
+OPAQUE = "trusted.overlay.opaque"
 
 
 class _OpenHow(ctypes.Structure):
@@ -81,11 +88,21 @@ class SnapshotTooLarge(Exception):
     """The graded tree exceeds a bound; the snapshot is not used."""
 
 
+@dataclass(frozen=True)
+class GradedCopy:
+    """One graded path on the host: ``copy`` holds what the agent changed (a file, or a
+    directory with whiteouts for what it deleted); ``over_pristine`` says the verifier
+    must show it layered over the pristine image's same path (else on its own)."""
+
+    copy: Path
+    over_pristine: bool
+
+
 @dataclass
 class Snapshot:
     """Where each graded path's copy is on the host, and what was left out."""
 
-    copies: dict[str, Path] = field(default_factory=dict)  # path inside -> host copy
+    copies: dict[str, GradedCopy] = field(default_factory=dict)  # path inside -> copy
     refused: list[tuple[str, str]] = field(default_factory=list)  # (path inside, why)
     refused_count: int = 0
     files: int = 0
@@ -112,6 +129,13 @@ def _safe_dir(dir_fd: int, rel: str) -> int:
         os.O_RDONLY | os.O_DIRECTORY,
         RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS,
     )
+
+
+def _try_dir(dir_fd: int, rel: str) -> int | None:
+    try:
+        return _safe_dir(dir_fd, rel)
+    except OSError:
+        return None
 
 
 def _link_stays_inside(root_fd: int, rel_link: str, target: str, graded: str) -> str | None:
@@ -189,8 +213,68 @@ def _finish_dir(fd: int, st: os.stat_result) -> None:
     os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o1777)
 
 
-def _copy_tree(root_fd: int, dst_root: int, graded: str, snap: Snapshot, limits: _Limits) -> None:
-    """Copy the directory ``root_fd`` into ``dst_root``, iteratively."""
+def _opaque(fd: int) -> bool:
+    """overlayfs marks a directory the agent emptied and re-made: nothing below it."""
+    try:
+        return os.getxattr(fd, OPAQUE) == b"y"
+    except OSError:
+        return False
+
+
+def _whiteout(dst: int, name: str) -> None:
+    """What overlayfs reads as "deleted here" (a 0:0 character device)."""
+    os.mknod(name, stat.S_IFCHR | 0o600, 0, dir_fd=dst)
+
+
+@dataclass
+class _Walk:
+    """One graded path's copy: the agent's upper below it, checked against its view."""
+
+    graded: str
+    view_fd: int  # the graded path in the agent's merged view (where links resolve)
+    whiteouts: bool  # the copy is layered over pristine content: keep deletions
+    snap: Snapshot
+    limits: _Limits
+
+
+def _copy_entry(w: _Walk, src: int, dst: int, name: str, child: str, depth: int) -> bool:
+    """Copy one entry of the upper; True if it is a directory to descend into."""
+    inside = f"{w.graded}/{child}"
+    try:
+        st = os.stat(name, dir_fd=src, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        if depth + 1 > w.limits.depth:
+            raise SnapshotTooLarge(f"{w.graded} is nested deeper than {w.limits.depth} directories")
+        os.mkdir(name, 0o700, dir_fd=dst)
+        return True
+    if stat.S_ISREG(mode):
+        if w.snap.bytes + st.st_size > w.limits.bytes:
+            raise SnapshotTooLarge(f"more than {w.limits.bytes} bytes under {w.graded}")
+        w.snap.bytes += _copy_file(src, dst, name, st)
+        return False
+    if stat.S_ISCHR(mode) and st.st_rdev == 0:  # the agent deleted a pristine entry
+        if w.whiteouts:
+            _whiteout(dst, name)
+        return False
+    if stat.S_ISLNK(mode):
+        target = os.readlink(name, dir_fd=src)
+        why = _link_stays_inside(w.view_fd, child, target, w.graded)
+        if why is None:
+            os.symlink(target, name, dir_fd=dst)
+            return False
+    else:
+        why = f"not a file, directory or link ({_kind(mode)})"
+    w.snap.refuse(inside, why)
+    if w.whiteouts:  # and nothing pristine of that name shows through either
+        _whiteout(dst, name)
+    return False
+
+
+def _copy_tree(w: _Walk, root_fd: int, dst_root: int) -> None:
+    """Copy the agent's upper below ``root_fd`` into ``dst_root``, iteratively."""
     pending: list[tuple[str, int]] = [("", 0)]  # (path relative to the root, depth)
     finished: list[tuple[str, os.stat_result]] = []  # modes set last: dirs may be 0555
     while pending:
@@ -199,40 +283,20 @@ def _copy_tree(root_fd: int, dst_root: int, graded: str, snap: Snapshot, limits:
         try:
             dst = _safe_dir(dst_root, rel)
             try:
+                if rel and w.whiteouts and _opaque(src):
+                    os.setxattr(dst, OPAQUE, b"y")
                 with os.scandir(src) as it:
                     entries = [e.name for e in it]
                 for name in entries:
+                    w.snap.files += 1
+                    if w.snap.files > w.limits.files:
+                        raise SnapshotTooLarge(
+                            f"more than {w.limits.files} entries under {w.graded}"
+                        )
                     child = f"{rel}/{name}" if rel else name
-                    inside = f"{graded}/{child}"
-                    snap.files += 1
-                    if snap.files > limits.files:
-                        raise SnapshotTooLarge(f"more than {limits.files} entries under {graded}")
-                    try:
-                        st = os.stat(name, dir_fd=src, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    mode = st.st_mode
-                    if stat.S_ISDIR(mode):
-                        if depth + 1 > limits.depth:
-                            raise SnapshotTooLarge(
-                                f"{graded} is nested deeper than {limits.depth} directories"
-                            )
-                        os.mkdir(name, 0o700, dir_fd=dst)
+                    if _copy_entry(w, src, dst, name, child, depth):
                         pending.append((child, depth + 1))
-                        finished.append((child, st))
-                    elif stat.S_ISREG(mode):
-                        if snap.bytes + st.st_size > limits.bytes:
-                            raise SnapshotTooLarge(f"more than {limits.bytes} bytes under {graded}")
-                        snap.bytes += _copy_file(src, dst, name, st)
-                    elif stat.S_ISLNK(mode):
-                        target = os.readlink(name, dir_fd=src)
-                        why = _link_stays_inside(root_fd, child, target, graded)
-                        if why is None:
-                            os.symlink(target, name, dir_fd=dst)
-                        else:
-                            snap.refuse(inside, why)
-                    else:
-                        snap.refuse(inside, f"not a file, directory or link ({_kind(mode)})")
+                        finished.append((child, os.stat(name, dir_fd=src, follow_symlinks=False)))
             finally:
                 os.close(dst)
         finally:
@@ -255,8 +319,33 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
+def _upper_hides_pristine(upper_fd: int, rel: str) -> bool:
+    """Whether the agent's upper hides the pristine content at ``rel``: an opaque
+    directory at it or above it (the agent removed and re-made it), or anything but a
+    directory on the way."""
+    parts = rel.split("/")
+    for i in range(1, len(parts) + 1):
+        fd = _try_dir(upper_fd, "/".join(parts[:i]))
+        if fd is None:
+            try:
+                os.stat("/".join(parts[:i]), dir_fd=upper_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False  # untouched from here down: the pristine content shows
+            except OSError:
+                pass
+            return True
+        try:
+            if _opaque(fd):
+                return True
+        finally:
+            os.close(fd)
+    return False
+
+
 def snapshot(
     view: Path,
+    upper: Path,
+    pristine: Path | None,
     graded: list[str],
     dest: Path,
     *,
@@ -264,30 +353,47 @@ def snapshot(
     max_bytes: int = MAX_BYTES,
     max_depth: int = MAX_DEPTH,
 ) -> Snapshot:
-    """Copy each graded path of the tree rooted at ``view`` (the agent's merged, frozen
-    view) into ``dest/<i>``. Paths that do not exist are skipped (not in ``copies``);
-    a graded path that is itself a link, or has a link among its parents, is refused.
-    Raises SnapshotTooLarge past a bound (``dest`` is then left for the caller to
-    remove)."""
+    """Copy what the agent changed under each graded path into ``dest/<i>``.
+
+    ``view`` is the agent's merged, frozen view (it decides what exists and where links
+    lead), ``upper`` its writable layer (what is copied), ``pristine`` the image alone
+    (None: an empty image). Paths that do not exist are skipped (not in ``copies``); a
+    graded path that is itself a link, or has a link among its parents, is refused.
+    Raises SnapshotTooLarge past a bound (``dest`` is then left for the caller)."""
     limits = _Limits(max_files, max_bytes, max_depth)
     snap = Snapshot()
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
-    view_fd = os.open(view, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    dest_fd = os.open(dest, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    view_fd, upper_fd, dest_fd = fds = [
+        os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (view, upper, dest)
+    ]
+    pristine_fd = os.open(pristine, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if pristine else None
     try:
         for i, path in enumerate(graded):
-            if _snapshot_one(view_fd, dest_fd, path, str(i), snap, limits):
-                snap.copies[path] = dest / str(i)
+            over = _snapshot_one(
+                view_fd, upper_fd, dest_fd, pristine_fd, path, str(i), snap, limits
+            )
+            if over is not None:
+                snap.copies[path] = GradedCopy(dest / str(i), over)
     finally:
-        os.close(view_fd)
-        os.close(dest_fd)
+        for fd in fds:
+            os.close(fd)
+        if pristine_fd is not None:
+            os.close(pristine_fd)
     return snap
 
 
 def _snapshot_one(
-    view_fd: int, dest_fd: int, path: str, slot: str, snap: Snapshot, limits: _Limits
-) -> bool:
-    """Copy one graded path to ``dest/slot``; False if it is absent or refused."""
+    view_fd: int,
+    upper_fd: int,
+    dest_fd: int,
+    pristine_fd: int | None,
+    path: str,
+    slot: str,
+    snap: Snapshot,
+    limits: _Limits,
+) -> bool | None:
+    """Copy one graded path to ``dest/slot``: None if it is absent or refused, else
+    whether the copy goes over the pristine content."""
     rel = path.lstrip("/")
     parent, _, name = rel.rpartition("/")
     try:
@@ -297,37 +403,41 @@ def _snapshot_one(
             snap.refuse(path, "a parent directory of the graded path is a link")
         elif exc.errno not in (errno.ENOENT, errno.ENOTDIR):
             snap.refuse(path, f"cannot open its parent ({os.strerror(exc.errno or 0)})")
-        return False
+        return None
     try:
         try:
             st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
         except FileNotFoundError:
-            return False
+            return None
         if stat.S_ISLNK(st.st_mode):
             snap.refuse(path, "the graded path itself is a link")
-            return False
+            return None
         if stat.S_ISREG(st.st_mode):
             if st.st_size > limits.bytes:
                 raise SnapshotTooLarge(f"{path} is larger than {limits.bytes} bytes")
-            dst_fd = _safe_dir(dest_fd, "")
-            try:
-                snap.bytes += _copy_file(parent_fd, dst_fd, name, st, dst_name=slot)
-            finally:
-                os.close(dst_fd)
+            snap.bytes += _copy_file(parent_fd, dest_fd, name, st, dst_name=slot)
             snap.files += 1
-            return True
+            return False
         if not stat.S_ISDIR(st.st_mode):
             snap.refuse(path, f"the graded path is a {_kind(st.st_mode)}")
-            return False
+            return None
+        pristine_dir = None if pristine_fd is None else _try_dir(pristine_fd, rel)
+        over = pristine_dir is not None and not _upper_hides_pristine(upper_fd, rel)
+        if pristine_dir is not None:
+            os.close(pristine_dir)
         os.mkdir(slot, 0o700, dir_fd=dest_fd)
-        root_fd = _safe_dir(parent_fd, name)
+        view_root = _safe_dir(parent_fd, name)
         dst_root = _safe_dir(dest_fd, slot)
+        upper_root = _try_dir(upper_fd, rel)
         try:
-            _copy_tree(root_fd, dst_root, path, snap, limits)
+            if upper_root is not None:
+                _copy_tree(_Walk(path, view_root, over, snap, limits), upper_root, dst_root)
             _finish_dir(dst_root, st)
         finally:
-            os.close(root_fd)
+            os.close(view_root)
             os.close(dst_root)
-        return True
+            if upper_root is not None:
+                os.close(upper_root)
+        return over
     finally:
         os.close(parent_fd)

@@ -182,13 +182,15 @@ def _stop_frozen(backend: ContainerBackend, rel: str) -> None:
 
 
 def _snapshot_in_private_ns(
-    view: Path, lowers: list[str], graded: list[str], dest: Path
+    root: Path, upper: Path, pristine: list[str], graded: list[str]
 ) -> graded_trees.Snapshot:
-    """Mount the agent's merged view read-only and copy the graded paths out of it, in a
-    thread with a mount namespace of its own: the mount is never on the host, and it
-    vanishes with the thread (also if the edge dies meanwhile)."""
+    """Mount the agent's merged view and the pristine image read-only and copy what the
+    agent changed under the graded paths, in a thread with a mount namespace of its own:
+    the mounts are never on the host, and they vanish with the thread (also if the edge
+    dies meanwhile)."""
     out: list[graded_trees.Snapshot] = []
     errors: list[BaseException] = []
+    flags = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 
     def work() -> None:
         try:
@@ -196,15 +198,15 @@ def _snapshot_in_private_ns(
                 err = ctypes.get_errno()
                 raise BackendError(f"unshare(CLONE_NEWNS): {os.strerror(err)}", errno=err)
             linux.mount("none", "/", "none", MS_REC | MS_PRIVATE)
+            view = root / "view"
             view.mkdir(mode=0o700, exist_ok=True)
-            linux.mount(
-                "overlay",
-                view,
-                "overlay",
-                linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV,
-                f"lowerdir={':'.join(lowers)}",
-            )
-            out.append(graded_trees.snapshot(view, graded, dest))
+            linux.mount("overlay", view, "overlay", flags, f"lowerdir={upper}:{':'.join(pristine)}")
+            image: Path | None = Path(pristine[0]) if len(pristine) == 1 else None
+            if len(pristine) > 1:
+                image = root / "pristine"
+                image.mkdir(mode=0o700, exist_ok=True)
+                linux.mount("overlay", image, "overlay", flags, f"lowerdir={':'.join(pristine)}")
+            out.append(graded_trees.snapshot(view, upper, image, graded, root / "graded"))
         except BaseException as exc:
             errors.append(exc)
 
@@ -251,13 +253,14 @@ async def _verify(
                 limit_bytes=backend.disk.limit_bytes(rec.spec.disk_limit_mb),
             )
             started = True
-            lowers = [str(agent_dir / "upper")]
-            for digest in reversed(rec.image.layers):
-                lowers.append(str(backend.layers.acquire(digest)))
+            pristine = []
+            for digest in reversed(rec.image.layers):  # overlay wants the top layer first
+                pristine.append(str(backend.layers.acquire(digest)))
                 runtime["layers_held"].append(digest)
+            check_overlay_paths([str(root), *pristine])
             try:
                 snap = await asyncio.to_thread(
-                    _snapshot_in_private_ns, root / "view", lowers, graded, root / "graded"
+                    _snapshot_in_private_ns, root, agent_dir / "upper", pristine, graded
                 )
             except graded_trees.SnapshotTooLarge as exc:
                 backend.audit.event(
@@ -265,7 +268,7 @@ async def _verify(
                 )
                 return _not_run(req, graded, f"the graded tree cannot be snapshotted: {exc}")
             _refusal_event(backend, rec, snap)
-            await _start(backend, rec, vid, root, lowers[1:], prepared, snap)
+            await _start(backend, rec, vid, root, pristine, prepared, snap)
             res = await AgentClient(backend._socket(vid)).exec(
                 ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command,
                 env=grader_env(rec, req),
@@ -381,6 +384,30 @@ def _bind(source: Path | str, dest: str, *, writable: bool = False) -> dict[str,
     }
 
 
+def _graded_mount(path: str, g: graded_trees.GradedCopy, rootfs: Path) -> dict[str, Any]:
+    """The agent's changes at ``path``, read-only: over the pristine image's own content
+    there (an overlay whose lower is the verifier's pristine root at that path, mounted
+    before this), or on their own."""
+    if not g.over_pristine:
+        return _bind(g.copy, path)
+    return {
+        "destination": path,
+        "type": "overlay",
+        "source": "overlay",
+        "options": ["ro", "nosuid", "nodev", f"lowerdir={g.copy}:{rootfs}{path}"],
+    }
+
+
+def check_overlay_paths(paths: list[str]) -> None:
+    """overlayfs splits its options at ',' and ':' (and unescapes '\\'): host paths that
+    hold them would change the mount."""
+    for p in paths:
+        if any(c in p for c in ",:\\") or any(c.isspace() for c in p):
+            raise BackendError(
+                f"path {p!r} cannot be used in an overlay mount; use a plainer --data-dir"
+            )
+
+
 def _verifier_dirs(root: Path, prepared: list[protected.Prepared]) -> None:
     """The verifier's own directories: its root overlay's upper and work, the list of
     paths dsec-untrusted hides, and the result directory only root can write."""
@@ -412,7 +439,7 @@ async def _start(
         _bind(root / "verify", VERIFY_DIR_IN_VERIFIER),
         _bind(root / "result", RESULT_DIR_IN_VERIFIER, writable=True),
         *protected.verifier_mounts(prepared),
-        *(_bind(copy, path) for path, copy in sorted(snap.copies.items())),
+        *(_graded_mount(path, g, rootfs) for path, g in sorted(snap.copies.items())),
     ]
     config = build_config(
         sandbox_id=vid,
