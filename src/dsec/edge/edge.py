@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, TypeVar
 from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.edge.admission import Admission
+from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.state import EdgeStateDB
+from dsec.edge.ttl import IdleClocks
 from dsec.errors import (
     BackendError,
     DSecError,
@@ -112,6 +114,9 @@ class Edge:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
         self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
+        self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
+        self._death_tasks: set[asyncio.Task[None]] = set()
+        self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
         # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
         self.trajectory: TrajectoryService | None = None
         self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
@@ -128,6 +133,7 @@ class Edge:
                 if await self.jobs.recover(rec):
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
+                    self._watch_init(rec)
                     report["adopted"].append(rec.id)
                     continue
                 self.jobs.release(rec)
@@ -141,7 +147,7 @@ class Edge:
                     await self.backend.adopt(rec)
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
-                    rec.last_activity = time.monotonic()
+                    self._watch_init(rec)
                     report["adopted"].append(rec.id)
                     continue
                 await self._finish(
@@ -160,6 +166,8 @@ class Edge:
                 )
                 await self._finish(rec, final, reason)
                 report["cleaned"].append(rec.id)
+        # Idle clocks go on from where they were, not from "now" (dsec.edge.ttl).
+        self.clocks.restore(r for r in self._records.values() if r.state is SandboxState.RUNNING)
         live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
         report["swept"] = await self.backend.sweep(live)
         if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
@@ -179,6 +187,12 @@ class Edge:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ttl_task
+        await self.deaths.close()
+        for task in list(self._death_tasks):
+            task.cancel()
+        await asyncio.gather(*self._death_tasks, return_exceptions=True)
+        # Exact idle deadlines for whatever outlives this process (dsec.edge.ttl).
+        self.clocks.flush([r for r in self._records.values() if r.state is SandboxState.RUNNING])
         if self.stop_on_close:
             live = [r.id for r in self._records.values() if r.state in LIVE_STATES]
             await asyncio.gather(
@@ -261,6 +275,8 @@ class Edge:
             raise
         self._set(rec, SandboxState.RUNNING)
         self.limits.track(rec.id)
+        self.clocks.started(rec)
+        self._watch_init(rec)
         return rec.info()
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
@@ -273,6 +289,8 @@ class Edge:
 
     async def _finish(self, rec: SandboxRecord, final: SandboxState, reason: str | None) -> None:
         """Tear down and record the end; the teardown intent is durable before it starts."""
+        self.deaths.forget(rec.id)  # we kill it now: not a death to report
+        self.clocks.forget(rec.id)
         was_live = rec.state in LIVE_STATES
         self.jobs.release(rec)  # a paused sandbox is thawed first: SIGKILL needs that
         if rec.state is SandboxState.RUNNING:
@@ -293,6 +311,28 @@ class Edge:
             self.network.release(rec.id)
         if was_live:
             self.admission.release(rec.spec)
+
+    def _watch_init(self, rec: SandboxRecord) -> None:
+        pid = rec.runtime.get("pid")
+        if isinstance(pid, int):
+            self.deaths.watch(rec.id, pid)
+
+    def _init_died(self, sandbox_id: str, status: int | None) -> None:
+        """A watched init exited (dsec.edge.deaths): the record says failed, and how."""
+        task = asyncio.get_running_loop().create_task(self._fail_dead(sandbox_id, status))
+        self._death_tasks.add(task)
+        task.add_done_callback(self._death_tasks.discard)
+
+    async def _fail_dead(self, sandbox_id: str, status: int | None) -> None:
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            return
+        async with self._lock(sandbox_id):
+            if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                return
+            reason = f"the sandbox's init process died: {describe(status)}"
+            log.warning("sandbox %s: %s", sandbox_id, reason)
+            await self._finish(rec, SandboxState.FAILED, reason)
 
     def add_stop_listener(self, listener: Callable[[str, str], None]) -> None:
         """Call ``listener(sandbox_id, reason)`` when a sandbox starts to end, before its
@@ -394,7 +434,7 @@ class Edge:
                 raise SandboxNotRunning(f"sandbox {sandbox_id} died: {rec.reason}") from None
             raise
         finally:
-            rec.last_activity = time.monotonic()
+            self.clocks.touch(rec)
 
     def running_record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a running sandbox (marks it active), for the data path."""
@@ -407,7 +447,7 @@ class Edge:
                 + (f": {rec.reason}" if rec.reason else ""),
                 state=rec.state.value,
             )
-        rec.last_activity = time.monotonic()
+        self.clocks.touch(rec)
         return rec
 
     async def call_running(self, sandbox_id: str, op: Callable[[SandboxRecord], Awaitable[T]]) -> T:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
@@ -29,7 +30,19 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     runtime TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- When each sandbox's idle TTL fires absent new activity (unix time; dsec.edge.ttl).
+CREATE TABLE IF NOT EXISTS idle_deadlines (
+    id TEXT PRIMARY KEY,
+    deadline REAL NOT NULL
+);
 """
+
+
+_INSERT = (
+    "INSERT OR REPLACE INTO sandboxes "
+    "(id, state, spec, image, created_at, updated_at, reason, runtime) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class EdgeStateDB:
@@ -53,9 +66,7 @@ class EdgeStateDB:
             json.dumps(rec.runtime),
         )
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
-            )
+            self._db.execute(_INSERT, row)
 
     def save_state(self, rec: SandboxRecord) -> None:
         """Write a state change: state, reason, times and runtime facts, not the spec or
@@ -106,7 +117,30 @@ class EdgeStateDB:
                 "DELETE FROM sandboxes WHERE state IN ('stopped', 'failed') AND updated_at < ?",
                 (older_than.isoformat(),),
             )
+            self._db.execute(
+                "DELETE FROM idle_deadlines WHERE id NOT IN (SELECT id FROM sandboxes)"
+            )
         return cur.rowcount
+
+    # -- idle deadlines (dsec.edge.ttl) ---------------------------------------------------
+    def save_idle_deadlines(self, deadlines: Iterable[tuple[str, float]]) -> None:
+        """Write (sandbox id, unix time) pairs in one transaction."""
+        rows = list(deadlines)
+        if not rows:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO idle_deadlines VALUES (?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def load_idle_deadlines(self) -> dict[str, float]:
+        with self._lock:
+            rows = self._db.execute("SELECT id, deadline FROM idle_deadlines").fetchall()
+        return {str(r[0]): float(r[1]) for r in rows}
 
     def close(self) -> None:
         with self._lock:
