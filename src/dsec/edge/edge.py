@@ -22,6 +22,7 @@ from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
+from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
 from dsec.edge.state import EdgeStateDB
 from dsec.edge.ttl import IdleClocks
 from dsec.errors import (
@@ -117,6 +118,7 @@ class Edge:
         self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
         self._death_tasks: set[asyncio.Task[None]] = set()
         self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
+        self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
         # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
         self.trajectory: TrajectoryService | None = None
         self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
@@ -165,6 +167,8 @@ class Edge:
                     else rec.reason
                 )
                 await self._finish(rec, final, reason)
+                if was is SandboxState.CREATING:  # made no sandbox: a retry makes one
+                    self.keys.forget_sandbox(rec.id)
                 report["cleaned"].append(rec.id)
         # Idle clocks go on from where they were, not from "now" (dsec.edge.ttl).
         self.clocks.restore(r for r in self._records.values() if r.state is SandboxState.RUNNING)
@@ -207,6 +211,63 @@ class Edge:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        return await self._create(spec, timeout=timeout, claim=None)
+
+    async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
+        """The sandbox an earlier create with ``claim``'s key made, whatever its state
+        (waiting up to ``timeout`` for one still in flight); None: the key is unused.
+        IdempotencyKeyReused (409) if the key went with another spec."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.keys.find(claim)
+            if found is None:
+                return None
+            if isinstance(found, str):
+                rec = self._records.get(found)
+                if rec is not None:
+                    return rec.info()
+                self.keys.forget_sandbox(found)  # its record was forgotten: key is free
+                return None
+            try:
+                await asyncio.wait_for(asyncio.shield(found), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise Timeout(
+                    f"the create with this Idempotency-Key did not finish within {timeout:g}s; "
+                    "retry with the same key",
+                ) from None
+            # Done (or failed, freeing the key): look again.
+
+    async def create_keyed(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+    ) -> tuple[SandboxInfo, bool]:
+        """Create at most once per key: (info, True) when this call made the sandbox,
+        (info, False) when an earlier create with the key did. The create runs on even
+        if the caller goes away, so that a retry with the key adopts it."""
+        found = await self.replay(claim, timeout=timeout)
+        if found is not None:
+            return found, False
+        # replay() found the key unused and returned without awaiting since: no other
+        # create with it can have begun in between.
+        self.keys.begin(claim)
+        task = asyncio.ensure_future(self._create(spec, timeout=timeout, claim=claim))
+        return await asyncio.shield(task), True
+
+    async def _create(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+    ) -> SandboxInfo:
+        if claim is None:
+            return await self._build(spec, timeout=timeout, claim=None)
+        made: str | None = None
+        try:
+            info = await self._build(spec, timeout=timeout, claim=claim)
+            made = info.id
+            return info
+        finally:
+            self.keys.end(claim, made)
+
+    async def _build(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+    ) -> SandboxInfo:
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
         if self.network is not None and spec.network_rules:
             self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
@@ -253,7 +314,8 @@ class Edge:
             **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
         )
         try:
-            self.state.save(rec)
+            # The key is durable with the record, before anything is acknowledged.
+            self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
             if self.network is not None and spec.network_rules:
                 rec.runtime["net"] = await self.network.attach(rec.id, spec.network_rules)
             await asyncio.wait_for(self.backend.create(rec), timeout)
@@ -558,6 +620,7 @@ class Edge:
             await asyncio.sleep(self.ttl_interval)
             try:
                 await self.reap_idle()
+                self.keys.expire()
             except Exception:
                 log.exception("TTL reaper pass failed")
 
