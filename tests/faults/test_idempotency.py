@@ -80,6 +80,11 @@ async def test_retry_after_the_client_gave_up_gives_one_sandbox(
         # The client gives up long before the answer: the create goes on regardless.
         with pytest.raises(httpx.ReadTimeout):
             _post(h, _spec(tag), key, timeout=httpx.Timeout(5.0, read=0.001))
+        # The request was sent: the server makes the sandbox, acknowledged to nobody.
+        for _ in range(500):
+            if await _live(client, tag):
+                break
+            await asyncio.sleep(0.01)
         retry = _post(h, _spec(tag), key, timeout=60)  # waits for the first one if need be
         assert retry.status_code == 200, retry.text
         assert retry.headers["Idempotent-Replayed"] == "true"

@@ -498,6 +498,13 @@ class Edge:
         finally:
             self.clocks.touch(rec)
 
+    def mark_active(self, sandbox_id: str) -> None:
+        """``sandbox_id`` was used just now (its idle TTL starts over), e.g. by a data
+        path stream; unknown ids are ignored."""
+        rec = self._records.get(sandbox_id)
+        if rec is not None:
+            self.clocks.touch(rec)
+
     def running_record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a running sandbox (marks it active), for the data path."""
         rec = self._get(sandbox_id)

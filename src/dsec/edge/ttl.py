@@ -11,8 +11,8 @@ hot path; instead it is written when activity has moved it by more than a coarse
 ``step`` (a twentieth of the TTL, 1 s to 60 s), and then with ``step`` added, so the
 stored deadline is never earlier than the real one: after a crash the sandbox is
 stopped at most ``step`` late, never early. A clean shutdown writes exact deadlines.
-A record that never had one written (no activity since it started) uses the time it
-became running, which is exact.
+The record's last change of state (it became running, or was thawed after a job
+pause, which does not go through ``touch``) counts as activity as well.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ class IdleClocks:
             ttl = rec.spec.ttl_running_stop
             if ttl is None:
                 continue
-            deadline = stored.get(rec.id)
-            if deadline is None:
-                # Never written: no activity beyond one step since it started.
-                deadline = rec.updated_at.timestamp() + step_for(ttl) + ttl
+            # The last change of state counts as activity too (it became running, or
+            # was thawed: paused time never counts), written or not.
+            since_change = rec.updated_at.timestamp() + step_for(ttl) + ttl
+            deadline = max(stored.get(rec.id, since_change), since_change)
             rec.last_activity = _mono(deadline - ttl)
             self._covered[rec.id] = rec.last_activity
 
