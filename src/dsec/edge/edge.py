@@ -135,7 +135,6 @@ class Edge:
                 if await self.jobs.recover(rec):
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
-                    self._watch_init(rec)
                     report["adopted"].append(rec.id)
                     continue
                 self.jobs.release(rec)
@@ -149,7 +148,6 @@ class Edge:
                     await self.backend.adopt(rec)
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
-                    self._watch_init(rec)
                     report["adopted"].append(rec.id)
                     continue
                 await self._finish(
@@ -177,6 +175,8 @@ class Edge:
         if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
             await self.network.start()
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
+        for sid in report["adopted"]:  # once recovery is done: a death now fails it
+            self._watch_init(self._records[sid])
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="dsec-ttl-reaper")
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
@@ -389,12 +389,15 @@ class Edge:
         rec = self._records.get(sandbox_id)
         if rec is None:
             return
-        async with self._lock(sandbox_id):
-            if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
-                return
-            reason = f"the sandbox's init process died: {describe(status)}"
-            log.warning("sandbox %s: %s", sandbox_id, reason)
-            await self._finish(rec, SandboxState.FAILED, reason)
+        try:
+            async with self._lock(sandbox_id):
+                if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                    return
+                reason = f"the sandbox's init process died: {describe(status)}"
+                log.warning("sandbox %s: %s", sandbox_id, reason)
+                await self._finish(rec, SandboxState.FAILED, reason)
+        except Exception:
+            log.exception("failing %s after its init died", sandbox_id)
 
     def add_stop_listener(self, listener: Callable[[str, str], None]) -> None:
         """Call ``listener(sandbox_id, reason)`` when a sandbox starts to end, before its

@@ -80,13 +80,18 @@ def resolve_edge_id(data_dir: Path, explicit: str | None) -> str:
     """The edge id this data dir runs as: ``explicit`` (DSEC_EDGE_ID, --edge-id) if
     given; else the one kept in ``<data dir>/edge_id``; else, for a data dir that
     already holds sandbox records from before ids were derived, ``e0`` (so that its
-    sandboxes are re-adopted); else a new derived id. The last two are kept."""
-    if explicit:
-        return check_edge_id(explicit)
+    sandboxes are re-adopted); else a new derived id. Whichever it is is kept, so a
+    later start without an explicit id re-adopts the same sandboxes."""
     kept = data_dir / "edge_id"
+    if explicit:
+        edge_id = check_edge_id(explicit)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            return check_edge_id(kept.read_text().strip())
+        edge_id = LEGACY_EDGE_ID if (data_dir / "edge.db").exists() else derived_edge_id(data_dir)
     with contextlib.suppress(FileNotFoundError):
-        return check_edge_id(kept.read_text().strip())
-    edge_id = LEGACY_EDGE_ID if (data_dir / "edge.db").exists() else derived_edge_id(data_dir)
+        if kept.read_text().strip() == edge_id:
+            return edge_id
     tmp = kept.with_suffix(".tmp")
     tmp.write_text(edge_id + "\n")
     os.replace(tmp, kept)
