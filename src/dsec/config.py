@@ -63,7 +63,9 @@ class PlatformConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key: str | None = None
-    edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", "e0"))
+    # Unique per host: empty = derived from the machine id and the data dir, and kept
+    # in <data dir>/edge_id (dsec.edge.identity); running_platform fills it in.
+    edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", ""))
     runtime: str = "crun"
     max_sandboxes: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))

@@ -101,6 +101,13 @@ class AlreadyExists(Conflict):
     code = "already_exists"
 
 
+class IdempotencyKeyReused(Conflict):
+    """The Idempotency-Key was already used for a create with a different spec: use a
+    new key for a new sandbox, or resend the original spec to get its sandbox."""
+
+    code = "idempotency_key_reused"
+
+
 class TrajectoryStateLost(DSecError):
     """A trajectory step must run for real but the sandbox it is bound to is gone or
     failed: the log cannot answer it and the state it would run on no longer exists."""

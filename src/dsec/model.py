@@ -26,6 +26,9 @@ USER_RE = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|\d{1,10}(:\d{1,10})?)$")
 # Job, trajectory and rollout ids: safe in URLs, file names and log lines.
 TRAJECTORY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,16}-[0-9a-f]{16}$")
+# The Idempotency-Key header of a create (dsec.edge.idempotency): UUIDs, base64, ULIDs.
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9._:~+/=-]{1,255}$")
 # A project is a path in the project tree ("rl", "rl/math", "rl/math/job-42").
 PROJECT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}(/[a-z0-9][a-z0-9._-]{0,62}){0,7}$")
 

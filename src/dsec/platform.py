@@ -32,6 +32,7 @@ from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
+from dsec.edge.identity import HostClaim, claim_host_identity
 from dsec.edge.state import EdgeStateDB
 from dsec.images.images import Images
 from dsec.net.manager import NetworkManager
@@ -113,6 +114,19 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     if os.geteuid() != 0:
         raise PermissionError("the platform needs root (mounts, cgroups, namespaces)")
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    # Before anything that sweeps or cleans up: a second instance on this data dir or
+    # edge id would otherwise kill the first one's sandboxes (dsec.edge.identity).
+    claim = claim_host_identity(config.data_dir, config.edge_id or None, url=config.url)
+    try:
+        config.edge_id = claim.edge_id
+        async with _running_platform(config, claim) as platform:
+            yield platform
+    finally:
+        claim.release()  # last: shutdown cleans up under the locks too
+
+
+@contextlib.asynccontextmanager
+async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIterator[Platform]:
     become_subreaper()
     engine = make_engine(sqlite_url(config.control_db))
     edge: Edge | None = None
@@ -123,6 +137,10 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     iam: IAM | None = None
     swap: SwapFile | None = None
     try:
+        audit = AuditLog(config.audit_db)
+        network = NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit)
+        if network is not None:
+            claim.lock_network(network.prefix, config.edge_id)
         await migrate(engine)
         keys = KeyStore(engine)
         api_key = load_or_create_api_key(config)
@@ -144,7 +162,6 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             cgroups=host,
             empty_file=config.data_dir / "run" / "empty",
         )
-        audit = AuditLog(config.audit_db)
         backend = ContainerBackend(
             sandboxes_dir=config.sandboxes_dir,
             runtime=runtime,
@@ -175,7 +192,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
             admission=Admission(
                 max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
             ),
-            network=NetworkManager.from_env(config.edge_id, config.data_dir / "run" / "net", audit),
+            network=network,
         )
         swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()

@@ -20,8 +20,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsec.control.iam import IAM, Role
-from dsec.edge.api import EdgeAPI
-from dsec.model import DSecContainerRunArgs, SandboxInfo, SandboxState
+from dsec.edge.api import EdgeAPI, KeyedCreates
+from dsec.edge.idempotency import IdempotencyClaim
+from dsec.errors import Unsupported
+from dsec.model import IDEMPOTENCY_HEADER, DSecContainerRunArgs, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.edge.edge import Edge
@@ -52,15 +54,59 @@ class SandboxCreator:
         except BaseException:
             await asyncio.shield(iam.release(provisional))
             raise
+        await self._bind_charge(provisional, info)
+        return info
+
+    async def create_keyed(
+        self, principal: str, spec: DSecContainerRunArgs, *, timeout: float, key: str
+    ) -> tuple[SandboxInfo, bool]:
+        """Create at most once per Idempotency-Key ``key`` of ``principal`` (and its
+        project): (info, True) when this request made the sandbox, (info, False) when an
+        earlier one with the key did (dsec.edge.idempotency). Only a create that is made
+        is charged to the project. Unsupported (501) where the edge cannot keep keys
+        (cluster mode: a retry could be placed on another edge)."""
+        edge = self.edge
+        if not isinstance(edge, KeyedCreates):
+            raise Unsupported(
+                f"{IDEMPOTENCY_HEADER} is not supported in cluster mode yet; "
+                "create without it (and list by label to find a create whose answer was lost)"
+            )
+        iam = self.iam
+        project = ""
+        if iam is not None:
+            project = spec.project or await iam.default_project(principal)
+            await iam.require(principal, Role.RUNTIME, project, "creating a sandbox")
+        claim = IdempotencyClaim.of(f"{principal}\n{project}", key, spec)
+        found = await edge.replay(claim, timeout=timeout)
+        if found is not None:
+            return found, False
+        if iam is None:
+            return await edge.create_keyed(spec, timeout=timeout, claim=claim)
+        provisional = iam.provisional_id()
+        await iam.charge(project, provisional, spec.cpu_cores_limit, spec.memory_limit_mb)
+        if spec.project != project:
+            spec = spec.model_copy(update={"project": project})
         try:
-            await asyncio.shield(iam.rebind(provisional, info.id))
+            info, made = await edge.create_keyed(spec, timeout=timeout, claim=claim)
+        except BaseException:
+            await asyncio.shield(iam.release(provisional))
+            raise
+        if not made:  # an earlier create with the key won the race: it holds the charge
+            await asyncio.shield(iam.release(provisional))
+            return info, False
+        await self._bind_charge(provisional, info)
+        return info, True
+
+    async def _bind_charge(self, provisional: str, info: SandboxInfo) -> None:
+        assert self.iam is not None
+        try:
+            await asyncio.shield(self.iam.rebind(provisional, info.id))
         except Exception:
             # Never strand a running sandbox behind a failed bookkeeping write: stop it
             # and give the charge back, then report the failure.
             await asyncio.shield(self.edge.stop(info.id, reason="quota charge failed"))
-            await asyncio.shield(iam.release(provisional))
+            await asyncio.shield(self.iam.release(provisional))
             raise
-        return info
 
     async def stop(self, principal: str, sandbox_id: str) -> SandboxInfo:
         """Stop a sandbox on behalf of ``principal``; idempotent. Needs ``runtime`` on

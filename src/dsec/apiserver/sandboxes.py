@@ -9,7 +9,7 @@ errors, which the app's handlers turn into the error envelope.
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
@@ -22,7 +22,9 @@ from dsec.apiserver.trajectory import trajectory_ref
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.edge.admission import Admission
 from dsec.edge.api import EdgeAPI
+from dsec.edge.idempotency import check_key
 from dsec.model import (
+    IDEMPOTENCY_HEADER,
     CreateSandboxRequest,
     DataPathInfo,
     ExecRequest,
@@ -75,11 +77,36 @@ def sandbox_router(
         responses={"default": {"model": ErrorBody, "description": "typed error"}},
     )
 
-    @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
-    async def create_sandbox(body: CreateSandboxRequest, principal: Principal) -> Response:
+    @router.post(
+        "",
+        status_code=201,
+        response_model=SandboxInfo,
+        summary="Create a sandbox",
+        responses={200: {"model": SandboxInfo, "description": "replayed: the key's sandbox"}},
+    )
+    async def create_sandbox(
+        body: CreateSandboxRequest,
+        principal: Principal,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias=IDEMPOTENCY_HEADER,
+                description="retry-safe create: the same key and spec return the same "
+                "sandbox (200) for 24 h; another spec is a 409. 1-255 of A-Za-z0-9._:~+/=-",
+            ),
+        ] = None,
+    ) -> Response:
         """Admit, prepare and start a sandbox; returns once it is running."""
-        info = await creator.create(principal, body.spec, timeout=body.timeout)
-        return with_load(model_response(await with_data_path(info), 201))
+        if idempotency_key is None:
+            info = await creator.create(principal, body.spec, timeout=body.timeout)
+            return with_load(model_response(await with_data_path(info), 201))
+        info, made = await creator.create_keyed(
+            principal, body.spec, timeout=body.timeout, key=check_key(idempotency_key)
+        )
+        resp = model_response(await with_data_path(info), 201 if made else 200)
+        if not made:
+            resp.headers["Idempotent-Replayed"] = "true"
+        return with_load(resp)
 
     @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
     async def list_sandboxes(

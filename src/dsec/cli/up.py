@@ -19,6 +19,7 @@ from dsec.config import (
     PlatformConfig,
     save_client_config,
 )
+from dsec.edge.identity import check_edge_id
 from dsec.errors import DSecError
 
 
@@ -44,6 +45,14 @@ def up(
         str | None,
         typer.Option(
             "--api-key", envvar="DSEC_API_KEY", help="admin key (default: generated and kept)"
+        ),
+    ] = None,
+    edge_id: Annotated[
+        str | None,
+        typer.Option(
+            "--edge-id",
+            envvar="DSEC_EDGE_ID",
+            help="1-16 lowercase letters and digits (default: unique per host and data dir)",
         ),
     ] = None,
     layer_store: Annotated[
@@ -79,6 +88,8 @@ def up(
     config = PlatformConfig(
         data_dir=data_dir, host=host, port=port, api_key=api_key or globals_of(ctx).api_key
     )
+    if edge_id:
+        config.edge_id = check_edge_id(edge_id)
     if layer_store is not None:
         config.layer_store = layer_store
     if layer_store_token is not None:

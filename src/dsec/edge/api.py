@@ -7,7 +7,7 @@ Timeout, BackendError, FileNotFound, PermissionDenied, InvalidArgument).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dsec.model import (
     DSecContainerRunArgs,
@@ -20,6 +20,9 @@ from dsec.model import (
     TrajectoryRef,
 )
 from dsec.verify_model import VerifyRequest, VerifyResult
+
+if TYPE_CHECKING:
+    from dsec.edge.idempotency import IdempotencyClaim
 
 
 class EdgeAPI(Protocol):
@@ -65,4 +68,20 @@ class EdgeAPI(Protocol):
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
         """Replace (not merge) a running sandbox's egress rules."""
+        ...
+
+
+@runtime_checkable
+class KeyedCreates(Protocol):
+    """An edge that makes at most one sandbox per Idempotency-Key (dsec.edge.idempotency):
+    the in-process edge of a single node. The cluster router does not (yet)."""
+
+    async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
+        """The sandbox the key already made, or None; 409 if it went with another spec."""
+        ...
+
+    async def create_keyed(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+    ) -> tuple[SandboxInfo, bool]:
+        """(info, made by this call)."""
         ...

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import secrets
 import stat
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -158,9 +157,7 @@ class DataPlane:
         return rec, self.edge.backend.agent(rec)
 
     def _touch(self, sandbox_id: str) -> None:
-        rec = self.edge._records.get(sandbox_id)
-        if rec is not None:
-            rec.last_activity = time.monotonic()
+        self.edge.mark_active(sandbox_id)  # also keeps the idle deadline durable
 
     # -- sessions -------------------------------------------------------------------------
     async def open_session(self, sandbox_id: str, args: SessionArgs) -> SessionInfo:

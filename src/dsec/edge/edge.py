@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, TypeVar
 from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.edge.admission import Admission
+from dsec.edge.deaths import InitWatcher, describe
+from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
 from dsec.edge.state import EdgeStateDB
+from dsec.edge.ttl import IdleClocks
 from dsec.errors import (
     BackendError,
     DSecError,
@@ -114,6 +117,10 @@ class Edge:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
         self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
+        self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
+        self._death_tasks: set[asyncio.Task[None]] = set()
+        self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
+        self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
         # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
         self.trajectory: TrajectoryService | None = None
         self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
@@ -143,7 +150,6 @@ class Edge:
                     await self.backend.adopt(rec)
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
-                    rec.last_activity = time.monotonic()
                     report["adopted"].append(rec.id)
                     continue
                 await self._finish(
@@ -161,12 +167,18 @@ class Edge:
                     else rec.reason
                 )
                 await self._finish(rec, final, reason)
+                if was is SandboxState.CREATING:  # made no sandbox: a retry makes one
+                    self.keys.forget_sandbox(rec.id)
                 report["cleaned"].append(rec.id)
+        # Idle clocks go on from where they were, not from "now" (dsec.edge.ttl).
+        self.clocks.restore(r for r in self._records.values() if r.state is SandboxState.RUNNING)
         live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
         report["swept"] = await self.backend.sweep(live)
         if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
             await self.network.start()
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
+        for sid in report["adopted"]:  # once recovery is done: a death now fails it
+            self._watch_init(self._records[sid])
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="dsec-ttl-reaper")
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
@@ -181,6 +193,12 @@ class Edge:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ttl_task
+        await self.deaths.close()
+        for task in list(self._death_tasks):
+            task.cancel()
+        await asyncio.gather(*self._death_tasks, return_exceptions=True)
+        # Exact idle deadlines for whatever outlives this process (dsec.edge.ttl).
+        self.clocks.flush([r for r in self._records.values() if r.state is SandboxState.RUNNING])
         if self.stop_on_close:
             live = [r.id for r in self._records.values() if r.state in LIVE_STATES]
             await asyncio.gather(
@@ -195,6 +213,63 @@ class Edge:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+        return await self._create(spec, timeout=timeout, claim=None)
+
+    async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
+        """The sandbox an earlier create with ``claim``'s key made, whatever its state
+        (waiting up to ``timeout`` for one still in flight); None: the key is unused.
+        IdempotencyKeyReused (409) if the key went with another spec."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.keys.find(claim)
+            if found is None:
+                return None
+            if isinstance(found, str):
+                rec = self._records.get(found)
+                if rec is not None:
+                    return rec.info()
+                self.keys.forget_sandbox(found)  # its record was forgotten: key is free
+                return None
+            try:
+                await asyncio.wait_for(asyncio.shield(found), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise Timeout(
+                    f"the create with this Idempotency-Key did not finish within {timeout:g}s; "
+                    "retry with the same key",
+                ) from None
+            # Done (or failed, freeing the key): look again.
+
+    async def create_keyed(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+    ) -> tuple[SandboxInfo, bool]:
+        """Create at most once per key: (info, True) when this call made the sandbox,
+        (info, False) when an earlier create with the key did. The create runs on even
+        if the caller goes away, so that a retry with the key adopts it."""
+        found = await self.replay(claim, timeout=timeout)
+        if found is not None:
+            return found, False
+        # replay() found the key unused and returned without awaiting since: no other
+        # create with it can have begun in between.
+        self.keys.begin(claim)
+        task = asyncio.ensure_future(self._create(spec, timeout=timeout, claim=claim))
+        return await asyncio.shield(task), True
+
+    async def _create(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+    ) -> SandboxInfo:
+        if claim is None:
+            return await self._build(spec, timeout=timeout, claim=None)
+        made: str | None = None
+        try:
+            info = await self._build(spec, timeout=timeout, claim=claim)
+            made = info.id
+            return info
+        finally:
+            self.keys.end(claim, made)
+
+    async def _build(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+    ) -> SandboxInfo:
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
         if self.network is not None and spec.network_rules:
             self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
@@ -241,7 +316,8 @@ class Edge:
             **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
         )
         try:
-            self.state.save(rec)
+            # The key is durable with the record, before anything is acknowledged.
+            self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
             if self.network is not None and spec.network_rules:
                 rec.runtime["net"] = await self.network.attach(rec.id, spec.network_rules)
             await asyncio.wait_for(self.backend.create(rec), timeout)
@@ -263,6 +339,8 @@ class Edge:
             raise
         self._set(rec, SandboxState.RUNNING)
         self.limits.track(rec.id)
+        self.clocks.started(rec)
+        self._watch_init(rec)
         return rec.info()
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
@@ -275,6 +353,8 @@ class Edge:
 
     async def _finish(self, rec: SandboxRecord, final: SandboxState, reason: str | None) -> None:
         """Tear down and record the end; the teardown intent is durable before it starts."""
+        self.deaths.forget(rec.id)  # we kill it now: not a death to report
+        self.clocks.forget(rec.id)
         was_live = rec.state in LIVE_STATES
         self.jobs.release(rec)  # a paused sandbox is thawed first: SIGKILL needs that
         if rec.state is SandboxState.RUNNING:
@@ -295,6 +375,31 @@ class Edge:
             self.network.release(rec.id)
         if was_live:
             self.admission.release(rec.spec)
+
+    def _watch_init(self, rec: SandboxRecord) -> None:
+        pid = rec.runtime.get("pid")
+        if isinstance(pid, int):
+            self.deaths.watch(rec.id, pid)
+
+    def _init_died(self, sandbox_id: str, status: int | None) -> None:
+        """A watched init exited (dsec.edge.deaths): the record says failed, and how."""
+        task = asyncio.get_running_loop().create_task(self._fail_dead(sandbox_id, status))
+        self._death_tasks.add(task)
+        task.add_done_callback(self._death_tasks.discard)
+
+    async def _fail_dead(self, sandbox_id: str, status: int | None) -> None:
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            return
+        try:
+            async with self._lock(sandbox_id):
+                if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                    return
+                reason = f"the sandbox's init process died: {describe(status)}"
+                log.warning("sandbox %s: %s", sandbox_id, reason)
+                await self._finish(rec, SandboxState.FAILED, reason)
+        except Exception:
+            log.exception("failing %s after its init died", sandbox_id)
 
     def add_stop_listener(self, listener: Callable[[str, str], None]) -> None:
         """Call ``listener(sandbox_id, reason)`` when a sandbox starts to end, before its
@@ -396,7 +501,14 @@ class Edge:
                 raise SandboxNotRunning(f"sandbox {sandbox_id} died: {rec.reason}") from None
             raise
         finally:
-            rec.last_activity = time.monotonic()
+            self.clocks.touch(rec)
+
+    def mark_active(self, sandbox_id: str) -> None:
+        """``sandbox_id`` was used just now (its idle TTL starts over), e.g. by a data
+        path stream; unknown ids are ignored."""
+        rec = self._records.get(sandbox_id)
+        if rec is not None:
+            self.clocks.touch(rec)
 
     def running_record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a running sandbox (marks it active), for the data path."""
@@ -409,7 +521,7 @@ class Edge:
                 + (f": {rec.reason}" if rec.reason else ""),
                 state=rec.state.value,
             )
-        rec.last_activity = time.monotonic()
+        self.clocks.touch(rec)
         return rec
 
     async def call_running(self, sandbox_id: str, op: Callable[[SandboxRecord], Awaitable[T]]) -> T:
@@ -533,6 +645,7 @@ class Edge:
             await asyncio.sleep(self.ttl_interval)
             try:
                 await self.reap_idle()
+                self.keys.expire()
             except Exception:
                 log.exception("TTL reaper pass failed")
 

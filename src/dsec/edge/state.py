@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -29,7 +31,42 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     runtime TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- When each sandbox's idle TTL fires absent new activity (unix time; dsec.edge.ttl).
+CREATE TABLE IF NOT EXISTS idle_deadlines (
+    id TEXT PRIMARY KEY,
+    deadline REAL NOT NULL
+);
+-- Idempotency-Key of a create -> the sandbox it made (dsec.edge.idempotency).
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (scope, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys(expires_at);
+CREATE INDEX IF NOT EXISTS idempotency_keys_sandbox ON idempotency_keys(sandbox_id);
 """
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One stored Idempotency-Key: who sent it (scope), the spec's fingerprint, the
+    sandbox the create made and when the key expires (unix time)."""
+
+    scope: str
+    key: str
+    fingerprint: str
+    sandbox_id: str
+    expires_at: float
+
+
+_INSERT = (
+    "INSERT OR REPLACE INTO sandboxes "
+    "(id, state, spec, image, created_at, updated_at, reason, runtime) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class EdgeStateDB:
@@ -41,7 +78,9 @@ class EdgeStateDB:
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 
-    def save(self, rec: SandboxRecord) -> None:
+    def save(self, rec: SandboxRecord, *, key: KeyRow | None = None) -> None:
+        """Write the whole record; with ``key``, its Idempotency-Key in the same
+        transaction (a create is never acknowledged with its key unwritten)."""
         row = (
             rec.id,
             rec.state.value,
@@ -53,9 +92,20 @@ class EdgeStateDB:
             json.dumps(rec.runtime),
         )
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
-            )
+            if key is None:
+                self._db.execute(_INSERT, row)
+                return
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(_INSERT, row)
+                self._db.execute(
+                    "INSERT OR REPLACE INTO idempotency_keys VALUES (?, ?, ?, ?, ?)",
+                    (key.scope, key.key, key.fingerprint, key.sandbox_id, key.expires_at),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def save_state(self, rec: SandboxRecord) -> None:
         """Write a state change: state, reason, times and runtime facts, not the spec or
@@ -106,6 +156,55 @@ class EdgeStateDB:
                 "DELETE FROM sandboxes WHERE state IN ('stopped', 'failed') AND updated_at < ?",
                 (older_than.isoformat(),),
             )
+            self._db.execute(
+                "DELETE FROM idle_deadlines WHERE id NOT IN (SELECT id FROM sandboxes)"
+            )
+        return cur.rowcount
+
+    # -- idle deadlines (dsec.edge.ttl) ---------------------------------------------------
+    def save_idle_deadlines(self, deadlines: Iterable[tuple[str, float]]) -> None:
+        """Write (sandbox id, unix time) pairs in one transaction."""
+        rows = list(deadlines)
+        if not rows:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO idle_deadlines VALUES (?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def load_idle_deadlines(self) -> dict[str, float]:
+        with self._lock:
+            rows = self._db.execute("SELECT id, deadline FROM idle_deadlines").fetchall()
+        return {str(r[0]): float(r[1]) for r in rows}
+
+    # -- idempotency keys (dsec.edge.idempotency) -----------------------------------------
+    def find_key(self, scope: str, key: str, now: float) -> KeyRow | None:
+        """The unexpired row of ``key`` in ``scope`` (primary-key lookup)."""
+        with self._lock:
+            r = self._db.execute(
+                "SELECT scope, key, fingerprint, sandbox_id, expires_at FROM idempotency_keys "
+                "WHERE scope = ? AND key = ? AND expires_at > ?",
+                (scope, key, now),
+            ).fetchone()
+        return None if r is None else KeyRow(str(r[0]), str(r[1]), str(r[2]), str(r[3]), r[4])
+
+    def delete_keys_of(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM idempotency_keys WHERE sandbox_id = ?", (sandbox_id,))
+
+    def delete_key(self, scope: str, key: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM idempotency_keys WHERE scope = ? AND key = ?", (scope, key)
+            )
+
+    def delete_expired_keys(self, now: float) -> int:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (now,))
         return cur.rowcount
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.model import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_KEY_RE,
     SANDBOX_ID_RE,
     BuildImageRequest,
     CreateSandboxRequest,
@@ -152,17 +154,29 @@ def health() -> Call[HealthInfo]:
     return Call("GET", "/v1/health", _model(HealthInfo))
 
 
-def create_sandbox(args: DSecContainerRunArgs, timeout: float) -> Call[SandboxInfo]:
+def create_sandbox(
+    args: DSecContainerRunArgs, timeout: float, idempotency_key: str | None = None
+) -> Call[SandboxInfo]:
+    """``idempotency_key``: resending the same create with the same key returns the
+    sandbox the first one made instead of a second one (for 24 h)."""
     try:
         body = CreateSandboxRequest(spec=args, timeout=timeout)
     except ValidationError as exc:
         raise invalid(exc) from None
+    headers: Mapping[str, str] = _JSON_HEADERS
+    if idempotency_key is not None:
+        if not isinstance(idempotency_key, str) or not IDEMPOTENCY_KEY_RE.match(idempotency_key):
+            raise InvalidArgument(
+                f"idempotency_key must be 1-255 characters of A-Z a-z 0-9 . _ : ~ + / = -"
+                f" (got {str(idempotency_key)[:80]!r})"
+            )
+        headers = {**_JSON_HEADERS, IDEMPOTENCY_HEADER: idempotency_key}
     return Call(
         "POST",
         "/v1/sandboxes",
         _model(SandboxInfo),
         content=body.model_dump_json().encode(),
-        headers=_JSON_HEADERS,
+        headers=headers,
         timeout=wait_timeout(timeout),
     )
 

@@ -153,9 +153,18 @@ class DSecClient(
     async def health(self) -> HealthInfo:
         return await self._send(proto.health())
 
-    async def run_container(self, args: DSecContainerRunArgs, timeout: float = 120) -> Sandbox:
-        """Create a container sandbox and return once it runs (or raise a typed error)."""
-        info = await self._send(proto.create_sandbox(args, timeout))
+    async def run_container(
+        self,
+        args: DSecContainerRunArgs,
+        timeout: float = 120,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Sandbox:
+        """Create a container sandbox and return once it runs (or raise a typed error).
+
+        With ``idempotency_key`` the create is safe to retry: the same key and spec give
+        the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
+        info = await self._send(proto.create_sandbox(args, timeout, idempotency_key))
         return Sandbox(self, info)
 
     async def get(self, sandbox_id: str) -> Sandbox:

@@ -144,9 +144,19 @@ class DSecSyncClient(
     def health(self) -> HealthInfo:
         return self._send(proto.health())
 
-    def run_container(self, args: DSecContainerRunArgs, timeout: float = 120) -> SyncSandbox:
-        """Create a container sandbox and return once it runs (or raise a typed error)."""
-        return SyncSandbox(self, self._send(proto.create_sandbox(args, timeout)))
+    def run_container(
+        self,
+        args: DSecContainerRunArgs,
+        timeout: float = 120,
+        *,
+        idempotency_key: str | None = None,
+    ) -> SyncSandbox:
+        """Create a container sandbox and return once it runs (or raise a typed error).
+
+        With ``idempotency_key`` the create is safe to retry: the same key and spec give
+        the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
+        info = self._send(proto.create_sandbox(args, timeout, idempotency_key))
+        return SyncSandbox(self, info)
 
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._send(proto.get_sandbox(sandbox_id)))
