@@ -574,6 +574,8 @@ class Edge:
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 self.command_finished(sandbox_id)
+                if req.mode == "fresh":
+                    self.deaths.forget(sandbox_id)  # the step ends its init: not a death
                 try:
                     res = await self.backend.verify(rec, req)
                 finally:
