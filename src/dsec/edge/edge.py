@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
@@ -532,19 +532,15 @@ class Edge:
             )
         if result.incomplete:  # fail closed: what was not looked at is on record
             first = result.incomplete[0]
-            self.audit.event(
-                rec.id,
-                EventKind.SCAN_INCOMPLETE,
-                detector="tamper",
-                reason=first.reason,
-                stopped_at=first.at,
+            detail: dict[str, Any] = {
+                "detector": "tamper",
+                "reason": first.reason,
+                "stopped_at": first.at,
                 **first.detail,
-                **(
-                    {"also": [f"{i.reason} {i.at}" for i in result.incomplete[1:]]}
-                    if len(result.incomplete) > 1
-                    else {}
-                ),
-            )
+            }
+            if len(result.incomplete) > 1:
+                detail["also"] = [f"{i.reason} {i.at}" for i in result.incomplete[1:]]
+            self.audit.event(rec.id, EventKind.SCAN_INCOMPLETE, **detail)
 
     # -- idle TTL -------------------------------------------------------------------------
     async def _ttl_loop(self) -> None:
