@@ -150,16 +150,58 @@ def test_tamper_watch_reports_each_change_once(tmp_path: Path) -> None:
     (upper / "usr/local/bin").mkdir(parents=True)
     (upper / "usr/local/bin/tool").write_text("pip console script: not watched")
     watch = TamperWatch()
-    assert watch.scan("s-1", upper) == []
+    assert watch.scan("s-1", upper).changes == []
     (upper / "usr/bin/python3").write_text("#!/bin/sh\necho 100% tests passed")
     os.mknod(upper / "usr/bin/pytest", 0o600 | stat.S_IFCHR, os.makedev(0, 0))  # whiteout
-    assert sorted(watch.scan("s-1", upper)) == [
+    first = watch.scan("s-1", upper)
+    assert sorted(first.changes) == [
         ("/usr/bin/pytest", "deleted"),
         ("/usr/bin/python3", "written"),
     ]
-    assert watch.scan("s-1", upper) == []  # reported once
+    assert first.incomplete == []
+    assert watch.scan("s-1", upper).changes == []  # reported once
     watch.forget("s-1")
-    assert len(watch.scan("s-1", upper)) == 2
+    assert len(watch.scan("s-1", upper).changes) == 2
+
+
+@pytest.mark.root  # trusted.* xattrs (the opaque mark) need CAP_SYS_ADMIN
+def test_tamper_watch_sees_what_hijacks_later_commands(tmp_path: Path) -> None:
+    """Loader config, shell start-up, interpreter hooks, /usr/local/bin shadows, an
+    opaque (replaced) directory and a rename: each is a change."""
+    from dsec.security.tampering import TamperWatch
+
+    upper = tmp_path / "upper"
+    (upper / "usr/local/bin").mkdir(parents=True)
+    (upper / "usr/lib/python3.11").mkdir(parents=True)
+    watch = TamperWatch()
+    assert watch.scan("s-1", upper).changes == []
+    (upper / "etc/ld.so.conf.d").mkdir(parents=True)
+    for rel in ("etc/ld.so.preload", "etc/ld.so.conf.d/evil.conf", "etc/profile", "etc/hosts"):
+        (upper / rel).write_text("x")
+    site = upper / "usr/local/lib/python3.11/dist-packages"
+    site.mkdir(parents=True)
+    (site / "evil.pth").write_text("import os")
+    (site / "numpy").mkdir()  # an honest package: not a start-up hook
+    (upper / "usr/lib/python3.11/sitecustomize.py").write_text("x")
+    (upper / "usr/local/bin/python3").write_text("#!/bin/sh")  # shadows /usr/bin/python3
+    (upper / "usr/local/bin/mytool").write_text("#!/bin/sh")  # shadows nothing
+    found = dict((p, c) for p, c in watch.scan("s-1", upper).changes)
+    assert found == {
+        "/etc/ld.so.preload": "written",
+        "/etc/ld.so.conf.d/evil.conf": "written",
+        "/etc/profile": "written",
+        "/usr/local/lib/python3.11/dist-packages/evil.pth": "written",
+        "/usr/lib/python3.11/sitecustomize.py": "written",
+        "/usr/local/bin/python3": "shadowed",
+    }
+    # A renamed file is a new entry; an opaque directory hides everything below it.
+    os.rename(upper / "usr/lib/python3.11/sitecustomize.py", upper / "usr/lib/python3.11/x.py")
+    opaque = upper / "usr/lib/python3.11"
+    os.setxattr(opaque, "trusted.overlay.opaque", b"y")
+    assert set(watch.scan("s-1", upper).changes) == {
+        ("/usr/lib/python3.11/x.py", "written"),
+        ("/usr/lib/python3.11", "replaced"),
+    }
 
 
 @pytest.mark.root

@@ -40,6 +40,7 @@ from dsec.resources import cgroups
 from dsec.resources.disk import GiB, SandboxDisk
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
 from dsec.security.audit import AuditLog
+from dsec.security.safe_text import escape_log_records
 from dsec.security.seccomp import SeccompGuard
 
 log = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ async def serve_app(
     from dsec.apiserver.batch import cancel_batches_on_exit
 
     tune_gc()
+    escape_log_records()  # sandbox-controlled text in our log lines is made inert
     server = _server_class()(
         uvicorn.Config(
             app,

@@ -18,7 +18,7 @@ import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from dsec.batch_model import BatchCreated, BatchDone, BatchError, BatchFailed
-from dsec.cli.common import err, out, sync_client
+from dsec.cli.common import err, inert, out, sync_client
 from dsec.cli.sandbox import container_args
 from dsec.errors import DSecError
 from dsec.sdk._batch import SyncBatch
@@ -61,7 +61,7 @@ def _follow(batch: SyncBatch, count: int, show: bool) -> bool:
                 try:
                     batch.cancel()
                 except DSecError as exc:
-                    err.print(f"cancel failed: {exc}", style="red", markup=False)
+                    err.print(f"cancel failed: {inert(exc)}", style="red", markup=False)
                 continue
             if isinstance(event, BatchCreated | BatchFailed):
                 created, failed = len(batch.created), len(batch.failures)
@@ -78,7 +78,7 @@ def _stop_all(client: DSecSyncClient, ids: list[str]) -> int:
             client.stop_sandbox(sandbox_id)
             return True
         except DSecError as exc:
-            err.print(f"stop {sandbox_id}: {exc}", style="yellow", markup=False)
+            err.print(f"stop {sandbox_id}: {inert(exc)}", style="yellow", markup=False)
             return False
 
     with ThreadPoolExecutor(STOP_THREADS) as pool:
@@ -95,12 +95,12 @@ def _summary(done: BatchDone, failures: dict[int, BatchError], stopped: int) -> 
         soft_wrap=True,
     )
     if done.reason:
-        out.print(f"  {done.reason}", markup=False, soft_wrap=True)
+        out.print(f"  {inert(done.reason)}", markup=False, soft_wrap=True)
     groups: dict[str, list[int]] = defaultdict(list)
     for index, error in sorted(failures.items()):
         groups[error.code].append(index)
     for code, indexes in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        sample = failures[indexes[0]].message
+        sample = inert(failures[indexes[0]].message, 512)
         shown = ", ".join(map(str, indexes[:20])) + (" ..." if len(indexes) > 20 else "")
         out.print(
             f"  {code}: {len(indexes)} (indexes {shown}): {sample}", markup=False, soft_wrap=True

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import emit_json, err, out, parse_pairs, sync_client
+from dsec.cli.common import cells, emit_json, err, out, parse_pairs, sync_client
 from dsec.config import DEFAULT_DATA_DIR, PlatformConfig
 from dsec.errors import InvalidArgument
 
@@ -156,12 +156,15 @@ def edges(
     now = time.time()
     for e in items:
         table.add_row(
-            e.edge_id,
-            e.status,
-            e.url,
-            f"{now - e.heartbeat_at:.1f}s",
-            str(e.report.sandboxes),
-            str(e.report.capacity),
-            e.down_reason or "",
+            *cells(
+                e.edge_id,
+                e.status,
+                e.url,
+                f"{now - e.heartbeat_at:.1f}s",
+                e.report.sandboxes,
+                e.report.capacity,
+                e.down_reason or "",
+                limit=512,
+            )
         )
     out.print(table)

@@ -2,6 +2,12 @@
 
 Human output goes through rich; ``--json`` output and command output passed through
 from a sandbox are written raw, so scripts can parse them.
+
+Much of what the CLI shows is controlled by a sandbox (paths, commands, process and
+DNS names, error texts), so the consoles are safe by construction: they never parse
+markup or emoji codes, and every string they render goes through
+``dsec.security.safe_text`` (control characters and escape sequences shown as
+``\x1b``...). Untrusted table cells use ``cells()``, which escapes line breaks too.
 """
 
 from __future__ import annotations
@@ -16,12 +22,31 @@ from typing import Any
 import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
+from rich.text import Text
 
 from dsec.errors import DSecError, InvalidArgument
 from dsec.sdk import DSecSyncClient
+from dsec.security.safe_text import cell, cells, inert, lines
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+__all__ = ["cell", "cells", "err", "inert", "out"]
+
+
+class SafeConsole(Console):
+    """A rich console that cannot be steered by the text it prints: no markup, no
+    emoji codes, no highlighting, and every string made inert (line breaks kept, so
+    our own multi-line messages still work; untrusted cells escape them via ``cell``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(markup=False, emoji=False, highlight=False, **kwargs)
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        kwargs["markup"] = False
+        kwargs["emoji"] = False
+        return super().render_str(lines(text), **kwargs)
+
+
+out = SafeConsole()
+err = SafeConsole(stderr=True)
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,7 @@ def usage_from(exc: ValidationError) -> UsageFailure:
 
 def print_error(error: DSecError) -> None:
     """The one-line form of every typed error: ``error: <code>: <message>``."""
-    message = " ".join(error.message.split())
+    message = inert(" ".join(error.message.split()))  # may quote a sandbox's path
     err.print(f"error: {error.code}: {message}", style="red", markup=False, soft_wrap=True)
 
 
@@ -92,7 +117,7 @@ def emit(value: BaseModel, text: str, as_json: bool) -> None:
     if as_json:
         emit_json(value)
     else:
-        out.print(text, markup=False)
+        out.print(lines(text), markup=False)
 
 
 def human_bytes(n: float) -> str:

@@ -36,7 +36,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from dsec.cli.common import err, globals_of, out, percentile, print_error
+from dsec.cli.common import cell, err, globals_of, out, percentile, print_error
 from dsec.cli.up import announce
 from dsec.config import DEFAULT_DATA_DIR, load_client_config, save_client_config
 from dsec.errors import DSecError, ImageNotFound, PlatformUnavailable, Unauthenticated
@@ -324,14 +324,14 @@ def show_summary(rows: list[Row], command: str, elapsed: float) -> None:
     table.add_column("exec ms", justify="right")
     table.add_column("output", overflow="fold")
     for row in rows:
-        # Text() cells: command output is data, never rich markup.
+        # cell(): command output is data, never rich markup or terminal control.
         table.add_row(
             str(row.index),
-            row.sandbox.id if row.sandbox else "-",
-            Text(row.state, style="green" if row.ok else "red"),
+            cell(row.sandbox.id if row.sandbox else "-"),
+            cell(row.state, style="green" if row.ok else "red"),
             f"{row.create_ms:.1f}" if row.create_ms is not None else "-",
             f"{row.exec_ms:.1f}" if row.exec_ms is not None else "-",
-            Text("; ".join(row.errors), style="red") if row.errors else Text(row.output),
+            cell("; ".join(row.errors), style="red") if row.errors else cell(row.output),
         )
     out.print(table)
     ok = sum(r.ok for r in rows)
@@ -344,8 +344,16 @@ def show_summary(rows: list[Row], command: str, elapsed: float) -> None:
                 f"{label:<7} p50 {percentile(samples, 50):7.1f} ms   "
                 f"p99 {percentile(samples, 99):7.1f} ms   (n={len(samples)})"
             )
-    verdict = "[green]all good[/]" if ok == len(rows) else f"[red]{len(rows) - ok} failed[/]"
-    out.print(f"{ok}/{len(rows)} sandboxes created, ran and removed in {elapsed:.2f} s: {verdict}")
+    verdict = (
+        Text("all good", style="green")
+        if ok == len(rows)
+        else Text(f"{len(rows) - ok} failed", style="red")
+    )
+    out.print(
+        Text.assemble(
+            f"{ok}/{len(rows)} sandboxes created, ran and removed in {elapsed:.2f} s: ", verdict
+        )
+    )
 
 
 def demo(

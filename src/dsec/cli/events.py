@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dsec.cli.common import emit_json, out, sync_client
+from dsec.cli.common import cells, emit_json, inert, out, sync_client
 from dsec.security.events import AuditKind, EventKind
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -29,6 +29,7 @@ LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=10_000)]
 
 
 def _detail(detail: dict[str, object]) -> str:
+    """The detail as compact JSON (what a sandbox put in it stays quoted and escaped)."""
     text = json.dumps(detail, separators=(",", ":"), default=str)
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -45,9 +46,10 @@ def _filters(
 
 def _page_note(cursor: str, missing: list[str]) -> None:
     """The next cursor, and the edges whose rows this page lacks (they follow later)."""
-    out.print(f"next: --cursor '{cursor}'")
+    out.print(f"next: --cursor '{inert(cursor, 512)}'")
     if missing:
-        out.print(f"[yellow]not in this page (edges down or silent): {', '.join(missing)}[/]")
+        shown = inert(", ".join(missing), 512)
+        out.print(f"not in this page (edges down or silent): {shown}", style="yellow")
 
 
 def events(
@@ -75,13 +77,15 @@ def events(
     table = Table("seq", "time", "sandbox", "job", "kind", "severity", "detail", box=None)
     for e in items:
         table.add_row(
-            str(e.seq),
-            _when(e.time),
-            e.sandbox_id,
-            e.job_id or "-",
-            e.kind.value,
-            e.severity.value,
-            _detail(e.detail),
+            *cells(
+                e.seq,
+                _when(e.time),
+                e.sandbox_id,
+                e.job_id or "-",
+                e.kind.value,
+                e.severity.value,
+                _detail(e.detail),
+            )
         )
     out.print(table)
     if page is not None:
@@ -113,7 +117,7 @@ def audit(
     table = Table("seq", "time", "sandbox", "kind", "action", "detail", box=None)
     for r in items:
         table.add_row(
-            str(r.seq), _when(r.time), r.sandbox_id, r.kind.value, r.action, _detail(r.detail)
+            *cells(r.seq, _when(r.time), r.sandbox_id, r.kind.value, r.action, _detail(r.detail))
         )
     out.print(table)
     if page is not None:

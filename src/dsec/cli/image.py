@@ -18,7 +18,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from dsec.cli.common import emit, emit_json, err, human_bytes, out, sync_client
+from dsec.cli.common import cells, emit, emit_json, err, human_bytes, out, sync_client
 from dsec.model import ImageInfo
 
 app = typer.Typer(help="Import, build, list and remove images.", no_args_is_help=True)
@@ -114,11 +114,14 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         table.add_column(col)
     for info in images:
         table.add_row(
-            info.ref,
-            info.digest[:19],
-            str(len(info.layers)),
-            human_bytes(info.size_bytes),
-            info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+            *cells(
+                info.ref,
+                info.digest[:19],
+                str(len(info.layers)),
+                human_bytes(info.size_bytes),
+                info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                limit=512,
+            )
         )
     out.print(table)
 

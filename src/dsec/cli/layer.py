@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import emit, emit_json, err, human_bytes, out, sync_client
+from dsec.cli.common import cells, emit, emit_json, err, human_bytes, out, sync_client
 from dsec.layer_model import LayerInfo
 
 app = typer.Typer(help="Build, push, pull, list, tag and remove layers.", no_args_is_help=True)
@@ -104,11 +104,14 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         table.add_column(col)
     for info in layers:
         table.add_row(
-            info.ref,
-            info.digest[:19],
-            info.kind,
-            human_bytes(info.size_bytes),
-            info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+            *cells(
+                info.ref,
+                info.digest[:19],
+                info.kind,
+                human_bytes(info.size_bytes),
+                info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                limit=512,
+            )
         )
     out.print(table)
 

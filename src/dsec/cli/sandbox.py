@@ -9,13 +9,14 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 from rich.table import Table
-from rich.text import Text
 
 from dsec.cli import shell as shell_cmd
 from dsec.cli.common import (
+    cells,
     emit,
     emit_json,
     err,
+    inert,
     out,
     parse_pairs,
     print_error,
@@ -257,7 +258,7 @@ def network(
         sys.stdout.write(json.dumps({"network_rules": rules}, indent=2) + "\n")
     else:
         allowed = sorted(k for k, v in rules.items() if v)
-        out.print("allowed: " + (", ".join(allowed) if allowed else "nothing"), markup=False)
+        out.print("allowed: " + (inert(", ".join(allowed)) if allowed else "nothing"))
 
 
 @app.command("ls")
@@ -283,11 +284,14 @@ def list_(
         table.add_column(col)
     for info in infos:
         table.add_row(
-            info.id,
-            info.state.value,
-            info.image,
-            info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-            Text(",".join(f"{k}={v}" for k, v in sorted(info.labels.items()))),
+            *cells(
+                info.id,
+                info.state.value,
+                info.image,
+                info.created_at.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                ",".join(f"{k}={v}" for k, v in sorted(info.labels.items())),
+                limit=512,
+            )
         )
     out.print(table)
 
@@ -312,6 +316,6 @@ def remove(
         emit_json(removed)
     else:
         for info in removed:
-            out.print(info.id, markup=False)
+            out.print(inert(info.id), markup=False)
     if failed:
         raise typer.Exit(1)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import emit_json, out, sync_client
+from dsec.cli.common import cells, emit_json, out, sync_client
 
 app = typer.Typer(help="The trajectory log of RL rollouts (logged, replayable steps).")
 
@@ -17,8 +17,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")
 
 
 def _short(value: object, width: int = 60) -> str:
+    """A request or result cut to ``width`` (``cells`` then makes it inert)."""
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-    text = text.replace("\n", "\\n")
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -41,11 +41,14 @@ def show(
             table = Table("rollout", "steps", "discarded", "sandboxes", "updated", box=None)
             for i in infos:
                 table.add_row(
-                    i.rollout_id,
-                    str(i.steps),
-                    str(i.discarded),
-                    ",".join(i.sandboxes),
-                    i.updated_at.strftime("%Y-%m-%d %H:%M:%S"),
+                    *cells(
+                        i.rollout_id,
+                        i.steps,
+                        i.discarded,
+                        ",".join(i.sandboxes),
+                        i.updated_at.strftime("%Y-%m-%d %H:%M:%S"),
+                        limit=512,
+                    )
                 )
             out.print(table)
             return
@@ -61,13 +64,7 @@ def show(
         if r.result is not None and "exit_code" in r.result:
             res = f"exit {r.result['exit_code']}: {r.result.get('stdout', '')}"
         table.add_row(
-            str(r.step),
-            r.op,
-            r.sandbox_id,
-            _short(what),
-            r.status,
-            _short(res or ""),
-            str(r.replays),
+            *cells(r.step, r.op, r.sandbox_id, _short(what), r.status, _short(res or ""), r.replays)
         )
     out.print(table)
 

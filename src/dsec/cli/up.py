@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.panel import Panel
+from rich.text import Text
 
-from dsec.cli.common import globals_of, out
+from dsec.cli.common import globals_of, inert, out
 from dsec.config import (
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
@@ -24,14 +24,13 @@ from dsec.errors import DSecError
 
 
 def announce(url: str, api_key: str, saved_to: Path | None) -> None:
-    url, api_key = escape(url), escape(api_key)
-    lines = [f"[bold]URL[/]      {url}", f"[bold]API key[/]  {api_key}"]
+    url, api_key = inert(url), inert(api_key)
+    text = Text.assemble(("URL", "bold"), f"      {url}\n", ("API key", "bold"), f"  {api_key}")
     if saved_to is not None:
-        where = escape(str(saved_to))
-        lines.append(f"[dim]saved to {where} (SDK and CLI read it)[/]")
-    lines.append(f"[dim]API docs {url}/docs[/]")
-    lines.append("[dim]try `dsec demo`; stop with Ctrl-C[/]")
-    out.print(Panel("\n".join(lines), title="DSec is up", expand=False, border_style="green"))
+        text.append(f"\nsaved to {inert(saved_to)} (SDK and CLI read it)", style="dim")
+    text.append(f"\nAPI docs {url}/docs", style="dim")
+    text.append("\ntry `dsec demo`; stop with Ctrl-C", style="dim")
+    out.print(Panel(text, title="DSec is up", expand=False, border_style="green"))
 
 
 def up(

@@ -16,7 +16,8 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec import __version__
 from dsec.backends.base import Backend, SandboxRecord
@@ -53,9 +54,10 @@ from dsec.rl.jobs import JobControl
 from dsec.rl.pack import fork_sandbox, pack_sandbox
 from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind
+from dsec.security.events import AuditKind, EventKind, Severity
+from dsec.security.guard import DetectorGuard
 from dsec.security.limits import LimitWatcher
-from dsec.security.tampering import MAX_REPORTED, TamperWatch
+from dsec.security.tampering import MAX_REPORTED, TamperWatch, merged_names
 from dsec.verify_model import VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ class Edge:
         # egress rules (dsec.net); None: sandboxes with allow-rules are Unsupported
         self.network = network
         self.tamper = TamperWatch()
+        self.detectors = DetectorGuard(self.audit)  # a detector that raises never stops a hook
         # resource-limit events (OOM, pids, disk quota, output, timeout): dsec.security.limits
         self.limits = LimitWatcher(self.audit, backend.limit_counters)
         self.edge_id = edge_id
@@ -370,6 +373,7 @@ class Edge:
         self._set(rec, final, reason)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         self.tamper.forget(rec.id)
+        self.detectors.forget(rec.id)
         self.limits.forget(rec.id)
         if self.network is not None:
             self.network.release(rec.id)
@@ -627,19 +631,45 @@ class Edge:
         )
 
     def command_finished(self, sandbox_id: str) -> None:
-        """Run the after-command detectors (from outside the sandbox, on the host)."""
+        """Run the after-command detectors (from outside the sandbox, on the host).
+
+        Called after every exec, process and session command, and right before a
+        verify freezes the agent (so a change made in the background since the last
+        command is seen). Never raises: a detector that fails is on record as a
+        ``detector_error`` event and the caller goes on to write its audit record."""
         rec = self._records.get(sandbox_id)
-        upper = self.backend.writable_dir(rec) if rec is not None else None
+        if rec is None or rec.state is not SandboxState.RUNNING:
+            return  # gone or being torn down: its upper dir is no longer the sandbox's
+        # A tamper scan that did not run is a gap a verdict may depend on: critical.
+        self.detectors.run(
+            "tamper", sandbox_id, lambda: self._scan_tampering(rec), severity=Severity.CRITICAL
+        )
+
+    def _scan_tampering(self, rec: SandboxRecord) -> None:
+        upper = self.backend.writable_dir(rec)
         if upper is None:
             return
-        changes = self.tamper.scan(sandbox_id, upper)
-        if changes:
+        pid = rec.runtime.get("pid")  # its merged root says what /usr/local/bin shadows
+        names = merged_names(Path(f"/proc/{pid}/root")) if isinstance(pid, int) else None
+        result = self.tamper.scan(rec.id, upper, system_names=names)
+        if result.changes:
             self.audit.event(
-                sandbox_id,
+                rec.id,
                 EventKind.BINARY_TAMPERING,
-                count=len(changes),
-                changes=[f"{change} {path}" for path, change in changes[:MAX_REPORTED]],
+                count=len(result.changes),
+                changes=[f"{change} {path}" for path, change in result.changes[:MAX_REPORTED]],
             )
+        if result.incomplete:  # fail closed: what was not looked at is on record
+            first = result.incomplete[0]
+            detail: dict[str, Any] = {
+                "detector": "tamper",
+                "reason": first.reason,
+                "stopped_at": first.at,
+                **first.detail,
+            }
+            if len(result.incomplete) > 1:
+                detail["also"] = [f"{i.reason} {i.at}" for i in result.incomplete[1:]]
+            self.audit.event(rec.id, EventKind.SCAN_INCOMPLETE, **detail)
 
     # -- idle TTL -------------------------------------------------------------------------
     async def _ttl_loop(self) -> None:

@@ -17,6 +17,11 @@ stops, and by a periodic scan (in a thread) for what background processes do. An
 is raised only when a counter *increased* since it was last seen (disk: when usage
 reaches the limit after having been below it), so a sandbox that keeps hitting a limit
 raises one event per new hit, not one per scan.
+
+Never in the way: every entry point (``after_exec``, ``check``, the periodic scan, per
+sandbox) runs under a ``DetectorGuard``, so a failure is a ``detector_error`` event and
+the command's audit record, its process-end record and the other sandboxes' checks
+still happen.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.resources.disk import DiskUsage
 from dsec.security.audit import AuditSink
 from dsec.security.events import EventKind, Severity
+from dsec.security.guard import DetectorGuard
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +113,7 @@ class LimitWatcher:
         self.interval = interval
         self._seen: dict[str, _Seen] = {}
         self._task: asyncio.Task[None] | None = None
+        self.guard = DetectorGuard(audit)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def track(self, sandbox_id: str) -> None:
@@ -116,6 +123,7 @@ class LimitWatcher:
 
     def forget(self, sandbox_id: str) -> None:
         self._seen.pop(sandbox_id, None)
+        self.guard.forget(sandbox_id)
 
     # -- hooks -----------------------------------------------------------------------------
     def after_exec(
@@ -130,7 +138,27 @@ class LimitWatcher:
         timeout: float | None = None,
         process: str | None = None,
     ) -> None:
-        """Call when a command or process ended. Free unless it ended abnormally."""
+        """Call when a command or process ended. Free unless it ended abnormally.
+        Never raises (a failure is a ``detector_error`` event)."""
+        self.guard.run(
+            "limits",
+            rec.id,
+            lambda: self._after_exec(
+                rec, exit_code, timed_out, truncated, command, max_output_bytes, timeout, process
+            ),
+        )
+
+    def _after_exec(
+        self,
+        rec: Any,
+        exit_code: int | None,
+        timed_out: bool,
+        truncated: bool,
+        command: object,
+        max_output_bytes: int | None,
+        timeout: float | None,
+        process: str | None,
+    ) -> None:
         where: dict[str, Any] = {"command": _short(command)} if command is not None else {}
         if process is not None:
             where["process"] = process
@@ -141,10 +169,14 @@ class LimitWatcher:
         if timed_out or truncated or (exit_code is not None and exit_code != 0):
             # Counters say a limit was hit since the last look, not by whom: name the
             # command as the one after which it was seen.
-            self.check(rec, **{f"seen_after_{k}": v for k, v in where.items()})
+            self._check(rec, **{f"seen_after_{k}": v for k, v in where.items()})
 
     def check(self, rec: Any, **where: Any) -> None:
-        """Read ``rec``'s counters and raise an event for each one that went up."""
+        """Read ``rec``'s counters and raise an event for each one that went up.
+        Never raises (a failure is a ``detector_error`` event)."""
+        self.guard.run("limits", rec.id, lambda: self._check(rec, **where))
+
+    def _check(self, rec: Any, **where: Any) -> None:
         try:
             reading = self.probe(rec)
         except Exception:  # a sandbox that is going away: nothing to learn
@@ -236,7 +268,7 @@ class LimitWatcher:
 
     def scan(self, recs: Iterable[Any]) -> None:
         for rec in recs:
-            self.check(rec)
+            self.check(rec)  # guarded per sandbox: one failure does not skip the rest
 
 
 def _short(command: object, limit: int = 256) -> object:
