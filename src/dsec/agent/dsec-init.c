@@ -2405,6 +2405,54 @@ static int agent_main(void)
 /* then lives only in the container's namespace and the kernel unmounts it when the     */
 /* sandbox's last process exits: nothing to leak on the host.                           */
 
+/* The root overlay's options name host paths (the data directory, the layer and sandbox
+ * directories) and the kernel shows them to the sandbox in /proc/self/mountinfo. Name
+ * each directory by an fd instead: the kernel resolves /proc/self/fd/N at mount time and
+ * keeps the string, so the sandbox sees fd numbers only. The fds are close-on-exec (crun
+ * never has them). NULL: leave the options as they are (a path with an escape in it). */
+static char *overlay_by_fd(const char *data)
+{
+	if (strchr(data, '\\'))
+		return NULL;
+	size_t cap = strlen(data) + 1;
+	for (const char *p = data; *p; p++)
+		if (*p == ':' || *p == ',' || *p == '=')
+			cap += 24;
+	char *out = malloc(cap), *copy = strdup(data);
+	if (!out || !copy) {
+		free(out);
+		free(copy);
+		return NULL;
+	}
+	size_t len = 0;
+	char *save = NULL;
+	for (char *opt = strtok_r(copy, ",", &save); opt; opt = strtok_r(NULL, ",", &save)) {
+		const char *keys[] = {"lowerdir=", "upperdir=", "workdir="};
+		const char *key = NULL;
+		for (size_t k = 0; k < 3 && !key; k++)
+			if (strncmp(opt, keys[k], strlen(keys[k])) == 0)
+				key = keys[k];
+		len += (size_t)snprintf(out + len, cap - len, "%s%s", len ? "," : "", key ? key : opt);
+		if (!key)
+			continue;
+		char *psave = NULL;
+		int first = 1;
+		for (char *dir = strtok_r(opt + strlen(key), ":", &psave); dir;
+		     dir = strtok_r(NULL, ":", &psave)) {
+			int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+			if (fd < 0) {
+				free(out);
+				free(copy);
+				return NULL; /* the mount reports what is wrong with the path */
+			}
+			len += (size_t)snprintf(out + len, cap - len, "%s/proc/self/fd/%d", first ? "" : ":", fd);
+			first = 0;
+		}
+	}
+	free(copy);
+	return out;
+}
+
 static int crun_wrap(int argc, char **argv)
 {
 	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
@@ -2450,7 +2498,8 @@ static int crun_wrap(int argc, char **argv)
 			return 125;
 		}
 	}
-	if (ovl_target && mount("overlay", ovl_target, "overlay", MS_NODEV, ovl_data) < 0) {
+	char *by_fd = ovl_target ? overlay_by_fd(ovl_data) : NULL;
+	if (ovl_target && mount("overlay", ovl_target, "overlay", MS_NODEV, by_fd ? by_fd : ovl_data) < 0) {
 		dprintf(2, "dsec-init crun-wrap: mount overlay on %s: %s\n", ovl_target, strerror(errno));
 		return 125;
 	}
