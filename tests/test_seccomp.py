@@ -397,3 +397,81 @@ def test_python_workload_under_the_profile(sync: DSecSyncClient, platform: Platf
         assert [e["syscall"] for e in events(platform.data_dir, sb.id, want=1)] == ["mount"]
     finally:
         sb.stop()
+
+
+def _signal_verdicts(cases: list[tuple[int, int, int, int]]) -> list[int]:
+    """errno of each raw syscall(nr, a0, a1, a2) under the profile (flag rules turned
+    into ERRNO 99, so flagged and merely refused differ), in a child that is pid 1 of
+    its own pid namespace: a wrongly allowed kill(1, ...) only signals that child."""
+    import ctypes
+    import struct
+
+    prof = seccomp.profile(listener_path="/x.sock", metadata="t")
+    rules = [
+        {**r, "action": "SCMP_ACT_ERRNO", "errnoRet": 99} if r["action"] == "SCMP_ACT_NOTIFY" else r
+        for r in prof["syscalls"]
+    ]
+    bpf = seccomp.compile_bpf({**prof, "syscalls": rules})
+    assert bpf is not None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    r, w = os.pipe()
+    parent = os.fork()
+    if parent == 0:  # the test process's child: give it a pid namespace of its own
+        try:
+            os.setsid()  # kill(0, ...) below must reach this group only, not pytest's
+            assert libc.unshare(0x20000000) == 0  # CLONE_NEWPID
+            pid = os.fork()
+            if pid == 0:
+                import signal as sig
+
+                for s in (sig.SIGTERM, sig.SIGINT, sig.SIGUSR1):
+                    sig.signal(s, sig.SIG_IGN)
+                buf = ctypes.create_string_buffer(bpf)
+                prog = struct.pack("HL", len(bpf) // 8, ctypes.addressof(buf))
+                fprog = ctypes.create_string_buffer(prog)
+                libc.prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
+                libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+                assert libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0) == 0  # a filter
+                out = []
+                for nr, *args in cases:
+                    rc = libc.syscall(ctypes.c_long(nr), *(ctypes.c_ulong(a) for a in args))
+                    out.append(0 if rc == 0 else ctypes.get_errno())
+                os.write(w, json.dumps(out).encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+        except BaseException as exc:  # say why, instead of an empty pipe
+            os.write(w, json.dumps(repr(exc)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = os.read(r, 65536)
+    os.close(r)
+    os.waitpid(parent, 0)
+    return list(json.loads(data))
+
+
+def test_signal_rules_flag_pid1_whatever_the_high_bits() -> None:
+    """kill-family calls at pid 1 (low 32 bits) with a signal are flagged; probes,
+    other targets and the caller's own group pass; kill(-1) is flagged."""
+    kill, tkill, tgkill = 62, 200, 234
+    self_pid = 1  # the child is pid 1 of its namespace: flagged cases never run
+    cases = [
+        (kill, 1, 15, 0),  # flagged
+        (kill, (1 << 32) | 1, 15, 0),  # flagged: the kernel sees pid 1
+        (kill, 0xFFFFFFFF00000001, 2, 0),  # flagged
+        (kill, 0xFFFFFFFFFFFFFFFF, 15, 0),  # kill(-1): flagged
+        (kill, 1, 0, 0),  # probe: allowed
+        (kill, 0, 10, 0),  # own process group (SIGUSR1, ignored): allowed
+        (kill, 2, 10, 0),  # no such pid: allowed, ESRCH
+        (kill, 0xFFFFFFFFFFFFFFFE, 10, 0),  # group 2: allowed, ESRCH
+        (tkill, 1, 15, 0),  # flagged
+        (tkill, 3, 10, 0),  # allowed, ESRCH
+        (tgkill, 1, 1, 2),  # flagged (the signal is the third argument)
+    ]
+    got = _signal_verdicts(cases)
+    esrch = errno.ESRCH
+    assert got == [99, 99, 99, 99, 0, 0, esrch, esrch, 99, esrch, 99], got
+    assert self_pid == 1
+    assert "memfd_secret" in seccomp.DANGEROUS and "memfd_secret" not in seccomp.ALLOWED
+    assert not set(seccomp.SIGNAL_CALLS) & set(seccomp.ALLOWED)

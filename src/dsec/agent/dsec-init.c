@@ -15,7 +15,9 @@
  *
  * Hostile-root hardening: the agent is not dumpable (no ptrace, no /proc/1/fd from inside),
  * every fd it owns is O_CLOEXEC, and forked helpers close every fd they do not need, so no
- * command ever inherits the listening socket or another client's connection.
+ * command ever inherits the listening socket or another client's connection. As pid 1 it
+ * ignores every signal sent from inside the sandbox and reports each one to the edge
+ * (see "signals sent to pid 1" below): only the host ends a sandbox.
  *
  * Second mode, host side: `dsec-init crun-wrap ...` wraps every OCI runtime call (fd 3
  * placement, crun 1.8.1 on hybrid cgroup hosts; see crun_wrap()).
@@ -46,6 +48,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/types.h>
 #include <sys/un.h>
@@ -179,6 +182,19 @@ static void warnx(const char *fmt, ...)
 	vsnprintf(msg, sizeof msg, fmt, ap);
 	va_end(ap);
 	dprintf(2, "dsec-init: %s\n", msg);
+}
+
+/* What a forked helper (supervisor, file operation) runs with: the mask pid 1 had
+ * before it blocked everything (see "signals sent to pid 1") (SIGCHLD for the supervisor's signalfd; TERM, INT, HUP). */
+static void child_signal_mask(void)
+{
+	sigset_t set;
+	sigemptyset(&set);
+	sigaddset(&set, SIGCHLD);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGINT);
+	sigaddset(&set, SIGHUP);
+	sigprocmask(SIG_SETMASK, &set, NULL);
 }
 
 /* Growable byte buffer: data lives at p[off, off+len). */
@@ -842,6 +858,7 @@ static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
 /* Forked by the agent for each command. fds: stdin_r, stdout_w, stderr_w, ctl_w, sup_r. */
 static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const int fds[5])
 {
+	child_signal_mask();
 	move_fds(fds, 5, 0); /* now 0,1,2 = command stdio, 3 = ctl, 4 = agent's control pipe */
 	set_cloexec(3);
 	set_cloexec(4);
@@ -887,7 +904,7 @@ static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const 
 /* ------------------------------------------------------------------------------------ */
 /* the agent: connections and commands                                                  */
 
-enum conn_state { CS_HEADER, CS_EXEC, CS_CLOSING };
+enum conn_state { CS_HEADER, CS_EXEC, CS_CLOSING, CS_WATCH };
 
 struct cmd;
 
@@ -926,6 +943,127 @@ static int64_t g_accept_pause_until;
 static unsigned char g_iobuf[FRAME_HDR + CHUNK];
 
 static void __attribute__((noreturn)) shutdown_all(void);
+static int conn_frame(struct conn *c, int type, const void *a, size_t an, const void *b, size_t bn);
+
+/* ------------------------------------------------------------------------------------ */
+/* signals sent to pid 1                                                                */
+/* Only the host ends a sandbox: with SIGKILL (the edge empties the cgroup, or crun      */
+/* delete --force; the kernel always delivers SIGKILL to a namespace's init from an     */
+/* ancestor namespace), with 'Q' on the agent socket (which exists only on the host),   */
+/* or with SIGTERM/SIGINT from outside (an operator's `crun kill`). Every catchable     */
+/* signal is blocked and read from the signalfd, so whatever path one took (kill,       */
+/* tgkill, sigqueue, pidfd_send_signal, a process group, F_SETOWN + F_SETSIG, ...) it   */
+/* arrives as data, never as an action, and is reported to the edge. SIGKILL and        */
+/* SIGSTOP cannot be blocked; the kernel drops them for a namespace's init unless they  */
+/* come from an ancestor namespace (the seccomp profile records kill(1, ...) attempts). */
+/*                                                                                      */
+/* Who sent it: for SI_USER the kernel fills in the sender's pid as seen from our pid   */
+/* namespace, and 0 for a sender in an ancestor namespace. SI_USER cannot be forged:    */
+/* rt_sigqueueinfo and pidfd_send_signal refuse a non-negative si_code unless a process */
+/* signals itself, while their negative codes (SI_QUEUE, ...) carry a pid of the        */
+/* sender's choosing. So "from the host" is SI_USER with pid 0, and nothing else is.    */
+/* The edge holds one watcher connection ('N'); each ignored signal becomes a 'G' frame: */
+/*   u32 signo, i32 si_code, u32 pid, u32 uid, u32 not_itemised_before, char comm[16]   */
+/* (signo 0: only a count of signals that did not fit the ring). Bounded: a flood is    */
+/* counted, never stored, and never keeps the loop from its other work.                 */
+
+#define NOTE_RING 32
+#define NOTE_LEN 36u
+#define NOTE_OUT_HIGH 4096u /* leave notes in the ring while the watcher lags */
+#define SIG_READS 256       /* signals read per wake-up */
+
+struct sig_note {
+	uint32_t signo, pid, uid, before;
+	int32_t code;
+	char comm[16];
+};
+
+static struct sig_note g_notes[NOTE_RING];
+static unsigned g_note_head, g_note_len;
+static uint32_t g_notes_lost; /* not itemised since the last note that was stored */
+static struct conn *g_watcher;
+
+/* The kernel's 64-bit signal set with every signal: glibc's sigfillset and sigprocmask
+ * leave out its two internal real-time signals, which would then reach us unseen. */
+static const uint64_t ALL_SIGNALS = ~0ULL;
+
+static void block_all_signals(void)
+{
+	syscall(SYS_rt_sigprocmask, SIG_BLOCK, &ALL_SIGNALS, NULL, sizeof ALL_SIGNALS);
+}
+
+static void read_comm(pid_t pid, char comm[16])
+{
+	char path[40];
+	snprintf(path, sizeof path, "/proc/%d/comm", (int)pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+	if (fd < 0)
+		return;
+	ssize_t n = read(fd, comm, 15);
+	close(fd);
+	if (n > 0 && comm[n - 1] == '\n')
+		n--;
+	comm[n > 0 ? n : 0] = 0;
+}
+
+static void flush_notes(void)
+{
+	struct conn *w = g_watcher;
+	if (!w || w->dead)
+		return;
+	unsigned char m[NOTE_LEN];
+	while (w->out.len < NOTE_OUT_HIGH && (g_note_len || g_notes_lost)) {
+		struct sig_note z = {0}, *n = &z;
+		if (g_note_len) {
+			n = &g_notes[g_note_head];
+			g_note_head = (g_note_head + 1) % NOTE_RING;
+			g_note_len--;
+		} else {
+			z.before = g_notes_lost; /* signo 0: a count only */
+			g_notes_lost = 0;
+		}
+		put_u32(m, n->signo);
+		put_u32(m + 4, (uint32_t)n->code);
+		put_u32(m + 8, n->pid);
+		put_u32(m + 12, n->uid);
+		put_u32(m + 16, n->before);
+		memcpy(m + 20, n->comm, 16);
+		if (conn_frame(w, 'G', m, sizeof m, NULL, 0) < 0)
+			return;
+	}
+}
+
+static void note_signal(const struct signalfd_siginfo *si)
+{
+	if (g_note_len == NOTE_RING) {
+		g_notes_lost++;
+		return;
+	}
+	struct sig_note *n = &g_notes[(g_note_head + g_note_len++) % NOTE_RING];
+	memset(n, 0, sizeof *n);
+	n->signo = si->ssi_signo;
+	n->code = si->ssi_code;
+	n->pid = si->ssi_pid;
+	n->uid = si->ssi_uid;
+	n->before = g_notes_lost;
+	g_notes_lost = 0;
+	/* The kernel filled in the pid (SI_USER, SI_TKILL): its name is worth a look. A
+	 * sender-chosen pid (SI_QUEUE, ...) would only name an innocent process. */
+	if (n->pid > 1 && (n->code == SI_USER || n->code == SI_TKILL))
+		read_comm((pid_t)n->pid, n->comm);
+	flush_notes();
+}
+
+static void watch_signals(struct conn *c)
+{
+	if (g_watcher && g_watcher != c && !g_watcher->dead) { /* a restarted edge: the newest */
+		close_fd(&g_watcher->fd);
+		g_watcher->dead = 1;
+	}
+	g_watcher = c;
+	c->state = CS_WATCH;
+	flush_notes();
+}
 
 static int conn_frame(struct conn *c, int type, const void *a, size_t an, const void *b, size_t bn)
 {
@@ -1711,6 +1849,7 @@ static void __attribute__((noreturn)) do_fs(int s, uint32_t op, uint32_t flags, 
 
 static void __attribute__((noreturn)) fileop_main(struct conn *c, int type, const unsigned char *p, uint32_t n)
 {
+	child_signal_mask();
 	int fds[1] = {c->fd};
 	move_fds(fds, 1, 3);
 	int s = 3;
@@ -1803,6 +1942,9 @@ static void conn_first_frame(struct conn *c, int type, const unsigned char *p, u
 	case 'Q':
 		shutdown_all();
 		break;
+	case 'N':
+		watch_signals(c);
+		break;
 	default:
 		conn_fail(c, EINVAL, "unknown operation");
 	}
@@ -1850,7 +1992,7 @@ static void conn_exec_frame(struct conn *c, int type, const unsigned char *p, ui
 
 static void conn_process(struct conn *c)
 {
-	while (!c->dead && c->state != CS_CLOSING && c->in.len >= FRAME_HDR) {
+	while (!c->dead && c->state != CS_CLOSING && c->state != CS_WATCH && c->in.len >= FRAME_HDR) {
 		const unsigned char *h = c->in.p + c->in.off;
 		uint32_t n = get_u32(h + 1);
 		if (n > MAX_FRAME) {
@@ -1886,8 +2028,8 @@ static void conn_on_readable(struct conn *c, int force)
 		force = 0;
 		ssize_t n = recv(c->fd, g_iobuf, CHUNK, MSG_DONTWAIT);
 		if (n > 0) {
-			if (c->state == CS_CLOSING)
-				continue; /* the reply is out; input is discarded */
+			if (c->state == CS_CLOSING || c->state == CS_WATCH)
+				continue; /* the reply is out (or none is due); input is discarded */
 			if (buf_add(&c->in, g_iobuf, (size_t)n) < 0) {
 				conn_lost(c);
 				return;
@@ -1969,15 +2111,13 @@ static void reap_all(void)
 
 static void __attribute__((noreturn)) shutdown_all(void)
 {
+	/* When a namespace's init exits, the kernel kills everything else in it and waits
+	 * for it (no kill(-1) of ours: the seccomp profile refuses and records that call). */
+	if (g_pid1)
+		_exit(0);
 	int64_t end = now_ns() + 1000000000LL;
 	for (;;) {
-		int left;
-		if (g_pid1) {
-			kill(-1, SIGKILL); /* everything in our pid namespace but us */
-			left = 0;
-		} else {
-			left = signal_descendants(getpid(), SIGKILL);
-		}
+		int left = signal_descendants(getpid(), SIGKILL);
 		while (waitpid(-1, NULL, WNOHANG) > 0) {
 		}
 		int st;
@@ -1993,11 +2133,23 @@ static void __attribute__((noreturn)) shutdown_all(void)
 static void on_signal(void)
 {
 	struct signalfd_siginfo si;
-	while (read(g_sfd, &si, sizeof si) == (ssize_t)sizeof si) {
-		if (si.ssi_signo == SIGCHLD)
-			reap_all();
-		else if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
-			shutdown_all();
+	for (int i = 0; i < SIG_READS && read(g_sfd, &si, sizeof si) == (ssize_t)sizeof si; i++) {
+		int code = si.ssi_code, stop = si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT;
+		if (si.ssi_signo == SIGCHLD && code > 0 && code <= CLD_CONTINUED)
+			continue; /* a child changed state (the kernel's own code): reaped below */
+		if (!g_pid1) { /* a plain subreaper (tests, FnCall-less hosts): obey as before */
+			if (stop)
+				shutdown_all();
+			continue;
+		}
+		if (code == SI_USER && si.ssi_pid == 0) { /* from an ancestor namespace: the host */
+			if (stop)
+				shutdown_all();
+			continue;
+		}
+		if (code == SI_USER && si.ssi_pid == (uint32_t)g_agent_pid)
+			continue; /* our own SIGPIPE, from a write to a pipe a command closed */
+		note_signal(&si);
 	}
 	reap_all(); /* SIGCHLD coalesces; reaping is cheap */
 }
@@ -2047,6 +2199,8 @@ static void collect_garbage(void)
 	for (struct conn **pc = &g_conns; *pc;) {
 		struct conn *c = *pc;
 		if (c->dead) {
+			if (c == g_watcher)
+				g_watcher = NULL;
 			*pc = c->next;
 			close_fd(&c->fd);
 			buf_free(&c->in);
@@ -2139,8 +2293,9 @@ static int agent_main(void)
 	if (rl.rlim_cur > g_nofile_orig.rlim_cur)
 		setrlimit(RLIMIT_NOFILE, &rl);
 
-	/* Signals arrive through a signalfd. pid 1 only receives signals it handles, so
-	 * SIGTERM/SIGINT also get a handler (never run: they stay blocked). */
+	/* Signals arrive through a signalfd, all of them (see "signals sent to pid 1"): a
+	 * blocked signal is queued even for a namespace's init, so each one is seen. The
+	 * handlers are for forked helpers, which get the narrower mask back. */
 	struct sigaction sa;
 	memset(&sa, 0, sizeof sa);
 	sa.sa_handler = noop_handler;
@@ -2149,14 +2304,9 @@ static int agent_main(void)
 	sigaction(SIGHUP, &sa, NULL);
 	sa.sa_handler = SIG_IGN;
 	sigaction(SIGPIPE, &sa, NULL);
-	sigset_t set;
-	sigemptyset(&set);
-	sigaddset(&set, SIGCHLD);
-	sigaddset(&set, SIGTERM);
-	sigaddset(&set, SIGINT);
-	sigaddset(&set, SIGHUP);
-	sigprocmask(SIG_BLOCK, &set, NULL);
-	g_sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+	block_all_signals();
+	g_sfd = (int)syscall(SYS_signalfd4, -1, &ALL_SIGNALS, sizeof ALL_SIGNALS,
+			     SFD_CLOEXEC | SFD_NONBLOCK);
 	if (g_sfd < 0) {
 		warnx("signalfd: %s", strerror(errno));
 		return 2;
@@ -2168,6 +2318,8 @@ static int agent_main(void)
 		run_timers(now);
 		for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next)
 			cmd_check_done(cmd, now);
+		if (g_note_len || g_notes_lost)
+			flush_notes(); /* the watcher caught up, or a new one arrived */
 		for (struct conn *c = g_conns; c; c = c->next)
 			if (!c->dead && (c->out.len || (c->state == CS_CLOSING && !c->wr_shut)))
 				conn_flush(c);
@@ -2253,6 +2405,54 @@ static int agent_main(void)
 /* then lives only in the container's namespace and the kernel unmounts it when the     */
 /* sandbox's last process exits: nothing to leak on the host.                           */
 
+/* The root overlay's options name host paths (the data directory, the layer and sandbox
+ * directories) and the kernel shows them to the sandbox in /proc/self/mountinfo. Name
+ * each directory by an fd instead: the kernel resolves /proc/self/fd/N at mount time and
+ * keeps the string, so the sandbox sees fd numbers only. The fds are close-on-exec (crun
+ * never has them). NULL: leave the options as they are (a path with an escape in it). */
+static char *overlay_by_fd(const char *data)
+{
+	if (strchr(data, '\\'))
+		return NULL;
+	size_t cap = strlen(data) + 1;
+	for (const char *p = data; *p; p++)
+		if (*p == ':' || *p == ',' || *p == '=')
+			cap += 24;
+	char *out = malloc(cap), *copy = strdup(data);
+	if (!out || !copy) {
+		free(out);
+		free(copy);
+		return NULL;
+	}
+	size_t len = 0;
+	char *save = NULL;
+	for (char *opt = strtok_r(copy, ",", &save); opt; opt = strtok_r(NULL, ",", &save)) {
+		const char *keys[] = {"lowerdir=", "upperdir=", "workdir="};
+		const char *key = NULL;
+		for (size_t k = 0; k < 3 && !key; k++)
+			if (strncmp(opt, keys[k], strlen(keys[k])) == 0)
+				key = keys[k];
+		len += (size_t)snprintf(out + len, cap - len, "%s%s", len ? "," : "", key ? key : opt);
+		if (!key)
+			continue;
+		char *psave = NULL;
+		int first = 1;
+		for (char *dir = strtok_r(opt + strlen(key), ":", &psave); dir;
+		     dir = strtok_r(NULL, ":", &psave)) {
+			int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+			if (fd < 0) {
+				free(out);
+				free(copy);
+				return NULL; /* the mount reports what is wrong with the path */
+			}
+			len += (size_t)snprintf(out + len, cap - len, "%s/proc/self/fd/%d", first ? "" : ":", fd);
+			first = 0;
+		}
+	}
+	free(copy);
+	return out;
+}
+
 static int crun_wrap(int argc, char **argv)
 {
 	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
@@ -2298,7 +2498,8 @@ static int crun_wrap(int argc, char **argv)
 			return 125;
 		}
 	}
-	if (ovl_target && mount("overlay", ovl_target, "overlay", MS_NODEV, ovl_data) < 0) {
+	char *by_fd = ovl_target ? overlay_by_fd(ovl_data) : NULL;
+	if (ovl_target && mount("overlay", ovl_target, "overlay", MS_NODEV, by_fd ? by_fd : ovl_data) < 0) {
 		dprintf(2, "dsec-init crun-wrap: mount overlay on %s: %s\n", ovl_target, strerror(errno));
 		return 125;
 	}

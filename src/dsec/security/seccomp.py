@@ -28,12 +28,13 @@ import ctypes.util
 import functools
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dsec.errors import BackendError
 from dsec.security.audit import AuditSink
-from dsec.security.seccomp_listener import SeccompListener
+from dsec.security.seccomp_listener import SIGNAL_ARGS, SeccompListener
 
 EPERM = 1
 ENOSYS = 38
@@ -58,7 +59,7 @@ ALLOWED: tuple[str, ...] = (
     "utimensat", "utimes", "vmsplice", "write", "writev", "fanotify_mark",
     "chroot", "cachestat",
     # memory
-    "brk", "madvise", "membarrier", "memfd_create", "memfd_secret", "mincore",
+    "brk", "madvise", "membarrier", "memfd_create", "mincore",
     "mlock", "mlock2", "mlockall", "mmap", "mprotect", "mremap", "msync",
     "munlock", "munlockall", "munmap", "pkey_alloc", "pkey_free", "pkey_mprotect",
     "remap_file_pages", "map_shadow_stack", "process_mrelease",
@@ -67,10 +68,10 @@ ALLOWED: tuple[str, ...] = (
     "fork", "vfork", "getcpu", "getegid", "geteuid", "getgid", "getgroups",
     "getitimer", "getpgid", "getpgrp", "getpid", "getppid", "getpriority",
     "getresgid", "getresuid", "getrlimit", "get_robust_list", "getrusage",
-    "getsid", "gettid", "getuid", "ioprio_get", "ioprio_set", "kill",
+    "getsid", "gettid", "getuid", "ioprio_get", "ioprio_set",
     "pidfd_open", "pidfd_send_signal", "prctl", "prlimit64", "restart_syscall",
-    "rseq", "rt_sigaction", "rt_sigpending", "rt_sigprocmask", "rt_sigqueueinfo",
-    "rt_sigreturn", "rt_sigsuspend", "rt_sigtimedwait", "rt_tgsigqueueinfo",
+    "rseq", "rt_sigaction", "rt_sigpending", "rt_sigprocmask",
+    "rt_sigreturn", "rt_sigsuspend", "rt_sigtimedwait",
     "sched_getaffinity", "sched_getattr", "sched_getparam",
     "sched_get_priority_max", "sched_get_priority_min", "sched_getscheduler",
     "sched_rr_get_interval", "sched_setaffinity", "sched_setattr",
@@ -78,7 +79,7 @@ ALLOWED: tuple[str, ...] = (
     "setfsgid", "setfsuid", "setgid", "setgroups", "setitimer", "setpgid",
     "setpriority", "setregid", "setresgid", "setresuid", "setreuid", "setrlimit",
     "set_robust_list", "setsid", "set_tid_address", "setuid", "sigaltstack",
-    "tgkill", "tkill", "wait4", "waitid", "pause", "getrandom",
+    "wait4", "waitid", "pause", "getrandom",
     "landlock_add_rule", "landlock_create_ruleset", "landlock_restrict_self",
     # time (reading only), timers, polling, IPC
     "alarm", "clock_getres", "clock_gettime", "clock_nanosleep", "gettimeofday",
@@ -114,6 +115,9 @@ DANGEROUS: tuple[str, ...] = (
     "acct", "quotactl", "quotactl_fd", "syslog", "iopl", "ioperm",
     "open_by_handle_at", "name_to_handle_at", "vhangup", "lookup_dcookie",
     "uselib", "_sysctl", "nfsservctl",
+    # secret memory is unmapped from the kernel's direct map: our detectors could not
+    # read it and it is a fresh kernel surface; nothing an agent's task needs
+    "memfd_secret",
 )  # fmt: skip
 # Not listed anywhere, so refused quietly (EPERM, no event): calls that honest tools
 # probe for, where an event would blame a clean rollout. NUMA policy (libnuma, hwloc
@@ -126,6 +130,19 @@ ENOSYS_CALLS: tuple[str, ...] = ("clone3", "io_uring_setup", "io_uring_enter", "
 # vsock is not namespaced: from inside a VM (this host may be one), AF_VSOCK reaches the
 # hypervisor's services whatever the sandbox's network namespace says.
 AF_VSOCK = 40
+
+# Signals aimed at pid 1 (the sandbox's dsec-init) and broadcast kills. pid 1 already
+# ignores every signal from inside its pid namespace (dsec-init.c); these rules make
+# the attempt fail with EPERM and reach the edge, which records ``signal_to_init``
+# (SIGKILL and SIGSTOP never reach pid 1's signalfd: the kernel drops them for a
+# namespace's init, so only here can they be seen). name -> (target arg, signal arg).
+# Only a non-zero signal counts: ``kill(1, 0)`` is an existence probe honest tools use.
+# pidfd_send_signal names its target by an fd a filter cannot read; pid 1 reports
+# what arrives that way itself.
+SIGNAL_CALLS: dict[str, tuple[int, int]] = SIGNAL_ARGS
+INIT_PID = 1
+BROADCAST = 0xFFFFFFFF  # kill(-1): every process but pid 1 (the kernel's definition)
+LOW32 = 0xFFFFFFFF
 
 # clone flags that create namespaces (Docker's mask 0x7E020000).
 CLONE_NS_FLAGS: dict[str, int] = {
@@ -190,6 +207,7 @@ def _rules(notify: bool) -> list[dict[str, Any]]:
         },
         flag(["socket"], [{"index": 0, "value": AF_VSOCK, "op": "SCMP_CMP_EQ"}]),
     ]
+    syscalls += _signal_rules(flag, broadcast=notify)
     # Conditions within one rule are ANDed, rules are ORed: one rule per persona and
     # one per namespace flag.
     syscalls += [
@@ -208,6 +226,51 @@ def _rules(notify: bool) -> list[dict[str, Any]]:
             )
         )
     return syscalls
+
+
+def _masked(index: int, mask: int, value: int) -> dict[str, Any]:
+    return {"index": index, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}
+
+
+def _signal_rules(flag: Callable[..., dict[str, Any]], *, broadcast: bool) -> list[dict[str, Any]]:
+    """Flag a kill-family call whose target's low 32 bits are pid 1 (and, with
+    ``broadcast``, kill(-1)) and whose signal is not 0; allow every other call.
+
+    kill(-1) never reaches pid 1 (the kernel skips a namespace's init); it is flagged
+    only so that the attempt is on record, hence only where a listener records it. A
+    FnCall runner (no listener) ends a step's tree with kill(-1) itself.
+
+    Why the target is compared masked, and why the allow side is a list of bit
+    patterns: the kernel truncates the pid argument to 32 bits, so ``kill(1 << 32 | 1)``
+    signals pid 1, and a plain 64-bit ``!= 1`` would let it through. libseccomp has no
+    masked "not equal", and where an allow rule overlaps a flag rule for the same call
+    the allow wins (checked in tests), so the allowed set is covered by patterns that
+    are each disjoint from the flagged targets: bit 0 clear, or a bit k >= 1 set (target
+    1 only); for kill, which also flags 0xffffffff, a pair of adjacent bits >= 1 that
+    differ (a value whose bits 1..31 are neither all clear nor all set has one)."""
+    rules: list[dict[str, Any]] = []
+    for name, (target, sig) in SIGNAL_CALLS.items():
+        flagged = [INIT_PID, BROADCAST] if name == "kill" and broadcast else [INIT_PID]
+        for value in flagged:
+            rules.append(
+                flag(
+                    [name],
+                    [
+                        _masked(target, LOW32, value),
+                        {"index": sig, "value": 0, "op": "SCMP_CMP_NE"},
+                    ],
+                )
+            )
+        allow: list[dict[str, Any]] = [{"index": sig, "value": 0, "op": "SCMP_CMP_EQ"}]
+        allow.append(_masked(target, 1, 0))
+        if BROADCAST in flagged:
+            for i in range(1, 31):
+                pair = (1 << i) | (1 << (i + 1))
+                allow += [_masked(target, pair, 1 << i), _masked(target, pair, 1 << (i + 1))]
+        else:
+            allow += [_masked(target, 1 << k, 1 << k) for k in range(1, 32)]
+        rules += [{"names": [name], "action": "SCMP_ACT_ALLOW", "args": [a]} for a in allow]
+    return rules
 
 
 def profile(*, listener_path: str | None = None, metadata: str = "") -> dict[str, Any]:

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import struct
 import threading
@@ -57,6 +58,17 @@ BURST = 10
 WINDOW = 10.0
 PAUSE = 0.01
 
+# Kill-family calls the profile flags (dsec.security.seccomp.SIGNAL_CALLS): the index
+# of the target and of the signal argument. Kept here so the listener does not import
+# the profile module (which imports this one).
+SIGNAL_ARGS: dict[str, tuple[int, int]] = {
+    "kill": (0, 1),
+    "tkill": (0, 1),
+    "tgkill": (0, 2),
+    "rt_sigqueueinfo": (0, 1),
+    "rt_tgsigqueueinfo": (0, 2),
+}
+
 _X86_64_NAMES = {
     9: "mmap", 56: "clone", 101: "ptrace", 103: "syslog", 135: "personality",
     155: "pivot_root", 159: "adjtimex", 163: "acct", 164: "settimeofday", 165: "mount",
@@ -70,6 +82,8 @@ _X86_64_NAMES = {
     320: "kexec_file_load", 321: "bpf", 323: "userfaultfd", 428: "open_tree",
     429: "move_mount", 430: "fsopen", 431: "fsconfig", 432: "fsmount", 433: "fspick",
     438: "pidfd_getfd", 442: "mount_setattr", 443: "quotactl_fd", 153: "vhangup",
+    62: "kill", 200: "tkill", 234: "tgkill", 129: "rt_sigqueueinfo",
+    297: "rt_tgsigqueueinfo", 447: "memfd_secret",
 }  # fmt: skip
 
 
@@ -359,7 +373,16 @@ class SeccompListener:
         dropped = self._suppressed.pop((sid, name), 0)
         if dropped:
             detail["suppressed_before"] = dropped
-        self.audit.event(sid, EventKind.SECCOMP_VIOLATION, **detail)
+        kind = EventKind.SECCOMP_VIOLATION
+        where = SIGNAL_ARGS.get(name)
+        if where is not None:
+            # Only signals at pid 1 (or kill(-1)) are flagged by the profile.
+            kind = EventKind.SIGNAL_TO_INIT
+            target, sig = _int32(args[where[0]]), _int32(args[where[1]])
+            detail.update(
+                target=target, signal=signal_name(sig), signo=sig, via="seccomp", action="refused"
+            )
+        self.audit.event(sid, kind, **detail)
         return True
 
     def _admit(self, sid: str, name: str) -> bool:
@@ -373,6 +396,21 @@ class SeccompListener:
         times.append(now)
         self._rate[key] = times
         return True
+
+
+def _int32(value: int) -> int:
+    """What the kernel makes of a pid or signal argument: its low 32 bits, signed."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value & 0x80000000 else value
+
+
+def signal_name(signo: int) -> str:
+    """``SIGTERM`` for 15, ``SIGRTMIN+3`` for real-time signals, else the number."""
+    with contextlib.suppress(ValueError):
+        return signal.Signals(signo).name
+    if signal.SIGRTMIN <= signo <= signal.SIGRTMAX:
+        return f"SIGRTMIN+{signo - signal.SIGRTMIN}"
+    return str(signo)
 
 
 def _sandbox_of(data: bytes) -> str | None:

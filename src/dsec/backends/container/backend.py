@@ -39,6 +39,7 @@ from dsec.resources.disk import MiB, SandboxDisk
 from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
 from dsec.security.events import AuditKind
+from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
@@ -152,6 +153,8 @@ class ContainerBackend(Backend):
         self._warming: dict[str, asyncio.Future[int]] = {}
         # inotify on protected-path decoys: one fd for the edge (dsec.security.protected)
         self.decoys = protected_paths.DecoyWatcher(self.audit)
+        # pid 1's reports of signals sent to it from inside (dsec.security.init_signals)
+        self.init_signals = InitSignalWatcher(self.audit)
         self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
 
     # -- paths --------------------------------------------------------------------------
@@ -170,6 +173,7 @@ class ContainerBackend(Backend):
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-orphan-reaper")
         self.decoys.start()
+        self.init_signals.start()
         if self.seccomp is not None:
             self.seccomp.start()
         probe = self._socket("x" * 16 + "-" + "0" * 16)
@@ -212,6 +216,7 @@ class ContainerBackend(Backend):
             self._reaper = None
         await self.verifiers.settle_all()
         self.decoys.close()
+        self.init_signals.close()
         if self.seccomp is not None:
             self.seccomp.close()
         spawn.reap_orphans(frozenset({self.runtime.name, Path(AGENT_PATH_IN_SANDBOX).name}))
@@ -288,6 +293,7 @@ class ContainerBackend(Backend):
             rec.runtime["pid"] = int((root / "init.pid").read_text().strip())
             self._seccomp_attached(rec)
             self.decoys.watch(sid, prepared)
+            self.init_signals.watch(sid, self._socket(sid))
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.destroy(rec)
@@ -356,6 +362,7 @@ class ContainerBackend(Backend):
 
     async def _teardown(self, sid: str, runtime: dict[str, Any]) -> None:
         self.decoys.unwatch(sid)  # before anything of ours opens the decoys
+        self.init_signals.unwatch(sid)
         if self.seccomp is not None:
             self.seccomp.forget(sid)
         root = self._dir(sid)
@@ -488,6 +495,7 @@ class ContainerBackend(Backend):
             held.append(digest)
         rec.runtime["layers_held"] = held
         self.decoys.watch(rec.id, prepared)
+        self.init_signals.watch(rec.id, self._socket(rec.id))  # and what pid 1 kept meanwhile
         if rec.runtime.get("seccomp") == "notify":
             # Its notify fd died with the old edge: dangerous calls still fail (ENOSYS)
             # but are no longer recorded; say so, so a trainer can tell.

@@ -6,6 +6,9 @@ capability and limit is chosen on purpose and reviewed in one place.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,60 @@ MASKED_PATHS = [
     "/sys/kernel/security",
     "/sys/kernel/btf",
 ]
+
+# What the sandbox would otherwise see of the host and of other sandboxes (decisions and
+# reasons, path by path, in docs/HOST_VIEW.md). Only what exists on this kernel: crun
+# would otherwise create mount points for paths the kernel lacks.
+HOST_VIEW_MASKS = [
+    # identity of the host: lets sandboxes tell they share one (co-residency)
+    "/proc/cmdline",
+    "/proc/sys/kernel/random/boot_id",
+    "/sys/devices/virtual/dmi",
+    "/sys/kernel/boot_params",
+    # other sandboxes: every btrfs quota group (their disk use), the EROFS layers
+    # mounted on this host (which images others run), per-disk write counters
+    "/sys/fs/btrfs",
+    "/sys/fs/erofs",
+    "/sys/fs/ext4",
+    "/sys/fs/xfs",
+    "/sys/fs/f2fs",
+    "/proc/program_cpu",  # some hypervisor kernels: per-program CPU time of the host
+    "/proc/locks",
+    # precise activity of the host and its other tenants: stall times in microseconds,
+    # per-device I/O (the loop device of every sandbox's disk among them)
+    "/proc/pressure",
+    "/proc/diskstats",
+    "/proc/partitions",
+    "/sys/devices/virtual/block",
+    "/sys/kernel/mm/ksm",
+    # physical memory layout and page-allocator state: aids to kernel exploits, like
+    # the slab and address files above
+    "/proc/iomem",
+    "/proc/buddyinfo",
+    "/proc/zoneinfo",
+    "/proc/pagetypeinfo",
+    "/sys/kernel/slab",
+]
+
+
+def _block_device_dirs() -> list[str]:
+    """The host's real disks' sysfs directories (I/O counters in their ``stat``);
+    virtual ones (loop, zram) are masked as a whole above."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/sys/block"):
+            real = os.path.realpath(entry.path)
+            if not real.startswith("/sys/devices/virtual/"):
+                found.append(real)
+    return sorted(found)
+
+
+@functools.cache
+def masked_paths() -> list[str]:
+    """Docker's masks, our kernel-address masks, the host-view masks (existing ones)."""
+    extra = [p for p in HOST_VIEW_MASKS + _block_device_dirs() if os.path.exists(p)]
+    return MASKED_PATHS + extra
+
 
 READONLY_PATHS = [
     "/proc/bus",
@@ -204,7 +261,7 @@ def build_config(
                 "cpu": {"quota": int(cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
                 "pids": {"limit": spec.pids_limit},
             },
-            "maskedPaths": MASKED_PATHS,
+            "maskedPaths": masked_paths(),
             "readonlyPaths": READONLY_PATHS,
             **({"seccomp": seccomp} if seccomp is not None else {}),
         },

@@ -866,6 +866,29 @@ static void mknod_dev(const char *name, unsigned maj, unsigned min) {
     chmod(path, 0666);
 }
 
+/* What an unprivileged step could read of the host in /proc (docs/HOST_VIEW.md, as for
+ * container sandboxes; root-only files need no mask, a step has no capabilities and no
+ * /sys): the host's identity (kernel command line, boot id), other tenants' activity
+ * (stall times, per-disk I/O, file locks) and page-allocator state. Files get /dev/null,
+ * directories an empty read-only tmpfs; a path this kernel lacks is skipped. */
+static const char *const proc_masks[] = {
+    "proc/cmdline", "proc/sys/kernel/random/boot_id", "proc/locks", "proc/diskstats",
+    "proc/partitions", "proc/buddyinfo", "proc/zoneinfo", "proc/iomem", "proc/keys",
+    "proc/kallsyms", "proc/pressure",
+};
+
+static void mask_proc(void) {
+    for (size_t i = 0; i < sizeof proc_masks / sizeof proc_masks[0]; i++) {
+        struct stat st;
+        if (lstat(proc_masks[i], &st)) continue;
+        if (S_ISDIR(st.st_mode))
+            mount_or_die("tmpfs", proc_masks[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                         "size=0");
+        else
+            mount_or_die("dev/null", proc_masks[i], NULL, MS_BIND, NULL);
+    }
+}
+
 static void runner(int go) {
     char c;
     if (read(go, &c, 1) != 1) _exit(0);
@@ -914,6 +937,7 @@ static void runner(int go) {
     mknod_dev("full", 1, 7);
     mknod_dev("random", 1, 8);
     mknod_dev("urandom", 1, 9);
+    mask_proc();
     mkdir("dev/shm", 01777);
     chmod("dev/shm", 01777);
     (void)symlink("/proc/self/fd", "dev/fd");
