@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import platform_process  # noqa: E402
 
+from bench.baseline import baseline_tree  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount  # noqa: E402
 
 GRADER = '[ "$(cat /work/answer.txt)" = "$(cat /grader/expected.txt)" ]'
@@ -65,26 +62,6 @@ def pct(samples: list[float], q: float) -> float:
 def summary(samples: list[float]) -> dict[str, float]:
     ms = [s * 1000 for s in samples]
     return {"n": len(ms), "p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99)}
-
-
-@contextlib.contextmanager
-def baseline_tree(rev: str) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dsec-bench-base-"))
-    path.rmdir()
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield path
-    finally:
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-            capture_output=True,
-            check=False,
-        )
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def spec(image: str, tree: str) -> DSecContainerRunArgs:

@@ -66,7 +66,9 @@ def test_drop_page_charges_reclaims_pages_of_an_emptied_cgroup(tmp_dir: Path) ->
         assert usage - kmem >= 1 << 20, "the writer's page cache was not charged here"
         drop_page_charges(host, rel)
         usage, kmem = _memory_usage(d)
-        assert usage <= kmem  # no page left to pin the cgroup once it is removed
+        # No page left to pin the cgroup once it is removed (of the 4 MiB; a page or
+        # two of a busy host's writeback may be charged meanwhile).
+        assert usage - kmem <= 4 * 4096, (usage, kmem)
         drop_page_charges(host, rel)  # nothing to do: a no-op, not an error
     finally:
         host.kill_and_remove(rel, timeout=5)

@@ -249,6 +249,8 @@ async def test_the_agents_code_cannot_read_the_answer_or_forge_the_result(
     assert_fail(v, attack)
     assert task.answer not in v.stdout + v.stderr, attack
     assert v.results == {"by-grader": "graded\n"}, v.results  # only the grader wrote
+    if attack == "kill the grader":  # refused, and the attempt is the sandbox's
+        await task.event(EventKind.SIGNAL_TO_INIT)
 
 
 async def test_without_the_runner_the_same_code_would_forge(task: Task) -> None:

@@ -97,6 +97,7 @@ class InitSignalWatcher:
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._rate: dict[str, list[float]] = {}
         self._suppressed: dict[str, int] = {}
+        self._report_as: dict[str, str] = {}  # a verifier's reports are its sandbox's
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -109,13 +110,18 @@ class InitSignalWatcher:
     def watching(self, sandbox_id: str) -> bool:
         return sandbox_id in self._watches
 
-    def watch(self, sandbox_id: str, agent_socket: Path, attempt: int = 0) -> None:
+    def watch(
+        self, sandbox_id: str, agent_socket: Path, attempt: int = 0, *, report_as: str | None = None
+    ) -> None:
         """Open the report connection (at create and at adoption: a restarted edge gets
         what pid 1 kept meanwhile). Never blocks: a unix connect either completes at
-        once or finds the backlog full (then a few retries)."""
+        once or finds the backlog full (then a few retries). ``report_as``: record the
+        events under that sandbox (a verifier's pid 1 reports for the graded one)."""
         if self._loop is None:
             return
         self.unwatch(sandbox_id)
+        if report_as is not None:
+            self._report_as[sandbox_id] = report_as
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
@@ -125,7 +131,8 @@ class InitSignalWatcher:
             sock.close()
             if attempt < len(_RETRY):
                 self._retries[sandbox_id] = self._loop.call_later(
-                    _RETRY[attempt], self.watch, sandbox_id, agent_socket, attempt + 1
+                    _RETRY[attempt],
+                    lambda: self.watch(sandbox_id, agent_socket, attempt + 1, report_as=report_as),
                 )
             else:
                 log.warning("sandbox %s: no signal reports from pid 1: %s", sandbox_id, exc)
@@ -144,6 +151,7 @@ class InitSignalWatcher:
             w.sock.close()
         self._rate.pop(sandbox_id, None)
         self._suppressed.pop(sandbox_id, None)
+        self._report_as.pop(sandbox_id, None)
 
     def _readable(self, sandbox_id: str) -> None:
         w = self._watches.get(sandbox_id)
@@ -188,4 +196,5 @@ class InitSignalWatcher:
         dropped = self._suppressed.pop(sandbox_id, 0)
         if dropped:
             detail["suppressed_before"] = dropped
-        self.audit.event(sandbox_id, EventKind.SIGNAL_TO_INIT, **detail)
+        owner = self._report_as.get(sandbox_id, sandbox_id)
+        self.audit.event(owner, EventKind.SIGNAL_TO_INIT, **detail)

@@ -465,3 +465,6 @@ async def _start(
             )
     finally:
         listener.close()
+    # Signals the grader's or the agent's code sends the verifier's pid 1 are the
+    # graded sandbox's attempts (the watch ends with the verifier's teardown).
+    backend.init_signals.watch(vid, sock, report_as=rec.id)
