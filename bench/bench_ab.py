@@ -27,14 +27,10 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from bench.baseline import baseline_tree  # noqa: E402
+from bench.stats import pct  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 
 SPEC = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 async def batch(client: DSecClient, opts: argparse.Namespace, out: dict[str, list[float]]) -> None:

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from bench.baseline import baseline_tree  # noqa: E402
+from bench.stats import summary  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount  # noqa: E402
 
 GRADER = '[ "$(cat /work/answer.txt)" = "$(cat /grader/expected.txt)" ]'
@@ -52,16 +52,6 @@ TREES = {
     " while [ $i -lt 1000 ]; do dd if=/dev/urandom of=f$i bs=8k count=1 2>/dev/null;"
     " i=$((i+1)); done",
 }
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def summary(samples: list[float]) -> dict[str, float]:
-    ms = [s * 1000 for s in samples]
-    return {"n": len(ms), "p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99)}
 
 
 def spec(image: str, tree: str) -> DSecContainerRunArgs:

@@ -54,10 +54,10 @@ def check_graded_path(value: str) -> str:
     if not value.startswith("/") or "\x00" in value or len(value) > 1024:
         raise ValueError(f"graded path must be an absolute path without NUL, got {value!r}")
     norm = posixpath.normpath(value)
+    if norm in ("/", "//"):
+        raise ValueError("the root directory cannot be graded: name the agent's work paths")
     if norm != value.rstrip("/") or ".." in value.split("/") or norm.startswith("//"):
         raise ValueError(f"graded path must be normalised (no '..', '//', '.'), got {value!r}")
-    if norm == "/":
-        raise ValueError("the root directory cannot be graded: name the agent's work paths")
     if any(c in norm for c in ",:\\") or any(not c.isprintable() or c.isspace() for c in norm):
         raise ValueError(
             f"graded path {value!r} has a character a mount option cannot carry "

@@ -206,6 +206,18 @@ def stop_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
     return Call("DELETE", sandbox_path(sandbox_id), _model(SandboxInfo))
 
 
+def _command_body(model: type[M], command: str | list[str], **fields: Any) -> bytes:
+    """One command request (exec or verify): fields left at None take the server's
+    defaults, then the model decides validity (a typed 422 before anything is sent)."""
+    present = {k: v for k, v in fields.items() if v is not None}
+    present["env"] = dict(present.get("env") or {})
+    try:
+        body = model.model_validate({"command": command, **present})
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return body.model_dump_json(exclude_defaults=True).encode()
+
+
 def exec_command(
     sandbox_id: str,
     command: str | list[str],
@@ -217,25 +229,21 @@ def exec_command(
     stdin: str | None = None,
     max_output_bytes: int | None = None,
 ) -> Call[ExecResult]:
-    fields: dict[str, Any] = {"command": command, "env": dict(env or {})}
-    for key, value in (
-        ("timeout", timeout),
-        ("workdir", workdir),
-        ("user", user),
-        ("stdin", stdin),
-        ("max_output_bytes", max_output_bytes),
-    ):
-        if value is not None:
-            fields[key] = value
-    try:
-        body = ExecRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise invalid(exc) from None
+    content = _command_body(
+        ExecRequest,
+        command,
+        timeout=timeout,
+        env=env,
+        workdir=workdir,
+        user=user,
+        stdin=stdin,
+        max_output_bytes=max_output_bytes,
+    )
     return Call(
         "POST",
         sandbox_path(sandbox_id) + "/exec",
         _model(ExecResult),
-        content=body.model_dump_json(exclude_defaults=True).encode(),
+        content=content,
         headers=_JSON_HEADERS,
         timeout=wait_timeout(timeout),
     )
@@ -255,26 +263,23 @@ def verify_command(
     max_output_bytes: int | None = None,
 ) -> Call[VerifyResult]:
     """A grader in a pristine verifier that sees the graded paths as read-only data."""
-    fields: dict[str, Any] = {"command": command, "env": dict(env or {}), "mode": mode}
-    for key, value in (
-        ("graded", list(graded) if graded is not None else None),
-        ("timeout", timeout),
-        ("workdir", workdir),
-        ("user", user),
-        ("stdin", stdin),
-        ("max_output_bytes", max_output_bytes),
-    ):
-        if value is not None:
-            fields[key] = value
-    try:
-        body = VerifyRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise invalid(exc) from None
+    content = _command_body(
+        VerifyRequest,
+        command,
+        graded=list(graded) if graded is not None else None,
+        mode=mode,
+        timeout=timeout,
+        env=env,
+        workdir=workdir,
+        user=user,
+        stdin=stdin,
+        max_output_bytes=max_output_bytes,
+    )
     return Call(
         "POST",
         sandbox_path(sandbox_id) + "/verify",
         _model(VerifyResult),
-        content=body.model_dump_json(exclude_defaults=True).encode(),
+        content=content,
         headers=_JSON_HEADERS,
         timeout=wait_timeout(timeout or 600.0),
     )
