@@ -287,6 +287,18 @@ async def test_the_agents_code_runs_unprivileged_with_the_graded_tree_read_only(
 # ---- class 4: acting behind the grader's back ----------------------------------------
 
 
+async def test_the_graders_home_is_not_the_agents(task: Task) -> None:
+    """/root is graded by default; the grader's HOME is a fresh directory, so tools that
+    read ~/.gitconfig, ~/.npmrc or pip.conf do not take the agent's."""
+    await task.sh("printf '[alias]\\n\\tstatus = !echo PASS\\n' > /root/.gitconfig; true")
+    v = await task.verify(
+        'echo "$HOME"; ls -A "$HOME"; test -e /root/.gitconfig && echo graded', mode="isolated"
+    )
+    assert v.stdout.splitlines() == ["/.dsec/home", "graded"], v.stdout
+    v = await task.verify("$DSEC_UNTRUSTED sh -c 'echo $HOME'")
+    assert v.stdout == "/tmp\n", v.stdout
+
+
 async def test_nothing_is_shared_with_the_agent(task: Task) -> None:
     """No shared /tmp, /dev/shm, processes or abstract sockets between agent and
     grader: the agent's planted answers and listeners are not there."""

@@ -15,6 +15,7 @@
  *     where the kernel has Landlock scopes (ABI >= 6) it can also neither signal
  *     processes outside its domain nor reach abstract unix sockets outside it;
  *   - with no file descriptor of the grader but stdin, stdout and stderr;
+ *   - with HOME=/tmp (the grader's home is under /.dsec);
  *   - in a session of its own; when it exits, every process left running as its user
  *     (double forks, setsid: it does not matter) is killed, so nothing lingers to change
  *     files after the grader has read them.
@@ -360,6 +361,7 @@ int main(int argc, char **argv)
 			for (int fd = 3; fd < 65536; fd++)
 				close(fd);
 		signal(SIGPIPE, SIG_DFL);
+		setenv("HOME", "/tmp", 1); /* the grader's HOME is under /.dsec, hidden from us */
 		execvp(argv[i], argv + i);
 		fprintf(stderr, "dsec-untrusted: %s: %s\n", argv[i], strerror(errno));
 		_exit(errno == ENOENT ? 127 : 126);

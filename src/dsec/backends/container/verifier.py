@@ -74,11 +74,14 @@ MAX_RESULT_BYTES = 64 * 1024
 # interpreter hooks. Defaults the pristine image's own environment may change ...
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
     "LANG": "C.UTF-8",
 }
-# ... and what it may not (the request's own env, the caller's, comes last).
+HOME_IN_VERIFIER = "/.dsec/home"
+# ... and what it may not (the request's own env, the caller's, comes last). HOME is a
+# fresh directory: /root and /home are usually graded, and tools read their
+# configuration from HOME (~/.gitconfig aliases and pagers, ~/.npmrc, pip.conf, ...).
 FIXED_ENV = {
+    "HOME": HOME_IN_VERIFIER,
     "PYTHONNOUSERSITE": "1",
     "PYTHONDONTWRITEBYTECODE": "1",
     # A planted *.dist-info on the grader's module path must not load a pytest plug-in.
@@ -417,6 +420,7 @@ def _verifier_dirs(root: Path, prepared: list[protected.Prepared]) -> None:
     hidden = "".join(p.path + "\n" for p in prepared)
     (root / "verify" / "hidden").write_text(hidden)
     (root / "result").mkdir(mode=0o700)
+    (root / "home").mkdir(mode=0o700)
 
 
 async def _start(
@@ -438,6 +442,7 @@ async def _start(
         _bind(untrusted_binary(), UNTRUSTED_IN_VERIFIER),
         _bind(root / "verify", VERIFY_DIR_IN_VERIFIER),
         _bind(root / "result", RESULT_DIR_IN_VERIFIER, writable=True),
+        _bind(root / "home", HOME_IN_VERIFIER, writable=True),
         *protected.verifier_mounts(prepared),
         *(_graded_mount(path, g, rootfs) for path, g in sorted(snap.copies.items())),
     ]
