@@ -43,7 +43,7 @@ from tests.conftest import platform_process  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox  # noqa: E402
 from dsec.resources import cgroups  # noqa: E402
 from dsec.resources import swap as swapmod  # noqa: E402
-from dsec.rl.jobs import swap_available  # noqa: E402
+from dsec.resources.reclaim import swap_available  # noqa: E402
 
 MiB = 1024 * 1024
 

@@ -63,6 +63,25 @@ class SandboxRecord:
         )
 
 
+@dataclass(frozen=True)
+class ReclaimFigures:
+    """What a paused sandbox's reclaim achieved, in bytes (None: the host cannot say)."""
+
+    before: int | None
+    after: int | None
+    anon_before: int | None
+    anon_after: int | None
+    swap: int | None
+
+
+@dataclass(frozen=True)
+class PackedWritable:
+    """What ``pack_writable`` put in the layer: entries, and the paths it left out."""
+
+    files: int
+    excluded: list[str]
+
+
 class Backend(ABC):
     kind: BackendKind
 
@@ -133,11 +152,35 @@ class Backend(ABC):
         refused before the sandbox is touched."""
         raise Unsupported(f"the {self.kind} backend cannot run verifier steps yet")
 
-    async def pause(self, rec: SandboxRecord) -> None:
+    # -- pause (paper §6.3): freeze, then give memory back; resume thaws --------------
+    def pause(self, rec: SandboxRecord) -> None:
+        """Stop every process of the sandbox, at once and synchronously (it runs on the
+        event loop under the edge's exclusive hold, so no request can see the sandbox
+        running once it returns). Raises BackendError if it does not take."""
         raise Unsupported(f"the {self.kind} backend cannot pause sandboxes yet")
 
-    async def resume(self, rec: SandboxRecord) -> None:
+    async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
+        """Give a paused sandbox's memory back to the host (to swap where ``swap``)."""
+        raise Unsupported(f"the {self.kind} backend cannot reclaim a paused sandbox yet")
+
+    def resume(self, rec: SandboxRecord) -> None:
+        """Undo ``pause`` (synchronously: the next request must find it running);
+        idempotent, and a sandbox that is already gone is not an error."""
         raise Unsupported(f"the {self.kind} backend cannot resume sandboxes yet")
+
+    async def adopt_paused(self, rec: SandboxRecord) -> bool:
+        """After an edge restart: re-adopt a sandbox recorded as paused and keep it
+        paused. False: it is gone."""
+        return False
+
+    async def pack_writable(
+        self, rec: SandboxRecord, out: Path, *, compression: str | None, paused: bool
+    ) -> PackedWritable:
+        """Build the EROFS image ``out`` of the sandbox's changes (its writable layer,
+        minus platform mounts and protected paths) with the sandbox held still
+        meanwhile (``paused``: it already is). For pack_diff and fork (dsec.rl.pack).
+        Raises Unsupported for a sandbox without a writable layer."""
+        raise Unsupported(f"the {self.kind} backend cannot pack a sandbox")
 
     async def snapshot(self, rec: SandboxRecord) -> str:
         raise Unsupported(f"the {self.kind} backend cannot snapshot sandboxes yet")

@@ -461,6 +461,32 @@ class Edge:
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
+    # -- the edge's port, for the RL job control and pack (dsec.rl): what they may do to
+    # a sandbox, and nothing of the edge's internals ------------------------------------
+    def record(self, sandbox_id: str) -> SandboxRecord:
+        """The sandbox's record (SandboxNotFound if this edge has none)."""
+        return self._get(sandbox_id)
+
+    def find(self, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox's record, or None if this edge has none."""
+        return self._records.get(sandbox_id)
+
+    def records_of_job(self, job_id: str, states: set[SandboxState]) -> list[SandboxRecord]:
+        """The job's sandboxes in one of ``states``, as they are now."""
+        return [
+            r for r in list(self._records.values()) if r.spec.job_id == job_id and r.state in states
+        ]
+
+    def exclusive(self, sandbox_id: str) -> asyncio.Lock:
+        """Held by every state change of the sandbox (create, stop, verify, pause):
+        hold it to make one that must not interleave with those."""
+        return self._lock(sandbox_id)
+
+    def transition(self, rec: SandboxRecord, state: SandboxState) -> None:
+        """Record a new state durably (edge.db) before returning; call it holding
+        ``exclusive(rec.id)``, except for the transparent resume of a paused sandbox."""
+        self._set(rec, state)
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self._get(sandbox_id).info()
 

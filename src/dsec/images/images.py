@@ -225,6 +225,26 @@ class Images:
                 await self.record_layer(info)
         return info
 
+    @property
+    def layer_compression(self) -> str | None:
+        return self.compression
+
+    def temp_layer_path(self) -> Path:
+        return self.store.temp_path(".erofs")
+
+    @contextlib.asynccontextmanager
+    async def adding_layer(self, built: Path) -> AsyncIterator[tuple[str, int]]:
+        try:
+            digest = await asyncio.to_thread(self.store.add_file, built)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(built.unlink, missing_ok=True))
+            raise
+        self._pending.add(digest)  # built, not yet tagged: the GC must not take it
+        try:
+            yield digest, self.store.size(digest)
+        finally:
+            self._pending.discard(digest)
+
     async def record_layer(self, info: LayerInfo) -> LayerInfo | None:
         """Register or move a layer tag; returns the previous entry, if any."""
         async with self._lock:

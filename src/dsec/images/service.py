@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
-from dsec.layer_model import LayerRef
+from dsec.layer_model import LayerInfo, LayerRef
 from dsec.model import DSecContainerRunArgs, ImageInfo
 
 # Called with (step description, done units, total units or None) during long work.
@@ -62,4 +64,32 @@ class ImageService(Protocol):
 
     def layer_path(self, digest: str) -> Path:
         """The verified EROFS blob of a layer on this host."""
+        ...
+
+
+@runtime_checkable
+class LayerBuilder(Protocol):
+    """An image service that can take a layer made from a sandbox's changes (pack_diff,
+    fork: dsec.rl.pack). Apart from ImageService, so a service without it still serves."""
+
+    @property
+    def layer_compression(self) -> str | None:
+        """The EROFS compression new layers get on this host (None: none)."""
+        ...
+
+    def temp_layer_path(self) -> Path:
+        """A fresh path in the layer store's file system for a layer being built."""
+        ...
+
+    def adding_layer(self, built: Path) -> contextlib.AbstractAsyncContextManager[tuple[str, int]]:
+        """Move the EROFS file ``built`` into the store; yields (digest, size) while the
+        garbage collector leaves the unreferenced blob alone (register it meanwhile)."""
+        ...
+
+    async def record_layer(self, info: LayerInfo) -> LayerInfo | None:
+        """Register (or retag) a layer; returns the layer the name pointed at before."""
+        ...
+
+    async def gc(self) -> builtins.list[str]:
+        """Remove blobs nothing refers to; returns their digests."""
         ...

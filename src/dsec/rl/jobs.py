@@ -46,19 +46,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsec.backends.base import ReclaimFigures
 from dsec.errors import BackendError, InvalidArgument, Unsupported
 from dsec.model import TRAJECTORY_NAME_RE, SandboxState
-from dsec.resources.cgroups import CgroupHost, Layout
-from dsec.resources.swap import swap_free_bytes
+from dsec.resources.reclaim import swap_available
 from dsec.rl_model import JOB_ID_MAX, JobPauseReport, JobResumeReport, SandboxPause
-from dsec.security import protected
 from dsec.security.events import AuditKind
 
 if TYPE_CHECKING:
@@ -73,110 +70,6 @@ log = logging.getLogger(__name__)
 # through a loop device: 18.5-20.5 ms per cgroup 2 at a time, 14-17 ms 4 at a time.
 # 4 KiB pages are CPU-bound (~4 us each): there, more in flight only stretches each.
 RECLAIM_CONCURRENCY = max(2, min(8, 2 * (os.cpu_count() or 1)))
-# A frozen cgroup's swappiness while it is reclaimed (anon and page cache alike).
-PAUSE_SWAPPINESS = 100
-# Less page cache than this is not worth a reclaim on a swapless host.
-MIN_RECLAIM_BYTES = 256 * 1024
-
-
-def swap_available() -> bool:
-    """True if the host has active swap with room left (a device, a file or zram)."""
-    return swap_free_bytes() > 0
-
-
-def _memory_stat(host: CgroupHost, rel: str) -> dict[str, int]:
-    rel = rel.strip("/")
-    path = (
-        host.v1["memory"] / rel / "memory.stat"
-        if "memory" in host.v1
-        else (host.v2 / rel / "memory.stat" if host.v2 is not None else None)
-    )
-    out: dict[str, int] = {}
-    if path is None:
-        return out
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            key, _, val = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = int(val)
-    return out
-
-
-def anon_bytes(host: CgroupHost, rel: str) -> int | None:
-    """Anonymous memory charged to the cgroup (v1 total_rss+total_shmem, v2 anon+shmem)."""
-    stat = _memory_stat(host, rel)
-    if "total_rss" in stat:
-        return stat["total_rss"] + stat.get("total_shmem", 0)
-    if "anon" in stat:
-        return stat["anon"] + stat.get("shmem", 0)
-    return None
-
-
-def swap_bytes(host: CgroupHost, rel: str) -> int | None:
-    """The cgroup's memory in swap (v1 total_swap, v2 memory.swap.current)."""
-    stat = _memory_stat(host, rel)
-    if "total_swap" in stat:
-        return stat["total_swap"]
-    if host.layout is Layout.V2 and host.v2 is not None:
-        with contextlib.suppress(OSError, ValueError):
-            return int((host.v2 / rel.strip("/") / "memory.swap.current").read_text())
-    return None
-
-
-def file_bytes(host: CgroupHost, rel: str) -> int:
-    """Page cache charged to the cgroup that is not shmem (what reclaim can drop)."""
-    stat = _memory_stat(host, rel)
-    if "total_inactive_file" in stat:
-        return stat["total_inactive_file"] + stat.get("total_active_file", 0)
-    return stat.get("file", 0) - stat.get("shmem", 0)
-
-
-def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> tuple[int | None, int | None]:
-    """Push the cgroup's memory out as far as this host allows; (usage before, after).
-    Blocking: tens of ms of kernel reclaim when there is something to reclaim.
-
-    Without swap only page cache can go: if there is (almost) none, the reclaim is
-    skipped, because the kernel would spend ~25 ms retrying on anonymous pages that
-    have nowhere to go (measured: v1 force_empty on a frozen 64 MiB-anon cgroup)."""
-    before = host.memory_usage(rel)
-    if not swap and file_bytes(host, rel) < MIN_RECLAIM_BYTES:
-        return before, before
-    rel = rel.strip("/")
-    if "memory" in host.v1:
-        d = host.v1["memory"] / rel
-        old = _raise_swappiness(d) if swap else None
-        try:
-            # Reclaims page cache, and anon pages where swap exists; gives up (and
-            # still returns success) once the kernel makes no progress.
-            with contextlib.suppress(OSError):
-                (d / "memory.force_empty").write_text("0")
-        finally:
-            if old is not None:
-                with contextlib.suppress(OSError):
-                    (d / "memory.swappiness").write_text(old)
-    elif host.layout is Layout.V2 and host.v2 is not None and before:
-        target = host.v2 / rel / "memory.reclaim"
-        try:
-            target.write_text(f"{before} swappiness={PAUSE_SWAPPINESS}" if swap else str(before))
-        except OSError as exc:
-            # EINVAL: a kernel without the swappiness= argument; EAGAIN: less than asked
-            # could be reclaimed (expected without swap).
-            if swap and exc.errno == errno.EINVAL:
-                with contextlib.suppress(OSError):
-                    target.write_text(str(before))
-    return before, host.memory_usage(rel)
-
-
-def _raise_swappiness(d: Path) -> str | None:
-    """Set PAUSE_SWAPPINESS on a (frozen) v1 cgroup; the old value to put back."""
-    try:
-        old = (d / "memory.swappiness").read_text().strip()
-        if int(old) >= PAUSE_SWAPPINESS:
-            return None
-        (d / "memory.swappiness").write_text(str(PAUSE_SWAPPINESS))
-    except (OSError, ValueError):
-        return None
-    return old
 
 
 def check_job_id(job_id: str) -> str:
@@ -195,20 +88,8 @@ class JobControl:
         self.edge = edge
         self._reclaims = asyncio.Semaphore(RECLAIM_CONCURRENCY)
 
-    def _cgroup(self, rec: SandboxRecord) -> tuple[CgroupHost, str]:
-        backend = self.edge.backend
-        cgroups = getattr(backend, "cgroups", None)
-        path = getattr(backend, "_cgroup", None)
-        if not isinstance(cgroups, CgroupHost) or path is None:
-            raise Unsupported(f"the {backend.kind.value} backend cannot pause sandboxes")
-        return cgroups, str(path(rec.id))
-
     def _job(self, job_id: str, states: set[SandboxState]) -> list[SandboxRecord]:
-        return [
-            r
-            for r in list(self.edge._records.values())
-            if r.spec.job_id == job_id and r.state in states
-        ]
+        return self.edge.records_of_job(job_id, states)
 
     # -- pause ----------------------------------------------------------------------------
     async def pause_job(self, job_id: str) -> JobPauseReport:
@@ -248,48 +129,48 @@ class JobControl:
         return report
 
     async def _pause_one(self, rec: SandboxRecord, swap: bool) -> SandboxPause | None:
-        async with self.edge._lock(rec.id):  # waits for a verify or a stop in flight
+        backend = self.edge.backend
+        async with self.edge.exclusive(rec.id):  # waits for a verify or a stop in flight
             if rec.state is not SandboxState.RUNNING:
                 return None
             t0 = time.perf_counter()
             try:
-                host, rel = self._cgroup(rec)
                 # On the loop, not in a thread: no request can see RUNNING once frozen.
-                protected.freeze(host, rel, timeout=2.0)
+                backend.pause(rec)
             except (BackendError, Unsupported) as exc:
                 return SandboxPause(
                     sandbox_id=rec.id, duration=time.perf_counter() - t0, error=str(exc)
                 )
-            self.edge._set(rec, SandboxState.PAUSED)
+            self.edge.transition(rec, SandboxState.PAUSED)
             freeze = time.perf_counter() - t0
         async with self._reclaims:
-            anon_before = anon_bytes(host, rel)
             t1 = time.perf_counter()
-            before, after = await asyncio.to_thread(reclaim, host, rel, swap=swap)
+            try:
+                got = await backend.reclaim(rec, swap=swap)
+            except Unsupported:
+                got = ReclaimFigures(None, None, None, None, None)
             reclaim_s = time.perf_counter() - t1
-        anon = anon_bytes(host, rel)
-        swapped = swap_bytes(host, rel)
         duration = freeze + reclaim_s
         self.edge.audit.record(
             rec.id,
             AuditKind.LIFECYCLE,
             "pause",
             job_id=rec.spec.job_id,
-            memory_before=before,
-            memory_after=after,
-            anon=anon,
-            anon_before=anon_before,
-            swap=swapped,
+            memory_before=got.before,
+            memory_after=got.after,
+            anon=got.anon_after,
+            anon_before=got.anon_before,
+            swap=got.swap,
             freeze=round(freeze, 6),
             reclaim=round(reclaim_s, 6),
         )
         return SandboxPause(
             sandbox_id=rec.id,
-            memory_before_bytes=before,
-            memory_after_bytes=after,
-            anon_bytes=anon,
-            anon_before_bytes=anon_before,
-            swap_bytes=swapped,
+            memory_before_bytes=got.before,
+            memory_after_bytes=got.after,
+            anon_bytes=got.anon_after,
+            anon_before_bytes=got.anon_before,
+            swap_bytes=got.swap,
             duration=duration,
             freeze_seconds=freeze,
             reclaim_seconds=reclaim_s,
@@ -313,10 +194,9 @@ class JobControl:
         if rec.state is not SandboxState.PAUSED:
             return False
         t0 = time.perf_counter()
-        host, rel = self._cgroup(rec)
-        protected.thaw(host, rel)
+        self.edge.backend.resume(rec)
         rec.last_activity = time.monotonic()  # paused time never counts toward the TTL
-        self.edge._set(rec, SandboxState.RUNNING)
+        self.edge.transition(rec, SandboxState.RUNNING)
         self.edge.audit.record(
             rec.id,
             AuditKind.LIFECYCLE,
@@ -331,39 +211,11 @@ class JobControl:
         """Before a teardown: frozen tasks cannot die of SIGKILL until thawed."""
         if rec.state is SandboxState.PAUSED:
             with contextlib.suppress(Unsupported):
-                host, rel = self._cgroup(rec)
-                protected.thaw(host, rel)
+                self.edge.backend.resume(rec)
 
     # -- recovery -------------------------------------------------------------------------
     async def recover(self, rec: SandboxRecord) -> bool:
         """After an edge restart: a PAUSED sandbox whose container still exists is
         adopted and kept frozen (its agent cannot answer a ping while frozen, so the
         usual liveness check does not apply). False: it is gone."""
-        backend = self.edge.backend
-        runtime = getattr(backend, "runtime", None)
-        if runtime is None:
-            return False
-        state = await runtime.state(rec.id)
-        if state is None or state.get("status") not in ("paused", "running", "created"):
-            return False
-        host, rel = self._cgroup(rec)
-        if not host.pids(rel):
-            return False
-        if not protected.is_frozen(host, rel):
-            protected.freeze(host, rel, timeout=2.0)
-        _inherit_swappiness(host, rel)
-        await backend.adopt(rec)
-        return True
-
-
-def _inherit_swappiness(host: CgroupHost, rel: str) -> None:
-    """v1: a crash in the middle of a reclaim left PAUSE_SWAPPINESS on the sandbox; put
-    back its parent's value (0 where the platform keeps sandboxes off swap)."""
-    mem = host.v1.get("memory")
-    if mem is None:
-        return
-    d = mem / rel.strip("/")
-    with contextlib.suppress(OSError):
-        parent = (d.parent / "memory.swappiness").read_text().strip()
-        if (d / "memory.swappiness").read_text().strip() != parent:
-            (d / "memory.swappiness").write_text(parent)
+        return await self.edge.backend.adopt_paused(rec)

@@ -23,43 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
-from dsec.images.store import mkfs_erofs
+from dsec.images.service import LayerBuilder
 from dsec.layer_model import LayerInfo, LayerRef
 from dsec.model import SandboxInfo, SandboxState
 from dsec.rl_model import ForkRequest, ForkResult, PackedEnv
-from dsec.security import protected
 from dsec.security.events import AuditKind
 
 if TYPE_CHECKING:
     from dsec.backends.base import SandboxRecord
     from dsec.edge.edge import Edge
-
-# Never in a packed layer, whatever the container's config says.
-ALWAYS_EXCLUDED = ("/.dsec", "/etc/resolv.conf", "/proc", "/sys", "/dev")
-
-
-def excluded_paths(rec: SandboxRecord, config: dict[str, Any] | None) -> list[str]:
-    """Absolute paths left out of a packed layer: platform mounts and protected paths."""
-    paths = set(ALWAYS_EXCLUDED)
-    for mount in (config or {}).get("mounts", []):
-        dest = mount.get("destination") if isinstance(mount, dict) else None
-        if isinstance(dest, str) and dest.startswith("/") and dest.rstrip("/"):
-            paths.add(os.path.normpath(dest))
-    paths.update(os.path.normpath(m.path) for m in rec.spec.protected)
-    # A parent already excluded covers its children.
-    out: list[str] = []
-    for p in sorted(paths):
-        if not any(p.startswith(q.rstrip("/") + "/") for q in out):
-            out.append(p)
-    return out
 
 
 def _slot(rec: SandboxRecord) -> tuple[str, dict[str, Any]]:
@@ -77,80 +54,43 @@ def _slot(rec: SandboxRecord) -> tuple[str, dict[str, Any]]:
     return "toolkit", {"workspace": LayerRef(digest=layers[-1])}
 
 
-def _count(upper: Path, excluded: list[str]) -> int:
-    skip = {os.path.join(str(upper), p.lstrip("/")) for p in excluded}
-    n = 0
-    for dirpath, dirs, files in os.walk(upper):
-        dirs[:] = [d for d in dirs if os.path.join(dirpath, d) not in skip]
-        n += len(dirs) + sum(1 for f in files if os.path.join(dirpath, f) not in skip)
-    return n
-
-
 async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> PackedEnv:
-    """Freeze, mkfs.erofs the upper (exclusions applied), thaw, register ``name:version``."""
+    """Freeze, mkfs.erofs the changes (exclusions applied), thaw, register ``name:version``."""
     t0 = time.perf_counter()
-    rec = edge._get(sandbox_id)
-    backend = edge.backend
-    images: Any = edge.images
-    store = getattr(images, "store", None)
-    if store is None or not hasattr(images, "record_layer"):
+    rec = edge.record(sandbox_id)
+    images = edge.images
+    if not isinstance(images, LayerBuilder):
         raise Unsupported("this edge's image service cannot register layers")
-    cgroups = getattr(backend, "cgroups", None)
-    cgroup_of = getattr(backend, "_cgroup", None)
-    if cgroups is None or cgroup_of is None:
-        raise Unsupported(f"the {backend.kind.value} backend cannot pack a sandbox")
     slot, pinned = _slot(rec)
-    out = store.temp_path(".erofs")
-    async with edge._lock(sandbox_id):
+    out = images.temp_layer_path()
+    async with edge.exclusive(sandbox_id):
         if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {rec.state.value}", state=rec.state)
-        upper = backend.writable_dir(rec)
-        if upper is None or not upper.is_dir():
-            raise Unsupported(f"sandbox {sandbox_id} has no writable layer to pack")
-        root = upper.parent
-        try:
-            config = json.loads((root / "config.json").read_text())
-        except (OSError, ValueError):
-            config = None
-        excluded = excluded_paths(rec, config)
-        rel = cgroup_of(rec.id)
-        was_paused = rec.state is SandboxState.PAUSED
         f0 = time.perf_counter()
-        if not was_paused:
-            await asyncio.to_thread(protected.freeze, cgroups, rel)
         try:
-            await mkfs_erofs(
-                out, upper, compression=getattr(images, "compression", None), exclude=excluded
+            packed = await edge.backend.pack_writable(
+                rec,
+                out,
+                compression=images.layer_compression,
+                paused=rec.state is SandboxState.PAUSED,
             )
-            files = await asyncio.to_thread(_count, upper, excluded)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()
             raise
-        finally:
-            if not was_paused:
-                await asyncio.shield(asyncio.to_thread(protected.thaw, cgroups, rel))
         frozen = time.perf_counter() - f0
-    try:
-        digest = await asyncio.to_thread(store.add_file, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            out.unlink()
-        raise
-    images._pending.add(digest)  # built, not yet tagged: the GC must not take it
-    try:
+    files, excluded = packed.files, packed.excluded
+    async with images.adding_layer(out) as (digest, size):  # the GC leaves it alone
         info = LayerInfo(
             name=name,
             version=version,
             digest=digest,
-            size_bytes=store.size(digest),
+            size_bytes=size,
             kind=slot,
             source=f"pack:{sandbox_id}",
             created_at=datetime.now(UTC),
         )
         before = await images.record_layer(info)
-    finally:
-        images._pending.discard(digest)
     if before is not None and before.digest != digest:
         await images.gc()
     env = PackedEnv(
@@ -182,7 +122,7 @@ async def fork_sandbox(edge: Edge, sandbox_id: str, req: ForkRequest) -> ForkRes
     """pack_diff, then ``n`` sandboxes with the source's spec plus the new layer (pinned
     by digest). All or nothing: if one child fails, the others are stopped."""
     t0 = time.perf_counter()
-    rec = edge._get(sandbox_id)
+    rec = edge.record(sandbox_id)
     if any(m.files for m in rec.spec.protected):
         raise Unsupported(
             "fork of a sandbox with inline protected files is not supported (their "

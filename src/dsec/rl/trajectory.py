@@ -417,7 +417,7 @@ class TrajectoryService:
 
     def _check_sandbox(self, job: str, rollout: str, sandbox_id: str) -> None:
         """A step that must run needs its sandbox alive and bound to this rollout."""
-        rec = self.edge._records.get(sandbox_id)
+        rec = self.edge.find(sandbox_id)
         if rec is None or rec.state is not SandboxState.RUNNING:
             if self.log.used_sandbox(job, rollout, sandbox_id):
                 state = "gone" if rec is None else rec.state.value

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from dsec import linux, spawn
-from dsec.backends.base import Backend, SandboxRecord
-from dsec.backends.container import verifier
+from dsec.backends.base import Backend, PackedWritable, ReclaimFigures, SandboxRecord
+from dsec.backends.container import freezer, verifier
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
 from dsec.backends.container.runtime import OCIRuntime
-from dsec.errors import BackendError, InvalidArgument, LimitExceeded
+from dsec.errors import BackendError, InvalidArgument, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
 from dsec.model import BackendKind, ExecRequest, ExecResult
 from dsec.net.oci import net_mounts
@@ -555,6 +555,42 @@ class ContainerBackend(Backend):
     def writable_dir(self, rec: SandboxRecord) -> Path | None:
         root = rec.runtime.get("dir")
         return Path(root) / "upper" if isinstance(root, str) else None
+
+    # -- pause, reclaim, pack (dsec.backends.container.freezer) -------------------------
+    def pause(self, rec: SandboxRecord) -> None:
+        freezer.pause(self.cgroups, self._cgroup(rec.id))
+
+    async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
+        return await freezer.reclaim(self.cgroups, self._cgroup(rec.id), swap=swap)
+
+    def resume(self, rec: SandboxRecord) -> None:
+        freezer.resume(self.cgroups, self._cgroup(rec.id))
+
+    async def adopt_paused(self, rec: SandboxRecord) -> bool:
+        state = await self.runtime.state(rec.id)
+        if state is None or state.get("status") not in ("paused", "running", "created"):
+            return False
+        if not freezer.keep_paused(self.cgroups, self._cgroup(rec.id)):
+            return False
+        await self.adopt(rec)
+        return True
+
+    async def pack_writable(
+        self, rec: SandboxRecord, out: Path, *, compression: str | None, paused: bool
+    ) -> PackedWritable:
+        upper = self.writable_dir(rec)
+        if upper is None or not upper.is_dir():
+            raise Unsupported(f"sandbox {rec.id} has no writable layer to pack")
+        files, excluded = await freezer.pack(
+            rec,
+            self.cgroups,
+            self._cgroup(rec.id),
+            upper,
+            out,
+            compression=compression,
+            frozen_already=paused,
+        )
+        return PackedWritable(files=files, excluded=excluded)
 
     def check_limits(self, spec: Any) -> None:
         if (
