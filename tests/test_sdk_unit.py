@@ -477,6 +477,7 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.wire",  # the data path's wire format (pure pydantic)
         "dsec.layer_model",  # layer references (pure pydantic)
         "dsec.protected_model",  # protected paths (pure pydantic)
+        "dsec.verify_model",  # verify requests and verdicts (pure pydantic)
         "dsec.security.events",  # audit records and events (pure pydantic)
         "dsec.fncall_model",  # FnCall requests and results (pure pydantic)
         "dsec.rl_model",  # job pause reports, pack_diff/fork (pure pydantic)
