@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -76,19 +77,24 @@ async def run(opts: argparse.Namespace, plats: dict[str, Any]) -> dict[str, dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline-rev", default="a8ffc59")
+    ap.add_argument("--baseline-rev", default="a8ffc59", help="'.': this tree (see --baseline-env)")
+    ap.add_argument(
+        "--baseline-env", action="append", default=[], help="KEY=VALUE for the baseline's platform"
+    )
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--creates", type=int, default=20)
     ap.add_argument("--execs", type=int, default=100)
     opts = ap.parse_args()
     load = os.getloadavg()[0]
-    with (
-        baseline_tree(opts.baseline_rev) as base,
-        platform_process() as new,
-        platform_process(PYTHONPATH=str(base / "src")) as old,
-    ):
+    env = dict(kv.split("=", 1) for kv in opts.baseline_env)
+    with contextlib.ExitStack() as stack:
+        if opts.baseline_rev != ".":
+            base = stack.enter_context(baseline_tree(opts.baseline_rev))
+            env["PYTHONPATH"] = str(base / "src")
+        new = stack.enter_context(platform_process())
+        old = stack.enter_context(platform_process(**env))
         samples = asyncio.run(run(opts, {"new": new, "old": old}))
-    print(f"baseline {opts.baseline_rev}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"baseline {opts.baseline_rev} {env}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'measure':8} {'new p50':>9} {'old p50':>9} {'ratio':>6} {'new p99':>9} {'old p99':>9}")
     for key in ("create", "stop", "exec"):
         n = [s * 1000 for s in samples["new"][key]]

@@ -114,7 +114,10 @@ def _block_device_dirs() -> list[str]:
 
 @functools.cache
 def masked_paths() -> list[str]:
-    """Docker's masks, our kernel-address masks, the host-view masks (existing ones)."""
+    """Docker's masks, our kernel-address masks, the host-view masks (existing ones).
+    ``DSEC_HOST_VIEW_MASKS=0`` leaves the host-view ones out (to measure their cost)."""
+    if os.environ.get("DSEC_HOST_VIEW_MASKS") == "0":
+        return list(MASKED_PATHS)
     extra = [p for p in HOST_VIEW_MASKS + _block_device_dirs() if os.path.exists(p)]
     return MASKED_PATHS + extra
 
