@@ -11,7 +11,7 @@ its own address: ``SandboxInfo.data_path.url`` says which.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security, WebSocket
@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
 from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.filestreams import nonempty
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_mode
 from dsec.apiserver.responses import model_response
@@ -45,12 +46,6 @@ from dsec.wire import (
 _OCTET = "application/octet-stream"
 _TAR = "application/x-tar"
 _bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1...) or API key")
-
-
-async def _nonempty(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        if chunk:
-            yield chunk
 
 
 class DataAuth:
@@ -148,9 +143,7 @@ def file_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]
     async def upload(request: Request, sandbox_id: str, path: str) -> Response:
         """Members must stay below `path`: absolute names, `..` and outside links are 422."""
         set_body_limit(request, limits.max_import_bytes, "archive")
-        stats = await plane.upload(
-            sandbox_id, check_sandbox_path(path), _nonempty(request.stream())
-        )
+        stats = await plane.upload(sandbox_id, check_sandbox_path(path), nonempty(request.stream()))
         return Response(json.dumps(stats.__dict__), media_type="application/json", status_code=200)
 
     return router
@@ -185,9 +178,9 @@ def stream_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., objec
         request: Request, sandbox_id: str, path: str, mode: str = "644"
     ) -> Response:
         perms = parse_mode(mode)
-        set_body_limit(request, limits.max_import_bytes, "file")
+        set_body_limit(request, limits.max_stream_bytes, "file")
         await plane.write_stream(
-            sandbox_id, check_sandbox_path(path), _nonempty(request.stream()), mode=perms
+            sandbox_id, check_sandbox_path(path), nonempty(request.stream()), mode=perms
         )
         return Response(status_code=204)
 
