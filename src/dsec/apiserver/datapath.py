@@ -22,10 +22,10 @@ from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.filestreams import nonempty
 from dsec.apiserver.limits import ApiLimits, set_body_limit
-from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_mode
+from dsec.apiserver.params import MAX_LIST_LIMIT, check_sandbox_id, check_sandbox_path, parse_mode
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.rpc import RpcConnection
-from dsec.apiserver.wsmux import close_with_error
+from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import DSecError, Unauthenticated
@@ -65,6 +65,26 @@ class DataAuth:
         else:
             await self.keys.verify(credential)
 
+    async def handshake(self, credential: str | None) -> bool:
+        """Check the credential of a multiplexed socket; whether it is an API key.
+
+        A token must carry our signature, but may have expired: every frame is checked
+        again against its own sandbox's token, and an SDK holding an expired token must
+        still reach the frame that tells it to renew."""
+        if not credential:
+            raise Unauthenticated(MISSING_KEY + " or a sandbox token")
+        if not looks_like_token(credential):
+            await self.keys.verify(credential)
+            return True
+        parts = credential.split(".")
+        sandbox_id = parts[1] if len(parts) == 4 else ""
+        try:
+            self.plane.authorize(sandbox_id, credential)
+        except Unauthenticated as exc:
+            if "expired_at" not in exc.details:
+                raise
+        return False
+
     async def __call__(
         self,
         sandbox_id: str,
@@ -94,7 +114,10 @@ def file_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]
 
     @router.get("/fs/list", response_model=FileList, summary="List a directory")
     async def list_dir(
-        sandbox_id: str, path: str, recursive: bool = False, limit: int | None = None
+        sandbox_id: str,
+        path: str,
+        recursive: bool = False,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_LIST_LIMIT)] = None,
     ) -> Response:
         """Entries never follow symlinks; `recursive` walks subdirectories (paths relative)."""
         return model_response(
@@ -214,17 +237,19 @@ def install_data_path(
 
     @app.websocket(RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
-        """Multiplexed commands, sessions and streams (see ``dsec.wire``)."""
-        trusted = False
+        """Multiplexed commands, sessions and streams (see ``dsec.wire``).
+
+        The handshake needs a credential (``Authorization: Bearer``): an API key, which
+        makes every frame trusted, or a sandbox token, after which each frame still
+        carries the token of its own sandbox. Without one the upgrade is refused with
+        a typed 401 before any frame is read."""
         credential = _header_credential(ws)
+        try:
+            trusted = await data_auth.handshake(credential)
+        except DSecError as exc:
+            await refuse_handshake(ws, exc)
+            return
         await ws.accept()
-        if credential is not None and not looks_like_token(credential):
-            try:
-                await keys.verify(credential)
-            except DSecError as exc:
-                await close_with_error(ws, exc)
-                return
-            trusted = True
         await RpcConnection(ws, plane, trusted=trusted).serve()
 
     @app.websocket(prefix + "/pty")
