@@ -546,9 +546,9 @@ async def test_files_roundtrip_mode_and_caps(api: Api) -> None:
         r = await api.http.put(url, params={"path": "/a", "mode": mode}, content=b"x", headers=AUTH)
         assert_envelope(r, 422, "invalid_argument")
 
-    # Over the cap: declared length and chunked streaming both fail with limit_exceeded.
+    # Over the cap: declared length and chunked streaming both fail with a typed 413.
     r = await api.http.put(url, params={"path": "/big"}, content=b"x" * 2000, headers=AUTH)
-    assert "1 KiB" in assert_envelope(r, 422, "limit_exceeded")["message"]
+    assert "1 KiB" in assert_envelope(r, 413, "payload_too_large")["message"]
 
     def chunks() -> Iterator[bytes]:
         for _ in range(5):
@@ -559,7 +559,7 @@ async def test_files_roundtrip_mode_and_caps(api: Api) -> None:
             yield c
 
     r = await api.http.put(url, params={"path": "/big"}, content=achunks(), headers=AUTH)
-    assert_envelope(r, 422, "limit_exceeded")
+    assert_envelope(r, 413, "payload_too_large")
     assert (sid, "/big") not in api.edge.files
 
 
@@ -568,7 +568,7 @@ async def test_json_body_cap(api: Api) -> None:
     r = await api.http.post(
         f"/v1/sandboxes/{sid}/exec", json={"command": "cat", "stdin": "z" * 100_000}, headers=AUTH
     )
-    assert_envelope(r, 422, "limit_exceeded")
+    assert_envelope(r, 413, "payload_too_large")
 
 
 # ---- images ----------------------------------------------------------------------------
@@ -611,7 +611,7 @@ async def test_images_routes(api: Api) -> None:
     r = await api.http.put(
         "/v1/images/import", params={"ref": "big:1"}, content=b"a" * 5000, headers=AUTH
     )
-    assert_envelope(r, 422, "limit_exceeded")
+    assert_envelope(r, 413, "payload_too_large")
 
 
 # ---- fuzz ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox
 from dsec.edge.tokens import TokenSigner
@@ -37,7 +38,13 @@ def signer(platform: PlatformProcess) -> TokenSigner:
 
 async def rpc(url: str, sandbox_id: str, token: str | None, op: str = "run") -> dict[str, object]:
     ws_url = url.replace("http://", "ws://") + "/v1/edge/rpc"
-    async with connect(ws_url) as ws:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    try:  # the handshake itself needs a credential carrying our signature
+        ws_conn = await connect(ws_url, additional_headers=headers)
+    except InvalidStatus as exc:
+        refused: dict[str, object] = json.loads(exc.response.body or b"{}")
+        return refused
+    async with ws_conn as ws:
         msg: dict[str, object] = {"id": 1, "op": op, "sandbox": sandbox_id}
         msg["args"] = {"command": "echo pwned > /tmp/pwned"}
         if token is not None:

@@ -130,6 +130,14 @@ class LimitExceeded(DSecError):
     status = 422
 
 
+class PayloadTooLarge(LimitExceeded):
+    """A request body is larger than its route accepts: refused (413) before the
+    server reads past the cap, so one huge upload cannot fill the server's memory."""
+
+    code = "payload_too_large"
+    status = 413
+
+
 class AdmissionRejected(DSecError):
     """The host is full; retry later or elsewhere."""
 

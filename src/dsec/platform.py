@@ -46,6 +46,8 @@ from dsec.security.seccomp import SeccompGuard
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
+# Seconds the HTTP server waits for requests in flight at SIGTERM before cancelling them.
+SHUTDOWN_GRACE_S = 3
 
 
 def become_subreaper() -> None:
@@ -336,12 +338,24 @@ async def serve_app(
     import uvicorn
 
     from dsec.apiserver.batch import cancel_batches_on_exit
+    from dsec.apiserver.frames import MAX_FRAME_CHARS
+    from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
 
     tune_gc()
     escape_log_records()  # sandbox-controlled text in our log lines is made inert
+
+    async def bounded(scope: Any, receive: Any, send: Any) -> None:
+        """A request that the shutdown bound cancels ends quietly: that is the bound at
+        work, not a fault (uvicorn would log each one with a traceback)."""
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not server.should_exit:
+                raise
+
     server = _server_class()(
         uvicorn.Config(
-            app,
+            bounded,
             host=host,
             port=port,
             log_level="warning",
@@ -349,7 +363,14 @@ async def serve_app(
             # Longer than any client pool keeps idle connections (httpx: 5 s), so a
             # client never sends a request on a connection the server is closing.
             timeout_keep_alive=75,
-            http="httptools",
+            # Header timeout and size, connection cap (dsec.apiserver.httpguard).
+            http=guarded_protocol(ConnectionLimits.from_env()),
+            # A little above the frame cap, so that a frame past the cap still gets its
+            # typed answer (dsec.apiserver.frames); larger ones are closed with 1009.
+            ws_max_size=MAX_FRAME_CHARS + (1 << 20),
+            # SIGTERM is bounded whatever is in flight: requests and sockets still open
+            # after this are cancelled, so that the platform can stop (10 s in all).
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             lifespan="off",
         )
     )

@@ -82,7 +82,13 @@ def create_app(
     creator = creator or SandboxCreator(edge, iam=iam)  # one create path: sandboxes, batches
     app.include_router(
         sandbox_router(
-            edge, auth, limits, data_path=data_path, creator=creator, report_load=report_load
+            edge,
+            auth,
+            limits,
+            data_path=data_path,
+            creator=creator,
+            report_load=report_load,
+            streams=dataplane,
         )
     )
     app.state.batches = batch_runner(creator, data_path)  # see cancel_batches_on_exit

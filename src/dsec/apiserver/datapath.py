@@ -11,7 +11,7 @@ its own address: ``SandboxInfo.data_path.url`` says which.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security, WebSocket
@@ -20,11 +20,12 @@ from starlette.responses import Response, StreamingResponse
 
 from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
 from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.filestreams import nonempty
 from dsec.apiserver.limits import ApiLimits, set_body_limit
-from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_mode
+from dsec.apiserver.params import MAX_LIST_LIMIT, check_sandbox_id, check_sandbox_path, parse_mode
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.rpc import RpcConnection
-from dsec.apiserver.wsmux import close_with_error
+from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import DSecError, Unauthenticated
@@ -47,12 +48,6 @@ _TAR = "application/x-tar"
 _bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1...) or API key")
 
 
-async def _nonempty(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        if chunk:
-            yield chunk
-
-
 class DataAuth:
     """A sandbox token bound to the path's sandbox, or any valid API key."""
 
@@ -69,6 +64,26 @@ class DataAuth:
             self.plane.authorize(sandbox_id, credential)
         else:
             await self.keys.verify(credential)
+
+    async def handshake(self, credential: str | None) -> bool:
+        """Check the credential of a multiplexed socket; whether it is an API key.
+
+        A token must carry our signature, but may have expired: every frame is checked
+        again against its own sandbox's token, and an SDK holding an expired token must
+        still reach the frame that tells it to renew."""
+        if not credential:
+            raise Unauthenticated(MISSING_KEY + " or a sandbox token")
+        if not looks_like_token(credential):
+            await self.keys.verify(credential)
+            return True
+        parts = credential.split(".")
+        sandbox_id = parts[1] if len(parts) == 4 else ""
+        try:
+            self.plane.authorize(sandbox_id, credential)
+        except Unauthenticated as exc:
+            if "expired_at" not in exc.details:
+                raise
+        return False
 
     async def __call__(
         self,
@@ -99,7 +114,10 @@ def file_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]
 
     @router.get("/fs/list", response_model=FileList, summary="List a directory")
     async def list_dir(
-        sandbox_id: str, path: str, recursive: bool = False, limit: int | None = None
+        sandbox_id: str,
+        path: str,
+        recursive: bool = False,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_LIST_LIMIT)] = None,
     ) -> Response:
         """Entries never follow symlinks; `recursive` walks subdirectories (paths relative)."""
         return model_response(
@@ -148,9 +166,7 @@ def file_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., object]
     async def upload(request: Request, sandbox_id: str, path: str) -> Response:
         """Members must stay below `path`: absolute names, `..` and outside links are 422."""
         set_body_limit(request, limits.max_import_bytes, "archive")
-        stats = await plane.upload(
-            sandbox_id, check_sandbox_path(path), _nonempty(request.stream())
-        )
+        stats = await plane.upload(sandbox_id, check_sandbox_path(path), nonempty(request.stream()))
         return Response(json.dumps(stats.__dict__), media_type="application/json", status_code=200)
 
     return router
@@ -185,9 +201,9 @@ def stream_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., objec
         request: Request, sandbox_id: str, path: str, mode: str = "644"
     ) -> Response:
         perms = parse_mode(mode)
-        set_body_limit(request, limits.max_import_bytes, "file")
+        set_body_limit(request, limits.max_stream_bytes, "file")
         await plane.write_stream(
-            sandbox_id, check_sandbox_path(path), _nonempty(request.stream()), mode=perms
+            sandbox_id, check_sandbox_path(path), nonempty(request.stream()), mode=perms
         )
         return Response(status_code=204)
 
@@ -221,17 +237,19 @@ def install_data_path(
 
     @app.websocket(RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
-        """Multiplexed commands, sessions and streams (see ``dsec.wire``)."""
-        trusted = False
+        """Multiplexed commands, sessions and streams (see ``dsec.wire``).
+
+        The handshake needs a credential (``Authorization: Bearer``): an API key, which
+        makes every frame trusted, or a sandbox token, after which each frame still
+        carries the token of its own sandbox. Without one the upgrade is refused with
+        a typed 401 before any frame is read."""
         credential = _header_credential(ws)
+        try:
+            trusted = await data_auth.handshake(credential)
+        except DSecError as exc:
+            await refuse_handshake(ws, exc)
+            return
         await ws.accept()
-        if credential is not None and not looks_like_token(credential):
-            try:
-                await keys.verify(credential)
-            except DSecError as exc:
-                await close_with_error(ws, exc)
-                return
-            trusted = True
         await RpcConnection(ws, plane, trusted=trusted).serve()
 
     @app.websocket(prefix + "/pty")

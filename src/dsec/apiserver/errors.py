@@ -25,6 +25,7 @@ from dsec.errors import (
     InvalidArgument,
     LimitExceeded,
     NotFound,
+    PayloadTooLarge,
     PermissionDenied,
     Unauthenticated,
 )
@@ -54,7 +55,7 @@ class BodyTooLarge(HTTPException):
     """
 
     def __init__(self, error: LimitExceeded) -> None:
-        super().__init__(status_code=LimitExceeded.status, detail=error.message)
+        super().__init__(status_code=error.status, detail=error.message)
         self.error = error
 
 
@@ -150,7 +151,7 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
     if status == 403:
         return error_response(PermissionDenied(str(exc.detail)))
     if status == 413:
-        return error_response(LimitExceeded("request body is too large"))
+        return error_response(PayloadTooLarge("request body is too large"))
     if status < 500:
         # 400 "There was an error parsing the body" and friends: bad input, not our fault.
         return error_response(InvalidArgument(f"invalid request: {exc.detail}"))

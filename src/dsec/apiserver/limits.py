@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.apiserver.errors import BodyTooLarge
-from dsec.errors import LimitExceeded
+from dsec.errors import PayloadTooLarge
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -28,6 +28,10 @@ class ApiLimits:
     max_json_bytes: int = 80 * MiB  # exec stdin may be large; ExecRequest caps output at 64 MiB
     max_file_bytes: int = 256 * MiB  # one file read from or written into a sandbox
     max_import_bytes: int = 64 * GiB  # one image archive
+    # A file streamed into a sandbox (constant memory: only the sandbox's disk bounds it).
+    max_stream_bytes: int = 64 * GiB
+    # A file write that is a trajectory step: logged whole (base64 in the step log).
+    max_step_file_bytes: int = 32 * MiB
 
 
 def _human(n: int) -> str:
@@ -37,8 +41,8 @@ def _human(n: int) -> str:
     return f"{n} bytes"
 
 
-def too_large(limit: int, what: str = "request body") -> LimitExceeded:
-    return LimitExceeded(f"{what} is larger than the limit of {_human(limit)}", limit_bytes=limit)
+def too_large(limit: int, what: str = "request body") -> PayloadTooLarge:
+    return PayloadTooLarge(f"{what} is larger than the limit of {_human(limit)}", limit_bytes=limit)
 
 
 def set_body_limit(request: Request, limit: int, what: str) -> None:

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dsec.errors import InvalidArgument, SandboxNotFound
 from dsec.model import LABEL_KEY_RE, SANDBOX_ID_RE, parse_image_ref
 
+# The largest value a SQLite INTEGER (and so every cursor and step number) can hold.
+INT64_MAX = (1 << 63) - 1
+# Entries a directory listing may ask for at once (the agent's own cap is 10,000 a page
+# by default; a larger number was only a way to ask for an unbounded answer).
+MAX_LIST_LIMIT = 1_000_000
+
 
 def check_sandbox_id(sandbox_id: str) -> str:
     if not SANDBOX_ID_RE.match(sandbox_id):

@@ -19,10 +19,11 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from dsec.apiserver.params import check_sandbox_id
-from dsec.apiserver.wsmux import MuxConnection, error_payload
+from dsec.apiserver.errors import validation_message
+from dsec.apiserver.params import INT64_MAX, MAX_LIST_LIMIT, check_sandbox_id
+from dsec.apiserver.wsmux import MuxConnection, close_with_error, error_payload
 from dsec.edge.dataplane import DataPlane, check_path
-from dsec.errors import DSecError, InvalidArgument, Unauthenticated
+from dsec.errors import DSecError, InvalidArgument, PayloadTooLarge, Unauthenticated
 from dsec.sessions.processes import ManagedProcess
 from dsec.wire import (
     ChmodRequest,
@@ -99,7 +100,7 @@ def _proc(conn: RpcConnection, sid: str, args: dict[str, Any]) -> ManagedProcess
 async def _attach(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
     proc = _proc(conn, sid, args)
     start = args.get("start", 0)
-    if not isinstance(start, int) or start < 0:
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= INT64_MAX:
         raise InvalidArgument("args.start must be a chunk index >= 0")
     await conn.stream_output(rid, proc, start, False)
     return await proc.wait()
@@ -170,8 +171,10 @@ async def _stat(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -
 
 async def _list(conn: RpcConnection, rid: int, sid: str, args: dict[str, Any]) -> Any:
     limit = args.get("limit")
-    if limit is not None and not isinstance(limit, int):
-        raise InvalidArgument("args.limit must be an integer")
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT
+    ):
+        raise InvalidArgument(f"args.limit must be an integer from 1 to {MAX_LIST_LIMIT}")
     return await conn.plane.list_dir(
         sid,
         check_path(_arg(args, "path")),
@@ -227,6 +230,28 @@ HANDLERS: dict[str, Handler] = {
 }
 
 
+MAX_CONTROL_CHARS = 4096  # a resize is ~40 characters
+
+
+def parse_control(text: str, control: type[PtyControl]) -> PtyControl | None:
+    """A terminal's text frame: a resize, None for a JSON object of another type (a
+    newer client's message, ignored like an unknown escape), else a typed error."""
+    if len(text) > MAX_CONTROL_CHARS:
+        raise PayloadTooLarge(f"terminal control frames are limited to {MAX_CONTROL_CHARS} chars")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidArgument("a terminal text frame must be a JSON object") from None
+    if not isinstance(obj, dict):
+        raise InvalidArgument("a terminal text frame must be a JSON object")
+    if obj.get("type") != "resize":
+        return None
+    try:
+        return control.model_validate(obj)
+    except ValidationError as exc:
+        raise InvalidArgument(validation_message(exc.errors())) from None
+
+
 async def serve_pty(ws: WebSocket, proc: ManagedProcess, control: type[PtyControl]) -> None:
     """Pump a terminal both ways until the command ends or the client goes away."""
 
@@ -255,10 +280,12 @@ async def serve_pty(ws: WebSocket, proc: ManagedProcess, control: type[PtyContro
                 await proc.write_stdin(message["bytes"])
             elif message.get("text"):
                 try:
-                    ctl = control.model_validate_json(message["text"])
-                except ValidationError:
-                    continue  # unknown control messages are ignored, like unknown escapes
-                await proc.resize(ctl.rows, ctl.cols)
+                    ctl = parse_control(message["text"], control)
+                except DSecError as exc:  # garbage, not a newer client: hang up, typed
+                    await close_with_error(ws, exc)
+                    break
+                if ctl is not None:
+                    await proc.resize(ctl.rows, ctl.cols)
     except (WebSocketDisconnect, RuntimeError, DSecError):
         pass
     finally:

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.filestreams import FileStreams, read_response, write_body
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
 from dsec.apiserver.responses import model_response, sandboxes_response
@@ -48,6 +49,7 @@ def sandbox_router(
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
     creator: SandboxCreator | None = None,
     report_load: bool = False,
+    streams: FileStreams | None = None,
 ) -> APIRouter:
     creator = creator or SandboxCreator(edge)
     Principal = Annotated[str, Depends(auth)]
@@ -172,6 +174,10 @@ def sandbox_router(
     async def read_file(
         sandbox_id: str, path: Annotated[str, Query(description="absolute path")]
     ) -> Response:
+        if streams is not None:  # constant memory (dsec.apiserver.filestreams)
+            return await read_response(
+                streams, check_sandbox_id(sandbox_id), check_sandbox_path(path)
+            )
         data = await edge.read_file(
             check_sandbox_id(sandbox_id),
             check_sandbox_path(path),
@@ -201,7 +207,12 @@ def sandbox_router(
         target = check_sandbox_path(path)
         perms = parse_mode(mode)
         traj = trajectory_ref(job_id, rollout_id, step)
-        set_body_limit(request, limits.max_file_bytes, "file")
+        if traj is None and streams is not None:  # constant memory
+            await write_body(streams, request, limits, sid, target, perms)
+            return Response(status_code=204)
+        # Buffered: a trajectory step is logged whole, so it has a cap of its own.
+        cap = limits.max_file_bytes if traj is None else limits.max_step_file_bytes
+        set_body_limit(request, cap, "file" if traj is None else "trajectory step file")
         chunks = [chunk async for chunk in request.stream()]
         if traj is None:
             await edge.write_file(sid, target, b"".join(chunks), mode=perms)

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.params import INT64_MAX
 from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog, Filters
 from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
@@ -23,7 +24,10 @@ MAX_LIMIT = 10_000
 Job = Annotated[str | None, Query(max_length=128, description="RL job id")]
 Sandbox = Annotated[str | None, Query(max_length=64, description="sandbox id")]
 Trajectory = Annotated[str | None, Query(max_length=128, description="trajectory id")]
-Since = Annotated[int, Query(ge=0, description="only rows with seq > since_seq (cursor)")]
+# Cursors are SQLite INTEGERs: past 2^63 - 1 they were an OverflowError (a 500).
+Since = Annotated[
+    int, Query(ge=0, le=INT64_MAX, description="only rows with seq > since_seq (cursor)")
+]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
 
 

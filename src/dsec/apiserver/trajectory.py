@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.params import INT64_MAX
 from dsec.errors import InvalidArgument, NotFound
 from dsec.model import TrajectoryRef
 from dsec.rl.model import StepAnswer, StepBatch, StepRecord, TrajectoryInfo, check_name
@@ -133,7 +134,7 @@ def trajectory_router(
     async def records(
         job_id: str,
         rollout_id: str,
-        after: Annotated[int, Query(ge=-1)] = -1,
+        after: Annotated[int, Query(ge=-1, le=INT64_MAX)] = -1,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> Response:
         """Steps with a number greater than `after`, in order (page with the last one)."""
@@ -151,7 +152,7 @@ def trajectory_router(
 
     @router.delete("/{job_id}/{rollout_id}", summary="Discard steps from a step on")
     async def discard(
-        job_id: str, rollout_id: str, from_step: Annotated[int, Query(ge=0)]
+        job_id: str, rollout_id: str, from_step: Annotated[int, Query(ge=0, le=INT64_MAX)]
     ) -> dict[str, int]:
         """Drop `from_step` and everything after it (e.g. an in-doubt step after a
         platform crash, once you checked the sandbox); the next run executes them."""

@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from dsec.apiserver.errors import validation_message
+from dsec.apiserver.errors import error_response, validation_message
+from dsec.apiserver.frames import FatalFrame, parse_request
 from dsec.errors import DSecError, InvalidArgument
 
 log = logging.getLogger("dsec.apiserver.wsmux")
@@ -32,6 +33,16 @@ async def close_with_error(ws: WebSocket, exc: DSecError) -> None:
     with contextlib.suppress(Exception):
         await ws.send_text(json.dumps({"type": "error", "error": error_payload(exc)}, default=str))
         await ws.close(code=4000 + exc.status, reason=exc.code[:100])
+
+
+async def refuse_handshake(ws: WebSocket, exc: DSecError) -> None:
+    """Refuse the upgrade itself: the typed error as the HTTP answer where the server
+    can send one (the websocket.http.response extension), else a bare 403."""
+    with contextlib.suppress(Exception):
+        if "websocket.http.response" in ws.scope.get("extensions", {}):
+            await ws.send_denial_response(error_response(exc))
+        else:
+            await ws.close(code=4000 + exc.status, reason=exc.code[:100])
 
 
 def dump(value: Any) -> str:
@@ -74,7 +85,11 @@ class MuxConnection:
                 text = message.get("text")
                 if text is None:
                     continue  # no binary requests (yet)
-                self._dispatch(text)
+                try:
+                    self._dispatch(text)
+                except FatalFrame as exc:  # a frame no client of ours sends: hang up
+                    await close_with_error(self.ws, exc.error)
+                    return
         except WebSocketDisconnect:
             return
         finally:  # the client is gone: what it asked for is abandoned
@@ -83,11 +98,8 @@ class MuxConnection:
 
     def _dispatch(self, text: str) -> None:
         try:
-            msg = json.loads(text)
-            rid = int(msg["id"])
-            op = str(msg["op"])
-        except (ValueError, KeyError, TypeError):
-            err = InvalidArgument("every message needs a JSON object with an integer id and op")
+            rid, op, msg = parse_request(text)
+        except InvalidArgument as err:  # a client bug: say so, the connection goes on
             side = asyncio.create_task(self._reply_error(0, err))
             self._side.add(side)
             side.add_done_callback(self._side.discard)

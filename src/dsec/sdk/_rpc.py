@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from dsec.errors import DSecError, PlatformUnavailable, error_from_payload
 from dsec.wire import RPC_PATH, decode_data
@@ -31,6 +31,19 @@ def ws_url(http_url: str, path: str) -> str:
     if http_url.startswith("https://"):
         return "wss://" + http_url.removeprefix("https://").rstrip("/") + path
     return "ws://" + http_url.removeprefix("http://").rstrip("/") + path
+
+
+def _refusal(exc: BaseException) -> DSecError | None:
+    """The typed error of a handshake the server refused with an error envelope."""
+    if not isinstance(exc, InvalidStatus) or exc.response.status_code < 400:
+        return None
+    try:
+        payload = json.loads(exc.response.body or b"")
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or "error" not in payload:
+        return None
+    return error_from_payload(exc.response.status_code, payload)
 
 
 class RpcClient:
@@ -54,6 +67,10 @@ class RpcClient:
         self._pending: dict[int, tuple[asyncio.Future[Any], OnData | None]] = {}
         self._connecting: asyncio.Lock | None = None
 
+    def set_credential(self, credential: str) -> None:
+        """The bearer credential of the next handshake (an open socket keeps going)."""
+        self._headers["Authorization"] = f"Bearer {credential}"
+
     async def _connection(self) -> ClientConnection:
         if self._ws is not None:
             return self._ws
@@ -73,6 +90,9 @@ class RpcClient:
                         ping_timeout=60,
                     )
                 except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
+                    refused = _refusal(exc)
+                    if refused is not None:  # the typed answer of a refused handshake
+                        raise refused from None
                     raise PlatformUnavailable(
                         f"cannot open the data path to {url}: {exc or type(exc).__name__}",
                         url=url,

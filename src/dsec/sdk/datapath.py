@@ -167,11 +167,15 @@ class DataPathClient:
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
-    def _rpc(self, url: str) -> RpcClient:
+    def _rpc(self, url: str, token: str | None = None) -> RpcClient:
         rpc = self._rpcs.get(url)
         if rpc is None:
             rpc = RpcClient(url, self._headers(None) if self.mode == "proxy" else {})
             self._rpcs[url] = rpc
+        if token is not None and self.mode != "proxy":
+            # An edge refuses a socket without a credential at the handshake; the
+            # latest token of any of its sandboxes opens it (the next connect uses it).
+            rpc.set_credential(token)
         return rpc
 
     def api_rpc(self, path: str, *, max_size: int | None = MAX_FRAME) -> RpcClient:
@@ -194,13 +198,15 @@ class DataPathClient:
         sandbox_path(sandbox_id)  # a malformed id fails here, like on the control path
         url, token = await self.route(sandbox_id)
         try:
-            return await self._rpc(url).call(op, sandbox_id, args, token=token, on_data=on_data)
+            rpc = self._rpc(url, token)
+            return await rpc.call(op, sandbox_id, args, token=token, on_data=on_data)
         except Unauthenticated:
             if token is None:
                 raise
             # The token expired in flight (clock skew, long idle): renew once and retry.
             url, token = await self.route(sandbox_id, renew=True)
-            return await self._rpc(url).call(op, sandbox_id, args, token=token, on_data=on_data)
+            rpc = self._rpc(url, token)
+            return await rpc.call(op, sandbox_id, args, token=token, on_data=on_data)
 
     def _http(self, url: str) -> httpx.AsyncClient:
         http = self._https.get(url)

@@ -37,7 +37,7 @@ from dsec.backends.fncall.zygote import (
     seccomp_rules,
     write_config,
 )
-from dsec.errors import InvalidArgument, LimitExceeded, Unsupported
+from dsec.errors import InvalidArgument, LimitExceeded, PlatformUnavailable, Unsupported
 from dsec.fncall_model import (
     MAX_CODE_BYTES,
     MAX_FILE_BYTES,
@@ -362,26 +362,25 @@ class FnCallService:
                     await self._close_pool(key)
 
     def pools_info(self) -> list[PoolInfo]:
-        out = []
-        for key, p in self.pools.items():
-            args = p.args
-            out.append(
-                PoolInfo(
-                    key=key,
-                    image=args.image,
-                    memory_limit_mb=args.memory_limit_mb,
-                    cpu_cores_limit=args.cpu_cores_limit,
-                    ready=len(p.ready),
-                    starting=p.starting,
-                    in_use=p.in_use,
-                    target=p.target,
-                    created=p.created,
-                    destroyed=p.destroyed,
-                    misses=p.misses,
-                    warm_s=p.warm_s,
-                )
-            )
-        return out
+        return [self._pool_info(key, p) for key, p in self.pools.items()]
+
+    @staticmethod
+    def _pool_info(key: str, p: WarmPool) -> PoolInfo:
+        args = p.args
+        return PoolInfo(
+            key=key,
+            image=args.image,
+            memory_limit_mb=args.memory_limit_mb,
+            cpu_cores_limit=args.cpu_cores_limit,
+            ready=len(p.ready),
+            starting=p.starting,
+            in_use=p.in_use,
+            target=p.target,
+            created=p.created,
+            destroyed=p.destroyed,
+            misses=p.misses,
+            warm_s=p.warm_s,
+        )
 
     async def warm(self, req: WarmPoolRequest) -> PoolInfo:
         pool = await self.pool_for(req.args)
@@ -389,7 +388,15 @@ class FnCallService:
             await pool.warm(req.size, req.timeout_s)
         else:
             pool.grow(req.size)
-        return next(i for i in self.pools_info() if i.key == pool.key)
+        # The pool is reported from itself: it may have left ``self.pools`` meanwhile
+        # (its zygote died and a concurrent call replaced it), which made a lookup by
+        # key raise StopIteration (an untyped 500).
+        if pool.closed or not pool.zygote.alive:
+            raise PlatformUnavailable(
+                f"FnCall pool {pool.key} went down while warming ({pool.last_error}); "
+                "retry: the next call starts a new one"
+            )
+        return self._pool_info(pool.key, pool)
 
     @staticmethod
     def languages() -> list[LanguageInfo]:
