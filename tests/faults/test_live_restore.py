@@ -7,15 +7,24 @@ where a client left off and gets the exit status of those that ended meanwhile."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from dsec import DSecClient, DSecContainerRunArgs
 from dsec.agent import build
-from dsec.errors import FileNotFound
+from dsec.errors import DSecError, FileNotFound
+from dsec.sdk.datapath import Process
 from dsec.sessions.agent_client import ExecStream
+from dsec.wire import ProcessInfo
+from tests.conftest import PlatformProcess, pid1_orphans, platform_process
 from tests.test_agent import running_agent, vm_kib
 
 pytestmark = [
@@ -113,3 +122,146 @@ async def test_agent_ring_is_bounded(agent_bin: Path) -> None:
         assert held.endswith(b"end\n") and len(held) <= 64 * KiB + 64 * KiB
         rss = vm_kib(agent.pid, "VmRSS")
         assert rss < 2048, f"agent RSS {rss} KiB"
+
+
+# --------------------------------------------------------------------------------------
+# the platform: SIGKILL and SIGTERM mid-burst with background processes running
+
+COUNT = 400  # lines per counter: ~15 s, so every counter straddles the restart
+SANDBOXES = 2
+COUNTERS = 3  # per sandbox (and BURST more started while the platform goes down)
+BURST = 4
+
+
+def counter(k: int) -> str:
+    """Writes COUNT numbered lines to stdout and to /root/c<k>, then exits with k."""
+    return (
+        f"i=0; while [ $i -lt {COUNT} ]; do echo c{k}-$i; echo $i >> /root/c{k}; "
+        f"i=$((i+1)); sleep 0.03; done; exit {k}"
+    )
+
+
+def expected(k: int) -> str:
+    return "".join(f"c{k}-{i}\n" for i in range(COUNT))
+
+
+def host_sleeps(mark: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and cmdline == b"sleep\0" + mark.encode() + b"\0":
+            found.append(int(entry))
+    return found
+
+
+def down(plat: PlatformProcess, *, stop_sandboxes: bool) -> None:
+    """`dsec down` (the operator's way to stop a platform) and reap it."""
+    argv = [sys.executable, "-m", "dsec.cli.main", "down", "--data-dir", str(plat.data_dir)]
+    if stop_sandboxes:
+        argv.append("--stop-sandboxes")
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    assert plat.proc is not None
+    plat.proc.wait(10)
+    plat.proc = None
+
+
+async def _text(proc: Process, start: int = 0) -> str:
+    return "".join([chunk.text async for chunk in proc.output(start=start)])
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+async def test_background_processes_survive_platform_restart(how: str) -> None:
+    orphans_before = pid1_orphans()
+    mark = str(600000 + secrets.randbelow(99999))
+    figures = {"processes_injected": 0, "survived": 0, "lost": 0}
+    with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        counters: dict[str, tuple[str, int]] = {}  # process id -> (sandbox id, k)
+        shorts: dict[str, str] = {}  # process id -> sandbox id
+        sleepers: dict[str, str] = {}
+        try:
+            await client.build_image("busybox")
+            spec = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=128)
+            sandboxes = [await client.run_container(spec) for _ in range(SANDBOXES)]
+            for sb in sandboxes:
+                for k in range(COUNTERS):
+                    counters[(await sb.start(counter(k))).id] = (sb.id, k)
+                shorts[(await sb.start("sleep 0.5; echo short; exit 3")).id] = sb.id
+                sleepers[(await sb.start(f"sleep {mark}")).id] = sb.id
+            # A client reads the first chunks of one counter before the crash...
+            first_id = next(iter(counters))
+            first = await sandboxes[0].process(first_id)
+            seen: list[str] = []
+            async for chunk in first.output():
+                seen.append(chunk.text)
+                if len(seen) == 5:
+                    break
+            # ...and more processes are being started while the platform goes down.
+            burst = [
+                asyncio.create_task(sandboxes[i % SANDBOXES].start(counter(COUNTERS + i)))
+                for i in range(BURST)
+            ]
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            if how == "sigkill":
+                plat.kill()
+            else:
+                plat.stop()
+            shutdown_s = time.monotonic() - t0
+            for i, task in enumerate(burst):
+                with contextlib.suppress(DSecError, Exception):
+                    counters[(await task).id] = (sandboxes[i % SANDBOXES].id, COUNTERS + i)
+        finally:
+            await client.close()
+        if how == "sigterm":
+            assert shutdown_s < 10, f"SIGTERM took {shutdown_s:.1f}s"
+        assert len(host_sleeps(mark)) == SANDBOXES, "the sandboxes' processes run on"
+        await asyncio.sleep(1.0)  # the short ones end while no platform is there
+        figures["processes_injected"] = len(counters) + len(shorts) + len(sleepers)
+
+        plat.start()
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            listed: dict[str, ProcessInfo] = {}
+            for sid in {sid for sid, _ in counters.values()}:
+                sb = await client.get(sid)
+                listed.update({p.id: p for p in await sb.processes()})
+            for pid_ in [*counters, *shorts, *sleepers]:
+                figures["survived" if pid_ in listed else "lost"] += 1
+            assert figures["lost"] == 0, f"not listed after the restart: {figures}"
+            running = [i for i in counters if listed[i].state == "running"]
+            assert running, "no counter was still running: the test proves nothing"
+            figures["running_across_restart"] = len(running)
+            for pid_, sid in shorts.items():
+                assert listed[pid_].state == "exited", listed[pid_]
+                proc = await (await client.get(sid)).process(pid_)
+                assert (await proc.wait()).exit_code == 3
+                assert await _text(proc) == "short\n"
+            for pid_, (sid, k) in counters.items():
+                sb = await client.get(sid)
+                proc = await sb.process(pid_)
+                assert (await proc.wait()).exit_code == k
+                assert await _text(proc) == expected(k), f"output of counter {k}"
+                r = await sb.run_shell(f"cat /root/c{k}")
+                assert r.stdout == "".join(f"{i}\n" for i in range(COUNT))
+            # The client that read 5 chunks before the crash goes on from its offset.
+            sid0, k0 = counters[first_id]
+            again = await (await client.get(sid0)).process(first_id)
+            assert "".join(seen) + await _text(again, start=5) == expected(k0)
+            for pid_ in sleepers:
+                assert listed[pid_].state == "running"
+        finally:
+            await client.close()
+        down(plat, stop_sandboxes=True)  # the explicit way to end them all
+        assert not host_sleeps(mark), "stopped sandboxes leave no process behind"
+    assert not pid1_orphans(zombies_only=True) - orphans_before, "an init or crun is a zombie"
+    print(f"\nlive restore after {how}: {figures}")
