@@ -196,6 +196,11 @@ async def test_background_processes_survive_platform_restart(how: str) -> None:
                     counters[(await sb.start(counter(k))).id] = (sb.id, k)
                 shorts[(await sb.start("sleep 0.5; echo short; exit 3")).id] = sb.id
                 sleepers[(await sb.start(f"sleep {mark}")).id] = sb.id
+            # A session with state, and a background command of it.
+            sess = await sandboxes[0].session()
+            await sess.run("cd /tmp && export LIVE=restored")
+            sess_bg = (await sess.start(counter(9))).id
+            counters[sess_bg] = (sandboxes[0].id, 9)
             # A client reads the first chunks of one counter before the crash...
             first_id = next(iter(counters))
             first = await sandboxes[0].process(first_id)
@@ -259,6 +264,13 @@ async def test_background_processes_survive_platform_restart(how: str) -> None:
             assert "".join(seen) + await _text(again, start=5) == expected(k0)
             for pid_ in sleepers:
                 assert listed[pid_].state == "running"
+            # The session is there again, with its state, and its process is listed.
+            sb0 = await client.get(sandboxes[0].id)
+            assert listed[sess_bg].session == sess.id
+            resumed = await sb0.get_session(sess.id)
+            r = await resumed.run("pwd; echo $LIVE")
+            assert r.stdout == "/tmp\nrestored\n"
+            figures["sessions_resumed"] = 1
         finally:
             await client.close()
         down(plat, stop_sandboxes=True)  # the explicit way to end them all

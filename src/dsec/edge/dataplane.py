@@ -190,7 +190,39 @@ class DataPlane:
             err = b"".join(data for _, data in proc.drain()).decode(errors="replace")
             raise BackendError(f"cannot start a shell session: {err.strip() or status}")
         box.sessions[sess.id] = sess
+        self._save_sessions(rec.id)
         return sess.info()
+
+    def _save_sessions(self, sandbox_id: str) -> None:
+        """Keep the sandbox's sessions in its durable record (live restore: a restarted
+        edge knows them again; their state itself is a file in the sandbox)."""
+        rec = self.edge._records.get(sandbox_id)
+        box = self._boxes.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.RUNNING:
+            return
+        rec.runtime["sessions"] = {
+            s.id: {"user": s.user, "workdir": s.workdir, "created_at": s.created_at.isoformat()}
+            for s in (box.sessions.values() if box is not None else ())
+        }
+        self.edge.state.save_state(rec)
+
+    def _restore_sessions(self, rec: SandboxRecord) -> int:
+        saved = rec.runtime.get("sessions")
+        if not isinstance(saved, dict):
+            return 0
+        box = self._box(rec.id)
+        for sid, item in saved.items():
+            try:
+                box.sessions[sid] = _Session(
+                    id=str(sid),
+                    sandbox_id=rec.id,
+                    user=str(item["user"]),
+                    workdir=str(item["workdir"]),
+                    created_at=datetime.fromisoformat(str(item["created_at"])),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("live restore of %s: session %s unreadable: %s", rec.id, sid, exc)
+        return len(box.sessions)
 
     def _session(self, sandbox_id: str, session_id: str) -> _Session:
         sess = self._box(sandbox_id).sessions.get(session_id)
@@ -201,6 +233,7 @@ class DataPlane:
     async def close_session(self, sandbox_id: str, session_id: str) -> SessionInfo:
         sess = self._session(sandbox_id, session_id)
         del self._box(sandbox_id).sessions[session_id]
+        self._save_sessions(sandbox_id)
         _, agent = self._target(sandbox_id)
         with contextlib.suppress(NotFound):
             await agent.fs(p.FS_REMOVE, state_path(session_id), user=sess.user)
@@ -399,8 +432,9 @@ class DataPlane:
     async def restore(self, sandbox_ids: list[str]) -> dict[str, int]:
         """Re-attach to the background processes the agents of re-adopted sandboxes own
         (same ids, output from the oldest chunk still held, exit status of those that
-        ended while no edge was there). Returns counts: running, exited, failed."""
-        counts = {"running": 0, "exited": 0, "failed": 0}
+        ended while no edge was there), and know their sessions again. Returns counts:
+        running, exited, failed (processes) and sessions."""
+        counts = {"running": 0, "exited": 0, "failed": 0, "sessions": 0}
         await asyncio.gather(*(self._restore_box(sid, counts) for sid in sandbox_ids))
         if any(counts.values()):
             log.info("live restore: re-attached background processes %s", counts)
@@ -408,6 +442,7 @@ class DataPlane:
 
     async def _restore_box(self, sandbox_id: str, counts: dict[str, int]) -> None:
         rec = self.edge._get(sandbox_id)
+        counts["sessions"] += self._restore_sessions(rec)
         if rec.state is not SandboxState.RUNNING:
             return  # paused (frozen: its agent cannot answer now)
         agent = self.edge.backend.agent(rec)
