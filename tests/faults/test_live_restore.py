@@ -22,6 +22,7 @@ from dsec import DSecClient, DSecContainerRunArgs
 from dsec.agent import build
 from dsec.errors import DSecError, FileNotFound
 from dsec.sdk.datapath import Process
+from dsec.security.events import AuditKind
 from dsec.sessions.agent_client import ExecStream
 from dsec.wire import ProcessInfo
 from tests.conftest import PlatformProcess, pid1_orphans, platform_process
@@ -88,6 +89,7 @@ async def test_agent_keeps_command_after_client_is_gone(
         # Finished, and still held until forgotten: a new attach replays it all.
         (done,) = await agent.client.kept()
         assert not done.running and done.status is not None and done.status.exit_code == 7
+        assert done.delivered  # a client saw it end
         full = await agent.client.attach("p1", 0)
         assert full.base == 0
         assert b"".join(d for _, d in await _collect(full)).decode() == text
@@ -115,7 +117,7 @@ async def test_agent_ring_is_bounded(agent_bin: Path) -> None:
             if not k.running:
                 break
             await asyncio.sleep(0.02)
-        assert not k.running
+        assert not k.running and not k.delivered  # it ended with nobody attached
         again = await agent.client.attach("big", 0)
         assert again.base == k.first > 0
         held = b"".join(d for _, d in await _collect(again))
@@ -176,7 +178,7 @@ async def _text(proc: Process, start: int = 0) -> str:
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+@pytest.mark.parametrize("how", ["sigkill", "sigterm", "dsec-down"])
 async def test_background_processes_survive_platform_restart(how: str) -> None:
     orphans_before = pid1_orphans()
     mark = str(600000 + secrets.randbelow(99999))
@@ -218,15 +220,18 @@ async def test_background_processes_survive_platform_restart(how: str) -> None:
             t0 = time.monotonic()
             if how == "sigkill":
                 plat.kill()
-            else:
+            elif how == "sigterm":
                 plat.stop()
+            else:  # the operator's command: SIGTERM, and wait until the platform is gone
+                await asyncio.to_thread(down, plat, stop_sandboxes=False)
             shutdown_s = time.monotonic() - t0
             for i, task in enumerate(burst):
                 with contextlib.suppress(DSecError, Exception):
                     counters[(await task).id] = (sandboxes[i % SANDBOXES].id, COUNTERS + i)
         finally:
             await client.close()
-        if how == "sigterm":
+        figures["shutdown_s"] = round(shutdown_s, 2)
+        if how != "sigkill":
             assert shutdown_s < 10, f"SIGTERM took {shutdown_s:.1f}s"
         assert len(host_sleeps(mark)) == SANDBOXES, "the sandboxes' processes run on"
         await asyncio.sleep(1.0)  # the short ones end while no platform is there
@@ -271,6 +276,20 @@ async def test_background_processes_survive_platform_restart(how: str) -> None:
             r = await resumed.run("pwd; echo $LIVE")
             assert r.stdout == "/tmp\nrestored\n"
             figures["sessions_resumed"] = 1
+            # Every end is on record exactly once, also of those that ended while down.
+            ended = [*shorts, *counters]
+            for _ in range(100):
+                rows = [
+                    r
+                    for sid in {sid for sid, _ in counters.values()}
+                    for r in await client.audit(sandbox=sid, kinds=[AuditKind.COMMAND])
+                    if r.action == "process_end"
+                ]
+                ends = [r.detail.get("process") for r in rows]
+                if all(ends.count(i) >= 1 for i in ended):
+                    break
+                await asyncio.sleep(0.05)
+            assert {i: ends.count(i) for i in ended} == dict.fromkeys(ended, 1)
         finally:
             await client.close()
         down(plat, stop_sandboxes=True)  # the explicit way to end them all

@@ -937,6 +937,7 @@ struct conn {
 	int64_t linger_deadline;
 	struct buf in, out;
 	struct cmd *cmd;
+	uint64_t z_serial; /* a kept command's 'Z' is queued here: once flushed, delivered */
 };
 
 struct cmd {
@@ -958,7 +959,8 @@ struct cmd {
 	 * bounded ring of records (wire frames 'O'/'E', numbered from 0) that a new client
 	 * replays from any record still held ('A'); a finished one keeps its exit status and
 	 * ring until the edge forgets it ('K') or KEEP_DONE_MAX / KEEP_DONE_TTL_NS pass. */
-	int keep, finished;
+	int keep, finished, delivered; /* delivered: its 'Z' reached a client in full */
+	uint64_t serial;
 	char *key, *meta;
 	struct buf ring;
 	size_t ring_cap;
@@ -1337,6 +1339,8 @@ static void cmd_check_done(struct cmd *cmd, int64_t now)
 		c->state = CS_CLOSING;
 		if (conn_frame(c, 'Z', z, 16, NULL, 0) < 0)
 			conn_lost(c);
+		else if (cmd->keep)
+			c->z_serial = cmd->serial;
 	}
 	if (cmd->keep && !cmd->failed) { /* the status waits for the edge (or expiry) */
 		cmd->finished = 1;
@@ -1401,7 +1405,9 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 	}
 	struct cmd *cmd = calloc(1, sizeof *cmd);
 	if (cmd && (r.flags & EXEC_FLAG_KEEP)) {
+		static uint64_t serials;
 		cmd->keep = 1;
+		cmd->serial = ++serials;
 		cmd->key = strdup(r.key);
 		cmd->meta = strdup(r.meta);
 		cmd->ring_cap = r.ring < 4096 ? 4096 : r.ring > KEEP_RING_MAX ? KEEP_RING_MAX : r.ring;
@@ -2048,7 +2054,7 @@ static int put_strb(struct buf *b, const char *s)
 }
 
 /* One 'D' frame per kept command: str key, str meta, u32 pid, u32 state (1 running,
- * 2 exited), then the 16 bytes of its 'Z' payload (zero while running), u64 first and
+ * 2 exited and its 'Z' delivered to a client, 3 exited and nobody told yet), then the 16 bytes of its 'Z' payload (zero while running), u64 first and
  * next record number, i64 start time (ns since the epoch). 'Y': u64 count. */
 static void keep_list(struct conn *c)
 {
@@ -2061,7 +2067,7 @@ static void keep_list(struct conn *c)
 		unsigned char t[8 + 16 + 24];
 		memset(t, 0, sizeof t);
 		put_u32(t, (uint32_t)k->pid);
-		put_u32(t + 4, k->finished ? 2 : 1);
+		put_u32(t + 4, !k->finished ? 1 : k->delivered ? 2 : 3);
 		if (k->finished) {
 			cmd_exit_payload(k, t + 8);
 		} else {
@@ -2127,7 +2133,8 @@ static void keep_attach(struct conn *c, const unsigned char *p, uint32_t n)
 	if (cmd->finished) {
 		unsigned char z[16];
 		cmd_exit_payload(cmd, z);
-		conn_frame(c, 'Z', z, 16, NULL, 0);
+		if (conn_frame(c, 'Z', z, 16, NULL, 0) == 0)
+			c->z_serial = cmd->serial;
 		c->state = CS_CLOSING;
 		return;
 	}
@@ -2320,6 +2327,12 @@ static void conn_flush(struct conn *c)
 			return;
 		conn_lost(c);
 		return;
+	}
+	if (!c->dead && !c->out.len && c->z_serial) {
+		for (struct cmd *k = g_cmds; k; k = k->next)
+			if (k->serial == c->z_serial)
+				k->delivered = 1;
+		c->z_serial = 0;
 	}
 	if (!c->dead && c->out.cap > 4 * CHUNK)
 		buf_free(&c->out); /* keep idle memory small */

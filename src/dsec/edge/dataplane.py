@@ -370,7 +370,7 @@ class DataPlane:
         agent = self.edge.backend.agent(rec)
 
         def ended(proc: ManagedProcess) -> None:
-            if ended_before:  # re-attached after its end: on record already, or lost
+            if ended_before:  # an edge saw it end (and put that on record) before
                 self._prune(box, agent)
                 return
             self.edge.command_finished(rec.id)
@@ -475,7 +475,7 @@ class DataPlane:
                 background=True,
                 kept=True,
                 started_at=datetime.fromtimestamp(k.started_ns / 1e9, UTC),
-                ended_before=not k.running,
+                ended_before=k.delivered,
             )
             counts["running" if k.running else "exited"] += 1
 

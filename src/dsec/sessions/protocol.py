@@ -27,7 +27,8 @@ first frame the client sends:
   kill it, its output goes to a bounded ring of numbered records (each an ``O``/``E``
   frame), and its exit status is held after the end, so a restarted edge finds it again:
 - ``L`` list kept commands -> one ``D`` per command (str key, str meta, u32 pid, u32
-  state 1 running / 2 exited, the 16-byte ``Z`` payload, u64 first and next record
+  state 1 running / 2 exited and its ``Z`` delivered to a client / 3 exited and not yet
+  delivered, the 16-byte ``Z`` payload, u64 first and next record
   number, i64 start ns since the epoch), then ``Y`` (u64 count).
 - ``A`` attach: str key, u64 first record wanted -> ``P`` (u32 pid), ``B`` (u64 number of
   the first record that follows), the records, live output and ``Z`` as for an exec
@@ -229,6 +230,8 @@ class KeptCommand:
     pid: int
     running: bool
     status: ExitStatus | None
+    delivered: bool
+    """Its end (``Z``) reached a client in full (an edge saw it end)."""
     first: int
     """Number of the oldest output record the agent still holds."""
     next: int
@@ -254,7 +257,7 @@ def decode_kept(payload: bytes) -> KeptCommand:
         pid, state, z, first, nxt, started = _KEPT_TAIL.unpack_from(view, pos)
     except struct.error as exc:
         raise ProtocolError(f"malformed kept command record: {exc}") from None
-    if pos + _KEPT_TAIL.size != len(view) or state not in (1, 2):
+    if pos + _KEPT_TAIL.size != len(view) or state not in (1, 2, 3):
         raise ProtocolError("malformed kept command record")
     return KeptCommand(
         key=strs[0],
@@ -262,6 +265,7 @@ def decode_kept(payload: bytes) -> KeptCommand:
         pid=pid,
         running=state == 1,
         status=None if state == 1 else decode_exit(z),
+        delivered=state == 2,
         first=first,
         next=nxt,
         started_ns=started,
