@@ -35,7 +35,8 @@ def announce(url: str, api_key: str, saved_to: Path | None) -> None:
     if saved_to is not None:
         text.append(f"\nsaved to {inert(saved_to)} (SDK and CLI read it)", style="dim")
     text.append(f"\nAPI docs {url}/docs", style="dim")
-    text.append("\ntry `dsec demo`; stop with Ctrl-C", style="dim")
+    text.append("\ntry `dsec demo`; stop with Ctrl-C (sandboxes run on: `dsec down", style="dim")
+    text.append(" --stop-sandboxes` ends them too)", style="dim")
     out.print(Panel(text, title="DSec is up", expand=False, border_style="green"))
 
 
