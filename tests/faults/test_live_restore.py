@@ -182,7 +182,7 @@ async def _text(proc: Process, start: int = 0) -> str:
 async def test_background_processes_survive_platform_restart(how: str) -> None:
     orphans_before = pid1_orphans()
     mark = str(600000 + secrets.randbelow(99999))
-    figures = {"processes_injected": 0, "survived": 0, "lost": 0}
+    figures: dict[str, float] = {"processes_injected": 0, "survived": 0, "lost": 0}
     with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
         client = DSecClient(plat.url, plat.api_key)
         await client.open()
