@@ -296,3 +296,36 @@ async def test_background_processes_survive_platform_restart(how: str) -> None:
         assert not host_sleeps(mark), "stopped sandboxes leave no process behind"
     assert not pid1_orphans(zombies_only=True) - orphans_before, "an init or crun is a zombie"
     print(f"\nlive restore after {how}: {figures}")
+
+
+async def test_agent_rings_share_a_bounded_budget(agent_bin: Path) -> None:
+    """64 kept commands printing 1.5 MB each (rings of 1 MiB asked): the agent holds
+    each one's newest share of 8 MiB, never 64 MiB, and every tail is still there."""
+    with running_agent(agent_bin, pid_namespace=False) as agent:
+        before = vm_kib(agent.pid, "VmRSS")
+        n = 64
+        for i in range(n):
+            stream = await agent.client.start(
+                ["/bin/sh", "-c", f"head -c 1500000 /dev/zero; echo end{i}"],
+                env={},
+                cwd="",
+                user="root",
+                timeout=None,
+                max_output=64 << 20,
+                with_stdin=False,
+                keep=(f"k{i}", "", 1 << 20),
+            )
+            await stream.aclose()
+        for _ in range(500):
+            kept = await agent.client.kept()
+            if len(kept) == n and not any(k.running for k in kept):
+                break
+            await asyncio.sleep(0.02)
+        assert len(kept) == n and not any(k.running for k in kept)
+        grown = vm_kib(agent.pid, "VmRSS") - before
+        print(f"\nagent RSS grew by {grown} KiB for {n} kept commands of 1.5 MB output")
+        assert grown < 20 * 1024, f"the agent grew by {grown} KiB for {n} rings"
+        for i in range(n):
+            held = b"".join(d for _, d in await _collect(await agent.client.attach(f"k{i}")))
+            assert held.endswith(f"end{i}\n".encode())
+            assert len(held) <= (8 << 20) // n + 2 * 65536, len(held)

@@ -32,6 +32,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <malloc.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -74,6 +75,8 @@
 #define KEEP_KEY_MAX 64u
 #define KEEP_META_MAX 4096u
 #define KEEP_RING_MAX (4u << 20)      /* largest output ring of one kept command */
+#define KEEP_RING_TOTAL (8u << 20)    /* shared by all kept commands: each gets its share, */
+#define KEEP_RING_MIN (64u << 10)     /* but at least this (so at most 16 MiB in all) */
 #define KEEP_MAX 256                  /* kept commands per sandbox, running or finished */
 #define KEEP_DONE_MAX 64              /* finished kept commands whose status is still held */
 #define KEEP_DONE_TTL_NS (3600LL * 1000000000LL) /* and for at most this long */
@@ -1135,9 +1138,40 @@ static void conn_lost(struct conn *c)
 	c->dead = 1;
 }
 
-/* Append one output record to a kept command's ring; drop the oldest beyond its size. */
+static unsigned g_kept; /* kept commands allocated (running or finished and held) */
+
+/* Append one output record to a kept command's ring, dropping the oldest records first
+ * so that the ring never holds more than its size: the smaller of what the edge asked
+ * for and this command's share of KEEP_RING_TOTAL (at least KEEP_RING_MIN). */
+static size_t keep_cap(const struct cmd *cmd)
+{
+	size_t cap = cmd->ring_cap, share = KEEP_RING_TOTAL / (g_kept ? g_kept : 1);
+	if (share < KEEP_RING_MIN)
+		share = KEEP_RING_MIN;
+	return cap < share ? cap : share;
+}
+
+/* Drop the oldest records until `room` more bytes fit in the ring's size. */
+static void keep_trim(struct cmd *cmd, size_t room)
+{
+	size_t cap = keep_cap(cmd);
+	while (cmd->ring.len && cmd->ring.len + room > cap) {
+		size_t l = FRAME_HDR + get_u32(cmd->ring.p + cmd->ring.off + 1);
+		buf_drop(&cmd->ring, l);
+		cmd->first_seq++;
+	}
+	if (cmd->ring.cap > 2 * cap + 2 * FRAME_HDR + 2 * CHUNK) { /* its share shrank */
+		struct buf b = {0};
+		if (buf_add(&b, cmd->ring.p + cmd->ring.off, cmd->ring.len) == 0) {
+			buf_free(&cmd->ring);
+			cmd->ring = b;
+		}
+	}
+}
+
 static void keep_record(struct cmd *cmd, int type, const unsigned char *d, size_t n)
 {
+	keep_trim(cmd, FRAME_HDR + n);
 	unsigned char h[FRAME_HDR];
 	h[0] = (unsigned char)type;
 	put_u32(h + 1, (uint32_t)n);
@@ -1145,12 +1179,6 @@ static void keep_record(struct cmd *cmd, int type, const unsigned char *d, size_
 	if (buf_add(&cmd->ring, h, FRAME_HDR) || buf_add(&cmd->ring, d, n)) {
 		buf_free(&cmd->ring); /* out of memory: lose the history, never the agent */
 		cmd->first_seq = cmd->next_seq;
-		return;
-	}
-	while (cmd->ring.len > cmd->ring_cap) {
-		size_t l = FRAME_HDR + get_u32(cmd->ring.p + cmd->ring.off + 1);
-		buf_drop(&cmd->ring, l);
-		cmd->first_seq++;
 	}
 }
 
@@ -1406,6 +1434,7 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 	struct cmd *cmd = calloc(1, sizeof *cmd);
 	if (cmd && (r.flags & EXEC_FLAG_KEEP)) {
 		static uint64_t serials;
+		g_kept++;
 		cmd->keep = 1;
 		cmd->serial = ++serials;
 		cmd->key = strdup(r.key);
@@ -1415,12 +1444,17 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 		clock_gettime(CLOCK_REALTIME, &ts);
 		cmd->wall_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 		if (!cmd->key || !cmd->meta) {
+			g_kept--;
 			free(cmd->key);
 			free(cmd->meta);
 			free(cmd);
 			cmd = NULL;
 		}
 	}
+	if (cmd && cmd->keep) /* one more share: the others shrink to theirs now */
+		for (struct cmd *k = g_cmds; k; k = k->next)
+			if (k->keep && !k->dead)
+				keep_trim(k, 0);
 	if (!cmd || pipe2(pctl, O_CLOEXEC) || pipe2(psup, O_CLOEXEC)) {
 		e = cmd ? errno : ENOMEM;
 		goto fail;
@@ -1491,6 +1525,8 @@ fail:
 	close_fd(&master);
 	close_fd(&slave);
 	if (cmd) {
+		if (cmd->keep)
+			g_kept--;
 		free(cmd->key);
 		free(cmd->meta);
 		free(cmd);
@@ -2493,6 +2529,8 @@ static void collect_garbage(void)
 				cmd->conn->cmd = NULL;
 				cmd->conn->state = CS_CLOSING;
 			}
+			if (cmd->keep)
+				g_kept--;
 			free(cmd->key);
 			free(cmd->meta);
 			buf_free(&cmd->ring);
@@ -2544,6 +2582,11 @@ static void noop_handler(int sig)
 static int agent_main(void)
 {
 	prctl(PR_SET_DUMPABLE, 0);
+	/* Output rings and connection buffers of 64 KiB and more get their own mappings, so
+	 * memory goes back to the system when they shrink or end (a fixed threshold: glibc's
+	 * sliding one would move them onto the heap, where freed space stays resident). */
+	mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+	mallopt(M_TRIM_THRESHOLD, 128 * 1024);
 	g_agent_pid = getpid();
 	g_pid1 = g_agent_pid == 1;
 	if (!g_pid1)
