@@ -329,3 +329,46 @@ async def test_agent_rings_share_a_bounded_budget(agent_bin: Path) -> None:
             held = b"".join(d for _, d in await _collect(await agent.client.attach(f"k{i}")))
             assert held.endswith(f"end{i}\n".encode())
             assert len(held) <= (8 << 20) // n + 2 * 65536, len(held)
+
+
+@pytest.mark.root
+async def test_paused_sandbox_processes_come_back_when_it_resumes() -> None:
+    """A sandbox paused (frozen) across the crash: its agent cannot answer at start, so
+    its processes are re-attached when it runs again (resume_job or any request)."""
+    job = "live" + secrets.token_hex(3)
+    with platform_process() as plat:
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            await client.build_image("busybox")
+            spec = DSecContainerRunArgs(
+                container_image="busybox:latest", memory_limit_mb=128, job_id=job
+            )
+            sb = await client.run_container(spec)
+            proc = await sb.start("i=0; while [ $i -lt 100 ]; do echo $i; i=$((i+1)); done")
+            assert (await proc.wait()).exit_code == 0
+            bg = await sb.start(counter(1))
+            await client.pause_job(job)
+            plat.kill()
+        finally:
+            await client.close()
+        plat.start()
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            await client.resume_job(job)
+            sb = await client.get(sb.id)
+            for _ in range(100):
+                ids = {p.id for p in await sb.processes()}
+                if {proc.id, bg.id} <= ids:
+                    break
+                await asyncio.sleep(0.05)
+            assert {proc.id, bg.id} <= ids
+            again = await sb.process(bg.id)
+            assert (await again.wait()).exit_code == 1
+            assert await _text(again) == expected(1)
+            done = await sb.process(proc.id)
+            assert await _text(done) == "".join(f"{i}\n" for i in range(100))
+            await sb.stop()
+        finally:
+            await client.close()

@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import stat
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -133,7 +134,12 @@ class DataPlane:
         self.url = url.rstrip("/")
         self._boxes: dict[str, _Box] = {}
         self._forgets: set[asyncio.Task[None]] = set()
+        # adopted paused sandboxes: their agents are frozen, so their processes are
+        # re-attached when they run again
+        self._pending: set[str] = set()
+        self._restores: set[asyncio.Task[None]] = set()
         edge.add_stop_listener(self._forget)
+        edge.thaw_listeners.append(self._thawed)
 
     # -- tokens ---------------------------------------------------------------------------
     async def data_path(self, sandbox_id: str) -> DataPathInfo:
@@ -212,6 +218,8 @@ class DataPlane:
             return 0
         box = self._box(rec.id)
         for sid, item in saved.items():
+            if sid in box.sessions:
+                continue
             try:
                 box.sessions[sid] = _Session(
                     id=str(sid),
@@ -440,11 +448,17 @@ class DataPlane:
             log.info("live restore: re-attached background processes %s", counts)
         return counts
 
-    async def _restore_box(self, sandbox_id: str, counts: dict[str, int]) -> None:
+    async def _restore_box(
+        self, sandbox_id: str, counts: dict[str, int], before_ns: int | None = None
+    ) -> None:
+        """``before_ns``: only processes started before then (wall clock), so none that
+        this edge started itself is taken over twice."""
+        before_ns = time.time_ns() if before_ns is None else before_ns
         rec = self.edge._get(sandbox_id)
         counts["sessions"] += self._restore_sessions(rec)
         if rec.state is not SandboxState.RUNNING:
-            return  # paused (frozen: its agent cannot answer now)
+            self._pending.add(sandbox_id)  # paused (frozen: its agent cannot answer now)
+            return
         agent = self.edge.backend.agent(rec)
         try:
             async with asyncio.timeout(RESTORE_TIMEOUT):
@@ -453,7 +467,12 @@ class DataPlane:
             log.warning("live restore of %s: cannot list its processes: %s", sandbox_id, exc)
             counts["failed"] += 1
             return
+        box = self._box(sandbox_id)
         for k in sorted(kept, key=lambda k: k.started_ns):
+            if k.key in box.processes or k.started_ns >= before_ns:
+                continue
+            if rec.state is not SandboxState.RUNNING:  # it ended meanwhile
+                return
             try:
                 meta = json.loads(k.meta) if k.meta else {}
                 if not isinstance(meta, dict):
@@ -479,6 +498,17 @@ class DataPlane:
             )
             counts["running" if k.running else "exited"] += 1
 
+    def _thawed(self, sandbox_id: str) -> None:
+        if sandbox_id not in self._pending:
+            return
+        self._pending.discard(sandbox_id)
+        counts = {"running": 0, "exited": 0, "failed": 0, "sessions": 0}
+        task = asyncio.get_running_loop().create_task(
+            self._restore_box(sandbox_id, counts, time.time_ns())
+        )
+        self._restores.add(task)
+        task.add_done_callback(self._restores.discard)
+
     async def close(self) -> None:
         """Stop following the agents' processes without ending them (platform shutdown:
         what a sandbox runs lives on, and the next edge re-attaches)."""
@@ -489,7 +519,7 @@ class DataPlane:
             if proc.kept and proc.running
         ]
         await asyncio.gather(*(proc.suspend() for proc in procs), return_exceptions=True)
-        for task in list(self._forgets):
+        for task in [*self._forgets, *self._restores]:
             task.cancel()
 
     def process(self, sandbox_id: str, process_id: str) -> ManagedProcess:
