@@ -128,6 +128,7 @@ def platform(store_url: str, work: Path) -> Iterator[tuple[str, str, Path]]:
     env = dict(os.environ, DSEC_LAYER_STORE=store_url, DSEC_LAYER_STORE_TOKEN=TOKEN)
     env["DSEC_EDGE_ID"] = "bl" + secrets.token_hex(3)
     env["XDG_CONFIG_HOME"] = str(data / "xdg")
+    env["DSEC_STOP_SANDBOXES_ON_EXIT"] = "1"  # its terminate() cleans up, as before
     argv = [sys.executable, "-m", "dsec.cli.main", "up", "--port", str(port)]
     argv += ["--data-dir", str(data / "d"), "--api-key", key, "--no-save-config"]
     log = open(data / "up.log", "wb")  # noqa: SIM115 - handed to the child

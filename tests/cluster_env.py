@@ -165,6 +165,9 @@ class Cluster:
         env = dict(os.environ)
         env["DSEC_CLUSTER_TOKEN"] = self.token
         env["XDG_CONFIG_HOME"] = str(self.base / "xdg")
+        # Edges end their sandboxes on SIGTERM here, so the leak checks find nothing
+        # (their default is to keep them for the next start: live restore).
+        env.setdefault("DSEC_STOP_SANDBOXES_ON_EXIT", "1")
         env.update(extra)
         return env
 

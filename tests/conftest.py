@@ -63,6 +63,9 @@ class PlatformProcess:
 
     def start(self, timeout: float = 60.0) -> None:
         env = dict(os.environ)
+        # A test's platform ends its sandboxes on SIGTERM, so the leak check after it
+        # finds nothing; tests of live restore across SIGTERM pass "0" (dsec up's default).
+        env.setdefault("DSEC_STOP_SANDBOXES_ON_EXIT", "1")
         env.update(self.extra_env)
         env["DSEC_EDGE_ID"] = self.edge_id
         env.setdefault("XDG_CONFIG_HOME", str(self.data_dir.parent / "xdg"))

@@ -133,6 +133,18 @@ class PlatformConfig:
     # The URL others reach this process at, when it is not http://host:port (an edge
     # listening on 0.0.0.0 in cluster mode advertises its own address).
     public_url: str | None = None
+    # What a shutdown (SIGTERM, Ctrl-C) does with the sandboxes: by default they run on
+    # and the next start re-adopts them with their background processes (live restore,
+    # as after a crash). DSEC_STOP_SANDBOXES_ON_EXIT=1 (`dsec up --stop-sandboxes-on-exit`)
+    # or `dsec down --stop-sandboxes` (STOP_MARKER) stops them all on the way out.
+    stop_sandboxes_on_exit: bool = field(
+        default_factory=lambda: os.environ.get("DSEC_STOP_SANDBOXES_ON_EXIT", "0") not in ("", "0")
+    )
+
+    @property
+    def stop_marker(self) -> Path:
+        """``dsec down --stop-sandboxes`` creates it before the SIGTERM."""
+        return self.data_dir / "run" / "stop-sandboxes"
 
     @property
     def url(self) -> str:

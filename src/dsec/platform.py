@@ -131,6 +131,8 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
 @contextlib.asynccontextmanager
 async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIterator[Platform]:
     become_subreaper()
+    with contextlib.suppress(OSError):  # a `dsec down --stop-sandboxes` this run never got
+        config.stop_marker.unlink()
     engine = make_engine(sqlite_url(config.control_db))
     edge: Edge | None = None
     images: Images | None = None
@@ -210,9 +212,11 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
         await fncall.start()
         yield Platform(config, edge, images, keys, api_key, recovery, fncall, roles, iam)
     finally:
+        stop_all = stop_sandboxes_on_exit(config)
         if fncall is not None:
             await fncall.close()
         if edge is not None:
+            edge.stop_on_close = stop_all
             await edge.close()
         if swap is not None:  # after the sandboxes are gone: fewer pages to swap back in
             await asyncio.to_thread(swap.disable)
@@ -220,11 +224,22 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             await releaser.drain()
         if iam is not None:
             await iam.close()
-        if spawner is not None:
+        if spawner is not None and stop_all:
+            # Sandboxes that live on keep their reaping parent, as after a crash.
             await asyncio.to_thread(spawner.stop)
         if images is not None:
             await images.close()
         await engine.dispose()
+
+
+def stop_sandboxes_on_exit(config: PlatformConfig) -> bool:
+    """Whether this shutdown ends every sandbox: the option, or a `dsec down
+    --stop-sandboxes` (its marker is consumed). Otherwise they run on (live restore)."""
+    marker = config.stop_marker
+    asked = marker.exists()
+    with contextlib.suppress(OSError):
+        marker.unlink()
+    return config.stop_sandboxes_on_exit or asked
 
 
 def start_swap(config: PlatformConfig, host: cgroups.CgroupHost) -> SwapFile | None:
@@ -298,6 +313,10 @@ async def serve(
             load_or_create_key(config.data_dir / "edge_token.key"), ttl=config.token_ttl
         )
         dataplane = DataPlane(platform.edge, signer, config.url)
+        # Live restore: background processes of re-adopted sandboxes are followed again;
+        # on the way out they are left to their agents (the sandboxes may live on).
+        await dataplane.restore(platform.recovery["adopted"])
+        stack.push_async_callback(dataplane.close)
         from dsec.rl.trajectory import TrajectoryLog, TrajectoryService
 
         trajectory_log = TrajectoryLog(config.data_dir / "trajectory.db")

@@ -32,6 +32,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <malloc.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -70,6 +71,15 @@
 
 #define EXEC_FLAG_STDIN 1u
 #define EXEC_FLAG_PTY 2u /* a terminal instead of pipes; u32 rows, u32 cols follow the env */
+#define EXEC_FLAG_KEEP 4u /* the agent owns it: str key, str meta, u32 ring bytes follow */
+#define KEEP_KEY_MAX 64u
+#define KEEP_META_MAX 4096u
+#define KEEP_RING_MAX (4u << 20)      /* largest output ring of one kept command */
+#define KEEP_RING_TOTAL (8u << 20)    /* shared by all kept commands: each gets its share, */
+#define KEEP_RING_MIN (64u << 10)     /* but at least this (so at most 16 MiB in all) */
+#define KEEP_MAX 256                  /* kept commands per sandbox, running or finished */
+#define KEEP_DONE_MAX 64              /* finished kept commands whose status is still held */
+#define KEEP_DONE_TTL_NS (3600LL * 1000000000LL) /* and for at most this long */
 #define EXIT_FLAG_TIMED_OUT 1u
 #define EXIT_FLAG_TRUNCATED 2u
 #define WRITE_FLAG_PARENTS 1u
@@ -590,6 +600,8 @@ struct exec_req {
 	char *cwd;
 	uint32_t argc, envc;
 	uint32_t rows, cols; /* terminal size (EXEC_FLAG_PTY) */
+	char *key, *meta;    /* EXEC_FLAG_KEEP: the edge's id and opaque description */
+	uint32_t ring;       /* EXEC_FLAG_KEEP: output ring size in bytes */
 	char **argv; /* argc + 1 */
 	char **envp; /* envc + 5: room for HOME, USER, LOGNAME, PATH and NULL */
 	char *arena;
@@ -643,6 +655,17 @@ static int parse_exec(const unsigned char *p, uint32_t n, struct exec_req *r, ch
 	if (!rd.bad && (r->flags & EXEC_FLAG_PTY)) {
 		r->rows = rd_u32(&rd);
 		r->cols = rd_u32(&rd);
+	}
+	if (!rd.bad && (r->flags & EXEC_FLAG_KEEP)) {
+		r->key = rd_str(&rd, &arena);
+		r->meta = rd_str(&rd, &arena);
+		r->ring = rd_u32(&rd);
+		if (!rd.bad && (!r->key[0] || strlen(r->key) > KEEP_KEY_MAX || strlen(r->meta) > KEEP_META_MAX)) {
+			snprintf(err, errlen, "a kept command needs a key of 1-%u bytes and meta of at most %u",
+				 KEEP_KEY_MAX, KEEP_META_MAX);
+			free_req(r);
+			return EINVAL;
+		}
 	}
 	if (rd.bad == 2) {
 		snprintf(err, errlen, "strings must not contain NUL bytes");
@@ -917,6 +940,7 @@ struct conn {
 	int64_t linger_deadline;
 	struct buf in, out;
 	struct cmd *cmd;
+	uint64_t z_serial; /* a kept command's 'Z' is queued here: once flushed, delivered */
 };
 
 struct cmd {
@@ -933,6 +957,18 @@ struct cmd {
 	int64_t start_ns, deadline_ns, exit_ns, grace_ns;
 	unsigned char ctl[1100];
 	size_t ctl_len;
+	/* EXEC_FLAG_KEEP ("kept" commands, the edge's background processes): the agent owns
+	 * them, not the connection. A lost client does not kill them; their output goes to a
+	 * bounded ring of records (wire frames 'O'/'E', numbered from 0) that a new client
+	 * replays from any record still held ('A'); a finished one keeps its exit status and
+	 * ring until the edge forgets it ('K') or KEEP_DONE_MAX / KEEP_DONE_TTL_NS pass. */
+	int keep, finished, delivered; /* delivered: its 'Z' reached a client in full */
+	uint64_t serial;
+	char *key, *meta;
+	struct buf ring;
+	size_t ring_cap;
+	uint64_t first_seq, next_seq; /* record numbers: first held, next to come */
+	int64_t wall_ns, done_ns;     /* start (CLOCK_REALTIME), end (monotonic) */
 };
 
 static int g_lfd = -1, g_sfd = -1, g_pid1;
@@ -1095,23 +1131,69 @@ static void conn_lost(struct conn *c)
 		struct cmd *cmd = c->cmd;
 		cmd->conn = NULL;
 		c->cmd = NULL;
-		if (!cmd->sup_exited)
+		if (!cmd->sup_exited && !cmd->keep) /* a kept command waits for a new client */
 			cmd_kill(cmd);
 	}
 	close_fd(&c->fd);
 	c->dead = 1;
 }
 
+static unsigned g_kept; /* kept commands allocated (running or finished and held) */
+
+/* Append one output record to a kept command's ring, dropping the oldest records first
+ * so that the ring never holds more than its size: the smaller of what the edge asked
+ * for and this command's share of KEEP_RING_TOTAL (at least KEEP_RING_MIN). */
+static size_t keep_cap(const struct cmd *cmd)
+{
+	size_t cap = cmd->ring_cap, share = KEEP_RING_TOTAL / (g_kept ? g_kept : 1);
+	if (share < KEEP_RING_MIN)
+		share = KEEP_RING_MIN;
+	return cap < share ? cap : share;
+}
+
+/* Drop the oldest records until `room` more bytes fit in the ring's size. */
+static void keep_trim(struct cmd *cmd, size_t room)
+{
+	size_t cap = keep_cap(cmd);
+	while (cmd->ring.len && cmd->ring.len + room > cap) {
+		size_t l = FRAME_HDR + get_u32(cmd->ring.p + cmd->ring.off + 1);
+		buf_drop(&cmd->ring, l);
+		cmd->first_seq++;
+	}
+	if (cmd->ring.cap > 2 * cap + 2 * FRAME_HDR + 2 * CHUNK) { /* its share shrank */
+		struct buf b = {0};
+		if (buf_add(&b, cmd->ring.p + cmd->ring.off, cmd->ring.len) == 0) {
+			buf_free(&cmd->ring);
+			cmd->ring = b;
+		}
+	}
+}
+
+static void keep_record(struct cmd *cmd, int type, const unsigned char *d, size_t n)
+{
+	keep_trim(cmd, FRAME_HDR + n);
+	unsigned char h[FRAME_HDR];
+	h[0] = (unsigned char)type;
+	put_u32(h + 1, (uint32_t)n);
+	cmd->next_seq++;
+	if (buf_add(&cmd->ring, h, FRAME_HDR) || buf_add(&cmd->ring, d, n)) {
+		buf_free(&cmd->ring); /* out of memory: lose the history, never the agent */
+		cmd->first_seq = cmd->next_seq;
+	}
+}
+
 static void cmd_emit(struct cmd *cmd, int type, const unsigned char *d, size_t n)
 {
 	size_t k = 0;
-	if (cmd->conn && cmd->budget) {
+	if ((cmd->conn || cmd->keep) && cmd->budget) {
 		k = n < cmd->budget ? n : (size_t)cmd->budget;
-		if (conn_frame(cmd->conn, type, d, k, NULL, 0) < 0) {
+		cmd->budget -= k;
+		if (cmd->keep)
+			keep_record(cmd, type, d, k);
+		if (cmd->conn && conn_frame(cmd->conn, type, d, k, NULL, 0) < 0) {
 			conn_lost(cmd->conn);
 			return;
 		}
-		cmd->budget -= k;
 	}
 	if (k < n)
 		cmd->truncated = 1;
@@ -1251,9 +1333,17 @@ static void on_sup_exit(struct cmd *cmd, int st)
 
 /* Finish a command once its main process is gone and its pipes reached EOF (or the grace
  * period for EOF is over: a background process may hold the pipes forever). */
+static void cmd_exit_payload(const struct cmd *cmd, unsigned char z[16])
+{
+	uint32_t flags = (cmd->timed_out ? EXIT_FLAG_TIMED_OUT : 0) | (cmd->truncated ? EXIT_FLAG_TRUNCATED : 0);
+	put_u32(z, (uint32_t)(cmd->timed_out ? 128 + SIGKILL : cmd->exit_code));
+	put_u32(z + 4, flags);
+	put_u64(z + 8, (uint64_t)(cmd->exit_ns - cmd->start_ns));
+}
+
 static void cmd_check_done(struct cmd *cmd, int64_t now)
 {
-	if (cmd->dead || !cmd->sup_exited)
+	if (cmd->dead || cmd->finished || !cmd->sup_exited)
 		return;
 	if (cmd->out_fd >= 0 || cmd->err_fd >= 0) {
 		if (now < cmd->grace_ns)
@@ -1271,15 +1361,19 @@ static void cmd_check_done(struct cmd *cmd, int64_t now)
 	struct conn *c = cmd->conn;
 	if (c) {
 		unsigned char z[16];
-		uint32_t flags = (cmd->timed_out ? EXIT_FLAG_TIMED_OUT : 0) | (cmd->truncated ? EXIT_FLAG_TRUNCATED : 0);
-		put_u32(z, (uint32_t)(cmd->timed_out ? 128 + SIGKILL : cmd->exit_code));
-		put_u32(z + 4, flags);
-		put_u64(z + 8, (uint64_t)(cmd->exit_ns - cmd->start_ns));
+		cmd_exit_payload(cmd, z);
 		c->cmd = NULL;
 		cmd->conn = NULL;
 		c->state = CS_CLOSING;
 		if (conn_frame(c, 'Z', z, 16, NULL, 0) < 0)
 			conn_lost(c);
+		else if (cmd->keep)
+			c->z_serial = cmd->serial;
+	}
+	if (cmd->keep && !cmd->failed) { /* the status waits for the edge (or expiry) */
+		cmd->finished = 1;
+		cmd->done_ns = now;
+		return;
 	}
 	cmd->dead = 1;
 }
@@ -1319,7 +1413,48 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 	}
 	int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pctl[2] = {-1, -1}, psup[2] = {-1, -1};
 	int master = -1, slave = -1, pty = (r.flags & EXEC_FLAG_PTY) != 0;
+	if (r.flags & EXEC_FLAG_KEEP) {
+		int kept = 0;
+		for (struct cmd *k = g_cmds; k; k = k->next) {
+			if (!k->keep || k->dead)
+				continue;
+			kept++;
+			if (!strcmp(k->key, r.key)) {
+				conn_fail(c, EEXIST, "a kept process with this key exists");
+				free_req(&r);
+				return;
+			}
+		}
+		if (kept >= KEEP_MAX) {
+			conn_fail(c, EAGAIN, "too many kept processes in this sandbox");
+			free_req(&r);
+			return;
+		}
+	}
 	struct cmd *cmd = calloc(1, sizeof *cmd);
+	if (cmd && (r.flags & EXEC_FLAG_KEEP)) {
+		static uint64_t serials;
+		g_kept++;
+		cmd->keep = 1;
+		cmd->serial = ++serials;
+		cmd->key = strdup(r.key);
+		cmd->meta = strdup(r.meta);
+		cmd->ring_cap = r.ring < 4096 ? 4096 : r.ring > KEEP_RING_MAX ? KEEP_RING_MAX : r.ring;
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		cmd->wall_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+		if (!cmd->key || !cmd->meta) {
+			g_kept--;
+			free(cmd->key);
+			free(cmd->meta);
+			free(cmd);
+			cmd = NULL;
+		}
+	}
+	if (cmd && cmd->keep) /* one more share: the others shrink to theirs now */
+		for (struct cmd *k = g_cmds; k; k = k->next)
+			if (k->keep && !k->dead)
+				keep_trim(k, 0);
 	if (!cmd || pipe2(pctl, O_CLOEXEC) || pipe2(psup, O_CLOEXEC)) {
 		e = cmd ? errno : ENOMEM;
 		goto fail;
@@ -1389,7 +1524,13 @@ fail:
 	}
 	close_fd(&master);
 	close_fd(&slave);
-	free(cmd);
+	if (cmd) {
+		if (cmd->keep)
+			g_kept--;
+		free(cmd->key);
+		free(cmd->meta);
+		free(cmd);
+	}
 	free_req(&r);
 	snprintf(err, sizeof err, "cannot start a process: %s", strerror(e));
 	conn_fail(c, e, err);
@@ -1922,6 +2063,160 @@ static void start_fileop(struct conn *c, int type, const unsigned char *p, uint3
 /* ------------------------------------------------------------------------------------ */
 /* event loop                                                                           */
 
+/* ------------------------------------------------------------------------------------ */
+/* kept commands: list ('L'), re-attach ('A'), forget ('K'); see struct cmd             */
+
+static struct cmd *keep_find(struct rd *rd)
+{
+	uint32_t kl = rd_u32(rd);
+	if (rd->bad || kl > rd->n || kl == 0 || kl > KEEP_KEY_MAX) {
+		rd->bad = 1;
+		return NULL;
+	}
+	const unsigned char *kp = rd->p;
+	rd->p += kl;
+	rd->n -= kl;
+	for (struct cmd *k = g_cmds; k; k = k->next)
+		if (k->keep && !k->dead && !k->failed && strlen(k->key) == kl && !memcmp(k->key, kp, kl))
+			return k;
+	return NULL;
+}
+
+static int put_strb(struct buf *b, const char *s)
+{
+	unsigned char l[4];
+	put_u32(l, (uint32_t)strlen(s));
+	return buf_add(b, l, 4) || buf_add(b, s, strlen(s));
+}
+
+/* One 'D' frame per kept command: str key, str meta, u32 pid, u32 state (1 running,
+ * 2 exited and its 'Z' delivered to a client, 3 exited and nobody told yet), then the 16 bytes of its 'Z' payload (zero while running), u64 first and
+ * next record number, i64 start time (ns since the epoch). 'Y': u64 count. */
+static void keep_list(struct conn *c)
+{
+	uint64_t count = 0;
+	int64_t now = now_ns();
+	for (struct cmd *k = g_cmds; k; k = k->next) {
+		if (!k->keep || k->dead || k->failed || !k->started)
+			continue;
+		struct buf b = {0};
+		unsigned char t[8 + 16 + 24];
+		memset(t, 0, sizeof t);
+		put_u32(t, (uint32_t)k->pid);
+		put_u32(t + 4, !k->finished ? 1 : k->delivered ? 2 : 3);
+		if (k->finished) {
+			cmd_exit_payload(k, t + 8);
+		} else {
+			put_u64(t + 16, (uint64_t)(now - k->start_ns));
+		}
+		put_u64(t + 24, k->first_seq);
+		put_u64(t + 32, k->next_seq);
+		put_u64(t + 40, (uint64_t)k->wall_ns);
+		if (put_strb(&b, k->key) || put_strb(&b, k->meta) || buf_add(&b, t, sizeof t) ||
+		    conn_frame(c, 'D', b.p + b.off, b.len, NULL, 0) < 0) {
+			buf_free(&b);
+			conn_lost(c);
+			return;
+		}
+		buf_free(&b);
+		count++;
+	}
+	unsigned char y[8];
+	put_u64(y, count);
+	conn_frame(c, 'Y', y, 8, NULL, 0);
+	c->state = CS_CLOSING;
+}
+
+/* 'A': str key, u64 first record wanted. Answers 'P' (u32 pid), 'B' (u64 number of the
+ * first record that follows: later than asked if the ring no longer holds it), the held
+ * records, then live output and 'Z' like an exec. A previous client is dropped. */
+static void keep_attach(struct conn *c, const unsigned char *p, uint32_t n)
+{
+	struct rd rd = {p, n, 0};
+	struct cmd *cmd = keep_find(&rd);
+	uint64_t from = rd_u64(&rd);
+	if (rd.bad) {
+		conn_fail(c, EINVAL, "malformed attach request");
+		return;
+	}
+	if (!cmd || !cmd->started) {
+		conn_fail(c, ENOENT, "no such kept process");
+		return;
+	}
+	if (cmd->conn) {
+		struct conn *old = cmd->conn;
+		old->cmd = NULL;
+		cmd->conn = NULL;
+		close_fd(&old->fd);
+		old->dead = 1;
+	}
+	if (from > cmd->next_seq)
+		from = cmd->next_seq;
+	if (from < cmd->first_seq)
+		from = cmd->first_seq;
+	unsigned char h[8];
+	put_u32(h, (uint32_t)cmd->pid);
+	conn_frame(c, 'P', h, 4, NULL, 0);
+	put_u64(h, from);
+	conn_frame(c, 'B', h, 8, NULL, 0);
+	size_t off = 0;
+	for (uint64_t seq = cmd->first_seq; seq < from && off + FRAME_HDR <= cmd->ring.len; seq++)
+		off += FRAME_HDR + get_u32(cmd->ring.p + cmd->ring.off + off + 1);
+	if (off < cmd->ring.len && buf_add(&c->out, cmd->ring.p + cmd->ring.off + off, cmd->ring.len - off) < 0) {
+		conn_lost(c);
+		return;
+	}
+	if (cmd->finished) {
+		unsigned char z[16];
+		cmd_exit_payload(cmd, z);
+		if (conn_frame(c, 'Z', z, 16, NULL, 0) == 0)
+			c->z_serial = cmd->serial;
+		c->state = CS_CLOSING;
+		return;
+	}
+	cmd->conn = c;
+	c->cmd = cmd;
+	c->state = CS_EXEC;
+}
+
+/* 'K': str key. A finished kept command is dropped ('Y' u64 1); a running one stays (0). */
+static void keep_forget(struct conn *c, const unsigned char *p, uint32_t n)
+{
+	struct rd rd = {p, n, 0};
+	struct cmd *cmd = keep_find(&rd);
+	if (rd.bad) {
+		conn_fail(c, EINVAL, "malformed forget request");
+		return;
+	}
+	unsigned char y[8] = {0};
+	if (cmd && cmd->finished && !cmd->conn) {
+		cmd->dead = 1;
+		y[0] = 1;
+	}
+	conn_frame(c, 'Y', y, 8, NULL, 0);
+	c->state = CS_CLOSING;
+}
+
+/* Finished kept commands nobody collected: at most KEEP_DONE_MAX, for KEEP_DONE_TTL_NS. */
+static void keep_expire(int64_t now)
+{
+	int done = 0;
+	struct cmd *oldest = NULL;
+	for (struct cmd *k = g_cmds; k; k = k->next) {
+		if (!k->finished || k->dead)
+			continue;
+		if (!k->conn && now - k->done_ns > KEEP_DONE_TTL_NS) {
+			k->dead = 1;
+			continue;
+		}
+		done++;
+		if (!k->conn && (!oldest || k->done_ns < oldest->done_ns))
+			oldest = k;
+	}
+	if (done > KEEP_DONE_MAX && oldest)
+		oldest->dead = 1;
+}
+
 static void conn_first_frame(struct conn *c, int type, const unsigned char *p, uint32_t n)
 {
 	switch (type) {
@@ -1944,6 +2239,15 @@ static void conn_first_frame(struct conn *c, int type, const unsigned char *p, u
 		break;
 	case 'N':
 		watch_signals(c);
+		break;
+	case 'L':
+		keep_list(c);
+		break;
+	case 'A':
+		keep_attach(c, p, n);
+		break;
+	case 'K':
+		keep_forget(c, p, n);
 		break;
 	default:
 		conn_fail(c, EINVAL, "unknown operation");
@@ -2060,6 +2364,12 @@ static void conn_flush(struct conn *c)
 		conn_lost(c);
 		return;
 	}
+	if (!c->dead && !c->out.len && c->z_serial) {
+		for (struct cmd *k = g_cmds; k; k = k->next)
+			if (k->serial == c->z_serial)
+				k->delivered = 1;
+		c->z_serial = 0;
+	}
 	if (!c->dead && c->out.cap > 4 * CHUNK)
 		buf_free(&c->out); /* keep idle memory small */
 	if (!c->dead && c->state == CS_CLOSING && !c->wr_shut) {
@@ -2174,7 +2484,7 @@ static int poll_timeout(int64_t now)
 {
 	int64_t next = INT64_MAX;
 	for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
-		if (cmd->dead)
+		if (cmd->dead || cmd->finished)
 			continue;
 		if (cmd->sup_exited && cmd->grace_ns < next)
 			next = cmd->grace_ns;
@@ -2196,6 +2506,7 @@ static int poll_timeout(int64_t now)
 
 static void collect_garbage(void)
 {
+	keep_expire(now_ns());
 	for (struct conn **pc = &g_conns; *pc;) {
 		struct conn *c = *pc;
 		if (c->dead) {
@@ -2214,6 +2525,15 @@ static void collect_garbage(void)
 		struct cmd *cmd = *pm;
 		if (cmd->dead) {
 			*pm = cmd->next;
+			if (cmd->conn) { /* forgotten or expired while a client followed it */
+				cmd->conn->cmd = NULL;
+				cmd->conn->state = CS_CLOSING;
+			}
+			if (cmd->keep)
+				g_kept--;
+			free(cmd->key);
+			free(cmd->meta);
+			buf_free(&cmd->ring);
 			free(cmd);
 		} else {
 			pm = &cmd->next;
@@ -2262,6 +2582,11 @@ static void noop_handler(int sig)
 static int agent_main(void)
 {
 	prctl(PR_SET_DUMPABLE, 0);
+	/* Output rings and connection buffers of 64 KiB and more get their own mappings, so
+	 * memory goes back to the system when they shrink or end (a fixed threshold: glibc's
+	 * sliding one would move them onto the heap, where freed space stays resident). */
+	mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+	mallopt(M_TRIM_THRESHOLD, 128 * 1024);
 	g_agent_pid = getpid();
 	g_pid1 = g_agent_pid == 1;
 	if (!g_pid1)

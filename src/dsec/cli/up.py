@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import importlib
+import os
+import re
+import signal
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -29,7 +35,8 @@ def announce(url: str, api_key: str, saved_to: Path | None) -> None:
     if saved_to is not None:
         text.append(f"\nsaved to {inert(saved_to)} (SDK and CLI read it)", style="dim")
     text.append(f"\nAPI docs {url}/docs", style="dim")
-    text.append("\ntry `dsec demo`; stop with Ctrl-C", style="dim")
+    text.append("\ntry `dsec demo`; stop with Ctrl-C (sandboxes run on: `dsec down", style="dim")
+    text.append(" --stop-sandboxes` ends them too)", style="dim")
     out.print(Panel(text, title="DSec is up", expand=False, border_style="green"))
 
 
@@ -74,8 +81,20 @@ def up(
             help="write URL and key to ~/.config/dsec/config.json",
         ),
     ] = True,
+    stop_sandboxes_on_exit: Annotated[
+        bool,
+        typer.Option(
+            "--stop-sandboxes-on-exit",
+            envvar="DSEC_STOP_SANDBOXES_ON_EXIT",
+            help="stop every sandbox on Ctrl-C / SIGTERM (default: they run on, and the "
+            "next `dsec up` re-adopts them with their background processes)",
+        ),
+    ] = False,
 ) -> None:
-    """Run apiserver, edge, store and layer store until Ctrl-C / SIGTERM."""
+    """Run apiserver, edge, store and layer store until Ctrl-C / SIGTERM.
+
+    Sandboxes outlive a shutdown (as they outlive a crash) unless asked otherwise:
+    `--stop-sandboxes-on-exit`, or `dsec down --stop-sandboxes`."""
     try:
         platform = importlib.import_module("dsec.platform")  # lazily: the whole server side
     except ImportError as exc:
@@ -87,6 +106,7 @@ def up(
     config = PlatformConfig(
         data_dir=data_dir, host=host, port=port, api_key=api_key or globals_of(ctx).api_key
     )
+    config.stop_sandboxes_on_exit = config.stop_sandboxes_on_exit or stop_sandboxes_on_exit
     if edge_id:
         config.edge_id = check_edge_id(edge_id)
     if layer_store is not None:
@@ -111,3 +131,53 @@ def up(
         raise
     except OSError as exc:
         raise DSecError(f"cannot start the platform: {exc}") from None
+
+
+def down(
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="data dir of the platform to stop")
+    ] = DEFAULT_DATA_DIR,
+    stop_sandboxes: Annotated[
+        bool,
+        typer.Option(
+            "--stop-sandboxes",
+            help="stop every sandbox too (default: they run on for the next `dsec up`)",
+        ),
+    ] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait")] = 60.0,
+) -> None:
+    """Stop the `dsec up` running on a data dir (SIGTERM, then wait for it to end)."""
+    pid = platform_pid(data_dir)
+    if pid is None:
+        raise DSecError(f"no platform is running on {data_dir}")
+    if stop_sandboxes:
+        config = PlatformConfig(data_dir=data_dir)
+        config.stop_marker.parent.mkdir(parents=True, exist_ok=True)
+        config.stop_marker.touch()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while platform_pid(data_dir) is not None:
+        if time.monotonic() > deadline:
+            raise DSecError(f"the platform (pid {pid}) did not stop within {timeout:.0f}s")
+        time.sleep(0.05)
+    kept = "" if stop_sandboxes else "; its sandboxes run on (`dsec up` re-adopts them)"
+    out.print(f"stopped the platform (pid {pid}){kept}")
+
+
+def platform_pid(data_dir: Path) -> int | None:
+    """Pid of the platform holding ``data_dir``'s lock (dsec.edge.identity), or None."""
+    try:
+        fd = os.open(data_dir / "lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            found = re.match(rb"pid (\d+)", os.pread(fd, 512, 0))
+            return int(found.group(1)) if found else None
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return None  # nobody holds it
+    finally:
+        os.close(fd)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import secrets
 import stat
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,12 +29,12 @@ from dsec.errors import (
     ProcessNotFound,
     SessionNotFound,
 )
-from dsec.model import DataPathInfo
+from dsec.model import DataPathInfo, SandboxState
 from dsec.security.events import AuditKind
 from dsec.sessions import archive
 from dsec.sessions import protocol as p
-from dsec.sessions.agent_client import AgentClient
-from dsec.sessions.processes import ManagedProcess
+from dsec.sessions.agent_client import AgentClient, ExecStream
+from dsec.sessions.processes import ManagedProcess, new_process_id
 from dsec.sessions.shell import session_argv, state_path
 from dsec.wire import (
     CommandArgs,
@@ -43,7 +46,12 @@ from dsec.wire import (
     SessionInfo,
 )
 
+log = logging.getLogger(__name__)
+
 MAX_FINISHED = 64
+#: Output the agent holds per background process for a re-attaching edge (the newest).
+KEPT_RING_BYTES = 1 << 20
+RESTORE_TIMEOUT = 5.0
 MAX_SESSIONS = 256
 DEFAULT_LIST_LIMIT = 10_000
 
@@ -125,7 +133,13 @@ class DataPlane:
         self.signer = signer
         self.url = url.rstrip("/")
         self._boxes: dict[str, _Box] = {}
+        self._forgets: set[asyncio.Task[None]] = set()
+        # adopted paused sandboxes: their agents are frozen, so their processes are
+        # re-attached when they run again
+        self._pending: set[str] = set()
+        self._restores: set[asyncio.Task[None]] = set()
         edge.add_stop_listener(self._forget)
+        edge.thaw_listeners.append(self._thawed)
 
     # -- tokens ---------------------------------------------------------------------------
     async def data_path(self, sandbox_id: str) -> DataPathInfo:
@@ -182,7 +196,41 @@ class DataPlane:
             err = b"".join(data for _, data in proc.drain()).decode(errors="replace")
             raise BackendError(f"cannot start a shell session: {err.strip() or status}")
         box.sessions[sess.id] = sess
+        self._save_sessions(rec.id)
         return sess.info()
+
+    def _save_sessions(self, sandbox_id: str) -> None:
+        """Keep the sandbox's sessions in its durable record (live restore: a restarted
+        edge knows them again; their state itself is a file in the sandbox)."""
+        rec = self.edge._records.get(sandbox_id)
+        box = self._boxes.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.RUNNING:
+            return
+        rec.runtime["sessions"] = {
+            s.id: {"user": s.user, "workdir": s.workdir, "created_at": s.created_at.isoformat()}
+            for s in (box.sessions.values() if box is not None else ())
+        }
+        self.edge.state.save_state(rec)
+
+    def _restore_sessions(self, rec: SandboxRecord) -> int:
+        saved = rec.runtime.get("sessions")
+        if not isinstance(saved, dict):
+            return 0
+        box = self._box(rec.id)
+        for sid, item in saved.items():
+            if sid in box.sessions:
+                continue
+            try:
+                box.sessions[sid] = _Session(
+                    id=str(sid),
+                    sandbox_id=rec.id,
+                    user=str(item["user"]),
+                    workdir=str(item["workdir"]),
+                    created_at=datetime.fromisoformat(str(item["created_at"])),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("live restore of %s: session %s unreadable: %s", rec.id, sid, exc)
+        return len(box.sessions)
 
     def _session(self, sandbox_id: str, session_id: str) -> _Session:
         sess = self._box(sandbox_id).sessions.get(session_id)
@@ -193,6 +241,7 @@ class DataPlane:
     async def close_session(self, sandbox_id: str, session_id: str) -> SessionInfo:
         sess = self._session(sandbox_id, session_id)
         del self._box(sandbox_id).sessions[session_id]
+        self._save_sessions(sandbox_id)
         _, agent = self._target(sandbox_id)
         with contextlib.suppress(NotFound):
             await agent.fs(p.FS_REMOVE, state_path(session_id), user=sess.user)
@@ -246,6 +295,19 @@ class DataPlane:
             cwd = args.workdir or rec.spec.workdir
             user = args.user or rec.spec.init_user
         locked = session is not None and not background
+        process_id = new_process_id()
+        keep = None
+        if background:  # the agent owns it: it outlives this edge (live restore)
+            meta = {
+                "command": command,
+                "session": None if session is None else session.id,
+                "user": user,
+            }
+            text = json.dumps(meta)
+            if len(text) > p.KEEP_META_MAX:  # ASCII (json escapes the rest): chars = bytes
+                meta["command"] = str(command)[:1024]
+                text = json.dumps(meta)
+            keep = (process_id, text, KEPT_RING_BYTES)
         if locked:
             assert session is not None
             await session.lock.acquire()
@@ -261,6 +323,7 @@ class DataPlane:
                     max_output=args.max_output_bytes,
                     with_stdin=args.keep_stdin or args.stdin is not None or pty is not None,
                     pty=pty,
+                    keep=keep,
                 ),
             )
         except BaseException:
@@ -270,11 +333,54 @@ class DataPlane:
             raise
         if session is not None:
             session.commands += 0 if first else 1
-        box = self._box(rec.id)
+        proc = self._follow(
+            rec,
+            stream,
+            process_id=process_id,
+            command=command,
+            session=session,
+            background=background,
+            kept=keep is not None,
+            release=session.lock.release if locked and session is not None else None,
+        )
+        self.edge.audit.record(
+            rec.id,
+            AuditKind.COMMAND,
+            "process_start",
+            process=proc.id,
+            command=command,
+            session=None if session is None else session.id,
+            user=user,
+            background=background,
+            pty=pty is not None,
+        )
+        if args.stdin is not None:
+            await proc.write_stdin(args.stdin.encode(), close=not args.keep_stdin)
+        return proc
 
+    def _follow(
+        self,
+        rec: SandboxRecord,
+        stream: ExecStream,
+        *,
+        process_id: str,
+        command: str | list[str],
+        session: _Session | str | None,
+        background: bool,
+        kept: bool,
+        release: Callable[[], None] | None = None,
+        started_at: datetime | None = None,
+        ended_before: bool = False,
+    ) -> ManagedProcess:
+        """The edge's handle of a started (or re-attached) command."""
+        box = self._box(rec.id)
         audit = self.edge.audit
+        agent = self.edge.backend.agent(rec)
 
         def ended(proc: ManagedProcess) -> None:
+            if ended_before:  # an edge saw it end (and put that on record) before
+                self._prune(box, agent)
+                return
             self.edge.command_finished(rec.id)
             exit_info = proc.exit
             audit.record(
@@ -293,45 +399,128 @@ class DataPlane:
                     command=proc.command,
                     process=proc.id,
                 )
-            if locked:
-                assert session is not None
-                session.lock.release()
+            if release is not None:
+                release()
             if not proc.background:
                 box.processes.pop(proc.id, None)
             else:
-                self._prune(box)
+                self._prune(box, agent)
 
         proc = ManagedProcess(
             stream,
             sandbox_id=rec.id,
             command=command,
-            session=None if session is None else session.id,
+            session=session.id if isinstance(session, _Session) else session,
             background=background,
             on_activity=lambda: self._touch(rec.id),
             on_exit=ended,
+            process_id=process_id,
+            started_at=started_at,
+            kept=kept,
         )
         box.processes[proc.id] = proc
-        audit.record(
-            rec.id,
-            AuditKind.COMMAND,
-            "process_start",
-            process=proc.id,
-            command=command,
-            session=None if session is None else session.id,
-            user=user,
-            background=background,
-            pty=pty is not None,
-        )
-        if args.stdin is not None:
-            await proc.write_stdin(args.stdin.encode(), close=not args.keep_stdin)
         return proc
 
-    @staticmethod
-    def _prune(box: _Box) -> None:
+    def _prune(self, box: _Box, agent: AgentClient) -> None:
         finished = [p for p in box.processes.values() if not p.running]
         finished.sort(key=lambda proc: proc.ended_monotonic or 0.0)
         for proc in finished[: max(0, len(finished) - MAX_FINISHED)]:
             box.processes.pop(proc.id, None)
+            if proc.kept:  # collected: the agent may drop its status and output too
+                task = asyncio.get_running_loop().create_task(self._agent_forget(agent, proc.id))
+                self._forgets.add(task)
+                task.add_done_callback(self._forgets.discard)
+
+    @staticmethod
+    async def _agent_forget(agent: AgentClient, key: str) -> None:
+        with contextlib.suppress(BackendError, NotFound, InvalidArgument):
+            await agent.forget(key)
+
+    # -- live restore ---------------------------------------------------------------------
+    async def restore(self, sandbox_ids: list[str]) -> dict[str, int]:
+        """Re-attach to the background processes the agents of re-adopted sandboxes own
+        (same ids, output from the oldest chunk still held, exit status of those that
+        ended while no edge was there), and know their sessions again. Returns counts:
+        running, exited, failed (processes) and sessions."""
+        counts = {"running": 0, "exited": 0, "failed": 0, "sessions": 0}
+        await asyncio.gather(*(self._restore_box(sid, counts) for sid in sandbox_ids))
+        if any(counts.values()):
+            log.info("live restore: re-attached background processes %s", counts)
+        return counts
+
+    async def _restore_box(
+        self, sandbox_id: str, counts: dict[str, int], before_ns: int | None = None
+    ) -> None:
+        """``before_ns``: only processes started before then (wall clock), so none that
+        this edge started itself is taken over twice."""
+        before_ns = time.time_ns() if before_ns is None else before_ns
+        rec = self.edge._get(sandbox_id)
+        counts["sessions"] += self._restore_sessions(rec)
+        if rec.state is not SandboxState.RUNNING:
+            self._pending.add(sandbox_id)  # paused (frozen: its agent cannot answer now)
+            return
+        agent = self.edge.backend.agent(rec)
+        try:
+            async with asyncio.timeout(RESTORE_TIMEOUT):
+                kept = await agent.kept()
+        except (BackendError, NotFound, InvalidArgument, TimeoutError) as exc:
+            log.warning("live restore of %s: cannot list its processes: %s", sandbox_id, exc)
+            counts["failed"] += 1
+            return
+        box = self._box(sandbox_id)
+        for k in sorted(kept, key=lambda k: k.started_ns):
+            if k.key in box.processes or k.started_ns >= before_ns:
+                continue
+            if rec.state is not SandboxState.RUNNING:  # it ended meanwhile
+                return
+            try:
+                meta = json.loads(k.meta) if k.meta else {}
+                if not isinstance(meta, dict):
+                    meta = {}
+                async with asyncio.timeout(RESTORE_TIMEOUT):
+                    stream = await agent.attach(k.key, 0)
+            except (BackendError, NotFound, InvalidArgument, ValueError, TimeoutError) as exc:
+                log.warning("live restore of %s/%s: %s", sandbox_id, k.key, exc)
+                counts["failed"] += 1
+                continue
+            command = meta.get("command", "")
+            session = meta.get("session")
+            self._follow(
+                rec,
+                stream,
+                process_id=k.key,
+                command=command if isinstance(command, str | list) else str(command),
+                session=session if isinstance(session, str) else None,
+                background=True,
+                kept=True,
+                started_at=datetime.fromtimestamp(k.started_ns / 1e9, UTC),
+                ended_before=k.delivered,
+            )
+            counts["running" if k.running else "exited"] += 1
+
+    def _thawed(self, sandbox_id: str) -> None:
+        if sandbox_id not in self._pending:
+            return
+        self._pending.discard(sandbox_id)
+        counts = {"running": 0, "exited": 0, "failed": 0, "sessions": 0}
+        task = asyncio.get_running_loop().create_task(
+            self._restore_box(sandbox_id, counts, time.time_ns())
+        )
+        self._restores.add(task)
+        task.add_done_callback(self._restores.discard)
+
+    async def close(self) -> None:
+        """Stop following the agents' processes without ending them (platform shutdown:
+        what a sandbox runs lives on, and the next edge re-attaches)."""
+        procs = [
+            proc
+            for box in self._boxes.values()
+            for proc in box.processes.values()
+            if proc.kept and proc.running
+        ]
+        await asyncio.gather(*(proc.suspend() for proc in procs), return_exceptions=True)
+        for task in [*self._forgets, *self._restores]:
+            task.cancel()
 
     def process(self, sandbox_id: str, process_id: str) -> ManagedProcess:
         self.edge._get(sandbox_id)

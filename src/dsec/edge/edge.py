@@ -120,6 +120,8 @@ class Edge:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ttl_task: asyncio.Task[None] | None = None
         self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
+        # called with the sandbox id when a paused sandbox runs again (dsec.rl.jobs.thaw)
+        self.thaw_listeners: builtins.list[Callable[[str], None]] = []
         self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
         self._death_tasks: set[asyncio.Task[None]] = set()
         self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart

@@ -197,6 +197,8 @@ class JobControl:
         self.edge.backend.resume(rec)
         rec.last_activity = time.monotonic()  # paused time never counts toward the TTL
         self.edge.transition(rec, SandboxState.RUNNING)
+        for listener in self.edge.thaw_listeners:  # e.g. the data plane's live restore
+            listener(rec.id)
         self.edge.audit.record(
             rec.id,
             AuditKind.LIFECYCLE,

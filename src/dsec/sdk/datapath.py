@@ -32,6 +32,7 @@ from dsec.errors import (
     InvalidArgument,
     NotFound,
     PlatformUnavailable,
+    SessionNotFound,
     Unauthenticated,
     Unsupported,
     error_from_payload,
@@ -789,6 +790,14 @@ class SandboxDataMixin:
     async def sessions(self) -> list[SessionInfo]:
         items = await self._data.call(self.id, "sessions", {})
         return [SessionInfo.model_validate(i) for i in items]
+
+    async def get_session(self, session_id: str) -> Session:
+        """An open session again by its id (another client's, or one from before a
+        platform restart: sessions survive it). ``SessionNotFound`` if it is not open."""
+        for info in await self.sessions():
+            if info.id == session_id:
+                return Session(self._data, info)
+        raise SessionNotFound(f"no session {session_id!r} in sandbox {self.id}")
 
     async def pty(
         self,

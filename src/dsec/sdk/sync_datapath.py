@@ -354,6 +354,10 @@ class SyncSandboxDataMixin:
     def sessions(self) -> list[SessionInfo]:
         return self._run(self._a().sessions())
 
+    def get_session(self, session_id: str) -> SyncSession:
+        session = self._run(self._a().get_session(session_id))
+        return SyncSession(self._client._portal(), session)
+
     def pty(
         self,
         *,

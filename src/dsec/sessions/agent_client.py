@@ -176,10 +176,12 @@ class _ExecStream:
     :meth:`send_signal`; :meth:`aclose` before the end kills the tree.
     """
 
-    def __init__(self, conn: _Connection, pid: int) -> None:
+    def __init__(self, conn: _Connection, pid: int, base: int = 0) -> None:
         self._conn = conn
         self.pid = pid
         """Process id of the command inside the sandbox."""
+        self.base = base
+        """Number of the first output chunk this stream yields (0 unless re-attached)."""
         self.status: p.ExitStatus | None = None
         """Set once the command has ended (after :meth:`next_chunk` returned ``None``)."""
 
@@ -196,6 +198,31 @@ class _ExecStream:
             if kind != p.T_PID:
                 conn.unexpected(kind)
             return cls(conn, p.decode_u32(body))
+        except BaseException:
+            await conn.close()
+            raise
+
+    @classmethod
+    async def attach(cls, socket_path: Path, key: str, start: int) -> _ExecStream:
+        """Follow a kept command again, its output from chunk ``start`` (or the oldest
+        one the agent still holds: see :attr:`base`)."""
+        try:
+            request = p.encode_attach(key, start)
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        conn = await _Connection.open(socket_path, f"attach to {key!r}")
+        try:
+            conn.send(request)
+            kind, body = await conn.read_frame()
+            if kind == p.T_FAIL:
+                raise agent_error(*p.decode_failure(body))
+            if kind != p.T_PID:
+                conn.unexpected(kind)
+            pid = p.decode_u32(body)
+            kind, body = await conn.read_frame()
+            if kind != p.T_BASE:
+                conn.unexpected(kind)
+            return cls(conn, pid, p.decode_u64(body))
         except BaseException:
             await conn.close()
             raise
@@ -334,15 +361,62 @@ class AgentClient:
         max_output: int,
         with_stdin: bool,
         pty: tuple[int, int] | None = None,
+        keep: tuple[str, str, int] | None = None,
     ) -> ExecStream:
         """Start a command and return its stream (output as it comes, stdin, signals).
 
-        Closing the stream before the command ends kills its whole process tree.
+        Closing the stream before the command ends kills its whole process tree, unless
+        ``keep`` (key, meta, ring bytes) hands the command to the agent: it then runs on,
+        and :meth:`attach` follows it again (also from a restarted edge).
         """
         request = self._exec_request(
-            argv, env, cwd, user, timeout, max_output, b"" if with_stdin else None, pty
+            argv, env, cwd, user, timeout, max_output, b"" if with_stdin else None, pty, keep
         )
         return await _ExecStream.start(self.socket_path, request)
+
+    async def attach(self, key: str, start: int = 0) -> ExecStream:
+        """Follow a kept command again from output chunk ``start`` (see ``ExecStream.base``)."""
+        return await _ExecStream.attach(self.socket_path, key, start)
+
+    async def kept(self) -> list[p.KeptCommand]:
+        """The commands the agent owns (running, or finished and not forgotten)."""
+        conn = await _Connection.open(self.socket_path, "list of kept processes")
+        try:
+            conn.send(p.frame(p.OP_LIST))
+            out: list[p.KeptCommand] = []
+            while True:
+                kind, body = await conn.read_frame()
+                if kind == p.T_DATA:
+                    try:
+                        out.append(p.decode_kept(body))
+                    except p.ProtocolError as exc:
+                        self._bad(exc)
+                elif kind == p.T_DONE:
+                    return out
+                elif kind == p.T_FAIL:
+                    raise agent_error(*p.decode_failure(body))
+                else:
+                    conn.unexpected(kind)
+        finally:
+            await conn.close()
+
+    async def forget(self, key: str) -> bool:
+        """Drop a finished kept command (its status and output); False if none was dropped."""
+        try:
+            request = p.encode_forget(key)
+        except ValueError as exc:
+            raise _invalid(exc) from None
+        conn = await _Connection.open(self.socket_path, f"forget of {key!r}")
+        try:
+            conn.send(request)
+            kind, body = await conn.read_frame()
+            if kind == p.T_FAIL:
+                raise agent_error(*p.decode_failure(body))
+            if kind != p.T_DONE:
+                conn.unexpected(kind)
+            return p.decode_u64(body) == 1
+        finally:
+            await conn.close()
 
     @staticmethod
     def _exec_request(
@@ -354,6 +428,7 @@ class AgentClient:
         max_output: int,
         stdin: bytes | None,
         pty: tuple[int, int] | None = None,
+        keep: tuple[str, str, int] | None = None,
     ) -> p.ExecRequest:
         if not argv:
             raise InvalidArgument("argv must not be empty")
@@ -370,6 +445,7 @@ class AgentClient:
             max_output=min(max_output, p.U64_MAX),
             with_stdin=stdin is not None,
             pty=pty,
+            keep=keep,
         )
         try:
             p.encode_exec(request)  # validate now, with a typed error

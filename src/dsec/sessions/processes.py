@@ -5,6 +5,13 @@ command's output as it comes and appends it to a log that any number of readers 
 from any offset, so a background process can be streamed "later" and a foreground one
 as it runs. Memory is bounded by the command's output cap (the agent drops and flags
 everything beyond it); a foreground process's log is trimmed as its reader consumes it.
+
+A *kept* process (``kept=True``: the edge's background processes) belongs to the agent
+inside the sandbox, which holds its output in a bounded ring of numbered chunks and its
+exit status after the end. The edge only follows it: a restarted edge re-attaches
+(:meth:`ManagedProcess.reattached`) with the same id, and the chunk numbers stay the same,
+so a client reads on from the offset it had. :meth:`suspend` stops following without
+ending anything (a platform going down while its sandboxes live on).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from dsec.errors import DSecError, InvalidArgument, SandboxNotRunning
 from dsec.sessions.agent_client import ExecStream
 from dsec.wire import ExitInfo, ProcessInfo
 
-__all__ = ["ManagedProcess"]
+__all__ = ["ManagedProcess", "new_process_id"]
+
+
+def new_process_id() -> str:
+    return "p" + secrets.token_hex(8)
 
 
 class ManagedProcess:
@@ -34,19 +45,27 @@ class ManagedProcess:
         background: bool,
         on_activity: Callable[[], None] | None = None,
         on_exit: Callable[[ManagedProcess], None] | None = None,
+        process_id: str | None = None,
+        started_at: datetime | None = None,
+        kept: bool = False,
     ) -> None:
-        self.id = "p" + secrets.token_hex(8)
+        self.id = process_id or new_process_id()
         self.sandbox_id = sandbox_id
         self.command = command
         self.session = session
         self.background = background
-        self.started_at = datetime.now(UTC)
+        self.kept = kept
+        """The agent owns the process: it outlives this edge (see the module doc)."""
+        self.started_at = started_at or datetime.now(UTC)
+        self._suspended = False
         self.ended_monotonic: float | None = None
         self._stream = stream
         self._on_activity = on_activity
         self._on_exit = on_exit
         self._log: list[tuple[int, bytes]] = []
-        self._base = 0  # index of _log[0] in the whole output (trimmed chunks before it)
+        # index of _log[0] in the whole output (trimmed chunks before it, or chunks a
+        # re-attached stream starts after)
+        self._base = stream.base
         self._bytes = 0
         self._changed = asyncio.Event()
         self.exit: ExitInfo | None = None
@@ -106,10 +125,11 @@ class ManagedProcess:
             await self._stream.aclose()
             self._done.set()
             self._changed.set()
-            if self._on_activity is not None:
-                self._on_activity()
-            if self._on_exit is not None:
-                self._on_exit(self)
+            if not self._suspended:
+                if self._on_activity is not None:
+                    self._on_activity()
+                if self._on_exit is not None:
+                    self._on_exit(self)
 
     async def output(
         self, start: int = 0, *, trim: bool = False
@@ -173,6 +193,16 @@ class ManagedProcess:
         if self.running:
             self._detached = reason
             self._pump.cancel()
+
+    async def suspend(self) -> None:
+        """Stop following a kept process without ending it or reporting an end (the edge
+        shuts down; the agent keeps the process, its output and its status)."""
+        if self.running:
+            self._suspended = True
+            self._detached = "the platform shut down (the process runs on in its sandbox)"
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
 
     def drain(self) -> list[tuple[int, bytes]]:
         """The output kept so far (for errors of short internal commands)."""

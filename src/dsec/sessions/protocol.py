@@ -22,6 +22,18 @@ first frame the client sends:
   records in ``D`` frames and ends with ``Y`` (u64 count, u32 truncated). An entry record
   is u32 mode, u32 uid, u32 gid, u64 size, i64 mtime_ns, str name, str symlink target.
   Like ``R``/``W`` it runs as ``user`` inside the sandbox's mount namespace and root.
+  With the KEEP flag (str key, str meta, u32 ring bytes follow) the agent owns the
+  command ("kept": the edge's background processes): closing the connection does not
+  kill it, its output goes to a bounded ring of numbered records (each an ``O``/``E``
+  frame), and its exit status is held after the end, so a restarted edge finds it again:
+- ``L`` list kept commands -> one ``D`` per command (str key, str meta, u32 pid, u32
+  state 1 running / 2 exited and its ``Z`` delivered to a client / 3 exited and not yet
+  delivered, the 16-byte ``Z`` payload, u64 first and next record
+  number, i64 start ns since the epoch), then ``Y`` (u64 count).
+- ``A`` attach: str key, u64 first record wanted -> ``P`` (u32 pid), ``B`` (u64 number of
+  the first record that follows), the records, live output and ``Z`` as for an exec
+  (stdin, signals and resizing work too). A previous client of that command is dropped.
+- ``K`` forget: str key -> ``Y`` (u64 1 if a finished command was dropped).
 - ``H`` ping -> ``Y`` (u64 0).   ``Q`` shutdown: the agent kills everything and exits.
 
 Any operation may end with ``F``: i32 errno, then a UTF-8 message (rest of the payload).
@@ -40,6 +52,9 @@ OP_WRITE = ord("W")
 OP_PING = ord("H")
 OP_FS = ord("O")
 OP_SHUTDOWN = ord("Q")
+OP_LIST = ord("L")
+OP_ATTACH = ord("A")
+OP_FORGET = ord("K")
 
 # Client -> agent, after the first frame.
 T_STDIN = ord("I")
@@ -55,9 +70,13 @@ T_EXIT = ord("Z")
 T_FAIL = ord("F")
 T_DATA = ord("D")
 T_DONE = ord("Y")
+T_BASE = ord("B")
 
 EXEC_FLAG_STDIN = 1
 EXEC_FLAG_PTY = 2
+EXEC_FLAG_KEEP = 4
+KEEP_KEY_MAX = 64
+KEEP_META_MAX = 4096
 EXIT_FLAG_TIMED_OUT = 1
 EXIT_FLAG_TRUNCATED = 2
 WRITE_FLAG_MAKE_PARENTS = 1
@@ -142,6 +161,8 @@ class ExecRequest:
     with_stdin: bool
     pty: tuple[int, int] | None = None
     """``(rows, cols)``: run on a new terminal instead of pipes."""
+    keep: tuple[str, str, int] | None = None
+    """``(key, meta, ring bytes)``: the agent owns the command (see ``L``/``A``/``K``)."""
 
 
 def encode_exec(req: ExecRequest) -> bytes:
@@ -157,13 +178,24 @@ def encode_exec(req: ExecRequest) -> bytes:
         if not key or "=" in key:
             raise ValueError(f"invalid environment variable name: {key!r}")
         env.append(f"{key}={value}")
-    flags = (EXEC_FLAG_STDIN if req.with_stdin else 0) | (EXEC_FLAG_PTY if req.pty else 0)
+    flags = (
+        (EXEC_FLAG_STDIN if req.with_stdin else 0)
+        | (EXEC_FLAG_PTY if req.pty else 0)
+        | (EXEC_FLAG_KEEP if req.keep else 0)
+    )
     tail = b""
     if req.pty is not None:
         rows, cols = req.pty
         if not (0 <= rows <= 0xFFFF and 0 <= cols <= 0xFFFF):
             raise ValueError(f"terminal size out of range: {rows}x{cols}")
         tail = _U32.pack(rows) + _U32.pack(cols)
+    if req.keep is not None:
+        key, meta, ring = req.keep
+        if not 0 < len(key.encode()) <= KEEP_KEY_MAX or len(meta.encode()) > KEEP_META_MAX:
+            raise ValueError(f"kept command: key of 1-{KEEP_KEY_MAX} bytes, meta <= 4096")
+        if not 0 <= ring <= U32_MAX:
+            raise ValueError(f"ring size out of range: {ring}")
+        tail += pack_str(key) + pack_str(meta) + _U32.pack(ring)
     payload = b"".join(
         (
             pack_str(req.user),
@@ -177,6 +209,67 @@ def encode_exec(req: ExecRequest) -> bytes:
         )
     )
     return frame(OP_EXEC, payload)
+
+
+def encode_attach(key: str, start: int) -> bytes:
+    if not 0 <= start <= U64_MAX:
+        raise ValueError(f"record number out of range: {start}")
+    return frame(OP_ATTACH, pack_str(key) + _U64.pack(start))
+
+
+def encode_forget(key: str) -> bytes:
+    return frame(OP_FORGET, pack_str(key))
+
+
+@dataclass(frozen=True)
+class KeptCommand:
+    """One ``D`` record of an ``L`` answer: a command the agent owns."""
+
+    key: str
+    meta: str
+    pid: int
+    running: bool
+    status: ExitStatus | None
+    delivered: bool
+    """Its end (``Z``) reached a client in full (an edge saw it end)."""
+    first: int
+    """Number of the oldest output record the agent still holds."""
+    next: int
+    """Number the next output record will get (records so far)."""
+    started_ns: int
+
+
+_KEPT_TAIL = struct.Struct("<II16sQQq")
+
+
+def decode_kept(payload: bytes) -> KeptCommand:
+    view = memoryview(payload)
+    pos = 0
+    strs: list[str] = []
+    try:
+        for _ in range(2):
+            (n,) = _U32.unpack_from(view, pos)
+            pos += 4
+            if pos + n > len(view):
+                raise ProtocolError("kept command record is cut short")
+            strs.append(bytes(view[pos : pos + n]).decode("utf-8", "replace"))
+            pos += n
+        pid, state, z, first, nxt, started = _KEPT_TAIL.unpack_from(view, pos)
+    except struct.error as exc:
+        raise ProtocolError(f"malformed kept command record: {exc}") from None
+    if pos + _KEPT_TAIL.size != len(view) or state not in (1, 2, 3):
+        raise ProtocolError("malformed kept command record")
+    return KeptCommand(
+        key=strs[0],
+        meta=strs[1],
+        pid=pid,
+        running=state == 1,
+        status=None if state == 1 else decode_exit(z),
+        delivered=state == 2,
+        first=first,
+        next=nxt,
+        started_ns=started,
+    )
 
 
 def encode_read(path: str, *, user: str, max_bytes: int) -> bytes:
