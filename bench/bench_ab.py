@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline-env", action="append", default=[], help="KEY=VALUE for the baseline's platform"
     )
+    ap.add_argument("--new-env", action="append", default=[], help="KEY=VALUE for this tree's")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--creates", type=int, default=20)
     ap.add_argument("--execs", type=int, default=100)
@@ -91,7 +92,7 @@ def main() -> None:
         if opts.baseline_rev != ".":
             base = stack.enter_context(baseline_tree(opts.baseline_rev))
             env["PYTHONPATH"] = str(base / "src")
-        new = stack.enter_context(platform_process())
+        new = stack.enter_context(platform_process(**dict(kv.split("=", 1) for kv in opts.new_env)))
         old = stack.enter_context(platform_process(**env))
         samples = asyncio.run(run(opts, {"new": new, "old": old}))
     print(f"baseline {opts.baseline_rev} {env}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
