@@ -180,22 +180,66 @@ class SeccompListener:
         self._rate: dict[tuple[str, str], list[float]] = {}
         self._paused: dict[int, float] = {}  # notify fd -> monotonic time to resume
         self._suppressed: dict[tuple[str, str], int] = {}
+        self._accept_paused_until = 0.0  # accept failed for want of fds: retry then
+        self._sock_ino = 0  # the inode of our socket file (a removed one is re-bound)
+        self._rebind = False
         self.answered = 0
+        self.accept_failures = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
+        self._sock = self._bind()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
+        self._thread.start()
+
+    def _bind(self) -> socket.socket:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.socket_path))
-        os.chmod(self.socket_path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
-        self._thread.start()
+        try:
+            sock.bind(str(self.socket_path))
+            os.chmod(self.socket_path, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
+            self._sock_ino = os.stat(self.socket_path).st_ino
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- supervision (dsec.supervise) ----------------------------------------------------
+    def healthy(self) -> str | None:
+        """None while creates can attach, else why not: the thread died, or the socket
+        file crun connects to is gone or replaced (a cleaned-up run dir)."""
+        if self._thread is None:
+            return None  # not started or closed on purpose
+        if not self._thread.is_alive():
+            return "the seccomp listener thread died"
+        try:
+            ino = os.stat(self.socket_path).st_ino
+        except FileNotFoundError:
+            return f"the seccomp socket {self.socket_path} is gone"
+        except OSError:
+            return None  # cannot tell (e.g. out of fds): not a reason to restart
+        if ino != self._sock_ino:
+            return f"the seccomp socket {self.socket_path} was replaced"
+        return None
+
+    def restart(self) -> None:
+        """Bring the listener back: a dead thread is started again (sandboxes attached
+        before keep their filter; their violations now get ENOSYS, as after a crash); a
+        lost socket file is bound again by the running thread, which keeps its fds."""
+        if self._thread is None:
+            return
+        if not self._thread.is_alive():
+            self.close()
+            self.start()
+            return
+        self._rebind = True
+        self._wake()
 
     def close(self) -> None:
         """Stop the thread and close every notify fd (their sandboxes' dangerous calls
@@ -243,21 +287,16 @@ class SeccompListener:
         try:
             ep.register(self._sock.fileno(), select.EPOLLIN)
             ep.register(self._wake_r, select.EPOLLIN)
+            failures = 0
             while not self._stop:
-                self._drain_forget(ep)
-                timeout = self._resume(ep)
                 try:
-                    ready = ep.poll(timeout)
-                except InterruptedError:
-                    continue
-                for fd, mask in ready:
-                    if fd == self._wake_r:
-                        with contextlib.suppress(OSError):
-                            os.read(self._wake_r, 4096)
-                    elif fd == self._sock.fileno():
-                        self._accept(ep)
-                    elif fd in self._fds:
-                        self._serve(ep, fd, mask)
+                    self._step(ep)
+                    failures = 0
+                except Exception as exc:  # one bad turn must not end the listener
+                    failures += 1
+                    if failures == 1:
+                        log.warning("seccomp listener: %s: %s; going on", type(exc).__name__, exc)
+                    time.sleep(min(1.0, 0.01 * 2**failures))
         except Exception:
             log.exception("seccomp listener thread failed; notified calls now get ENOSYS")
         finally:
@@ -267,17 +306,57 @@ class SeccompListener:
                 self._close_fd(ep, fd)
             ep.close()
 
+    def _step(self, ep: select.epoll) -> None:
+        assert self._sock is not None
+        if self._rebind:
+            self._rebind = False
+            self._swap_socket(ep)
+        self._drain_forget(ep)
+        timeout = self._resume(ep)
+        try:
+            ready = ep.poll(timeout)
+        except InterruptedError:
+            return
+        for fd, mask in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            elif fd == self._sock.fileno():
+                self._accept(ep)
+            elif fd in self._fds:
+                self._serve(ep, fd, mask)
+
+    def _swap_socket(self, ep: select.epoll) -> None:
+        """Bind the socket file again (it was removed or replaced under us)."""
+        new = self._bind()
+        old, self._sock = self._sock, new
+        if old is not None:
+            with contextlib.suppress(OSError):
+                ep.unregister(old.fileno())
+            old.close()
+        ep.register(new.fileno(), select.EPOLLIN)
+        self._accept_paused_until = 0.0
+        log.warning("seccomp listener: bound %s again", self.socket_path)
+
     def _resume(self, ep: select.epoll) -> float:
         """Re-arm paused fds whose pause is over; seconds until the next one is due."""
-        if not self._paused:
-            return 1.0
         now = time.monotonic()
+        wait = 1.0
+        if self._accept_paused_until:
+            if self._accept_paused_until <= now and self._sock is not None:
+                self._accept_paused_until = 0.0
+                with contextlib.suppress(OSError):
+                    ep.register(self._sock.fileno(), select.EPOLLIN)
+            else:
+                wait = max(0.0, self._accept_paused_until - now)
+        if not self._paused:
+            return wait
         for fd, until in list(self._paused.items()):
             if until <= now:
                 del self._paused[fd]
                 if fd in self._fds:
                     ep.register(fd, select.EPOLLIN)
-        return min([1.0, *(u - now for u in self._paused.values())])
+        return min([wait, *(u - now for u in self._paused.values())])
 
     def _drain_forget(self, ep: select.epoll) -> None:
         while self._forget:
@@ -306,6 +385,23 @@ class SeccompListener:
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                # Out of fds (or memory): the connection waits in the backlog. Stop
+                # polling the socket for a moment instead of spinning on it; the create
+                # that sent it fails on its own and is typed by the edge (dsec.exhaustion).
+                self.accept_failures += 1
+                if self.accept_failures == 1 or self.accept_failures % 1000 == 0:
+                    log.warning(
+                        "seccomp listener: accept: %s (%d times); retrying",
+                        exc.strerror,
+                        self.accept_failures,
+                    )
+                with contextlib.suppress(OSError):
+                    ep.unregister(self._sock.fileno())
+                self._accept_paused_until = time.monotonic() + 0.1
                 return
             with conn:
                 try:

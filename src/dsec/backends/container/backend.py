@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +345,12 @@ class ContainerBackend(Backend):
         """Run the grader in a pristine verifier that sees snapshots of the graded
         paths and the protected paths (dsec.backends.container.verifier)."""
         return await verifier.run_verify(self, rec, req)
+
+    def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:
+        listener = self.seccomp.listener if self.seccomp is not None else None
+        if listener is None:
+            return []
+        return [("seccomp-listener", listener.healthy, listener.restart)]
 
     def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:
         """The ``linux.seccomp`` of container ``sid``; violations are recorded under

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsec.hostlimits import sandbox_nofile
 from dsec.model import DSecContainerRunArgs
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
@@ -219,6 +220,7 @@ def build_config(
     new empty one."""
     memory = spec.memory_limit_mb * 1024 * 1024
     cpus = min(spec.cpu_cores_limit, float(host_cpus))
+    nofile = sandbox_nofile()
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -234,7 +236,8 @@ def build_config(
                 key: list(DEFAULT_CAPS) for key in ("bounding", "effective", "permitted")
             },
             "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                # 4096, or the host's hard limit if lower: crun cannot raise it
+                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
             ],
             "noNewPrivileges": True,
