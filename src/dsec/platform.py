@@ -184,6 +184,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
                 config.sandbox_disk_image,
                 size_bytes=config.sandbox_disk_gb * GiB if config.sandbox_disk_gb else None,
                 enabled=config.sandbox_disk_gb != 0,
+                preallocate=config.sandbox_disk_preallocate,
             ),
         )
         edge = Edge(
