@@ -125,9 +125,14 @@ def _recv_fd(conn: socket.socket) -> tuple[bytes, list[int]]:
     conn.settimeout(2.0)
     while True:
         # CLOEXEC at once: a process spawned meanwhile by another thread must not get it.
-        msg, anc, _flags, _addr = conn.recvmsg(
+        msg, anc, flags, _addr = conn.recvmsg(
             65536, socket.CMSG_SPACE(8 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
         )
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped the fd: no slot for it
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise OSError(errno.EMFILE, "the notify fd was dropped (no free fd to receive it)")
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -183,6 +188,8 @@ class SeccompListener:
         self._accept_paused_until = 0.0  # accept failed for want of fds: retry then
         self._sock_ino = 0  # the inode of our socket file (a removed one is re-bound)
         self._rebind = False
+        self._reserve = -1  # one fd held back so that a notify fd can always be received
+        self.lost: set[str] = set()  # sandboxes whose notify fd could not be received
         self.answered = 0
         self.accept_failures = 0
 
@@ -190,9 +197,24 @@ class SeccompListener:
     def start(self) -> None:
         self._sock = self._bind()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._take_reserve()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
         self._thread.start()
+
+    def _take_reserve(self) -> None:
+        if self._reserve < 0:
+            with contextlib.suppress(OSError):
+                self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _spend_reserve(self) -> None:
+        """Free the reserved slot for the fd about to arrive (the libuv EMFILE trick):
+        accepting used the last free one, and SCM_RIGHTS drops an fd it has no slot
+        for, which would leave a sandbox unmonitored."""
+        if self._reserve >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._reserve)
+            self._reserve = -1
 
     def _bind(self) -> socket.socket:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +282,7 @@ class SeccompListener:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        self._spend_reserve()
 
     def forget(self, sandbox_id: str) -> None:
         """Close a sandbox's notify fds (on teardown; the thread does the closing)."""
@@ -404,11 +427,14 @@ class SeccompListener:
                 self._accept_paused_until = time.monotonic() + 0.1
                 return
             with conn:
+                self._spend_reserve()
                 try:
                     data, fds = _recv_fd(conn)
                 except OSError as exc:
                     log.warning("seccomp listener: bad connection: %s", exc)
                     continue
+                finally:
+                    self._take_reserve()
                 self._adopt_fds(ep, data, fds)
 
     def _adopt_fds(self, ep: select.epoll, data: bytes, fds: list[int]) -> None:
