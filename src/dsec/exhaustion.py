@@ -237,6 +237,24 @@ class Exhaustion:
             )
 
 
+_current: Exhaustion | None = None
+
+
+def register(ex: Exhaustion) -> None:
+    """Make ``ex`` the process's tracker (the edge's), for :func:`typed_anywhere`."""
+    global _current
+    _current = ex
+
+
+def typed_anywhere(exc: BaseException) -> DSecError | None:
+    """The typed error for an exhaustion that escaped every other handler (the HTTP
+    layer's last resort), noted in the edge's tracker so that health shows it too."""
+    if _current is not None:
+        return _current.typed(exc)
+    res = classify(exc)
+    return None if res is None else Exhaustion.error(res, f"{type(exc).__name__}: {exc}")
+
+
 def _mem_available() -> int | None:
     with open("/proc/meminfo", "rb") as fh:
         for line in fh:

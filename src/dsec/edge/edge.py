@@ -34,7 +34,7 @@ from dsec.errors import (
     Timeout,
     Unsupported,
 )
-from dsec.exhaustion import Exhaustion
+from dsec.exhaustion import Exhaustion, register
 from dsec.images.service import ImageService
 from dsec.model import (
     SANDBOX_ID_RE,
@@ -108,6 +108,7 @@ class Edge:
         self.audit = audit or AuditLog(None)
         # Disk, fds, memory, pids running out: typed errors and health (dsec.exhaustion).
         self.exhaustion = Exhaustion(data_dir)
+        register(self.exhaustion)  # the HTTP layer's last resort notes into it too
         # Background loops and threads restart themselves when they die (dsec.supervise).
         self.supervisor = Supervisor()
         # egress rules (dsec.net); None: sandboxes with allow-rules are Unsupported

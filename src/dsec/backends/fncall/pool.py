@@ -111,7 +111,10 @@ class WarmPool:
     async def _await_ready(self, runner: Runner) -> None:
         try:
             await asyncio.wait_for(runner.wait_ready(), 10)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, BackendError) as exc:
+        except Exception as exc:  # any failure (StopIteration too): counted, never sticky
+            # An unexpected exception used to escape here with ``starting`` never
+            # decremented, so the pool believed runners were on their way and never
+            # refilled: every call then waited for a runner that would not come.
             self.starting -= 1
             self.failures += 1
             self.last_error = f"sandbox setup failed ({exc!r}): {self.zygote.log_tail()}"
