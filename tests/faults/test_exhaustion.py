@@ -32,7 +32,7 @@ import pytest
 
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.errors import InsufficientStorage, ResourceExhausted
-from tests.conftest import PlatformProcess, clean_leftovers, host_leaks
+from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
 from tests.faults.helpers import poll
 
 pytestmark = pytest.mark.root
@@ -467,6 +467,46 @@ def test_sqlite_on_a_full_disk_is_typed_at_the_source() -> None:
             db.close()
             unfill(mnt)
     FIGURES.survived += 1
+
+
+# -- host limits at start ----------------------------------------------------------------------
+def refused_up(data_dir: Path, nofile: int | None = None) -> tuple[int, str]:
+    """`dsec up` that must refuse at its start checks (before claiming anything)."""
+    argv = [sys.executable, "-m", "dsec.cli.main", "up", "--port", str(free_port())]
+    argv += ["--data-dir", str(data_dir), "--no-save-config"]
+    if nofile is not None:
+        argv = ["prlimit", f"--nofile={nofile}:{nofile}", *argv]
+    env = {**os.environ, "DSEC_EDGE_ID": "x" + secrets.token_hex(4)}
+    env["XDG_CONFIG_HOME"] = str(data_dir.parent / "xdg")
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
+    try:
+        _out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return 0, "it started"
+    return proc.returncode, err.decode(errors="replace")
+
+
+def test_host_limits_refused_at_start_with_one_line() -> None:
+    """A hard nofile of 128 and a data dir with 20-odd MiB free: `dsec up` refuses with
+    one line that says what to do, having mounted and started nothing."""
+    with small_fs(40) as mnt:
+        data_dir = mnt / "d"
+        data_dir.mkdir()
+        FIGURES.injected += 2
+        code, err = refused_up(data_dir, nofile=128)
+        assert code != 0, err
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and "nofile" in lines[0] and "ulimit -Hn" in lines[0], err
+        code, err = refused_up(data_dir)
+        assert code != 0, err
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and "free" in lines[0] and "--data-dir" in lines[0], err
+        assert not (data_dir / "sandboxes.img").exists()
+        FIGURES.survived += 2
 
 
 def test_fault_figures_typed() -> None:
