@@ -65,6 +65,7 @@ _TEXT: tuple[tuple[str, Resource], ...] = (
     ("cannot allocate memory", Resource.MEMORY),
     ("out of memory", Resource.MEMORY),
     ("resource temporarily unavailable", Resource.PIDS),  # fork/clone EAGAIN
+    ("can't start new thread", Resource.PIDS),  # threading: clone EAGAIN (pids.max)
 )
 
 ADVICE: dict[Resource, str] = {
@@ -89,7 +90,7 @@ def classify(exc: BaseException) -> Resource | None:
             return _ERRNO[cur.errno]
         if isinstance(cur, OSError) and cur.errno == errno.EAGAIN and "fork" in str(cur):
             return Resource.PIDS
-        if isinstance(cur, sqlite3.Error | DSecError | OSError):
+        if isinstance(cur, sqlite3.Error | DSecError | OSError | RuntimeError):
             text = str(cur).lower()
             for needle, res in _TEXT:
                 if needle in text:

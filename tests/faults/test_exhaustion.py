@@ -469,6 +469,81 @@ def test_sqlite_on_a_full_disk_is_typed_at_the_source() -> None:
     FIGURES.survived += 1
 
 
+# -- out of pids ------------------------------------------------------------------------------
+PIDS_V1 = Path("/sys/fs/cgroup/pids")
+
+
+@contextlib.contextmanager
+def pids_jail(pids: list[int]) -> Iterator[Path]:
+    """A pids cgroup (v1) holding ``pids`` (with their threads); put back and removed
+    afterwards, also on failure."""
+    cg = PIDS_V1 / f"dsec-exh-{secrets.token_hex(4)}"
+    cg.mkdir()
+    try:
+        for pid in pids:
+            (cg / "cgroup.procs").write_text(str(pid))
+        yield cg
+    finally:
+        (cg / "pids.max").write_text("max")
+        for line in (cg / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (PIDS_V1 / "cgroup.procs").write_text(line)
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.skipif(not (PIDS_V1 / "cgroup.procs").exists(), reason="needs a v1 pids hierarchy")
+def test_out_of_pids_is_typed_and_heals() -> None:
+    """The platform and its spawner in a pids cgroup with no room for another process:
+    creates get 503 ``resource_exhausted`` (pids), never a 500; with the limit lifted,
+    creates work again without a restart."""
+    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
+    plat = OffsitePlatform(
+        data_dir=base / "d",
+        edge_id="x" + secrets.token_hex(4),
+        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+        log_dir=base,
+    )
+    plat.data_dir.mkdir()
+    try:
+        with (
+            running(plat),
+            DSecSyncClient(plat.url, plat.api_key) as client,
+            httpx.Client(
+                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+            ) as http,
+        ):
+            client.build_image("busybox")
+            assert plat.proc is not None
+            from tests.conftest import spawners
+
+            with pids_jail([plat.proc.pid, *spawners(plat.data_dir)]) as cg:
+                FIGURES.injected += 1
+                current = int((cg / "pids.current").read_text())
+                (cg / "pids.max").write_text(str(current))
+                statuses = []
+                for _ in range(3):
+                    resp = create_raw(http)
+                    statuses.append((resp.status_code, resp.json().get("error", {}).get("code")))
+                    if resp.status_code in (200, 201):
+                        stop_raw(http, resp.json()["id"])
+                FIGURES.notes.append(f"pids: create answers while exhausted {statuses}")
+                assert all(code == 503 for code, _ in statuses), statuses
+                assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+                (cg / "pids.max").write_text("max")
+            resp = create_raw(http)
+            assert resp.status_code in (200, 201), resp.text
+            stop_raw(http, resp.json()["id"])
+            FIGURES.survived += 1
+        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 # -- host limits at start ----------------------------------------------------------------------
 def refused_up(data_dir: Path, nofile: int | None = None) -> tuple[int, str]:
     """`dsec up` that must refuse at its start checks (before claiming anything)."""
