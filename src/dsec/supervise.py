@@ -83,6 +83,40 @@ class Component:
             self.down_since = None
 
 
+async def _keep(comp: Component, factory: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        comp.started()
+        runner = asyncio.ensure_future(factory())
+        settle = asyncio.get_running_loop().call_later(STABLE, comp.stable)
+        try:
+            await runner
+            delay = comp.failed("returned; a background loop must not end")
+        except asyncio.CancelledError:
+            runner.cancel()
+            raise
+        except Exception as exc:
+            delay = comp.failed(exc)
+        finally:
+            settle.cancel()
+        await asyncio.sleep(delay)
+
+
+# Loops owned by parts that have no supervisor at hand (a backend, a pool): restarted
+# the same way, and listed by every Supervisor's failures().
+_loose: dict[str, Component] = {}
+
+
+async def keep_running(name: str, factory: Callable[[], Awaitable[None]]) -> None:
+    """Run ``factory()`` until cancelled, restarting it with backoff when it fails;
+    wrap it in a task where a bare ``create_task(loop())`` would die for good."""
+    comp = _loose.setdefault(name, Component(name))
+    try:
+        await _keep(comp, factory)
+    finally:
+        if _loose.get(name) is comp:
+            del _loose[name]
+
+
 class Supervisor:
     """Owns the platform's background tasks and watched threads."""
 
@@ -110,21 +144,7 @@ class Supervisor:
         )
 
     async def _keep(self, comp: Component, factory: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            comp.started()
-            runner = asyncio.ensure_future(factory())
-            settle = asyncio.get_running_loop().call_later(STABLE, comp.stable)
-            try:
-                await runner
-                delay = comp.failed("returned; a background loop must not end")
-            except asyncio.CancelledError:
-                runner.cancel()
-                raise
-            except Exception as exc:
-                delay = comp.failed(exc)
-            finally:
-                settle.cancel()
-            await asyncio.sleep(delay)
+        await _keep(comp, factory)
 
     async def _poll(
         self,
@@ -163,7 +183,7 @@ class Supervisor:
                 "reason": c.last_error,
                 "restarts": c.restarts,
             }
-            for c in self.components.values()
+            for c in [*self.components.values(), *_loose.values()]
             if c.down_since is not None
         ]
 

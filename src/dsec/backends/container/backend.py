@@ -44,6 +44,7 @@ from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
+from dsec.supervise import keep_running
 from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,9 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.disk.open)  # mounts the quota-capable file system
         await asyncio.to_thread(self.runtime.open)  # its state on a tmpfs
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-orphan-reaper")
+        self._reaper = asyncio.create_task(
+            keep_running("orphan-reaper", self._reap_loop), name="dsec-orphan-reaper"
+        )
         self.decoys.start()
         self.init_signals.start()
         if self.seccomp is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from dsec.backends.fncall.zygote import CgroupPlan, Runner, Zygote
 from dsec.errors import AdmissionRejected, BackendError
 from dsec.fncall_model import DSecFnCallRunArgs
+from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ class WarmPool:
 
     async def start(self) -> None:
         await self.zygote.start()
-        self._shrinker = asyncio.create_task(self._shrink_loop())
+        self._shrinker = asyncio.create_task(
+            keep_running(f"fncall-pool-{self.key}-shrink", self._shrink_loop)
+        )
         self.refill()
 
     # -- zygote callbacks ------------------------------------------------------------
