@@ -584,6 +584,69 @@ def test_host_limits_refused_at_start_with_one_line() -> None:
         FIGURES.survived += 2
 
 
+# -- supervision and classification, in process ---------------------------------------------
+async def test_supervised_loop_dies_restarts_and_is_listed_until_stable() -> None:
+    """A loop that dies three times (EMFILE) is restarted with backoff, listed as down
+    meanwhile, and dropped from the list once it has run STABLE seconds."""
+    import asyncio
+
+    from dsec import supervise
+
+    sup = supervise.Supervisor()
+    runs = 0
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs <= 3:
+            raise OSError(24, "Too many open files")
+        await asyncio.sleep(3600)
+
+    old = supervise.STABLE
+    supervise.STABLE = 0.5
+    try:
+        sup.spawn("flaky", flaky)
+        await asyncio.sleep(0.05)
+        (down,) = sup.failures()
+        assert down["component"] == "flaky" and "Too many open files" in str(down["reason"])
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if runs >= 4 and not sup.failures():
+                break
+        assert runs == 4 and sup.failures() == [], (runs, sup.failures())
+    finally:
+        supervise.STABLE = old
+        await sup.close()
+
+
+def test_classify_names_the_resource() -> None:
+    import errno
+    import sqlite3
+
+    from dsec.errors import BackendError
+    from dsec.exhaustion import Resource, classify
+
+    cases: list[tuple[BaseException, Resource | None]] = [
+        (sqlite3.OperationalError("database or disk is full"), Resource.DISK),
+        (sqlite3.OperationalError("disk I/O error"), Resource.DISK),
+        (OSError(errno.ENOSPC, "No space left on device"), Resource.DISK),
+        (OSError(errno.EMFILE, "Too many open files"), Resource.FDS),
+        (OSError(errno.ENFILE, "Too many open files in system"), Resource.FDS),
+        (OSError(errno.ENOMEM, "Cannot allocate memory"), Resource.MEMORY),
+        (MemoryError(), Resource.MEMORY),
+        (RuntimeError("can't start new thread"), Resource.PIDS),
+        (BackendError("crun: fork: Resource temporarily unavailable"), Resource.PIDS),
+        (BackendError("crun: no such image"), None),
+        (ValueError("no space left on device"), None),  # text alone, from a value: no
+        (sqlite3.IntegrityError("UNIQUE constraint failed"), None),
+    ]
+    wrapped = RuntimeError("wrapper")
+    wrapped.__cause__ = OSError(errno.EMFILE, "Too many open files")
+    cases.append((wrapped, Resource.FDS))
+    for exc, want in cases:
+        assert classify(exc) is want, (exc, want)
+
+
 def test_fault_figures_typed() -> None:
     """Runs last in the module: nothing untyped was seen by any client."""
     assert FIGURES.untyped_5xx == 0, FIGURES
