@@ -189,7 +189,6 @@ class SeccompListener:
         self._sock_ino = 0  # the inode of our socket file (a removed one is re-bound)
         self._rebind = False
         self._reserve = -1  # one fd held back so that a notify fd can always be received
-        self.lost: set[str] = set()  # sandboxes whose notify fd could not be received
         self.answered = 0
         self.accept_failures = 0
 
