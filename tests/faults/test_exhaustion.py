@@ -144,9 +144,15 @@ def small_fs(size_mb: int) -> Iterator[Path]:
         try:
             yield mnt
         finally:
-            for lazy in ([], ["-l"]):
-                if subprocess.run(["umount", *lazy, str(mnt)], check=False).returncode == 0:
+            # The platform's own loop device (sandboxes.img) is detached by the kernel
+            # a moment after its unmount: retry before falling back to a lazy unmount.
+            for _ in range(50):
+                done = subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
+                if done.returncode == 0:
                     break
+                time.sleep(0.1)
+            else:
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
