@@ -3,7 +3,7 @@
 Each attempt runs as root inside a sandbox and must (1) be stopped by the kernel,
 (2) leave the host and a neighbouring sandbox unaffected, (3) raise a
 ``resource_limit`` event naming the limit. The platform runs with a small (4 GiB,
-sparse) sandbox disk; the leak checks of ``platform_process`` also cover its mount and
+preallocated) sandbox disk; the leak checks of ``platform_process`` also cover its mount and
 loop device, and the last test checks that no quota group outlives its sandbox.
 """
 

@@ -110,6 +110,12 @@ class PlatformConfig:
         )
     )
 
+    # Preallocate the sandbox disk image (dsec.resources.disk), so that a full data dir
+    # cannot make writes inside sandboxes fail behind their back; 0: sparse, as before.
+    sandbox_disk_preallocate: bool = field(
+        default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "1") != "0"
+    )
+
     # A swap file for job pauses (dsec.resources.swap): created if missing (fallocate,
     # mkswap, 0600) and turned on at start, off at a clean shutdown. Off when unset.
     # Never under the data dir's sandboxes or a btrfs file system.

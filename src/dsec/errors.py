@@ -152,6 +152,23 @@ class QuotaExceeded(DSecError):
     status = 429
 
 
+class ResourceExhausted(DSecError):
+    """The host ran out of something the platform needs (file descriptors, memory,
+    processes): retry later; ``details.resource`` says which, and ``/v1/health`` reports
+    ``degraded`` until it is back. Nothing needs a restart: the platform recovers alone."""
+
+    code = "resource_exhausted"
+    status = 503
+
+
+class InsufficientStorage(DSecError):
+    """The platform's data disk is full, so nothing new can be recorded durably: free
+    space on the data dir's file system (or move it); creates resume by themselves."""
+
+    code = "insufficient_storage"
+    status = 507
+
+
 class ClusterFull(DSecError):
     """No edge of the cluster can take the sandbox; details carry the capacity figures."""
 

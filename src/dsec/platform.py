@@ -34,6 +34,7 @@ from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.identity import HostClaim, claim_host_identity
 from dsec.edge.state import EdgeStateDB
+from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.net.manager import NetworkManager
 from dsec.resources import cgroups
@@ -117,6 +118,7 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
     if os.geteuid() != 0:
         raise PermissionError("the platform needs root (mounts, cgroups, namespaces)")
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    check_host(config.data_dir)  # nofile, free disk, pids: refuse or adapt (dsec.hostlimits)
     # Before anything that sweeps or cleans up: a second instance on this data dir or
     # edge id would otherwise kill the first one's sandboxes (dsec.edge.identity).
     claim = claim_host_identity(config.data_dir, config.edge_id or None, url=config.url)
@@ -186,6 +188,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
                 config.sandbox_disk_image,
                 size_bytes=config.sandbox_disk_gb * GiB if config.sandbox_disk_gb else None,
                 enabled=config.sandbox_disk_gb != 0,
+                preallocate=config.sandbox_disk_preallocate,
             ),
         )
         edge = Edge(
@@ -198,6 +201,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
                 max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
             ),
             network=network,
+            data_dir=config.data_dir,
         )
         swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()

@@ -29,6 +29,7 @@ from dsec.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from dsec.exhaustion import typed_anywhere
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -190,7 +191,13 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracking)
-        except Exception:
+        except Exception as exc:
+            # A full disk or no fds anywhere (e.g. the control database) is typed, not
+            # a bug: 507/503 with what to do, and no traceback (dsec.exhaustion).
+            typed = typed_anywhere(exc)
+            if typed is not None and not started:
+                await error_response(typed)(scope, receive, send)
+                return
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -140,6 +141,11 @@ class Backend(ABC):
 
     def check_limits(self, spec: DSecContainerRunArgs) -> None:
         """Refuse (LimitExceeded) limits this backend could never honour on this host."""
+
+    def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:
+        """Thread-backed parts the edge's supervisor watches (dsec.supervise): each as
+        (name, healthy() -> None or why not, restart())."""
+        return []
 
     def limit_counters(self, rec: SandboxRecord) -> Any:
         """The kernel's limit counters of a sandbox (a ``dsec.security.limits.LimitReading``),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import logging
 import secrets
 import time
@@ -35,9 +34,11 @@ from dsec.errors import (
     Timeout,
     Unsupported,
 )
+from dsec.exhaustion import Exhaustion, register
 from dsec.images.service import ImageService
 from dsec.model import (
     SANDBOX_ID_RE,
+    Degradation,
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
@@ -58,6 +59,7 @@ from dsec.security.events import AuditKind, EventKind, Severity
 from dsec.security.guard import DetectorGuard
 from dsec.security.limits import LimitWatcher
 from dsec.security.tampering import MAX_REPORTED, TamperWatch, merged_names
+from dsec.supervise import Supervisor
 from dsec.verify_model import VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
@@ -101,8 +103,14 @@ class Edge:
         stop_on_close: bool = True,
         audit: AuditLog | None = None,
         network: NetworkManager | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
+        # Disk, fds, memory, pids running out: typed errors and health (dsec.exhaustion).
+        self.exhaustion = Exhaustion(data_dir)
+        register(self.exhaustion)  # the HTTP layer's last resort notes into it too
+        # Background loops and threads restart themselves when they die (dsec.supervise).
+        self.supervisor = Supervisor()
         # egress rules (dsec.net); None: sandboxes with allow-rules are Unsupported
         self.network = network
         self.tamper = TamperWatch()
@@ -118,7 +126,6 @@ class Edge:
         self.stop_on_close = stop_on_close
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._ttl_task: asyncio.Task[None] | None = None
         self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
         # called with the sandbox id when a paused sandbox runs again (dsec.rl.jobs.thaw)
         self.thaw_listeners: builtins.list[Callable[[str], None]] = []
@@ -133,7 +140,7 @@ class Edge:
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
         """Recover from whatever the previous process left, then start the TTL reaper."""
-        self.audit.start()
+        self.audit.start(self.supervisor)
         await self.backend.start()
         report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}
         for rec in self.state.load(self.edge_id):
@@ -184,7 +191,9 @@ class Edge:
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
-        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="dsec-ttl-reaper")
+        self.supervisor.spawn("ttl-reaper", self._ttl_loop)
+        for name, healthy, restart in self.backend.supervised():
+            self.supervisor.watch(name, healthy, restart)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
         )
@@ -194,10 +203,7 @@ class Edge:
 
     async def close(self) -> None:
         await self.limits.close()
-        if self._ttl_task is not None:
-            self._ttl_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ttl_task
+        await self.supervisor.close()
         await self.deaths.close()
         for task in list(self._death_tasks):
             task.cancel()
@@ -275,6 +281,13 @@ class Edge:
     async def _build(
         self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
+        self.exhaustion.check_create()  # 507/503 before any work while the host is out
+        with self.exhaustion.mapped():
+            return await self._build_mapped(spec, timeout=timeout, claim=claim)
+
+    async def _build_mapped(
+        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+    ) -> SandboxInfo:
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
         if self.network is not None and spec.network_rules:
             self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
@@ -337,6 +350,10 @@ class Edge:
             await asyncio.shield(self._finish(rec, SandboxState.FAILED, reason))
             if isinstance(exc, TimeoutError):
                 raise Timeout(reason, sandbox_id=rec.id) from None
+            typed = self.exhaustion.typed(exc) if isinstance(exc, Exception) else None
+            if typed is not None:  # the host ran out of something: say which, no traceback
+                typed.details["sandbox_id"] = rec.id
+                raise typed from None
             if isinstance(exc, DSecError):
                 raise
             if isinstance(exc, Exception):
@@ -364,7 +381,7 @@ class Edge:
         self.jobs.release(rec)  # a paused sandbox is thawed first: SIGKILL needs that
         if rec.state is SandboxState.RUNNING:
             self.limits.check(rec)  # a last look: limits hit since the last scan
-        self._set(rec, SandboxState.STOPPING, reason)
+        self._set_best_effort(rec, SandboxState.STOPPING, reason)
         for listener in self._stop_listeners:  # before the kill: no command may seem to
             listener(rec.id, reason or final.value)  # exit on its own while it is torn down
         try:
@@ -372,7 +389,7 @@ class Edge:
         except DSecError as exc:
             log.error("teardown of %s incomplete: %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
-        self._set(rec, final, reason)
+        self._set_best_effort(rec, final, reason)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         self.tamper.forget(rec.id)
         self.detectors.forget(rec.id)
@@ -411,6 +428,17 @@ class Edge:
         """Call ``listener(sandbox_id, reason)`` when a sandbox starts to end, before its
         processes are killed (the data path fails its sessions and commands)."""
         self._stop_listeners.append(listener)
+
+    def _set_best_effort(self, rec: SandboxRecord, state: SandboxState, reason: str | None) -> None:
+        """``_set`` for a teardown: a full disk must not stop it half-way. The record
+        then keeps its last durable state, which recovery resolves after a restart
+        (a "creating" or "stopping" row is cleaned up, a "running" one found dead)."""
+        try:
+            self._set(rec, state, reason)
+        except Exception as exc:
+            if self.exhaustion.typed(exc) is None:
+                raise
+            log.warning("sandbox %s: %s not recorded durably: %s", rec.id, state.value, exc)
 
     def _set(
         self,
@@ -509,13 +537,18 @@ class Edge:
         return out
 
     async def health(self) -> HealthInfo:
+        degraded = [
+            Degradation.model_validate(c.as_dict()) for c in self.exhaustion.conditions()
+        ] + [Degradation.model_validate(f) for f in self.supervisor.failures()]
         return HealthInfo(
+            status="degraded" if degraded else "ok",
             version=__version__,
             edge=self.edge_id,
             sandboxes_running=sum(
                 1 for r in self._records.values() if r.state is SandboxState.RUNNING
             ),
             capacity=self.admission.max_sandboxes,
+            degraded=degraded,
         )
 
     # -- data path ------------------------------------------------------------------------
@@ -523,7 +556,9 @@ class Edge:
         rec = self.running_record(sandbox_id)
         try:
             return await op(rec)
-        except BackendError:
+        except DSecError as exc:
+            if not isinstance(exc, BackendError):
+                raise
             if rec.state is SandboxState.RUNNING and not await self.backend.is_alive(rec):
                 async with self._lock(sandbox_id):
                     if not rec.state.terminal:
@@ -532,6 +567,13 @@ class Edge:
                         )
                 raise SandboxNotRunning(f"sandbox {sandbox_id} died: {rec.reason}") from None
             raise
+        except Exception as exc:
+            # Host-side only (an agent's reply about the sandbox's own full disk is a
+            # DSecError above): out of fds or memory on this side of the socket.
+            typed = self.exhaustion.typed(exc)
+            if typed is None:
+                raise
+            raise typed from None
         finally:
             self.clocks.touch(rec)
 

@@ -94,8 +94,14 @@ class _Protocol(asyncio.DatagramProtocol):
         if task.cancelled() or self.transport is None:
             return
         if (exc := task.exception()) is not None:
-            log.error("DNS responder failed on a query from %s: %r", addr[0], exc)
+            # Once per streak: out of fds, every query fails the same way.
+            self.server.failures += 1
+            if self.server.failures == 1:
+                log.error("DNS responder failed on a query from %s: %r", addr[0], exc)
             return
+        if self.server.failures:
+            log.warning("DNS responder answers again (%d queries failed)", self.server.failures)
+            self.server.failures = 0
         reply = task.result()
         if reply is not None:
             self.transport.sendto(reply, addr)
@@ -131,6 +137,7 @@ class DnsServer:
         self.port = 0
         self.tasks: set[asyncio.Future[bytes | None]] = set()
         self.dropped = 0  # datagrams not answered: oversized or too many pending
+        self.failures = 0  # queries in a row whose answer raised
         self._transport: asyncio.DatagramTransport | None = None
 
     async def start(self) -> int:

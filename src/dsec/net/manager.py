@@ -52,6 +52,7 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from dsec.errors import BackendError, InvalidArgument
+from dsec.exhaustion import classify
 from dsec.net import netns
 from dsec.net.catalog import Policy, PortRange, Service, compile_rules, load_catalog
 from dsec.net.dns import (
@@ -349,14 +350,22 @@ class NetworkManager:
     # -- the pool ----------------------------------------------------------------------------
     async def _pool_loop(self) -> None:
         assert self._refill is not None
+        failing = False
         while True:
             await self._refill.wait()
             self._refill.clear()
             while len(self._ready) < self.pool_size:
                 try:
                     self._ready.append(await self._build())
-                except Exception:
-                    log.exception("building a sandbox network failed")
+                    failing = False
+                except Exception as exc:
+                    # Once per streak; running out of fds or memory is no bug to trace.
+                    if not failing:
+                        if classify(exc) is not None:
+                            log.warning("building a sandbox network failed: %s", exc)
+                        else:
+                            log.exception("building a sandbox network failed")
+                    failing = True
                     await asyncio.sleep(1)
                     break
 

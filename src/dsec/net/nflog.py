@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_ULOG = 4
@@ -106,6 +109,7 @@ class NflogReader:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.group = 0
+        self.handler_errors = 0
 
     def bind(self, first: int, attempts: int = 64) -> int:
         for i in range(attempts):
@@ -154,7 +158,12 @@ class NflogReader:
                     continue
                 return
             for pkt in parse_messages(data):
-                handler(pkt)
+                try:
+                    handler(pkt)
+                except Exception as exc:  # one bad packet must not stop the reader
+                    self.handler_errors += 1
+                    if self.handler_errors == 1:
+                        log.warning("nflog: handling a packet failed: %r", exc)
 
     def close(self) -> None:
         if self.sock is not None:

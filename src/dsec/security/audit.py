@@ -21,8 +21,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack
 
+from dsec.exhaustion import classify
+
+if TYPE_CHECKING:
+    from dsec.supervise import Supervisor
 from dsec.security.events import (
     DEFAULT_SEVERITY,
     AuditKind,
@@ -141,8 +145,12 @@ class AuditLog:
         self._flusher: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the periodic flusher on the running event loop."""
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the periodic flusher on the running event loop (under ``supervisor``
+        when given: restarted if it ever dies)."""
+        if supervisor is not None:
+            supervisor.spawn("audit-writer", self._flush_loop)
+            return
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name="dsec-audit-flush")
 
@@ -157,23 +165,41 @@ class AuditLog:
             self._db.close()
 
     async def _flush_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.flush_interval)
             if self._pending:
                 try:
                     await asyncio.to_thread(self.flush)
-                except Exception:  # never let the flusher die: keep the batch for later
-                    log.exception("audit flush failed")
+                except Exception as exc:  # never let the flusher die: keep the batch for later
+                    # Once per streak, and a full disk without a traceback: it is not a bug.
+                    if not failing:
+                        if classify(exc) is not None:
+                            log.warning("audit flush failed: %s; keeping the batch", exc)
+                        else:
+                            log.exception("audit flush failed")
+                    failing = True
+                else:
+                    if failing:
+                        log.warning("audit flush works again")
+                    failing = False
 
     # -- writing -------------------------------------------------------------------------
     def tag(self, sandbox_id: str, job_id: str | None, trajectory_id: str | None) -> None:
         """Remember a sandbox's job and trajectory; every later row carries them."""
         with self._lock:
             self._tags[sandbox_id] = (job_id, trajectory_id)
-        with self._db_lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO tags VALUES (?, ?, ?)", (sandbox_id, job_id, trajectory_id)
-            )
+        try:
+            with self._db_lock:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO tags VALUES (?, ?, ?)",
+                    (sandbox_id, job_id, trajectory_id),
+                )
+        except sqlite3.Error as exc:
+            # A full disk: the rows carry the tags anyway (kept in memory above).
+            if classify(exc) is None:
+                raise
+            log.warning("audit tags of %s not stored: %s", sandbox_id, exc)
 
     def on_event(self, listener: Callable[[SecurityEvent], None]) -> None:
         """Call ``listener`` for every event as it is raised (metrics, streams)."""

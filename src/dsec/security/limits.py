@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.exhaustion import classify
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.resources.disk import DiskUsage
 from dsec.security.audit import AuditSink
@@ -259,12 +260,21 @@ class LimitWatcher:
             self._task = None
 
     async def _loop(self, running: Callable[[], Iterable[Any]]) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.interval)
             try:
                 await asyncio.to_thread(self.scan, list(running()))
-            except Exception:
-                log.exception("resource-limit scan failed")
+            except Exception as exc:
+                # Once per streak (every interval otherwise); exhaustion without traceback.
+                if not failing:
+                    if classify(exc) is not None:
+                        log.warning("resource-limit scan failed: %s", exc)
+                    else:
+                        log.exception("resource-limit scan failed")
+                failing = True
+            else:
+                failing = False
 
     def scan(self, recs: Iterable[Any]) -> None:
         for rec in recs:

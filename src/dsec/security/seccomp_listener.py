@@ -125,9 +125,14 @@ def _recv_fd(conn: socket.socket) -> tuple[bytes, list[int]]:
     conn.settimeout(2.0)
     while True:
         # CLOEXEC at once: a process spawned meanwhile by another thread must not get it.
-        msg, anc, _flags, _addr = conn.recvmsg(
+        msg, anc, flags, _addr = conn.recvmsg(
             65536, socket.CMSG_SPACE(8 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
         )
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped the fd: no slot for it
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise OSError(errno.EMFILE, "the notify fd was dropped (no free fd to receive it)")
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -180,22 +185,82 @@ class SeccompListener:
         self._rate: dict[tuple[str, str], list[float]] = {}
         self._paused: dict[int, float] = {}  # notify fd -> monotonic time to resume
         self._suppressed: dict[tuple[str, str], int] = {}
+        self._accept_paused_until = 0.0  # accept failed for want of fds: retry then
+        self._sock_ino = 0  # the inode of our socket file (a removed one is re-bound)
+        self._rebind = False
+        self._reserve = -1  # one fd held back so that a notify fd can always be received
         self.answered = 0
+        self.accept_failures = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
+        self._sock = self._bind()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._take_reserve()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
+        self._thread.start()
+
+    def _take_reserve(self) -> None:
+        if self._reserve < 0:
+            with contextlib.suppress(OSError):
+                self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _spend_reserve(self) -> None:
+        """Free the reserved slot for the fd about to arrive (the libuv EMFILE trick):
+        accepting used the last free one, and SCM_RIGHTS drops an fd it has no slot
+        for, which would leave a sandbox unmonitored."""
+        if self._reserve >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._reserve)
+            self._reserve = -1
+
+    def _bind(self) -> socket.socket:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.socket_path))
-        os.chmod(self.socket_path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._run, name="dsec-seccomp", daemon=True)
-        self._thread.start()
+        try:
+            sock.bind(str(self.socket_path))
+            os.chmod(self.socket_path, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
+            self._sock_ino = os.stat(self.socket_path).st_ino
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- supervision (dsec.supervise) ----------------------------------------------------
+    def healthy(self) -> str | None:
+        """None while creates can attach, else why not: the thread died, or the socket
+        file crun connects to is gone or replaced (a cleaned-up run dir)."""
+        if self._thread is None:
+            return None  # not started or closed on purpose
+        if not self._thread.is_alive():
+            return "the seccomp listener thread died"
+        try:
+            ino = os.stat(self.socket_path).st_ino
+        except FileNotFoundError:
+            return f"the seccomp socket {self.socket_path} is gone"
+        except OSError:
+            return None  # cannot tell (e.g. out of fds): not a reason to restart
+        if ino != self._sock_ino:
+            return f"the seccomp socket {self.socket_path} was replaced"
+        return None
+
+    def restart(self) -> None:
+        """Bring the listener back: a dead thread is started again (sandboxes attached
+        before keep their filter; their violations now get ENOSYS, as after a crash); a
+        lost socket file is bound again by the running thread, which keeps its fds."""
+        if self._thread is None:
+            return
+        if not self._thread.is_alive():
+            self.close()
+            self.start()
+            return
+        self._rebind = True
+        self._wake()
 
     def close(self) -> None:
         """Stop the thread and close every notify fd (their sandboxes' dangerous calls
@@ -216,6 +281,7 @@ class SeccompListener:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        self._spend_reserve()
 
     def forget(self, sandbox_id: str) -> None:
         """Close a sandbox's notify fds (on teardown; the thread does the closing)."""
@@ -243,21 +309,16 @@ class SeccompListener:
         try:
             ep.register(self._sock.fileno(), select.EPOLLIN)
             ep.register(self._wake_r, select.EPOLLIN)
+            failures = 0
             while not self._stop:
-                self._drain_forget(ep)
-                timeout = self._resume(ep)
                 try:
-                    ready = ep.poll(timeout)
-                except InterruptedError:
-                    continue
-                for fd, mask in ready:
-                    if fd == self._wake_r:
-                        with contextlib.suppress(OSError):
-                            os.read(self._wake_r, 4096)
-                    elif fd == self._sock.fileno():
-                        self._accept(ep)
-                    elif fd in self._fds:
-                        self._serve(ep, fd, mask)
+                    self._step(ep)
+                    failures = 0
+                except Exception as exc:  # one bad turn must not end the listener
+                    failures += 1
+                    if failures == 1:
+                        log.warning("seccomp listener: %s: %s; going on", type(exc).__name__, exc)
+                    time.sleep(min(1.0, 0.01 * 2**failures))
         except Exception:
             log.exception("seccomp listener thread failed; notified calls now get ENOSYS")
         finally:
@@ -267,17 +328,57 @@ class SeccompListener:
                 self._close_fd(ep, fd)
             ep.close()
 
+    def _step(self, ep: select.epoll) -> None:
+        assert self._sock is not None
+        if self._rebind:
+            self._rebind = False
+            self._swap_socket(ep)
+        self._drain_forget(ep)
+        timeout = self._resume(ep)
+        try:
+            ready = ep.poll(timeout)
+        except InterruptedError:
+            return
+        for fd, mask in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            elif fd == self._sock.fileno():
+                self._accept(ep)
+            elif fd in self._fds:
+                self._serve(ep, fd, mask)
+
+    def _swap_socket(self, ep: select.epoll) -> None:
+        """Bind the socket file again (it was removed or replaced under us)."""
+        new = self._bind()
+        old, self._sock = self._sock, new
+        if old is not None:
+            with contextlib.suppress(OSError):
+                ep.unregister(old.fileno())
+            old.close()
+        ep.register(new.fileno(), select.EPOLLIN)
+        self._accept_paused_until = 0.0
+        log.warning("seccomp listener: bound %s again", self.socket_path)
+
     def _resume(self, ep: select.epoll) -> float:
         """Re-arm paused fds whose pause is over; seconds until the next one is due."""
-        if not self._paused:
-            return 1.0
         now = time.monotonic()
+        wait = 1.0
+        if self._accept_paused_until:
+            if self._accept_paused_until <= now and self._sock is not None:
+                self._accept_paused_until = 0.0
+                with contextlib.suppress(OSError):
+                    ep.register(self._sock.fileno(), select.EPOLLIN)
+            else:
+                wait = max(0.0, self._accept_paused_until - now)
+        if not self._paused:
+            return wait
         for fd, until in list(self._paused.items()):
             if until <= now:
                 del self._paused[fd]
                 if fd in self._fds:
                     ep.register(fd, select.EPOLLIN)
-        return min([1.0, *(u - now for u in self._paused.values())])
+        return min([wait, *(u - now for u in self._paused.values())])
 
     def _drain_forget(self, ep: select.epoll) -> None:
         while self._forget:
@@ -307,12 +408,32 @@ class SeccompListener:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                # Out of fds (or memory): the connection waits in the backlog. Stop
+                # polling the socket for a moment instead of spinning on it; the create
+                # that sent it fails on its own and is typed by the edge (dsec.exhaustion).
+                self.accept_failures += 1
+                if self.accept_failures == 1 or self.accept_failures % 1000 == 0:
+                    log.warning(
+                        "seccomp listener: accept: %s (%d times); retrying",
+                        exc.strerror,
+                        self.accept_failures,
+                    )
+                with contextlib.suppress(OSError):
+                    ep.unregister(self._sock.fileno())
+                self._accept_paused_until = time.monotonic() + 0.1
+                return
             with conn:
+                self._spend_reserve()
                 try:
                     data, fds = _recv_fd(conn)
                 except OSError as exc:
                     log.warning("seccomp listener: bad connection: %s", exc)
                     continue
+                finally:
+                    self._take_reserve()
                 self._adopt_fds(ep, data, fds)
 
     def _adopt_fds(self, ep: select.epoll, data: bytes, fds: list[int]) -> None:

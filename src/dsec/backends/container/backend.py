@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
+from dsec.supervise import keep_running
 from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -171,7 +173,9 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.disk.open)  # mounts the quota-capable file system
         await asyncio.to_thread(self.runtime.open)  # its state on a tmpfs
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-orphan-reaper")
+        self._reaper = asyncio.create_task(
+            keep_running("orphan-reaper", self._reap_loop), name="dsec-orphan-reaper"
+        )
         self.decoys.start()
         self.init_signals.start()
         if self.seccomp is not None:
@@ -344,6 +348,12 @@ class ContainerBackend(Backend):
         """Run the grader in a pristine verifier that sees snapshots of the graded
         paths and the protected paths (dsec.backends.container.verifier)."""
         return await verifier.run_verify(self, rec, req)
+
+    def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:
+        listener = self.seccomp.listener if self.seccomp is not None else None
+        if listener is None:
+            return []
+        return [("seccomp-listener", listener.healthy, listener.restart)]
 
     def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:
         """The ``linux.seccomp`` of container ``sid``; violations are recorded under

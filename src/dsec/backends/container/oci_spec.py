@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsec.hostlimits import sandbox_nofile
 from dsec.model import DSecContainerRunArgs
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
@@ -228,6 +229,7 @@ def build_config(
         # only for the listener: 30 KB of rules crun would parse on every create, for
         # nothing (a rule list crun did use would be the empty one: deny everything).
         seccomp = {k: v for k, v in seccomp.items() if k != "syscalls"} | {"syscalls": []}
+    nofile = sandbox_nofile()
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -243,7 +245,8 @@ def build_config(
                 key: list(DEFAULT_CAPS) for key in ("bounding", "effective", "permitted")
             },
             "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                # 4096, or the host's hard limit if lower: crun cannot raise it
+                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
             ],
             "noNewPrivileges": True,

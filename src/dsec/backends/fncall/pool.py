@@ -28,6 +28,7 @@ from pathlib import Path
 from dsec.backends.fncall.zygote import CgroupPlan, Runner, Zygote
 from dsec.errors import AdmissionRejected, BackendError
 from dsec.fncall_model import DSecFnCallRunArgs
+from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ class WarmPool:
 
     async def start(self) -> None:
         await self.zygote.start()
-        self._shrinker = asyncio.create_task(self._shrink_loop())
+        self._shrinker = asyncio.create_task(
+            keep_running(f"fncall-pool-{self.key}-shrink", self._shrink_loop)
+        )
         self.refill()
 
     # -- zygote callbacks ------------------------------------------------------------
@@ -111,7 +114,10 @@ class WarmPool:
     async def _await_ready(self, runner: Runner) -> None:
         try:
             await asyncio.wait_for(runner.wait_ready(), 10)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, BackendError) as exc:
+        except Exception as exc:  # any failure (StopIteration too): counted, never sticky
+            # An unexpected exception used to escape here with ``starting`` never
+            # decremented, so the pool believed runners were on their way and never
+            # refilled: every call then waited for a runner that would not come.
             self.starting -= 1
             self.failures += 1
             self.last_error = f"sandbox setup failed ({exc!r}): {self.zygote.log_tail()}"

@@ -63,6 +63,7 @@ from dsec.images.images import Images
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 from dsec.security.events import AuditKind, EventKind
+from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class FnCallService:
         (self.run_dir / "rootmnt").mkdir(exist_ok=True)
         self._rules = self.run_dir / "seccomp.rules"
         self._rules.write_text(seccomp_rules())
-        self._idle_task = asyncio.create_task(self._idle_loop())
+        self._idle_task = asyncio.create_task(keep_running("fncall-idle-pools", self._idle_loop))
 
     async def close(self) -> None:
         if self._idle_task is not None:
