@@ -113,7 +113,7 @@ class PlatformConfig:
     # Preallocate the sandbox disk image (dsec.resources.disk), so that a full data dir
     # cannot make writes inside sandboxes fail behind their back; 0: sparse, as before.
     sandbox_disk_preallocate: bool = field(
-        default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "1") != "0"
+        default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "0") == "1"
     )
 
     # A swap file for job pauses (dsec.resources.swap): created if missing (fallocate,

@@ -188,7 +188,11 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
         plat = OffsitePlatform(
             data_dir=data_dir,
             edge_id="x" + secrets.token_hex(4),
-            extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+            extra_env={
+                "DSEC_SANDBOX_DISK_GB": "1",
+                "DSEC_NETWORK": "0",
+                "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
+            },
         )
         with running(plat):
             image = data_dir / "sandboxes.img"
@@ -276,7 +280,11 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
     plat = OffsitePlatform(
         data_dir=base / "d",
         edge_id="x" + secrets.token_hex(4),
-        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+        extra_env={
+            "DSEC_SANDBOX_DISK_GB": "1",
+            "DSEC_NETWORK": "0",
+            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
+        },
         log_dir=base,
     )
     plat.data_dir.mkdir()
@@ -349,7 +357,11 @@ def test_broken_seccomp_listener_recovers() -> None:
     plat = OffsitePlatform(
         data_dir=base / "d",
         edge_id="x" + secrets.token_hex(4),
-        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+        extra_env={
+            "DSEC_SANDBOX_DISK_GB": "1",
+            "DSEC_NETWORK": "0",
+            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
+        },
         log_dir=base,
     )
     plat.data_dir.mkdir()
@@ -522,7 +534,11 @@ def test_out_of_pids_is_typed_and_heals() -> None:
     plat = OffsitePlatform(
         data_dir=base / "d",
         edge_id="x" + secrets.token_hex(4),
-        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+        extra_env={
+            "DSEC_SANDBOX_DISK_GB": "1",
+            "DSEC_NETWORK": "0",
+            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
+        },
         log_dir=base,
     )
     plat.data_dir.mkdir()
