@@ -22,17 +22,17 @@ support not available"). What the kernel does have is btrfs with quota groups, s
   shared inode pool for a sandbox to exhaust.
 
 * With ``DSEC_SANDBOX_DISK_PREALLOCATE=1`` the image is *preallocated* (``fallocate``,
-  ~10 ms for GiBs on ext4: unwritten extents) and mounted ``nodiscard``, so it never
-  has to grow. Not the default: the first write to each preallocated block converts an
-  unwritten extent, and create/stop measured 7%/11% slower (bench/bench_ab.py). Measured with a sparse image on a
-  data dir that filled up: a 50 MiB write inside reported success, the loop device's
-  writeback failed, btrfs aborted its transaction and went read-only, and every sandbox
-  of the edge then got EIO. Preallocated, the same writes succeed (their blocks are the
-  image's) and a write past the image's capacity fails with ENOSPC inside, the host
-  disk untouched. Without ``nodiscard`` the loop device would punch freed blocks out of
-  the file again (btrfs turns discard on by default). A host that cannot preallocate
-  (no space, no fallocate support) keeps the sparse image and says so in the log.
-  Without the variable the image stays sparse, as before.
+  ~10 ms for GiBs on ext4: unwritten extents) and mounted ``nodiscard``, so it never has
+  to grow. Not the default: the first write to each preallocated block converts an
+  unwritten extent, and create/stop measured 7%/11% slower (bench/bench_ab.py). Measured
+  with a sparse image on a data dir that filled up: a 50 MiB write inside reported
+  success, the loop device's writeback failed, btrfs aborted its transaction and went
+  read-only, and every sandbox of the edge then got EIO. Preallocated, the same writes
+  succeed (their blocks are the image's) and a write past the image's capacity fails
+  with ENOSPC inside, the host disk untouched. Without ``nodiscard`` the loop device
+  would punch freed blocks out of the file again (btrfs turns discard on by default). A
+  host that cannot preallocate (no space, no fallocate support) keeps the sparse image
+  and says so in the log. Without the variable the image stays sparse, as before.
 
 Create pays two ioctls (subvolume create, qgroup limit) and teardown one (subvolume
 destroy, which also drops everything in it without walking the tree).
