@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient  # noqa: E402
-from dsec.backends.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree  # noqa: E402
+from dsec.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree  # noqa: E402
 from dsec.fncall_model import DSecFnCallRunArgs  # noqa: E402
 
 CPP = """#include <iostream>

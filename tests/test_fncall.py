@@ -24,8 +24,6 @@ import pytest
 from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecSyncClient
-from dsec.backends.fncall.service import compare
-from dsec.backends.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree
 from dsec.errors import (
     ImageNotFound,
     InvalidArgument,
@@ -33,6 +31,8 @@ from dsec.errors import (
     Unauthenticated,
     Unsupported,
 )
+from dsec.fncall.service import compare
+from dsec.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree
 from dsec.fncall_model import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from dsec.sdk._rpc import ws_url
 from dsec.sdk.fncall import RemoteCallFailed

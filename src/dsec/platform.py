@@ -24,7 +24,6 @@ from dsec.agent.build import agent_binary
 from dsec.apiserver.creator import StopReleaser, attach_iam
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
-from dsec.backends.fncall.service import FnCallService
 from dsec.config import PlatformConfig
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM
@@ -34,6 +33,7 @@ from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.identity import HostClaim, claim_host_identity
 from dsec.edge.state import EdgeStateDB
+from dsec.fncall.service import FnCallService
 from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.net.manager import NetworkManager

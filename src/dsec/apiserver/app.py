@@ -27,12 +27,12 @@ from dsec.apiserver.rl import RLEdge, rl_router
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.trajectory import trajectory_router
-from dsec.backends.fncall.service import FnCallService
 from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
+from dsec.fncall.service import FnCallService
 from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
 from dsec.model import HealthInfo

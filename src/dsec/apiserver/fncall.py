@@ -20,8 +20,8 @@ from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.wsmux import MuxConnection, close_with_error
-from dsec.backends.fncall.service import FnCallService
 from dsec.errors import DSecError, InvalidArgument
+from dsec.fncall.service import FnCallService
 from dsec.fncall_model import (
     FNCALL_RPC_PATH,
     OP_CALL,

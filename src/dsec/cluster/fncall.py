@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
-from dsec.backends.fncall.service import FnCallService
 from dsec.cluster.fanout import Edges
 from dsec.cluster.registry import DOWN
 from dsec.cluster.remote import EdgeNotReached, RemoteEdge
 from dsec.cluster.router import STALE_AFTER_S, ClusterEdge, image_key
 from dsec.errors import AdmissionRejected, DSecError, EdgeUnavailable, ImageNotFound
+from dsec.fncall.service import FnCallService
 from dsec.fncall_model import (
     CallRequest,
     CallResult,

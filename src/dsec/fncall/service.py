@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from dsec.backends.fncall import callstub
-from dsec.backends.fncall.languages import LANGUAGES, Language, language
-from dsec.backends.fncall.pool import Budget, WarmPool
-from dsec.backends.fncall.zygote import (
+from dsec.errors import InvalidArgument, LimitExceeded, PlatformUnavailable, Unsupported
+from dsec.fncall import callstub
+from dsec.fncall.languages import LANGUAGES, Language, language
+from dsec.fncall.pool import Budget, WarmPool
+from dsec.fncall.zygote import (
     F_CPU,
     F_EXECFAIL,
     F_OUTPUT,
@@ -37,7 +38,6 @@ from dsec.backends.fncall.zygote import (
     seccomp_rules,
     write_config,
 )
-from dsec.errors import InvalidArgument, LimitExceeded, PlatformUnavailable, Unsupported
 from dsec.fncall_model import (
     MAX_CODE_BYTES,
     MAX_FILE_BYTES,
