@@ -147,8 +147,9 @@ class ContainerBackend(Backend):
         self.cgroups = cgroups
         self.cgroup_parent = cgroup_parent.strip("/")
         self.host_cpus = os.cpu_count() or 1
-        # crun forks are CPU-bound: more in flight than cores only adds queueing.
-        self._runtime_slots = asyncio.Semaphore(create_concurrency)
+        # crun forks are CPU-bound: more in flight than cores only adds queueing. Public:
+        # the verifier's containers (dsec.backends.container.verifier) queue here too.
+        self.runtime_slots = asyncio.Semaphore(create_concurrency)
         self._reaper: asyncio.Task[None] | None = None
         self.prewarm_limit = prewarm_limit
         self._warm: set[str] = set()
@@ -159,14 +160,17 @@ class ContainerBackend(Backend):
         self.init_signals = InitSignalWatcher(self.audit)
         self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
 
-    # -- paths --------------------------------------------------------------------------
-    def _dir(self, sandbox_id: str) -> Path:
+    # -- paths (public: the verifier builds its containers beside the sandboxes) -------
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        """The host directory of container ``sandbox_id`` (config, upper, work, socket)."""
         return self.sandboxes_dir / sandbox_id
 
-    def _socket(self, sandbox_id: str) -> Path:
-        return self._dir(sandbox_id) / "agent.sock"
+    def agent_socket(self, sandbox_id: str) -> Path:
+        """The unix socket pid 1 (the agent) of container ``sandbox_id`` serves on."""
+        return self.sandbox_dir(sandbox_id) / "agent.sock"
 
-    def _cgroup(self, sandbox_id: str) -> str:
+    def cgroup_of(self, sandbox_id: str) -> str:
+        """The cgroup path of container ``sandbox_id``, relative to every hierarchy."""
         return f"/{self.cgroup_parent}/{sandbox_id}"
 
     async def start(self) -> None:
@@ -180,7 +184,7 @@ class ContainerBackend(Backend):
         self.init_signals.start()
         if self.seccomp is not None:
             self.seccomp.start()
-        probe = self._socket("x" * 16 + "-" + "0" * 16)
+        probe = self.agent_socket("x" * 16 + "-" + "0" * 16)
         if len(os.fsencode(probe)) > MAX_SOCKET_PATH:
             raise BackendError(
                 f"data directory path too long for unix sockets ({probe}); use a shorter --data-dir"
@@ -238,7 +242,7 @@ class ContainerBackend(Backend):
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, rec: SandboxRecord) -> None:
         sid = rec.id
-        root = self._dir(sid)
+        root = self.sandbox_dir(sid)
         rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
         # Protected layers were resolved to digests by the edge (None: inline files).
         protected_layers = list(rec.runtime.get("protected_layers", []))
@@ -272,7 +276,7 @@ class ContainerBackend(Backend):
                 spec=rec.spec,
                 rootfs=rootfs,
                 agent_binary=self.agent_binary,
-                cgroup_path=self._cgroup(sid),
+                cgroup_path=self.cgroup_of(sid),
                 host_cpus=self.host_cpus,
                 extra_mounts=protected_paths.decoy_mounts(prepared) + net_mounts(net),
                 seccomp=self.seccomp_profile(sid),
@@ -281,9 +285,9 @@ class ContainerBackend(Backend):
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                listener.bind(str(self._socket(sid)))
+                listener.bind(str(self.agent_socket(sid)))
                 listener.listen(512)
-                async with self._runtime_slots:
+                async with self.runtime_slots:
                     await self.runtime.run_detached(
                         sid,
                         root,
@@ -297,7 +301,7 @@ class ContainerBackend(Backend):
             rec.runtime["pid"] = int((root / "init.pid").read_text().strip())
             self._seccomp_attached(rec)
             self.decoys.watch(sid, prepared)
-            self.init_signals.watch(sid, self._socket(sid))
+            self.init_signals.watch(sid, self.agent_socket(sid))
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.destroy(rec)
@@ -368,16 +372,18 @@ class ContainerBackend(Backend):
 
     async def destroy(self, rec: SandboxRecord) -> None:
         await self.verifiers.settle(rec.id)
-        await self._teardown(rec.id, rec.runtime)
+        await self.teardown(rec.id, rec.runtime)
 
-    async def _teardown(self, sid: str, runtime: dict[str, Any]) -> None:
+    async def teardown(self, sid: str, runtime: dict[str, Any]) -> None:
+        """Remove every kernel object of container ``sid`` (a sandbox or a verifier),
+        releasing the layers ``runtime`` holds; idempotent, works on half-made ones."""
         self.decoys.unwatch(sid)  # before anything of ours opens the decoys
         self.init_signals.unwatch(sid)
         if self.seccomp is not None:
             self.seccomp.forget(sid)
-        root = self._dir(sid)
+        root = self.sandbox_dir(sid)
         errors: list[str] = []
-        cgroup = self._cgroup(sid)
+        cgroup = self.cgroup_of(sid)
         # Empty the cgroup first and reclaim what it was charged for, so that the
         # deleted cgroup does not linger as a dying memcg (see CgroupHost.drop_charges).
         # A sandbox whose cgroup is empty is dead: its cgroups and runtime state go
@@ -385,12 +391,12 @@ class ContainerBackend(Backend):
         forgotten = await asyncio.to_thread(self._empty_and_forget, sid, cgroup)
         if not forgotten:
             try:
-                async with self._runtime_slots:
+                async with self.runtime_slots:
                     await self.runtime.delete(sid)
             except BackendError as exc:
                 errors.append(str(exc))
             # Belt and braces: a crashed create may have left a cgroup crun does not know.
-            await asyncio.to_thread(self.cgroups.kill_and_remove, self._cgroup(sid))
+            await asyncio.to_thread(self.cgroups.kill_and_remove, self.cgroup_of(sid))
         await self._reap(runtime.get("pid"))
         # The overlay lives in the sandbox's own mount namespace and is gone with its
         # last process; a host mount here can only be a leftover of an older version.
@@ -505,7 +511,7 @@ class ContainerBackend(Backend):
             held.append(digest)
         rec.runtime["layers_held"] = held
         self.decoys.watch(rec.id, prepared)
-        self.init_signals.watch(rec.id, self._socket(rec.id))  # and what pid 1 kept meanwhile
+        self.init_signals.watch(rec.id, self.agent_socket(rec.id))  # and what pid 1 kept meanwhile
         if rec.runtime.get("seccomp") == "notify":
             # Its notify fd died with the old edge: dangerous calls still fail (ENOSYS)
             # but are no longer recorded; say so, so a trainer can tell.
@@ -520,7 +526,7 @@ class ContainerBackend(Backend):
         for sid in sorted(leftovers - known_ids):
             try:
                 # Layers of unknown sandboxes were never counted in this process.
-                await self._teardown(sid, {"layers_held": []})
+                await self.teardown(sid, {"layers_held": []})
                 removed.append(sid)
             except BackendError as exc:
                 log.warning("sweep of %s incomplete: %s", sid, exc)
@@ -528,7 +534,7 @@ class ContainerBackend(Backend):
 
     # -- data path ----------------------------------------------------------------------
     def _agent(self, rec: SandboxRecord) -> AgentClient:
-        return AgentClient(self._socket(rec.id))
+        return AgentClient(self.agent_socket(rec.id))
 
     def agent(self, rec: SandboxRecord) -> AgentClient:
         return self._agent(rec)
@@ -568,19 +574,19 @@ class ContainerBackend(Backend):
 
     # -- pause, reclaim, pack (dsec.backends.container.freezer) -------------------------
     def pause(self, rec: SandboxRecord) -> None:
-        freezer.pause(self.cgroups, self._cgroup(rec.id))
+        freezer.pause(self.cgroups, self.cgroup_of(rec.id))
 
     async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
-        return await freezer.reclaim(self.cgroups, self._cgroup(rec.id), swap=swap)
+        return await freezer.reclaim(self.cgroups, self.cgroup_of(rec.id), swap=swap)
 
     def resume(self, rec: SandboxRecord) -> None:
-        freezer.resume(self.cgroups, self._cgroup(rec.id))
+        freezer.resume(self.cgroups, self.cgroup_of(rec.id))
 
     async def adopt_paused(self, rec: SandboxRecord) -> bool:
         state = await self.runtime.state(rec.id)
         if state is None or state.get("status") not in ("paused", "running", "created"):
             return False
-        if not freezer.keep_paused(self.cgroups, self._cgroup(rec.id)):
+        if not freezer.keep_paused(self.cgroups, self.cgroup_of(rec.id)):
             return False
         await self.adopt(rec)
         return True
@@ -594,7 +600,7 @@ class ContainerBackend(Backend):
         files, excluded = await freezer.pack(
             rec,
             self.cgroups,
-            self._cgroup(rec.id),
+            self.cgroup_of(rec.id),
             upper,
             out,
             compression=compression,
@@ -615,10 +621,10 @@ class ContainerBackend(Backend):
             )
 
     def limit_counters(self, rec: SandboxRecord) -> LimitReading:
-        oom, pids = read_cgroup_counters(self.cgroups, self._cgroup(rec.id))
+        oom, pids = read_cgroup_counters(self.cgroups, self.cgroup_of(rec.id))
         qgroup = rec.runtime.get("disk_qgroup")
         disk = self.disk.usage(qgroup) if isinstance(qgroup, int) else None
         return LimitReading(oom_kills=oom, pids_refused=pids, disk=disk)
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
-        return {"memory_bytes": self.cgroups.memory_usage(self._cgroup(rec.id))}
+        return {"memory_bytes": self.cgroups.memory_usage(self.cgroup_of(rec.id))}

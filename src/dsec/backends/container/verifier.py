@@ -148,7 +148,7 @@ class Verifiers:
 
 async def _cleanup(backend: ContainerBackend, vid: str, runtime: dict[str, Any]) -> None:
     try:
-        await backend._teardown(vid, runtime)
+        await backend.teardown(vid, runtime)
     except Exception as exc:  # the edge's sweep removes what is left at its next start
         log.warning("cleanup of verifier %s incomplete: %s", vid, exc)
 
@@ -238,11 +238,11 @@ async def _verify(
     backend: ContainerBackend, rec: SandboxRecord, req: VerifyRequest, graded: list[str]
 ) -> VerifyResult:
     vid = verifier_id(rec.id)
-    root = backend._dir(vid)
-    agent_dir = backend._dir(rec.id)
+    root = backend.sandbox_dir(vid)
+    agent_dir = backend.sandbox_dir(rec.id)
     prepared = [protected.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
     runtime: dict[str, Any] = {"layers_held": []}
-    rel = backend._cgroup(rec.id)
+    rel = backend.cgroup_of(rec.id)
     await asyncio.to_thread(protected.freeze, backend.cgroups, rel)
     dead = False
     started = False
@@ -272,7 +272,7 @@ async def _verify(
                 return _not_run(req, graded, f"the graded tree cannot be snapshotted: {exc}")
             _refusal_event(backend, rec, snap)
             await _start(backend, rec, vid, root, pristine, prepared, snap)
-            res = await AgentClient(backend._socket(vid)).exec(
+            res = await AgentClient(backend.agent_socket(vid)).exec(
                 ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command,
                 env=grader_env(rec, req),
                 cwd=req.workdir or "/",
@@ -286,10 +286,10 @@ async def _verify(
             # an isolated agent may change its files again.
             if started:
                 dead = await asyncio.shield(
-                    asyncio.to_thread(backend.cgroups.kill_all, backend._cgroup(vid), timeout=5.0)
+                    asyncio.to_thread(backend.cgroups.kill_all, backend.cgroup_of(vid), timeout=5.0)
                 )
                 if not dead:
-                    await asyncio.shield(backend._teardown(vid, runtime))
+                    await asyncio.shield(backend.teardown(vid, runtime))
         results = await asyncio.to_thread(read_results, root / "result")
     finally:
         try:
@@ -366,14 +366,14 @@ async def recover(backend: ContainerBackend, sandbox_id: str) -> None:
     if sandbox_id in backend.verifiers.busy or sandbox_id in backend.verifiers.cleanups:
         return
     vid = verifier_id(sandbox_id)
-    parent = backend._cgroup(vid).rpartition("/")[0]
+    parent = backend.cgroup_of(vid).rpartition("/")[0]
     if (
-        backend._dir(vid).exists()
+        backend.sandbox_dir(vid).exists()
         or vid in backend.runtime.list_ids()
         or vid in backend.cgroups.children(parent)
     ):
-        await backend._teardown(vid, {"layers_held": []})
-    rel = backend._cgroup(sandbox_id)
+        await backend.teardown(vid, {"layers_held": []})
+    rel = backend.cgroup_of(sandbox_id)
     if await asyncio.to_thread(protected.is_frozen, backend.cgroups, rel):
         await asyncio.to_thread(protected.thaw, backend.cgroups, rel)
 
@@ -432,7 +432,7 @@ async def _start(
     prepared: list[protected.Prepared],
     snap: graded_trees.Snapshot,
 ) -> None:
-    sock = backend._socket(vid)
+    sock = backend.agent_socket(vid)
     if len(os.fsencode(sock)) > 107:
         raise BackendError(f"verifier socket path too long ({sock}); use a shorter --data-dir")
     await asyncio.to_thread(_verifier_dirs, root, prepared)
@@ -451,7 +451,7 @@ async def _start(
         spec=rec.spec,
         rootfs=rootfs,
         agent_binary=backend.agent_binary,
-        cgroup_path=backend._cgroup(vid),
+        cgroup_path=backend.cgroup_of(vid),
         host_cpus=backend.host_cpus,
         extra_mounts=mounts,
         # The grader may run the agent's code: same seccomp profile, violations reported
@@ -464,7 +464,7 @@ async def _start(
     try:
         listener.bind(str(sock))
         listener.listen(16)
-        async with backend._runtime_slots:
+        async with backend.runtime_slots:
             await backend.runtime.run_detached(
                 vid, root, root / "init.pid", agent_fd=listener.fileno(), overlay=(rootfs, overlay)
             )
