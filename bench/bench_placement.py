@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer, Strategy  # noqa: E402
 from dsec.errors import ClusterFull  # noqa: E402
+from dsec.model import BackendKind  # noqa: E402
 
 # name -> (strategy, k, omniscient, piggyback: the apiservers read the usage the edges
 # state in their create and stop answers; without it, reports only: the baseline)
@@ -128,6 +129,7 @@ class SimEdge:
             cpu_committed=self.cpu_used,
             memory_mb=self.mem,
             memory_committed_mb=self.mem_used,
+            backends=frozenset({BackendKind.CONTAINER.value}),
             labels=self.labels,
             layers=self.layers,
             seen_at=now,

@@ -16,7 +16,7 @@ import pytest
 
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.errors import ClusterFull, InvalidArgument
-from dsec.model import DSecContainerRunArgs
+from dsec.model import BackendKind, DSecContainerRunArgs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,6 +36,7 @@ def edge(i: int, **kw: object) -> EdgeView:
         "memory_mb": 32768,
         "labels": {"zone": "a"},
         "seen_at": 50.0,
+        "backends": frozenset({BackendKind.CONTAINER.value}),
     }
     fields.update(kw)
     return EdgeView(f"e{i}", f"http://e{i}:8471", **fields)  # type: ignore[arg-type]

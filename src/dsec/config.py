@@ -67,6 +67,15 @@ class PlatformConfig:
     # in <data dir>/edge_id (dsec.edge.identity); running_platform fills it in.
     edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", ""))
     runtime: str = "crun"
+    # Backends to run (`dsec up --backends`, DSEC_BACKENDS=container,...); None: every
+    # backend whose host requirements are met (dsec.backends.registry).
+    backends: list[str] | None = field(
+        default_factory=lambda: (
+            [b for b in os.environ["DSEC_BACKENDS"].split(",") if b.strip()]
+            if os.environ.get("DSEC_BACKENDS")
+            else None
+        )
+    )
     max_sandboxes: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))
     )

@@ -374,3 +374,6 @@ class HealthInfo(Reply):
     sandboxes_running: int
     capacity: int
     degraded: list[Degradation] = []
+    # The backends this edge runs (probed at start), and why each other one is not.
+    backends: list[str] = []
+    backends_unavailable: dict[str, str] = {}

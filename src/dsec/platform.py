@@ -22,8 +22,8 @@ from typing import Any
 from dsec import spawn
 from dsec.agent.build import agent_binary
 from dsec.apiserver.creator import StopReleaser, attach_iam
-from dsec.backends.container.backend import ContainerBackend
-from dsec.backends.container.runtime import OCIRuntime
+from dsec.backends.base import BackendHost
+from dsec.backends.registry import BackendRegistry
 from dsec.config import PlatformConfig
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM
@@ -38,11 +38,10 @@ from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.net.manager import NetworkManager
 from dsec.resources import cgroups
-from dsec.resources.disk import GiB, SandboxDisk
+from dsec.resources.disk import GiB
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
 from dsec.security.audit import AuditLog
 from dsec.security.safe_text import escape_log_records
-from dsec.security.seccomp import SeccompGuard
 
 log = logging.getLogger(__name__)
 
@@ -162,38 +161,19 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             await asyncio.to_thread(cgroups.favor_dynamic_modifications, host)
         wrapper = await asyncio.to_thread(agent_binary)
         spawner = await start_spawner(wrapper, config.data_dir / "run" / "spawner.sock")
-        runtime = OCIRuntime(
-            runtime=config.runtime,
-            state_root=config.data_dir / "run" / config.runtime.rsplit("/", 1)[-1],
-            wrapper=wrapper,
-            cgroups=host,
-            empty_file=config.data_dir / "run" / "empty",
-        )
-        backend = ContainerBackend(
-            sandboxes_dir=config.sandboxes_dir,
-            runtime=runtime,
-            layers=images.mounts,
-            agent_binary=wrapper,
-            cgroups=host,
-            cgroup_parent=f"dsec/{config.edge_id}",
-            audit=audit,
-            seccomp=SeccompGuard(
-                socket_path=config.seccomp_socket if config.seccomp_notify else None,
-                audit=audit,
-            )
-            if config.seccomp
-            else None,
-            disk=SandboxDisk(
-                config.sandboxes_dir,
-                config.sandbox_disk_image,
-                size_bytes=config.sandbox_disk_gb * GiB if config.sandbox_disk_gb else None,
-                enabled=config.sandbox_disk_gb != 0,
-                preallocate=config.sandbox_disk_preallocate,
+        # The backends asked for (--backends), or every one this host can run.
+        registry = BackendRegistry()
+        selection = registry.select(config.backends)
+        backends = registry.build(
+            selection,
+            BackendHost(
+                config=config, layers=images.mounts, cgroups=host, audit=audit, agent_binary=wrapper
             ),
         )
         edge = Edge(
             edge_id=config.edge_id,
-            backend=backend,
+            backends=backends,
+            unavailable=selection.unavailable,
             images=images,
             state=EdgeStateDB(config.edge_db),
             audit=audit,
@@ -337,6 +317,7 @@ async def serve(
             audit=platform.edge.audit,
             fncall=platform.fncall,
             roles=platform.roles,
+            rl=platform.edge,
             trajectory=platform.edge.trajectory,
             iam=platform.iam if config.quotas else None,
             report_load=config.report_load,

@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.backends.base import Backend, SandboxRecord
+from dsec.backends.base import Backend, BackendHost, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.errors import DSecError
-from dsec.model import ExecRequest, ExecResult, ImageInfo, SandboxState
+from dsec.model import BackendKind, ExecRequest, ExecResult, ImageInfo, SandboxState
 from dsec.sdk.client import Sandbox
 from dsec.security import tampering
 from dsec.security.audit import AuditLog
@@ -231,10 +231,14 @@ def test_a_planted_link_never_leads_the_walk_out_of_the_upper_dir(tmp_path: Path
 class _StubBackend(Backend):
     """Just enough backend for the edge's exec path: commands succeed at once."""
 
-    kind = "container"  # type: ignore[assignment]
+    kind = BackendKind.CONTAINER
 
     def __init__(self, upper: Path) -> None:
         self.upper = upper
+
+    @classmethod
+    def from_host(cls, host: BackendHost) -> _StubBackend:
+        raise NotImplementedError
 
     async def create(self, rec: SandboxRecord) -> None:
         raise NotImplementedError
@@ -271,7 +275,7 @@ def stub_edge(tmp_path: Path) -> Iterator[tuple[Edge, str]]:
     state = EdgeStateDB(tmp_path / "edge.db")
     edge = Edge(
         edge_id="e1",
-        backend=_StubBackend(upper),
+        backends=[_StubBackend(upper)],
         images=None,  # type: ignore[arg-type]
         state=state,
         admission=Admission(max_sandboxes=4, memory_overcommit=1.0),
@@ -328,7 +332,10 @@ async def test_a_detector_that_raises_never_stops_the_audit_stream(
     assert len(logged) == 2  # once per detector and sandbox, not per command
     # Once the detector works again, tampering is reported again.
     monkeypatch.undo()
-    (edge.backend.writable_dir(edge._records[sid]) / "bin/python3").write_text("x")  # type: ignore[operator]
+    rec = edge.record(sid)
+    upper = edge.backend_of(rec).writable_dir(rec)
+    assert upper is not None
+    (upper / "bin/python3").write_text("x")
     edge.command_finished(sid)
     (ev,) = audit.events(kinds=[EventKind.BINARY_TAMPERING])
     assert ev.detail["changes"] == ["written /bin/python3"]

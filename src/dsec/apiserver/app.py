@@ -7,8 +7,6 @@ the request path (body cap, last-resort error envelope) to keep exec at ~2 ms.
 
 from __future__ import annotations
 
-from typing import cast
-
 from fastapi import FastAPI
 from starlette.responses import Response
 
@@ -57,6 +55,7 @@ def create_app(
     creator: SandboxCreator | None = None,
     iam: IAM | None = None,
     report_load: bool = False,
+    rl: RLEdge | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
@@ -105,8 +104,8 @@ def create_app(
         app.include_router(fncall_router(fncall, auth))
     if trajectory is not None:
         app.include_router(trajectory_router(trajectory, auth))
-    if roles is not None and hasattr(edge, "pause_job"):  # job pause, pack_diff, fork
-        app.include_router(rl_router(cast(RLEdge, edge), auth, roles, charge=iam is not None))
+    if roles is not None and rl is not None:  # job pause, pack_diff, fork
+        app.include_router(rl_router(rl, auth, roles, charge=iam is not None))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     return app

@@ -12,8 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from dsec.errors import Unsupported
 from dsec.model import (
@@ -27,6 +28,12 @@ from dsec.model import (
 )
 from dsec.sessions.agent_client import AgentClient
 from dsec.verify_model import VerifyRequest, VerifyResult
+
+if TYPE_CHECKING:
+    from dsec.config import PlatformConfig
+    from dsec.images.mounts import LayerMounts
+    from dsec.resources.cgroups import CgroupHost
+    from dsec.security.audit import AuditSink
 
 
 @dataclass
@@ -49,10 +56,15 @@ class SandboxRecord:
     # protected file contents, which must never reach edge.db or a SandboxInfo).
     transient: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def kind(self) -> BackendKind:
+        """Which backend runs the sandbox (the spec's ``backend``)."""
+        return BackendKind(self.spec.backend)
+
     def info(self) -> SandboxInfo:
         return SandboxInfo(
             id=self.id,
-            backend=BackendKind(self.spec.backend),
+            backend=self.kind,
             state=self.state,
             image=self.spec.container_image,
             labels=dict(self.spec.labels),
@@ -83,8 +95,63 @@ class PackedWritable:
     excluded: list[str]
 
 
+class Capability(StrEnum):
+    """What a backend can do beyond create/exec/destroy; the edge refuses a request that
+    needs one its backend lacks (Unsupported, 501) before doing any work, instead of
+    finding out half-way. One flag per optional group of ``Backend`` methods, or per
+    spec field whose enforcement is the backend's."""
+
+    SESSIONS = "sessions"  # agent(), command_env(): sessions, processes, streams, file ops
+    FILES = "files"  # read_file, write_file
+    PAUSE = "pause"  # pause, reclaim, resume, adopt_paused: job pause/resume
+    VERIFY = "verify"  # verify: a grader in a pristine verifier
+    PROTECTED_PATHS = "protected_paths"  # spec.protected (seen by verify steps only)
+    PACK = "pack"  # pack_writable: pack_diff
+    FORK = "fork"  # pack_writable + create: fork
+    NETWORK_RULES = "network_rules"  # spec.network_rules (egress allow-rules), updates
+    DISK_LIMIT = "disk_limit"  # spec.disk_limit_mb
+    SNAPSHOT = "snapshot"  # snapshot
+
+
+@dataclass(frozen=True)
+class BackendHost:
+    """What the platform hands every backend it builds (``Backend.from_host``): the
+    host-wide parts all backends share, so that adding a backend changes no wiring."""
+
+    config: PlatformConfig
+    layers: LayerMounts  # EROFS layers mounted once per host
+    cgroups: CgroupHost
+    audit: AuditSink
+    agent_binary: Path  # the static in-sandbox agent (dsec.agent.build)
+
+
 class Backend(ABC):
-    kind: BackendKind
+    kind: ClassVar[BackendKind]
+    # What this backend does of the optional part of the interface (see Capability).
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """Can this host run the backend? None when it can, else why not (shown by
+        /v1/health). Cheap and side-effect free: it runs at every edge start, for
+        backends that were not asked for too (the default enables every one that can)."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def from_host(cls, host: BackendHost) -> Self:
+        """Build the backend for this host (dsec.backends.registry calls it)."""
+
+    @classmethod
+    def require(cls, capability: Capability) -> None:
+        """Raise Unsupported (501), naming backend and capability, if this backend
+        lacks ``capability``: call it before any work."""
+        if capability not in cls.capabilities:
+            raise Unsupported(
+                f"the {cls.kind.value} backend does not support {capability.value}",
+                backend=cls.kind.value,
+                capability=capability.value,
+            )
 
     async def start(self) -> None:
         """Prepare the host (binaries, directories); called once before any create."""

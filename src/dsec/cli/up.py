@@ -81,6 +81,15 @@ def up(
             help="write URL and key to ~/.config/dsec/config.json",
         ),
     ] = True,
+    backends: Annotated[
+        str | None,
+        typer.Option(
+            "--backends",
+            envvar="DSEC_BACKENDS",
+            help="backends to run, comma-separated (e.g. container); default: every "
+            "backend this host can run (`/v1/health` says which, and why not the others)",
+        ),
+    ] = None,
     stop_sandboxes_on_exit: Annotated[
         bool,
         typer.Option(
@@ -113,6 +122,8 @@ def up(
         config.layer_store = layer_store
     if layer_store_token is not None:
         config.layer_store_token = layer_store_token
+    if backends is not None:
+        config.backends = [b.strip() for b in backends.split(",") if b.strip()]
     if layer_cache_gib is not None:
         config.layer_cache_bytes = int(layer_cache_gib * (1 << 30))
 

@@ -81,7 +81,7 @@ class EdgeNode:
             cpu_committed=sum(r.spec.cpu_cores_limit for r in records),
             memory_mb=admission.memory_budget_mb,
             memory_committed_mb=admission.memory_mb,
-            backends=["container"],
+            backends=[k.value for k in self.edge.backends],  # probed at start
             labels=self.labels,
             images=sorted({i.ref for i in images}),
             layers=sorted({d for i in images for d in i.layers}),

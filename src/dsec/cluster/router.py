@@ -211,7 +211,7 @@ class ClusterEdge:
     # -- create ---------------------------------------------------------------------------
     async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
         image = frozenset({image_key(spec.container_image)})
-        demand = Demand.for_spec(spec, "container", layers=image, requires=image)
+        demand = Demand.for_spec(spec, spec.backend, layers=image, requires=image)
         tried: set[str] = set()
         refusals: list[dict[str, Any]] = []
         no_image: ImageNotFound | None = None
@@ -293,7 +293,7 @@ class ClusterEdge:
             return await self._directory(sandbox_id)
         info, load = await self._remotes[status.edge_id].stop_load(sandbox_id, reason=reason)
         # A slot this apiserver saw free up, before the edge's next report says so.
-        self.placer.released(status.edge_id, Demand.for_spec(info.spec, "container"), load)
+        self.placer.released(status.edge_id, Demand.for_spec(info.spec, info.spec.backend), load)
         await self.registry.ended(sandbox_id, info.reason or reason)
         return info
 

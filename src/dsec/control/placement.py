@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dsec.errors import ClusterFull, InvalidArgument
-from dsec.model import DSecRunArgs
+from dsec.model import BackendKind, DSecRunArgs
 
 Strategy = Literal["power_of_k", "least_loaded", "random"]
 STRATEGIES: tuple[Strategy, ...] = ("power_of_k", "least_loaded", "random")
@@ -181,7 +181,8 @@ class EdgeView:
     cpu_committed: float = 0.0
     memory_mb: int = 0
     memory_committed_mb: int = 0
-    backends: frozenset[str] = frozenset({"container"})
+    # What the edge reported it runs (probed at its start; dsec.backends.registry).
+    backends: frozenset[str] = frozenset()
     labels: dict[str, str] = field(default_factory=dict)
     layers: frozenset[str] = frozenset()
     seen_at: float = 0.0
@@ -197,7 +198,7 @@ class EdgeView:
 class Demand:
     """What one sandbox needs from an edge."""
 
-    backend: str = "container"
+    backend: str = BackendKind.CONTAINER.value  # a spec's default backend
     cpu_cores: float = 1.0
     memory_mb: int = 512
     layers: frozenset[str] = frozenset()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from dsec.backends.base import SandboxRecord
+from dsec.backends.base import Capability, SandboxRecord
 from dsec.edge.edge import Edge
 from dsec.edge.tokens import TokenSigner
 from dsec.errors import (
@@ -168,7 +168,7 @@ class DataPlane:
 
     def _target(self, sandbox_id: str) -> tuple[SandboxRecord, AgentClient]:
         rec = self.edge.running_record(sandbox_id)
-        return rec, self.edge.backend.agent(rec)
+        return rec, self.edge.backend_of(rec, Capability.SESSIONS).agent(rec)
 
     def _touch(self, sandbox_id: str) -> None:
         self.edge.mark_active(sandbox_id)  # also keeps the idle deadline durable
@@ -279,7 +279,7 @@ class DataPlane:
         first: bool = False,
         pty: tuple[int, int] | None = None,
     ) -> ManagedProcess:
-        backend = self.edge.backend
+        backend = self.edge.backend_of(rec, Capability.SESSIONS)
         agent = backend.agent(rec)
         command = args.command
         if session is not None:
@@ -375,7 +375,7 @@ class DataPlane:
         """The edge's handle of a started (or re-attached) command."""
         box = self._box(rec.id)
         audit = self.edge.audit
-        agent = self.edge.backend.agent(rec)
+        agent = self.edge.backend_of(rec, Capability.SESSIONS).agent(rec)
 
         def ended(proc: ManagedProcess) -> None:
             if ended_before:  # an edge saw it end (and put that on record) before
@@ -459,7 +459,10 @@ class DataPlane:
         if rec.state is not SandboxState.RUNNING:
             self._pending.add(sandbox_id)  # paused (frozen: its agent cannot answer now)
             return
-        agent = self.edge.backend.agent(rec)
+        backend = self.edge.backends.get(rec.kind)
+        if backend is None or Capability.SESSIONS not in backend.capabilities:
+            return  # no agent to ask: nothing of it to follow again
+        agent = backend.agent(rec)
         try:
             async with asyncio.timeout(RESTORE_TIMEOUT):
                 kept = await agent.kept()

@@ -13,13 +13,13 @@ import builtins
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec import __version__
-from dsec.backends.base import Backend, SandboxRecord
+from dsec.backends.base import Backend, Capability, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
@@ -38,6 +38,7 @@ from dsec.exhaustion import Exhaustion, register
 from dsec.images.service import ImageService
 from dsec.model import (
     SANDBOX_ID_RE,
+    BackendKind,
     Degradation,
     DSecContainerRunArgs,
     ExecRequest,
@@ -95,7 +96,7 @@ class Edge:
         self,
         *,
         edge_id: str,
-        backend: Backend,
+        backends: Sequence[Backend],
         images: ImageService,
         state: EdgeStateDB,
         admission: Admission,
@@ -104,6 +105,7 @@ class Edge:
         audit: AuditLog | None = None,
         network: NetworkManager | None = None,
         data_dir: Path | None = None,
+        unavailable: Mapping[BackendKind, str] | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
         # Disk, fds, memory, pids running out: typed errors and health (dsec.exhaustion).
@@ -116,9 +118,12 @@ class Edge:
         self.tamper = TamperWatch()
         self.detectors = DetectorGuard(self.audit)  # a detector that raises never stops a hook
         # resource-limit events (OOM, pids, disk quota, output, timeout): dsec.security.limits
-        self.limits = LimitWatcher(self.audit, backend.limit_counters)
+        self.limits = LimitWatcher(self.audit, self._limit_counters)
         self.edge_id = edge_id
-        self.backend = backend
+        # One backend per enabled kind (dsec.backends.registry); the others, and why
+        # not, for /v1/health.
+        self.backends: dict[BackendKind, Backend] = {b.kind: b for b in backends}
+        self.unavailable: dict[BackendKind, str] = dict(unavailable or {})
         self.images = images
         self.state = state
         self.admission = admission
@@ -141,10 +146,16 @@ class Edge:
     async def start(self) -> dict[str, list[str]]:
         """Recover from whatever the previous process left, then start the TTL reaper."""
         self.audit.start(self.supervisor)
-        await self.backend.start()
+        for backend in self.backends.values():
+            await backend.start()
         report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}
         for rec in self.state.load(self.edge_id):
             self._records[rec.id] = rec
+            runs = self.backends.get(rec.kind)
+            if runs is None:  # kept as it is for an edge that runs its backend again
+                if rec.state in LIVE_STATES:
+                    log.warning("sandbox %s: no %s backend on this edge", rec.id, rec.kind.value)
+                continue
             if rec.state is SandboxState.PAUSED:  # stays frozen until a request/resume
                 if await self.jobs.recover(rec):
                     if self.network is not None and "net" in rec.runtime:
@@ -158,8 +169,8 @@ class Edge:
                 report["lost"].append(rec.id)
                 continue
             if rec.state is SandboxState.RUNNING:
-                if await self.backend.is_alive(rec):
-                    await self.backend.adopt(rec)
+                if await runs.is_alive(rec):
+                    await runs.adopt(rec)
                     if self.network is not None and "net" in rec.runtime:
                         self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
                     report["adopted"].append(rec.id)
@@ -185,15 +196,17 @@ class Edge:
         # Idle clocks go on from where they were, not from "now" (dsec.edge.ttl).
         self.clocks.restore(r for r in self._records.values() if r.state is SandboxState.RUNNING)
         live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
-        report["swept"] = await self.backend.sweep(live)
+        for backend in self.backends.values():
+            report["swept"] += await backend.sweep(live)
         if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
             await self.network.start()
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
-        for name, healthy, restart in self.backend.supervised():
-            self.supervisor.watch(name, healthy, restart)
+        for backend in self.backends.values():
+            for name, healthy, restart in backend.supervised():
+                self.supervisor.watch(name, healthy, restart)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
         )
@@ -216,7 +229,8 @@ class Edge:
                 *(self.stop(sid, reason="platform shut down") for sid in live),
                 return_exceptions=True,
             )
-        await self.backend.close()
+        for backend in self.backends.values():
+            await backend.close()
         if self.network is not None:
             await self.network.close(keep_rules=not self.stop_on_close)
         self.state.close()
@@ -288,7 +302,14 @@ class Edge:
     async def _build_mapped(
         self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
+        backend = self.backend_for(BackendKind(spec.backend))  # 501 for a kind not run here
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
+        if allowed:
+            backend.require(Capability.NETWORK_RULES)
+        if spec.protected:
+            backend.require(Capability.PROTECTED_PATHS)
+        if spec.disk_limit_mb is not None:
+            backend.require(Capability.DISK_LIMIT)
         if self.network is not None and spec.network_rules:
             self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
         elif allowed:
@@ -298,7 +319,7 @@ class Edge:
                 rules=allowed,
             )
         self.admission.check_limits(spec)
-        self.backend.check_limits(spec)  # e.g. disk_limit_mb larger than the sandbox disk
+        backend.check_limits(spec)  # e.g. disk_limit_mb larger than the sandbox disk
         image = await self.images.compose(spec)  # base + workspace + toolkit layers
         # Protected layers: resolved to digests now, like the image's (None: inline files).
         protected_layers = [
@@ -338,7 +359,7 @@ class Edge:
             self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
             if self.network is not None and spec.network_rules:
                 rec.runtime["net"] = await self.network.attach(rec.id, spec.network_rules)
-            await asyncio.wait_for(self.backend.create(rec), timeout)
+            await asyncio.wait_for(backend.create(rec), timeout)
             if self.network is not None:
                 self.network.joined(rec.id)  # the sandbox holds its netns from now on
         except BaseException as exc:
@@ -385,7 +406,7 @@ class Edge:
         for listener in self._stop_listeners:  # before the kill: no command may seem to
             listener(rec.id, reason or final.value)  # exit on its own while it is torn down
         try:
-            await self.backend.destroy(rec)
+            await self.backend_of(rec).destroy(rec)
         except DSecError as exc:
             log.error("teardown of %s incomplete: %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
@@ -463,6 +484,7 @@ class Edge:
         rules = check_network_rules(dict(rules))
         async with self._lock(sandbox_id):
             rec = self.running_record(sandbox_id)
+            self.backend_of(rec, Capability.NETWORK_RULES)
             if self.network is None:
                 raise Unsupported("egress rules are not available on this edge")
             start = time.perf_counter()
@@ -478,6 +500,31 @@ class Edge:
                 duration=round(time.perf_counter() - start, 6),
             )
         return NetworkRules(network_rules=rules)
+
+    # -- backends -----------------------------------------------------------------------
+    def backend_for(self, kind: BackendKind, capability: Capability | None = None) -> Backend:
+        """The backend running ``kind`` sandboxes here; Unsupported (501) naming the
+        kind when none is enabled, or naming backend and capability when it lacks
+        ``capability``: before any work."""
+        backend = self.backends.get(kind)
+        if backend is None:
+            why = self.unavailable.get(kind)
+            raise Unsupported(
+                f"this edge runs no {kind.value} sandboxes" + (f" ({why})" if why else ""),
+                backend=kind.value,
+            )
+        if capability is not None:
+            backend.require(capability)
+        return backend
+
+    def backend_of(self, rec: SandboxRecord, capability: Capability | None = None) -> Backend:
+        """The backend of the sandbox ``rec`` (see ``backend_for``)."""
+        return self.backend_for(rec.kind, capability)
+
+    def _limit_counters(self, rec: SandboxRecord) -> Any:
+        """The limit watcher's probe: None for a sandbox no backend here runs."""
+        backend = self.backends.get(rec.kind)
+        return backend.limit_counters(rec) if backend is not None else None
 
     # -- queries --------------------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxRecord:
@@ -549,6 +596,8 @@ class Edge:
             ),
             capacity=self.admission.max_sandboxes,
             degraded=degraded,
+            backends=[k.value for k in self.backends],
+            backends_unavailable={k.value: why for k, why in self.unavailable.items()},
         )
 
     # -- data path ------------------------------------------------------------------------
@@ -559,7 +608,7 @@ class Edge:
         except DSecError as exc:
             if not isinstance(exc, BackendError):
                 raise
-            if rec.state is SandboxState.RUNNING and not await self.backend.is_alive(rec):
+            if rec.state is SandboxState.RUNNING and not await self.backend_of(rec).is_alive(rec):
                 async with self._lock(sandbox_id):
                     if not rec.state.terminal:
                         await self._finish(
@@ -609,7 +658,9 @@ class Edge:
             return await self.trajectory.exec(sandbox_id, req, req.trajectory)
         outcome: dict[str, object] = {"error": "did not finish"}
         try:
-            res = await self._on_running(sandbox_id, lambda rec: self.backend.exec(rec, req))
+            res = await self._on_running(
+                sandbox_id, lambda rec: self.backend_of(rec).exec(rec, req)
+            )
             outcome = _outcome(res)
             self.command_finished(sandbox_id)
             self.limits.after_exec(
@@ -643,6 +694,7 @@ class Edge:
         try:
             async with self._lock(sandbox_id):
                 rec = self.running_record(sandbox_id)
+                backend = self.backend_of(rec, Capability.VERIFY)
                 try:  # bad input is refused before the sandbox is touched
                     req = req.model_copy(update={"graded": resolve_graded(rec.spec, req)})
                 except ValueError as exc:
@@ -651,7 +703,7 @@ class Edge:
                 if req.mode == "fresh":
                     self.deaths.forget(sandbox_id)  # the step ends its init: not a death
                 try:
-                    res = await self.backend.verify(rec, req)
+                    res = await backend.verify(rec, req)
                 finally:
                     rec.last_activity = time.monotonic()
                     if req.mode == "fresh" and not rec.state.terminal:
@@ -678,7 +730,10 @@ class Edge:
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
         self.audit.record(sandbox_id, AuditKind.FILE, "read_file", path=path)
         return await self._on_running(
-            sandbox_id, lambda rec: self.backend.read_file(rec, path, max_bytes=max_bytes)
+            sandbox_id,
+            lambda rec: self.backend_of(rec, Capability.FILES).read_file(
+                rec, path, max_bytes=max_bytes
+            ),
         )
 
     async def write_file(
@@ -697,7 +752,10 @@ class Edge:
             return
         self.audit.record(sandbox_id, AuditKind.FILE, "write_file", path=path, size=len(data))
         await self._on_running(
-            sandbox_id, lambda rec: self.backend.write_file(rec, path, data, mode=mode)
+            sandbox_id,
+            lambda rec: self.backend_of(rec, Capability.FILES).write_file(
+                rec, path, data, mode=mode
+            ),
         )
 
     def command_finished(self, sandbox_id: str) -> None:
@@ -716,7 +774,7 @@ class Edge:
         )
 
     def _scan_tampering(self, rec: SandboxRecord) -> None:
-        upper = self.backend.writable_dir(rec)
+        upper = self.backend_of(rec).writable_dir(rec)
         if upper is None:
             return
         pid = rec.runtime.get("pid")  # its merged root says what /usr/local/bin shadows

@@ -51,7 +51,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from dsec.backends.base import ReclaimFigures
+from dsec.backends.base import Capability, ReclaimFigures
 from dsec.errors import BackendError, InvalidArgument, Unsupported
 from dsec.model import TRAJECTORY_NAME_RE, SandboxState
 from dsec.resources.reclaim import swap_available
@@ -129,12 +129,12 @@ class JobControl:
         return report
 
     async def _pause_one(self, rec: SandboxRecord, swap: bool) -> SandboxPause | None:
-        backend = self.edge.backend
         async with self.edge.exclusive(rec.id):  # waits for a verify or a stop in flight
             if rec.state is not SandboxState.RUNNING:
                 return None
             t0 = time.perf_counter()
             try:
+                backend = self.edge.backend_of(rec, Capability.PAUSE)  # refused before work
                 # On the loop, not in a thread: no request can see RUNNING once frozen.
                 backend.pause(rec)
             except (BackendError, Unsupported) as exc:
@@ -194,7 +194,7 @@ class JobControl:
         if rec.state is not SandboxState.PAUSED:
             return False
         t0 = time.perf_counter()
-        self.edge.backend.resume(rec)
+        self.edge.backend_of(rec).resume(rec)
         rec.last_activity = time.monotonic()  # paused time never counts toward the TTL
         self.edge.transition(rec, SandboxState.RUNNING)
         for listener in self.edge.thaw_listeners:  # e.g. the data plane's live restore
@@ -213,11 +213,11 @@ class JobControl:
         """Before a teardown: frozen tasks cannot die of SIGKILL until thawed."""
         if rec.state is SandboxState.PAUSED:
             with contextlib.suppress(Unsupported):
-                self.edge.backend.resume(rec)
+                self.edge.backend_of(rec).resume(rec)
 
     # -- recovery -------------------------------------------------------------------------
     async def recover(self, rec: SandboxRecord) -> bool:
         """After an edge restart: a PAUSED sandbox whose container still exists is
         adopted and kept frozen (its agent cannot answer a ping while frozen, so the
         usual liveness check does not apply). False: it is gone."""
-        return await self.edge.backend.adopt_paused(rec)
+        return await self.edge.backend_of(rec).adopt_paused(rec)

@@ -27,6 +27,7 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from dsec.backends.base import Capability
 from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
 from dsec.images.service import LayerBuilder
 from dsec.layer_model import LayerInfo, LayerRef
@@ -58,6 +59,7 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
     """Freeze, mkfs.erofs the changes (exclusions applied), thaw, register ``name:version``."""
     t0 = time.perf_counter()
     rec = edge.record(sandbox_id)
+    backend = edge.backend_of(rec, Capability.PACK)  # refused before any work
     images = edge.images
     if not isinstance(images, LayerBuilder):
         raise Unsupported("this edge's image service cannot register layers")
@@ -68,7 +70,7 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {rec.state.value}", state=rec.state)
         f0 = time.perf_counter()
         try:
-            packed = await edge.backend.pack_writable(
+            packed = await backend.pack_writable(
                 rec,
                 out,
                 compression=images.layer_compression,
@@ -123,6 +125,7 @@ async def fork_sandbox(edge: Edge, sandbox_id: str, req: ForkRequest) -> ForkRes
     by digest). All or nothing: if one child fails, the others are stopped."""
     t0 = time.perf_counter()
     rec = edge.record(sandbox_id)
+    edge.backend_of(rec, Capability.FORK)  # refused before any work
     if any(m.files for m in rec.spec.protected):
         raise Unsupported(
             "fork of a sandbox with inline protected files is not supported (their "

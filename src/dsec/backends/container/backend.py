@@ -24,10 +24,17 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from dsec import linux, spawn
-from dsec.backends.base import Backend, PackedWritable, ReclaimFigures, SandboxRecord
+from dsec.backends.base import (
+    Backend,
+    BackendHost,
+    Capability,
+    PackedWritable,
+    ReclaimFigures,
+    SandboxRecord,
+)
 from dsec.backends.container import freezer, verifier
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
 from dsec.backends.container.runtime import OCIRuntime
@@ -36,7 +43,7 @@ from dsec.images.mounts import LayerMounts
 from dsec.model import BackendKind, ExecRequest, ExecResult
 from dsec.net.oci import net_mounts
 from dsec.resources.cgroups import CgroupHost
-from dsec.resources.disk import MiB, SandboxDisk
+from dsec.resources.disk import GiB, MiB, SandboxDisk
 from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
 from dsec.security.events import AuditKind
@@ -117,6 +124,69 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
 
 class ContainerBackend(Backend):
     kind = BackendKind.CONTAINER
+    capabilities = frozenset(
+        {
+            Capability.SESSIONS,
+            Capability.FILES,
+            Capability.PAUSE,
+            Capability.VERIFY,
+            Capability.PROTECTED_PATHS,
+            Capability.PACK,
+            Capability.FORK,
+            Capability.NETWORK_RULES,
+            Capability.DISK_LIMIT,
+        }
+    )
+    # The OCI runtime the platform runs by default (PlatformConfig.runtime).
+    DEFAULT_RUNTIME = "crun"
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """Root, a cgroup file system and the OCI runtime on PATH. (overlayfs and EROFS
+        are not probed: the kernel loads their modules on the first mount.)"""
+        if os.geteuid() != 0:
+            return "needs root (mounts, cgroups, namespaces)"
+        if not os.path.ismount("/sys/fs/cgroup"):
+            return "no cgroup file system at /sys/fs/cgroup"
+        if shutil.which(cls.DEFAULT_RUNTIME) is None:
+            return f"no {cls.DEFAULT_RUNTIME} on PATH (apt-get install {cls.DEFAULT_RUNTIME})"
+        return None
+
+    @classmethod
+    def from_host(cls, host: BackendHost) -> Self:
+        """The platform's container backend: runtime state on a tmpfs under the data
+        dir, seccomp and the quota-capable sandbox disk as configured."""
+        config = host.config
+        run = config.data_dir / "run"
+        runtime = OCIRuntime(
+            runtime=config.runtime,
+            state_root=run / config.runtime.rsplit("/", 1)[-1],
+            wrapper=host.agent_binary,
+            cgroups=host.cgroups,
+            empty_file=run / "empty",
+        )
+        return cls(
+            sandboxes_dir=config.sandboxes_dir,
+            runtime=runtime,
+            layers=host.layers,
+            agent_binary=host.agent_binary,
+            cgroups=host.cgroups,
+            cgroup_parent=f"dsec/{config.edge_id}",
+            audit=host.audit,
+            seccomp=SeccompGuard(
+                socket_path=config.seccomp_socket if config.seccomp_notify else None,
+                audit=host.audit,
+            )
+            if config.seccomp
+            else None,
+            disk=SandboxDisk(
+                config.sandboxes_dir,
+                config.sandbox_disk_image,
+                size_bytes=config.sandbox_disk_gb * GiB if config.sandbox_disk_gb else None,
+                enabled=config.sandbox_disk_gb != 0,
+                preallocate=config.sandbox_disk_preallocate,
+            ),
+        )
 
     def __init__(
         self,
