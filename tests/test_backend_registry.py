@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from dsec.backends.base import Backend, BackendHost, Capability, SandboxRecord
+from dsec.backends.base import (
+    Backend,
+    BackendFacts,
+    BackendHost,
+    Capability,
+    CreateInput,
+    SandboxRecord,
+    StoredFacts,
+)
 from dsec.backends.registry import BACKENDS, BackendRegistry
 from dsec.cluster.node import EdgeNode
 from dsec.control.placement import Demand, EdgeView, Placer
@@ -54,8 +62,9 @@ class MinimalBackend(Backend):
     def from_host(cls, host: BackendHost) -> MinimalBackend:
         return cls()
 
-    async def create(self, rec: SandboxRecord) -> None:
+    async def create(self, inp: CreateInput) -> BackendFacts:
         self.calls.append("create")
+        return StoredFacts()
 
     async def destroy(self, rec: SandboxRecord) -> None:
         self.calls.append("destroy")

@@ -17,6 +17,7 @@ import pytest
 from dsec import linux
 from dsec.backends.base import SandboxRecord
 from dsec.backends.container.backend import drop_page_charges
+from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.edge.state import EdgeStateDB
 from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
@@ -103,7 +104,7 @@ def test_state_only_write_keeps_the_spec_and_writes_unsaved_records_whole(
         rec = _record("e1-" + "a" * 16)
         db.save(rec)
         rec.state, rec.reason = SandboxState.STOPPED, "stopped by request"
-        rec.runtime = {"dir": "/x"}
+        rec.facts = ContainerFacts(dir=Path("/x"), pid=7)
         db.save_state(rec)
         fresh = _record("e1-" + "b" * 16)
         fresh.state = SandboxState.RUNNING
@@ -111,7 +112,7 @@ def test_state_only_write_keeps_the_spec_and_writes_unsaved_records_whole(
         loaded = {r.id: r for r in db.load("e1")}
         assert loaded[rec.id].state is SandboxState.STOPPED
         assert loaded[rec.id].reason == "stopped by request"
-        assert loaded[rec.id].runtime == {"dir": "/x"}
+        assert ContainerFacts.of(loaded[rec.id].facts) == ContainerFacts(dir=Path("/x"), pid=7)
         assert loaded[rec.id].spec == rec.spec and loaded[rec.id].image == rec.image
         assert loaded[fresh.id].state is SandboxState.RUNNING
         assert loaded[fresh.id].spec == fresh.spec

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.backends.base import Backend, BackendHost, SandboxRecord
+from dsec.backends.base import Backend, BackendFacts, BackendHost, CreateInput, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
@@ -240,7 +240,7 @@ class _StubBackend(Backend):
     def from_host(cls, host: BackendHost) -> _StubBackend:
         raise NotImplementedError
 
-    async def create(self, rec: SandboxRecord) -> None:
+    async def create(self, inp: CreateInput) -> BackendFacts:
         raise NotImplementedError
 
     async def destroy(self, rec: SandboxRecord) -> None:

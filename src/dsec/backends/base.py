@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -36,6 +36,55 @@ if TYPE_CHECKING:
     from dsec.security.audit import AuditSink
 
 
+class BackendFacts(ABC):
+    """What a backend keeps about one of its sandboxes (paths, pids, held layers),
+    persisted with the record (edge.db) as JSON. The edge reads only what this
+    interface names; everything else is the backend's own business."""
+
+    @property
+    @abstractmethod
+    def init_pid(self) -> int | None:
+        """The host pid of the sandbox's init (the edge watches it die and reads its
+        root for the tamper scan), None when there is none."""
+
+    @abstractmethod
+    def to_json(self) -> dict[str, Any]:
+        """JSON-serialisable; ``Backend.load_facts`` reads it back."""
+
+
+@dataclass(frozen=True)
+class StoredFacts(BackendFacts):
+    """Facts as stored in edge.db, not (yet) read by their backend: a record loaded
+    before its backend parsed it, one whose kind no backend here runs, or one whose
+    create has not returned. Opaque to the edge."""
+
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def init_pid(self) -> int | None:
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+@dataclass(frozen=True)
+class CreateInput:
+    """Everything the edge decided for a create, handed to ``Backend.create`` typed
+    and read-only: the backend writes nothing back into the edge's record (what it
+    keeps comes back as its ``BackendFacts``)."""
+
+    id: str
+    spec: DSecContainerRunArgs  # inline protected contents redacted (as persisted)
+    image: ImageInfo  # the composed image: base + workspace + toolkit layers
+    # Per spec.protected mount: its layer resolved to a digest, None for inline files.
+    protected_layers: tuple[str | None, ...] = ()
+    # Per spec.protected mount: its inline files. Never persisted, never answered.
+    protected_files: tuple[Mapping[str, str], ...] = field(default=(), repr=False)
+    # The sandbox's network from dsec.net (egress rules), None: loopback only.
+    net: Mapping[str, Any] | None = None
+
+
 @dataclass
 class SandboxRecord:
     """Everything the edge knows about one sandbox; persisted on every state change."""
@@ -48,13 +97,14 @@ class SandboxRecord:
     updated_at: datetime
     edge: str
     reason: str | None = None
-    # Facts owned by the backend (paths, pids); JSON-serialisable.
-    runtime: dict[str, Any] = field(default_factory=dict)
+    # The backend's facts (its create's answer); persisted.
+    facts: BackendFacts = field(default_factory=StoredFacts)
+    # The edge's: the network dsec.net attached (egress rules), persisted for adopt.
+    net: dict[str, Any] | None = None
+    # The data plane's: open sessions (live restore), persisted.
+    sessions: dict[str, dict[str, str]] = field(default_factory=dict)
     # Not persisted: reset to "now" after a restart, which only ever extends a TTL.
     last_activity: float = field(default_factory=time.monotonic)
-    # Not persisted: handed from the edge to the backend's create only (inline
-    # protected file contents, which must never reach edge.db or a SandboxInfo).
-    transient: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def kind(self) -> BackendKind:
@@ -160,8 +210,14 @@ class Backend(ABC):
         """Release host-level resources the backend holds (not the sandboxes)."""
 
     @abstractmethod
-    async def create(self, rec: SandboxRecord) -> None:
-        """Start the sandbox; fills ``rec.runtime``. On failure leaves nothing behind."""
+    async def create(self, inp: CreateInput) -> BackendFacts:
+        """Start the sandbox; returns what to keep of it (the record's ``facts``). On
+        failure (or cancellation) leaves nothing behind."""
+
+    def load_facts(self, data: Mapping[str, Any]) -> BackendFacts:
+        """Read back what ``BackendFacts.to_json`` stored (after an edge restart); the
+        current release reads every release's records."""
+        return StoredFacts(dict(data))
 
     @abstractmethod
     async def destroy(self, rec: SandboxRecord) -> None:

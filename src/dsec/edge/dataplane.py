@@ -206,16 +206,14 @@ class DataPlane:
         box = self._boxes.get(sandbox_id)
         if rec is None or rec.state is not SandboxState.RUNNING:
             return
-        rec.runtime["sessions"] = {
+        rec.sessions = {
             s.id: {"user": s.user, "workdir": s.workdir, "created_at": s.created_at.isoformat()}
             for s in (box.sessions.values() if box is not None else ())
         }
         self.edge.state.save_state(rec)
 
     def _restore_sessions(self, rec: SandboxRecord) -> int:
-        saved = rec.runtime.get("sessions")
-        if not isinstance(saved, dict):
-            return 0
+        saved = rec.sessions
         box = self._box(rec.id)
         for sid, item in saved.items():
             if sid in box.sessions:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec import __version__
-from dsec.backends.base import Backend, Capability, SandboxRecord
+from dsec.backends.base import Backend, Capability, CreateInput, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
@@ -156,10 +156,11 @@ class Edge:
                 if rec.state in LIVE_STATES:
                     log.warning("sandbox %s: no %s backend on this edge", rec.id, rec.kind.value)
                 continue
+            rec.facts = runs.load_facts(rec.facts.to_json())  # typed from here on
             if rec.state is SandboxState.PAUSED:  # stays frozen until a request/resume
                 if await self.jobs.recover(rec):
-                    if self.network is not None and "net" in rec.runtime:
-                        self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
+                    if self.network is not None and rec.net is not None:
+                        self.network.adopt(rec.id, rec.net, rec.spec.network_rules)
                     report["adopted"].append(rec.id)
                     continue
                 self.jobs.release(rec)
@@ -171,8 +172,8 @@ class Edge:
             if rec.state is SandboxState.RUNNING:
                 if await runs.is_alive(rec):
                     await runs.adopt(rec)
-                    if self.network is not None and "net" in rec.runtime:
-                        self.network.adopt(rec.id, rec.runtime["net"], rec.spec.network_rules)
+                    if self.network is not None and rec.net is not None:
+                        self.network.adopt(rec.id, rec.net, rec.spec.network_rules)
                     report["adopted"].append(rec.id)
                     continue
                 await self._finish(
@@ -340,8 +341,6 @@ class Edge:
             created_at=now,
             updated_at=now,
             edge=self.edge_id,
-            runtime={"protected_layers": protected_layers} if spec.protected else {},
-            transient={"protected_files": inline} if spec.protected else {},
         )
         self._records[rec.id] = rec
         self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)
@@ -358,8 +357,16 @@ class Edge:
             # The key is durable with the record, before anything is acknowledged.
             self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
             if self.network is not None and spec.network_rules:
-                rec.runtime["net"] = await self.network.attach(rec.id, spec.network_rules)
-            await asyncio.wait_for(backend.create(rec), timeout)
+                rec.net = await self.network.attach(rec.id, spec.network_rules)
+            inp = CreateInput(
+                id=rec.id,
+                spec=spec,
+                image=image,
+                protected_layers=tuple(protected_layers),
+                protected_files=tuple(inline),
+                net=rec.net,
+            )
+            rec.facts = await asyncio.wait_for(backend.create(inp), timeout)
             if self.network is not None:
                 self.network.joined(rec.id)  # the sandbox holds its netns from now on
         except BaseException as exc:
@@ -421,8 +428,8 @@ class Edge:
             self.admission.release(rec.spec)
 
     def _watch_init(self, rec: SandboxRecord) -> None:
-        pid = rec.runtime.get("pid")
-        if isinstance(pid, int):
+        pid = rec.facts.init_pid
+        if pid is not None:
             self.deaths.watch(rec.id, pid)
 
     def _init_died(self, sandbox_id: str, status: int | None) -> None:
@@ -777,8 +784,8 @@ class Edge:
         upper = self.backend_of(rec).writable_dir(rec)
         if upper is None:
             return
-        pid = rec.runtime.get("pid")  # its merged root says what /usr/local/bin shadows
-        names = merged_names(Path(f"/proc/{pid}/root")) if isinstance(pid, int) else None
+        pid = rec.facts.init_pid  # its merged root says what /usr/local/bin shadows
+        names = merged_names(Path(f"/proc/{pid}/root")) if pid is not None else None
         result = self.tamper.scan(rec.id, upper, system_names=names)
         if result.changes:
             self.audit.event(

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from dsec.backends.base import SandboxRecord
+from dsec.backends.base import BackendFacts, SandboxRecord, StoredFacts
 from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 
 SCHEMA = """
@@ -62,6 +63,50 @@ class KeyRow:
     expires_at: float
 
 
+@dataclass(frozen=True)
+class RuntimeColumn:
+    """The ``runtime`` column: the backend's facts, the edge's network, the data
+    plane's sessions.
+
+    Written as ``{"facts": {...}, "net": ..., "sessions": {...}}``. Releases before
+    typed facts wrote one flat object, the backend's keys beside ``net``, ``sessions``
+    and (while creating) ``protected_layers``: a row without ``facts`` is read that way,
+    so an edge upgraded in place re-adopts the sandboxes the old one left."""
+
+    facts: BackendFacts
+    net: dict[str, Any] | None
+    sessions: dict[str, dict[str, str]]
+
+    @classmethod
+    def encode(cls, rec: SandboxRecord) -> str:
+        body: dict[str, Any] = {"facts": rec.facts.to_json()}
+        if rec.net is not None:
+            body["net"] = rec.net
+        if rec.sessions:
+            body["sessions"] = rec.sessions
+        return json.dumps(body)
+
+    @classmethod
+    def decode(cls, text: str) -> RuntimeColumn:
+        body = json.loads(text)
+        if not isinstance(body, dict):
+            body = {}
+        if "facts" in body:
+            facts = body.get("facts")
+        else:  # a release before typed facts: one flat object
+            body = dict(body)
+            facts = {k: v for k, v in body.items() if k not in _EDGE_KEYS}
+        net, sessions = body.get("net"), body.get("sessions")
+        return cls(
+            facts=StoredFacts(dict(facts) if isinstance(facts, dict) else {}),
+            net=net if isinstance(net, dict) else None,
+            sessions=sessions if isinstance(sessions, dict) else {},
+        )
+
+
+# What the edge, not the backend, kept in the flat runtime object of older releases.
+_EDGE_KEYS = frozenset({"net", "sessions", "protected_layers"})
+
 _INSERT = (
     "INSERT OR REPLACE INTO sandboxes "
     "(id, state, spec, image, created_at, updated_at, reason, runtime) "
@@ -89,7 +134,7 @@ class EdgeStateDB:
             rec.created_at.isoformat(),
             rec.updated_at.isoformat(),
             rec.reason,
-            json.dumps(rec.runtime),
+            RuntimeColumn.encode(rec),
         )
         with self._lock:
             if key is None:
@@ -108,7 +153,7 @@ class EdgeStateDB:
                 raise
 
     def save_state(self, rec: SandboxRecord) -> None:
-        """Write a state change: state, reason, times and runtime facts, not the spec or
+        """Write a state change: state, reason, times and runtime column, not the spec or
         image, which do not change after create (save() when they do). Re-encoding
         both with pydantic on every change was most of a write's cost. A record that
         was never saved is written whole."""
@@ -116,7 +161,7 @@ class EdgeStateDB:
             rec.state.value,
             rec.updated_at.isoformat(),
             rec.reason,
-            json.dumps(rec.runtime),
+            RuntimeColumn.encode(rec),
             rec.id,
         )
         with self._lock:
@@ -134,20 +179,25 @@ class EdgeStateDB:
                 "SELECT id, state, spec, image, created_at, updated_at, reason, runtime "
                 "FROM sandboxes"
             ).fetchall()
-        return [
-            SandboxRecord(
-                id=r[0],
-                state=SandboxState(r[1]),
-                spec=DSecContainerRunArgs.model_validate_json(r[2]),
-                image=ImageInfo.model_validate_json(r[3]),
-                created_at=datetime.fromisoformat(r[4]),
-                updated_at=datetime.fromisoformat(r[5]),
-                reason=r[6],
-                runtime=json.loads(r[7]),
-                edge=edge,
+        out = []
+        for r in rows:
+            column = RuntimeColumn.decode(r[7])
+            out.append(
+                SandboxRecord(
+                    id=r[0],
+                    state=SandboxState(r[1]),
+                    spec=DSecContainerRunArgs.model_validate_json(r[2]),
+                    image=ImageInfo.model_validate_json(r[3]),
+                    created_at=datetime.fromisoformat(r[4]),
+                    updated_at=datetime.fromisoformat(r[5]),
+                    reason=r[6],
+                    facts=column.facts,  # stored: the edge has its backend read them
+                    net=column.net,
+                    sessions=column.sessions,
+                    edge=edge,
+                )
             )
-            for r in rows
-        ]
+        return out
 
     def forget_terminal(self, older_than: datetime) -> int:
         """Drop history of stopped/failed sandboxes; the live ones are never touched."""

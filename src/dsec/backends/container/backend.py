@@ -22,7 +22,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -31,11 +31,13 @@ from dsec.backends.base import (
     Backend,
     BackendHost,
     Capability,
+    CreateInput,
     PackedWritable,
     ReclaimFigures,
     SandboxRecord,
 )
 from dsec.backends.container import freezer, verifier
+from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, InvalidArgument, LimitExceeded, Unsupported
@@ -310,40 +312,32 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.runtime.close)  # likewise
 
     # -- lifecycle ----------------------------------------------------------------------
-    async def create(self, rec: SandboxRecord) -> None:
-        sid = rec.id
+    async def create(self, inp: CreateInput) -> ContainerFacts:
+        sid, spec = inp.id, inp.spec
+        net = dict(inp.net) if inp.net is not None else None  # dsec.net's (egress rules)
         root = self.sandbox_dir(sid)
         rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
-        # Protected layers were resolved to digests by the edge (None: inline files).
-        protected_layers = list(rec.runtime.get("protected_layers", []))
-        net = rec.runtime.get("net")  # the sandbox's network from dsec.net (egress rules)
-        rec.runtime = {"dir": str(root), "layers": list(rec.image.layers), "layers_held": []}
-        if net is not None:
-            rec.runtime["net"] = net
+        facts = ContainerFacts(dir=root, layers=list(inp.image.layers))
         try:
             # The sandbox's directory is its own quota group: upper, work and all.
-            rec.runtime["disk_qgroup"] = self.disk.create_dir(
-                root, limit_bytes=self.disk.limit_bytes(rec.spec.disk_limit_mb)
+            facts.disk_qgroup = self.disk.create_dir(
+                root, limit_bytes=self.disk.limit_bytes(spec.disk_limit_mb)
             )
             for d in (rootfs, upper, work):
                 d.mkdir(parents=True, exist_ok=False)
             # Fetch what this host lacks: only chunk indexes when lazy, whole layers when eager.
-            await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
+            await self.layers.prepare(inp.image.layers, spec.image_loading)
             lowers = []
-            for digest in reversed(rec.image.layers):  # overlay wants the top layer first
+            for digest in reversed(inp.image.layers):  # overlay wants the top layer first
                 lowers.append(str(self.layers.acquire(digest)))
-                rec.runtime["layers_held"].append(digest)
+                facts.layers_held.append(digest)
                 if not self.layers.is_lazy(digest):  # lazy layers are read on demand only
                     await self._prewarm(digest, Path(lowers[-1]))
             overlay = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},volatile"
-            prepared = (
-                await self._prepare_protected(rec, root, protected_layers)
-                if rec.spec.protected
-                else []
-            )
+            prepared = await self._prepare_protected(inp, root, facts) if spec.protected else []
             config = build_config(
                 sandbox_id=sid,
-                spec=rec.spec,
+                spec=spec,
                 rootfs=rootfs,
                 agent_binary=self.agent_binary,
                 cgroup_path=self.cgroup_of(sid),
@@ -368,54 +362,54 @@ class ContainerBackend(Backend):
             finally:
                 # The agent holds its own copy now; ours would only cost an fd per sandbox.
                 listener.close()
-            rec.runtime["pid"] = int((root / "init.pid").read_text().strip())
-            self._seccomp_attached(rec)
+            facts.pid = int((root / "init.pid").read_text().strip())
+            facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
             self.init_signals.watch(sid, self.agent_socket(sid))
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.destroy(rec)
+                await self.teardown(sid, facts)
             raise
-        if rec.spec.init_user not in ("root", "0", "0:0"):
+        if spec.init_user not in ("root", "0", "0:0"):
             # Fail at create, not at the first command, if the user does not exist.
-            res = await self._agent(rec).exec(
+            res = await AgentClient(self.agent_socket(sid)).exec(
                 ["true"],
                 env={"PATH": DEFAULT_PATH},
                 cwd="/",
-                user=rec.spec.init_user,
+                user=spec.init_user,
                 timeout=10,
                 max_output=4096,
                 stdin=None,
             )
             if res.exit_code != 0:
-                await self.destroy(rec)
-                raise InvalidArgument(f"init_user {rec.spec.init_user!r} cannot run commands")
+                await self.teardown(sid, facts)
+                raise InvalidArgument(f"init_user {spec.init_user!r} cannot run commands")
+        return facts
 
     async def _prepare_protected(
-        self, rec: SandboxRecord, root: Path, digests: list[str | None]
+        self, inp: CreateInput, root: Path, facts: ContainerFacts
     ) -> list[protected_paths.Prepared]:
         """Hold each protected layer for the sandbox's life, write inline files, build
         the decoys (see dsec.security.protected)."""
-        if len(digests) != len(rec.spec.protected):
+        spec = inp.spec
+        if len(inp.protected_layers) != len(spec.protected):
             raise BackendError("protected layers were not resolved before create")
         layers: list[tuple[str, Path] | None] = []
-        for digest in digests:
+        for digest in inp.protected_layers:  # resolved by the edge (None: inline files)
             if digest is None:
                 layers.append(None)
                 continue
-            await self.layers.prepare([digest], rec.spec.image_loading)
+            await self.layers.prepare([digest], spec.image_loading)
             layers.append((digest, self.layers.acquire(digest)))
-            rec.runtime["layers_held"].append(digest)
+            facts.layers_held.append(digest)
         # Inline contents come from the edge beside the (redacted) spec.
-        contents = rec.transient.get("protected_files") or [
-            dict(m.files) for m in rec.spec.protected
-        ]
+        contents = [dict(f) for f in inp.protected_files] or [dict(m.files) for m in spec.protected]
         mounts = [
             m.model_copy(update={"files": files}) if m.files else m
-            for m, files in zip(rec.spec.protected, contents, strict=True)
+            for m, files in zip(spec.protected, contents, strict=True)
         ]
         prepared = await asyncio.to_thread(protected_paths.prepare, root, mounts, layers)
-        rec.runtime["protected"] = [p.as_json() for p in prepared]
+        facts.protected = prepared
         return prepared
 
     async def verify(self, rec: SandboxRecord, req: VerifyRequest) -> VerifyResult:
@@ -434,19 +428,32 @@ class ContainerBackend(Backend):
         ``report_as`` (e.g. the sandbox a verifier container grades), default ``sid``."""
         return self.seccomp.profile(report_as or sid) if self.seccomp is not None else None
 
-    def _seccomp_attached(self, rec: SandboxRecord) -> None:
+    def _seccomp_attached(self, sid: str) -> str | None:
+        """Which filter container ``sid`` runs under (None: none), checked."""
         if self.seccomp is None:
-            return
-        rec.runtime["seccomp"] = "notify" if self.seccomp.notify else "errno"
-        self.seccomp.check_attached(rec.id)
+            return None
+        self.seccomp.check_attached(sid)
+        return "notify" if self.seccomp.notify else "errno"
+
+    def facts(self, rec: SandboxRecord) -> ContainerFacts:
+        """The record's facts, typed (parsed once if they were stored ones: the
+        record's facts are this backend's to keep)."""
+        facts = rec.facts
+        if not isinstance(facts, ContainerFacts):
+            facts = ContainerFacts.of(facts)
+            rec.facts = facts
+        return facts
+
+    def load_facts(self, data: Mapping[str, Any]) -> ContainerFacts:
+        return ContainerFacts.from_json(data)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         await self.verifiers.settle(rec.id)
-        await self.teardown(rec.id, rec.runtime)
+        await self.teardown(rec.id, self.facts(rec))
 
-    async def teardown(self, sid: str, runtime: dict[str, Any]) -> None:
+    async def teardown(self, sid: str, facts: ContainerFacts) -> None:
         """Remove every kernel object of container ``sid`` (a sandbox or a verifier),
-        releasing the layers ``runtime`` holds; idempotent, works on half-made ones."""
+        releasing the layers ``facts`` holds; idempotent, works on half-made ones."""
         self.decoys.unwatch(sid)  # before anything of ours opens the decoys
         self.init_signals.unwatch(sid)
         if self.seccomp is not None:
@@ -467,7 +474,7 @@ class ContainerBackend(Backend):
                 errors.append(str(exc))
             # Belt and braces: a crashed create may have left a cgroup crun does not know.
             await asyncio.to_thread(self.cgroups.kill_and_remove, self.cgroup_of(sid))
-        await self._reap(runtime.get("pid"))
+        await self._reap(facts.pid)
         # The overlay lives in the sandbox's own mount namespace and is gone with its
         # last process; a host mount here can only be a leftover of an older version.
         rootfs = root / "rootfs"
@@ -477,10 +484,10 @@ class ContainerBackend(Backend):
                 linux.umount(rootfs, detach=True)
             except OSError as exc:
                 errors.append(str(exc))
-        for digest in runtime.get("layers_held", []):
+        for digest in facts.layers_held:
             with contextlib.suppress(Exception):
                 self.layers.release(digest)
-        runtime["layers_held"] = []
+        facts.layers_held = []
         # A detached unmount that did not take: keep the directory.
         still_mounted = leftover_mount and linux.is_mounted(rootfs)
         if root.exists() and not still_mounted:
@@ -570,8 +577,9 @@ class ContainerBackend(Backend):
 
     async def adopt(self, rec: SandboxRecord) -> None:
         await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
+        facts = self.facts(rec)
         held = []
-        prepared = [protected_paths.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
+        prepared = facts.protected
         if any(p.digest for p in prepared):
             await self.layers.prepare(
                 [p.digest for p in prepared if p.digest], rec.spec.image_loading
@@ -579,10 +587,10 @@ class ContainerBackend(Backend):
         for digest in [*rec.image.layers, *(p.digest for p in prepared if p.digest)]:
             self.layers.acquire(digest)
             held.append(digest)
-        rec.runtime["layers_held"] = held
+        facts.layers_held = held  # what this process holds (the stored list was the last one's)
         self.decoys.watch(rec.id, prepared)
         self.init_signals.watch(rec.id, self.agent_socket(rec.id))  # and what pid 1 kept meanwhile
-        if rec.runtime.get("seccomp") == "notify":
+        if facts.seccomp == "notify":
             # Its notify fd died with the old edge: dangerous calls still fail (ENOSYS)
             # but are no longer recorded; say so, so a trainer can tell.
             self.audit.record(rec.id, AuditKind.LIFECYCLE, "seccomp_unmonitored")
@@ -596,7 +604,7 @@ class ContainerBackend(Backend):
         for sid in sorted(leftovers - known_ids):
             try:
                 # Layers of unknown sandboxes were never counted in this process.
-                await self.teardown(sid, {"layers_held": []})
+                await self.teardown(sid, ContainerFacts())
                 removed.append(sid)
             except BackendError as exc:
                 log.warning("sweep of %s incomplete: %s", sid, exc)
@@ -639,8 +647,7 @@ class ContainerBackend(Backend):
         await self._agent(rec).write_file(path, data, user=rec.spec.init_user, mode=mode)
 
     def writable_dir(self, rec: SandboxRecord) -> Path | None:
-        root = rec.runtime.get("dir")
-        return Path(root) / "upper" if isinstance(root, str) else None
+        return self.facts(rec).upper
 
     # -- pause, reclaim, pack (dsec.backends.container.freezer) -------------------------
     def pause(self, rec: SandboxRecord) -> None:
@@ -692,8 +699,8 @@ class ContainerBackend(Backend):
 
     def limit_counters(self, rec: SandboxRecord) -> LimitReading:
         oom, pids = read_cgroup_counters(self.cgroups, self.cgroup_of(rec.id))
-        qgroup = rec.runtime.get("disk_qgroup")
-        disk = self.disk.usage(qgroup) if isinstance(qgroup, int) else None
+        qgroup = self.facts(rec).disk_qgroup
+        disk = self.disk.usage(qgroup) if qgroup is not None else None
         return LimitReading(oom_kills=oom, pids_refused=pids, disk=disk)
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec import linux
 from dsec.agent.build import untrusted_binary
+from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.oci_spec import build_config, image_env
 from dsec.errors import BackendError, Conflict
 from dsec.security import graded as graded_trees
@@ -146,9 +147,9 @@ class Verifiers:
             await self.settle(sandbox_id)
 
 
-async def _cleanup(backend: ContainerBackend, vid: str, runtime: dict[str, Any]) -> None:
+async def _cleanup(backend: ContainerBackend, vid: str, held: ContainerFacts) -> None:
     try:
-        await backend.teardown(vid, runtime)
+        await backend.teardown(vid, held)
     except Exception as exc:  # the edge's sweep removes what is left at its next start
         log.warning("cleanup of verifier %s incomplete: %s", vid, exc)
 
@@ -240,8 +241,8 @@ async def _verify(
     vid = verifier_id(rec.id)
     root = backend.sandbox_dir(vid)
     agent_dir = backend.sandbox_dir(rec.id)
-    prepared = [protected.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
-    runtime: dict[str, Any] = {"layers_held": []}
+    prepared = backend.facts(rec).protected
+    held = ContainerFacts()  # the verifier container's: the pristine layers it holds
     rel = backend.cgroup_of(rec.id)
     await asyncio.to_thread(protected.freeze, backend.cgroups, rel)
     dead = False
@@ -259,7 +260,7 @@ async def _verify(
             pristine = []
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
                 pristine.append(str(backend.layers.acquire(digest)))
-                runtime["layers_held"].append(digest)
+                held.layers_held.append(digest)
             check_overlay_paths([str(root), *pristine])
             try:
                 snap = await asyncio.to_thread(
@@ -289,7 +290,7 @@ async def _verify(
                     asyncio.to_thread(backend.cgroups.kill_all, backend.cgroup_of(vid), timeout=5.0)
                 )
                 if not dead:
-                    await asyncio.shield(backend.teardown(vid, runtime))
+                    await asyncio.shield(backend.teardown(vid, held))
         results = await asyncio.to_thread(read_results, root / "result")
     finally:
         try:
@@ -297,7 +298,7 @@ async def _verify(
         finally:
             if dead:
                 backend.verifiers.cleanups[rec.id] = asyncio.create_task(
-                    _cleanup(backend, vid, runtime), name=f"dsec-verifier-cleanup-{vid}"
+                    _cleanup(backend, vid, held), name=f"dsec-verifier-cleanup-{vid}"
                 )
     out = res.as_exec_result()
     return VerifyResult(
@@ -372,7 +373,7 @@ async def recover(backend: ContainerBackend, sandbox_id: str) -> None:
         or vid in backend.runtime.list_ids()
         or vid in backend.cgroups.children(parent)
     ):
-        await backend.teardown(vid, {"layers_held": []})
+        await backend.teardown(vid, ContainerFacts())
     rel = backend.cgroup_of(sandbox_id)
     if await asyncio.to_thread(protected.is_frozen, backend.cgroups, rel):
         await asyncio.to_thread(protected.thaw, backend.cgroups, rel)
