@@ -320,7 +320,8 @@ async def serve(
             rl=platform.edge,
             trajectory=platform.edge.trajectory,
             iam=platform.iam if config.quotas else None,
-            report_load=config.report_load,
+            # the edge's usage in create/stop answers, for cluster placement
+            report_load=platform.edge.admission if config.report_load else None,
         )
 
         async def started() -> None:

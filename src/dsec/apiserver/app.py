@@ -28,6 +28,7 @@ from dsec.apiserver.trajectory import trajectory_router
 from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
+from dsec.edge.admission import Admission
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.fncall.service import FnCallService
@@ -54,7 +55,7 @@ def create_app(
     trajectory: TrajectoryService | None = None,
     creator: SandboxCreator | None = None,
     iam: IAM | None = None,
-    report_load: bool = False,
+    report_load: Admission | None = None,
     rl: RLEdge | None = None,
 ) -> FastAPI:
     limits = limits or ApiLimits()
