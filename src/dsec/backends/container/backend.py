@@ -366,24 +366,25 @@ class ContainerBackend(Backend):
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
             self.init_signals.watch(sid, self.agent_socket(sid))
+            if spec.init_user not in ("root", "0", "0:0"):
+                # Fail at create, not at the first command, if the user does not exist.
+                res = await AgentClient(self.agent_socket(sid)).exec(
+                    ["true"],
+                    env={"PATH": DEFAULT_PATH},
+                    cwd="/",
+                    user=spec.init_user,
+                    timeout=10,
+                    max_output=4096,
+                    stdin=None,
+                )
+                if res.exit_code != 0:
+                    raise InvalidArgument(f"init_user {spec.init_user!r} cannot run commands")
         except BaseException:
+            # Nothing of it may outlive a create that did not return: the edge gets no
+            # facts to tear down from (an agent's refusal of the user included).
             with contextlib.suppress(Exception):
                 await self.teardown(sid, facts)
             raise
-        if spec.init_user not in ("root", "0", "0:0"):
-            # Fail at create, not at the first command, if the user does not exist.
-            res = await AgentClient(self.agent_socket(sid)).exec(
-                ["true"],
-                env={"PATH": DEFAULT_PATH},
-                cwd="/",
-                user=spec.init_user,
-                timeout=10,
-                max_output=4096,
-                stdin=None,
-            )
-            if res.exit_code != 0:
-                await self.teardown(sid, facts)
-                raise InvalidArgument(f"init_user {spec.init_user!r} cannot run commands")
         return facts
 
     async def _prepare_protected(
