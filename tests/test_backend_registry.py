@@ -28,8 +28,10 @@ from dsec.backends.registry import BACKENDS, BackendRegistry
 from dsec.cluster.node import EdgeNode
 from dsec.control.placement import Demand, EdgeView, Placer
 from dsec.edge.admission import Admission
+from dsec.edge.dataplane import DataPlane
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
+from dsec.edge.tokens import TokenSigner
 from dsec.errors import ClusterFull, InvalidArgument, Unsupported
 from dsec.model import (
     BackendKind,
@@ -41,6 +43,7 @@ from dsec.model import (
 )
 from dsec.security.audit import AuditLog
 from dsec.verify_model import VerifyRequest
+from dsec.wire import SessionArgs
 
 SID = "e1-0123456789abcdef"
 
@@ -287,6 +290,19 @@ async def test_data_path_requests_need_their_capability(
     # What it can do still works.
     assert (await edge.exec(SID, ExecRequest(command="true"))).exit_code == 0
     assert backend.calls == ["exec"]
+
+
+async def test_sessions_need_the_sessions_capability(
+    edge_with: tuple[Edge, MinimalBackend],
+) -> None:
+    """The data plane (sessions, processes, streams) asks for the backend's agent only
+    through the capability check."""
+    edge, backend = edge_with
+    plane = DataPlane(edge, TokenSigner(b"k" * 32), "http://e1:8471")
+    with pytest.raises(Unsupported) as err:
+        await plane.open_session(SID, SessionArgs())
+    _refused(err, Capability.SESSIONS)
+    assert backend.calls == []
 
 
 @pytest.mark.parametrize(
