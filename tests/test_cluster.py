@@ -311,6 +311,41 @@ async def test_quota_holds_under_concurrent_creates_from_two_apiservers(
         assert (await admin.quota("rlq")).usage.sandboxes == 0
 
 
+async def test_keyed_create_is_made_once_across_apiservers(three_edges: Cluster) -> None:
+    """Issue 13 item 7 in cluster mode: one Idempotency-Key, sent at once through both
+    apiservers (each would place it on its own), makes one sandbox; a retry after the
+    sandbox stopped gets it back, whatever its state; another spec is a 409."""
+    c = three_edges
+    key = "cluster-" + os.urandom(8).hex()
+    body = {"spec": spec(labels={"t": "keyed"}).model_dump(mode="json", exclude_unset=True)}
+    headers = {"Authorization": f"Bearer {c.admin_key}", "Idempotency-Key": key}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=u, timeout=120))
+            for u in c.api_urls
+        ]
+        answers = await asyncio.gather(
+            *(clients[i % 2].post("/v1/sandboxes", json=body, headers=headers) for i in range(12))
+        )
+        assert all(r.status_code in (200, 201) for r in answers), [r.text for r in answers]
+        ids = {r.json()["id"] for r in answers}
+        assert len(ids) == 1, ids
+        assert sorted(r.status_code for r in answers).count(201) == 1
+        (sid,) = ids
+        async with DSecClient(c.api_urls[0], c.admin_key) as a:
+            listed = await a.list_sandboxes(labels={"t": "keyed"})
+            assert [s.id for s in listed] == [sid]
+            await (await a.get(sid)).stop()
+        again = await clients[1].post("/v1/sandboxes", json=body, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == sid
+        assert again.json()["state"] == "stopped"
+        assert again.headers.get("Idempotent-Replayed") == "true"
+        other = {"spec": spec(labels={"t": "keyed"}, memory_limit_mb=96).model_dump(mode="json")}
+        clash = await clients[0].post("/v1/sandboxes", json=other, headers=headers)
+        assert clash.status_code == 409
+        assert clash.json()["error"]["code"] == "idempotency_key_reused"
+
+
 async def test_batch_across_edges(three_edges: Cluster) -> None:
     """A job's batch through one apiserver is placed over every edge."""
     c = three_edges

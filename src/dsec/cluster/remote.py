@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
 from dsec.model import (
+    IDEMPOTENCY_HEADER,
     DataPathInfo,
     DSecContainerRunArgs,
     ExecRequest,
@@ -85,10 +86,21 @@ class RemoteEdge:
     ) -> tuple[SandboxInfo, EdgeLoad | None]:
         """Create, and the edge's usage right after as its answer states it (None from
         an edge that does not): placement reads it at once (dsec.control.placement)."""
+        info, load, _ = await self.create_keyed_load(spec, timeout=timeout, key=None)
+        return info, load
+
+    async def create_keyed_load(
+        self, spec: DSecContainerRunArgs, *, timeout: float, key: str | None
+    ) -> tuple[SandboxInfo, EdgeLoad | None, bool]:
+        """``create_load`` with the edge's own Idempotency-Key (dsec.cluster.keys):
+        also whether this call made the sandbox (201) or the key's earlier one did (200)."""
         body = {"spec": spec.model_dump(mode="json", exclude_unset=True), "timeout": timeout}
-        resp = await self._call("POST", "/v1/sandboxes", json=body, timeout=timeout + 10)
+        headers = {} if key is None else {IDEMPOTENCY_HEADER: key}
+        resp = await self._call(
+            "POST", "/v1/sandboxes", json=body, headers=headers, timeout=timeout + 10
+        )
         info = SandboxInfo.model_validate_json(resp.content)
-        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER))
+        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER)), resp.status_code == 201
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
