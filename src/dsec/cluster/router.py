@@ -16,7 +16,7 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from dsec.cluster.keys import KeyPin
@@ -428,6 +428,17 @@ class ClusterEdge:
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
         return await self._on_edge(
             sandbox_id, lambda r: r.read_file(sandbox_id, path, max_bytes=max_bytes)
+        )
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """dsec.apiserver.filestreams.FileStreams: memory per request is one chunk."""
+        return await self._on_edge(sandbox_id, lambda r: r.read_stream(sandbox_id, path))
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
+    ) -> int:
+        return await self._on_edge(
+            sandbox_id, lambda r: r.write_stream(sandbox_id, path, chunks, mode=mode)
         )
 
     async def write_file(

@@ -82,6 +82,7 @@ async def serve_apiserver(
             creator=SandboxCreator(router, iam=iam),
             iam=iam,
             roles=RoleStore(iam),
+            streams=router,
         )
         auth = Authenticator(keys)
         app.include_router(cluster_router(router, registry, config.cluster_token, auth))
