@@ -192,7 +192,8 @@ class Edge:
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
-        for name, healthy, restart in self.backend.supervised():
+        network = self.network.supervised() if self.network is not None else []
+        for name, healthy, restart in [*self.backend.supervised(), *network]:
             self.supervisor.watch(name, healthy, restart)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
