@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import resource
 import sqlite3
@@ -65,8 +66,22 @@ _TEXT: tuple[tuple[str, Resource], ...] = (
     ("cannot allocate memory", Resource.MEMORY),
     ("out of memory", Resource.MEMORY),
     ("resource temporarily unavailable", Resource.PIDS),  # fork/clone EAGAIN
-    ("can't start new thread", Resource.PIDS),  # threading: clone EAGAIN (pids.max)
+    ("can't start new thread", Resource.PIDS),  # threading: EAGAIN; see below
 )
+_THREAD_START = "can't start new thread"
+THREAD_STACK = 8 * MiB
+
+
+def _thread_start_failure() -> Resource:
+    """Why a thread could not start: pthread_create says EAGAIN both when clone hits
+    pids.max and when the stack cannot be mapped (memory). Map a stack's worth to tell
+    (only on this error path)."""
+    try:
+        mmap.mmap(-1, THREAD_STACK).close()
+    except (OSError, MemoryError):
+        return Resource.MEMORY
+    return Resource.PIDS
+
 
 ADVICE: dict[Resource, str] = {
     Resource.DISK: "free space on the data dir's file system; creates resume by themselves",
@@ -94,7 +109,7 @@ def classify(exc: BaseException) -> Resource | None:
             text = str(cur).lower()
             for needle, res in _TEXT:
                 if needle in text:
-                    return res
+                    return _thread_start_failure() if needle == _THREAD_START else res
         cur = cur.__cause__ or cur.__context__
     return None
 

@@ -577,6 +577,72 @@ def test_out_of_pids_is_typed_and_heals() -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _vm_size(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for {pid}")
+
+
+def test_out_of_memory_is_typed_and_heals() -> None:
+    """The platform and its spawners held to the address space they use now (``prlimit
+    --as``, so every allocation past it fails with ENOMEM, as on a host out of memory
+    with overcommit off): creates get 503 ``resource_exhausted``, never a 500 or a
+    traceback, and the platform stays up; with the limit lifted, creates work again
+    without a restart."""
+    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
+    plat = OffsitePlatform(
+        data_dir=base / "d",
+        edge_id="x" + secrets.token_hex(4),
+        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
+        log_dir=base,
+    )
+    plat.data_dir.mkdir()
+    try:
+        with (
+            running(plat),
+            DSecSyncClient(plat.url, plat.api_key) as client,
+            httpx.Client(
+                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+            ) as http,
+        ):
+            client.build_image("busybox")
+            assert plat.proc is not None
+            from tests.conftest import spawners
+
+            pids = [plat.proc.pid, *spawners(plat.data_dir)]
+            FIGURES.injected += 1
+            for pid in pids:
+                limit = _vm_size(pid) + 4 * MiB
+                subprocess.run(["prlimit", f"--pid={pid}", f"--as={limit}:"], check=True)
+            statuses = []
+            resources: set[str] = set()
+            try:
+                for _ in range(3):
+                    resp = create_raw(http)
+                    err = resp.json().get("error", {})
+                    statuses.append((resp.status_code, err.get("code")))
+                    resources.add(str(err.get("details", {}).get("resource")))
+                    if resp.status_code in (200, 201):
+                        stop_raw(http, resp.json()["id"])
+            finally:
+                for pid in pids:
+                    subprocess.run(["prlimit", f"--pid={pid}", "--as=unlimited:"], check=False)
+            FIGURES.notes.append(f"memory: create answers while exhausted {statuses} {resources}")
+            assert all(code == 503 for code, _ in statuses), statuses
+            assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+            assert resources == {"memory"}, resources
+            assert plat.proc.poll() is None, "the platform died"
+            wait_for(lambda: health(http)["status"] == "ok", timeout=60)
+            resp = create_raw(http)
+            assert resp.status_code in (200, 201), resp.text
+            stop_raw(http, resp.json()["id"])
+            FIGURES.survived += 1
+        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 # -- host limits at start ----------------------------------------------------------------------
 def refused_up(data_dir: Path, nofile: int | None = None) -> tuple[int, str]:
     """`dsec up` that must refuse at its start checks (before claiming anything)."""
