@@ -79,10 +79,13 @@ class FakeHost:
         self.limits: dict[int, int] = {}
         self.gone: set[int] = set()
         self.calls: list[int] = []  # every limit the guard set
+        self.refuse: set[int] = set()  # quota groups whose limit cannot be set now
 
     def set_limit(self, path: Path, qgroup: int, limit: int) -> None:
         if qgroup in self.gone:
             raise FileNotFoundError(path)
+        if qgroup in self.refuse:
+            raise OSError(122, "Disk quota exceeded")
         self.calls.append(limit)
         self.limits[qgroup] = limit
 
@@ -183,3 +186,17 @@ def test_admit_unclamped_is_the_configured_limit(configured: int) -> None:
     host = FakeHost()
     g = host.guard()
     assert g.admit(Path("/s/1"), 1, configured) == configured
+
+
+def test_one_failing_limit_does_not_stop_the_others_and_is_retried() -> None:
+    host = FakeHost()
+    g = host.guard()
+    host.admit(g, 256, 1 * GiB)
+    host.admit(g, 257, 1 * GiB)
+    host.refuse.add(256)
+    host.space = HostSpace(growth=1 * GiB, free=512 * MiB + 400 * MiB, reserve=512 * MiB)
+    g.tick()
+    assert host.limits == {256: GiB, 257: 100 * MiB}  # 256 refused, 257 clamped anyway
+    host.refuse.clear()
+    g.tick()
+    assert host.limits == {256: 100 * MiB, 257: 100 * MiB}

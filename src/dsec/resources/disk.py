@@ -237,7 +237,7 @@ class SandboxDisk:
         self.enabled = True
         if self.mounted_by_us and not self.preallocated and self.guard is None:
             self.guard = HostSpaceGuard(
-                self.image, set_limit=self.set_limit, read_used=self.used_bytes
+                self.image, set_limit=self.relimit, read_used=self.used_bytes
             )
         log.info(
             "sandbox disk: btrfs at %s, %.1f GiB, per-sandbox quota groups",
@@ -426,7 +426,7 @@ class SandboxDisk:
         if not self.enabled or not qgroup:
             return
         try:
-            self.set_limit(path, qgroup, self.admit(path, qgroup, limit_bytes))
+            self.relimit(path, qgroup, self.admit(path, qgroup, limit_bytes))
         except OSError as exc:  # the sandbox still runs; its old limit stays
             log.warning("re-applying the disk limit of %s: %s", path, exc)
 
@@ -439,6 +439,15 @@ class SandboxDisk:
             fcntl.ioctl(fd, BTRFS_IOC_QGROUP_LIMIT, bytearray(args))
         finally:
             os.close(fd)
+
+    def relimit(self, path: Path, qgroup: int, limit_bytes: int) -> None:
+        """Change the limit of a live sandbox's quota group ``qgroup`` (``path``: its
+        directory, for the error). Issued on the top-level subvolume: the ioctl starts
+        a transaction that reserves metadata against the subvolume it is called on, so
+        one at its limit (EDQUOT) could never be loosened from inside."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(errno.ENOENT, "no such sandbox directory", str(path))
+        self.set_limit(self.mount_point, qgroup, limit_bytes)
 
     def remove_dir(self, path: Path) -> bool:
         """Destroy a sandbox's subvolume with everything in it. Returns False when

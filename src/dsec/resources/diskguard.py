@@ -116,6 +116,7 @@ class _Tracked:
     qgroup: int
     configured: int
     applied: int  # the limit the kernel has now
+    failing: bool = False  # the last attempt to change it failed (logged once)
 
 
 # (path, qgroup, limit bytes) -> None: sets a quota group limit (SandboxDisk.set_limit).
@@ -251,4 +252,12 @@ class HostSpaceGuard:
             self._set_limit(path, t.qgroup, limit)
         except FileNotFoundError:
             return  # removed meanwhile: forget() follows
+        except OSError as exc:
+            # One sandbox's failure must not leave the others unclamped: the next
+            # tick tries it again (its applied limit is unchanged).
+            if not t.failing:
+                log.warning("setting the disk limit of %s to %d MiB: %s", path, limit // MiB, exc)
+            t.failing = True
+            return
         t.applied = limit
+        t.failing = False
