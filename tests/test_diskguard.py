@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.errors import InsufficientStorage
 from dsec.exhaustion import Exhaustion, Resource
 from dsec.resources.diskguard import (
     COW_FACTOR,
@@ -200,3 +201,21 @@ def test_one_failing_limit_does_not_stop_the_others_and_is_retried() -> None:
     host.refuse.clear()
     g.tick()
     assert host.limits == {256: 100 * MiB, 257: 100 * MiB}
+
+
+def test_creates_are_refused_only_when_a_new_share_would_be_too_small() -> None:
+    host = FakeHost()
+    g = host.guard()
+    g.check_room()  # not clamped: always room
+    host.admit(g, 256, 1 * GiB)
+    host.space = HostSpace(growth=1 * GiB, free=512 * MiB + 200 * MiB, reserve=512 * MiB)
+    g.tick()
+    g.check_room()  # 200 MiB between two: 50 MiB each
+    host.space = HostSpace(growth=1 * GiB, free=512 * MiB + 40 * MiB, reserve=512 * MiB)
+    g.tick()
+    with pytest.raises(InsufficientStorage) as err:
+        g.check_room()  # 40 MiB between two: 10 MiB each, below MIN_SHARE
+    assert err.value.status == 507 and "free space" in err.value.message
+    host.space = HostSpace(growth=1 * GiB, free=3 * GiB, reserve=512 * MiB)
+    g.tick()
+    g.check_room()

@@ -389,6 +389,26 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 assert r.exit_code == 0, r  # its configured limit is back
                 stop_raw(http, late)
                 FIGURES.survived += 1
+
+                # So short that a new sandbox's share would be useless: creates get 507
+                # from the guard (the data dir itself still has room), typed, no traceback.
+                FIGURES.injected += 1
+                try:
+                    fill(mnt, leave=512 * MiB + 20 * MiB)
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    resp = create_raw(http)
+                    assert resp.status_code == 507, resp.text
+                    assert resp.json()["error"]["code"] == "insufficient_storage"
+                    r = sb.run_shell("dd if=/dev/zero of=/big bs=1M count=100")
+                    assert r.exit_code != 0 and "quota exceeded" in r.stderr.lower(), r
+                    sb.run_shell("rm -f /big")
+                finally:
+                    unfill(mnt)
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                resp = create_raw(http)
+                assert resp.status_code in (200, 201), resp.text
+                stop_raw(http, resp.json()["id"])
+                FIGURES.survived += 1
                 sb.stop()
             FIGURES.notes.append(f"sparse disk: log tracebacks {count_tracebacks(plat)}")
             assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]

@@ -402,6 +402,8 @@ class SandboxDisk:
         if not self.enabled:
             path.mkdir(parents=True, exist_ok=False)
             return 0
+        if self.guard is not None:
+            self.guard.check_room()  # 507 while the host leaves no share for it
         parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.ioctl(parent, BTRFS_IOC_SUBVOL_CREATE, _vol_args(path.name))

@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.errors import InsufficientStorage
+
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
@@ -47,6 +49,9 @@ RESERVE_FRACTION = 50  # reserve = max(MIN_RESERVE, image size / RESERVE_FRACTIO
 # host until it is discarded).
 COW_FACTOR = 2
 INTERVAL = 0.5
+# While clamped, a create is refused (507) when a new sandbox's share would be below
+# this: it would fail half-way (its own directories need quota) or get a useless disk.
+MIN_SHARE = 16 * MiB
 
 
 def reserve_for(image_size: int) -> int:
@@ -151,6 +156,22 @@ class HostSpaceGuard:
         self._clamped: HostSpace | None = None  # the look that clamped, None: not clamped
 
     # -- the create / stop path: a dict update -------------------------------------------
+    def check_room(self) -> None:
+        """Refuse a new sandbox (InsufficientStorage, 507) while clamped so tight that
+        its share would be below MIN_SHARE."""
+        space = self._clamped
+        if space is None:
+            return
+        with self._lock:
+            each = share(space.budget, len(self._live) + 1)
+        if each < MIN_SHARE:
+            raise InsufficientStorage(
+                f"disk exhausted ({self.reason}; a new sandbox would get "
+                f"{each // MiB} MiB): free space on {self.image.parent}; creates resume "
+                "by themselves",
+                resource="disk",
+            )
+
     def admit(self, path: Path, qgroup: int, configured: int) -> int:
         """Track a new (or re-adopted) sandbox directory; the limit to give it now."""
         with self._lock:
