@@ -50,7 +50,8 @@ class Resource(StrEnum):
     MEMORY = "memory"
     PIDS = "pids"
     # Sandboxes' writable disks held below their limits: the host cannot back the
-    # sparse sandbox disk image (dsec.resources.diskguard). Creates are not refused.
+    # sparse sandbox disk image (dsec.resources.diskguard). Shown in health; creates go
+    # on unless the guard has no useful share left for one (it refuses those itself).
     SANDBOX_DISK = "sandbox_disk"
 
 

@@ -21,10 +21,12 @@ Preallocating the image avoids it but costs every create and stop (opt-in,
   configured limits come back.
 
 Creates pay one dict update (:meth:`HostSpaceGuard.admit`); one made while clamped
-gets a clamped limit too. Creates are not refused while clamped (a big image can be
-clamped with plenty of room left): they are refused, as before, once the data dir
-itself is nearly full (dsec.exhaustion.MIN_FREE_BYTES). ``/v1/health`` shows the
-clamp as a ``sandbox_disk`` degradation (:attr:`HostSpaceGuard.reason`).
+gets a clamped limit too. Being clamped alone does not refuse creates (a big image can
+be clamped with plenty of room left); a create is refused with 507 when a new
+sandbox's share would be below ``MIN_SHARE`` (:meth:`HostSpaceGuard.check_room`), and,
+as before, once the data dir itself is nearly full (dsec.exhaustion.MIN_FREE_BYTES).
+``/v1/health`` shows the clamp as a ``sandbox_disk`` degradation
+(:attr:`HostSpaceGuard.reason`).
 """
 
 from __future__ import annotations
