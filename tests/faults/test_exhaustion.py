@@ -269,6 +269,151 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
             assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
 
 
+def mount_options(path: Path) -> list[str]:
+    """The options of the mount at ``path`` (btrfs turns ``rw`` into ``ro`` when it
+    aborts a transaction: no dmesg needed to tell)."""
+    target = str(path.resolve())
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == target:
+            return fields[3].split(",")
+    raise AssertionError(f"{target} is not mounted")
+
+
+def dd_bytes(stderr: str) -> int:
+    """Bytes busybox dd says it wrote ("N bytes (..) copied")."""
+    found = re.search(r"(\d+) bytes", stderr)
+    return int(found.group(1)) if found else 0
+
+
+def degraded_by(http: httpx.Client, resource: str) -> bool:
+    return any(d.get("resource") == resource for d in health(http)["degraded"])
+
+
+def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> None:
+    """The default (sparse) sandbox disk on a 2 GiB data dir that fills up: the host-space
+    guard clamps the sandboxes' quota limits, so a running sandbox's write fails inside
+    with EDQUOT at write() time instead of being lost at writeback (which used to turn
+    btrfs read-only under every sandbox); health says ``sandbox_disk``; creates get 507
+    while the data dir is full; a create while the host is merely short gets a clamped
+    limit; once space is back the limits return and the file system was never read-only."""
+    with small_fs(2048) as mnt:
+        data_dir = mnt / "d"
+        data_dir.mkdir()
+        plat = OffsitePlatform(
+            data_dir=data_dir,
+            edge_id="x" + secrets.token_hex(4),
+            extra_env={
+                "DSEC_SANDBOX_DISK_GB": "1",
+                "DSEC_NETWORK": "0",
+                "DSEC_SANDBOX_DISK_PREALLOCATE": "0",  # the default: sparse
+            },
+        )
+        with running(plat):
+            image = data_dir / "sandboxes.img"
+            sandboxes = data_dir / "sandboxes"
+            assert image.stat().st_blocks * 512 < image.stat().st_size // 2  # sparse
+            with (
+                DSecSyncClient(plat.url, plat.api_key) as client,
+                httpx.Client(
+                    base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+                ) as http,
+            ):
+                client.build_image("busybox")
+                sb = client.run_container(run_args(), timeout=60)
+                assert health(http)["status"] == "ok"
+                FIGURES.injected += 1
+                try:
+                    fill(mnt)
+                    # 1. visible: the guard clamped (and the data dir is full)
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    (cond,) = [
+                        d for d in health(http)["degraded"] if d["resource"] == "sandbox_disk"
+                    ]
+                    assert "EDQUOT" in cond["reason"] and cond["what_to_do"], cond
+                    # 2. creates are typed 507 while the data dir is full
+                    resp = create_raw(http)
+                    assert resp.status_code == 507, resp.text
+                    assert resp.json()["error"]["code"] == "insufficient_storage"
+                    # 3. a write inside fails there, loudly, well below the sandbox's
+                    # own 1 GiB limit (without the guard it "succeeds" into the void)
+                    r = sb.run_shell("dd if=/dev/zero of=/big bs=1M count=400", timeout=300)
+                    assert r.exit_code != 0, r
+                    low = r.stderr.lower()
+                    assert "quota exceeded" in low or "no space left" in low, r
+                    os.sync()  # what the sandbox wrote before reaches the image: no abort
+                    assert "rw" in mount_options(sandboxes), mount_options(sandboxes)
+                finally:
+                    unfill(mnt)
+                # 4. heals: limits back, health ok, and the file system stayed writable
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                r = sb.run_shell(
+                    "rm -f /big; dd if=/dev/zero of=/after bs=1M count=64 && echo fine",
+                    timeout=60,
+                )
+                assert r.exit_code == 0 and r.stdout.strip().endswith("fine"), r
+                os.sync()  # the sandbox's writes reach the image: no abort now either
+                assert "rw" in mount_options(sandboxes), mount_options(sandboxes)
+                r = sb.run_shell("cat /after | wc -c; rm /after")
+                assert r.exit_code == 0 and r.stdout.strip() == str(64 * MiB), r
+                resp = create_raw(http)
+                assert resp.status_code in (200, 201), resp.text
+                stop_raw(http, resp.json()["id"])
+                FIGURES.survived += 1
+
+                # The host short but not full: creates go on with clamped limits, and
+                # each sandbox may write only its share of what is left.
+                FIGURES.injected += 1
+                late = None
+                try:
+                    budget = 256 * MiB
+                    fill(mnt, leave=512 * MiB + budget)  # the reserve plus the budget
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    resp = create_raw(http)
+                    assert resp.status_code in (200, 201), resp.text
+                    late = resp.json()["id"]
+                    for sid in (sb.id, late):
+                        r = client.get(sid).run_shell(
+                            "dd if=/dev/zero of=/big bs=1M count=600", timeout=300
+                        )
+                        assert r.exit_code != 0, (sid, r)
+                        assert "quota exceeded" in r.stderr.lower(), (sid, r)
+                        assert dd_bytes(r.stderr) < budget, (sid, r)
+                        client.get(sid).run_shell("rm -f /big")
+                    assert "rw" in mount_options(sandboxes)
+                finally:
+                    unfill(mnt)
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                assert late is not None
+                r = client.get(late).run_shell("dd if=/dev/zero of=/big bs=1M count=300 && rm /big")
+                assert r.exit_code == 0, r  # its configured limit is back
+                stop_raw(http, late)
+                FIGURES.survived += 1
+
+                # So short that a new sandbox's share would be useless: creates get 507
+                # from the guard (the data dir itself still has room), typed, no traceback.
+                FIGURES.injected += 1
+                try:
+                    fill(mnt, leave=512 * MiB + 20 * MiB)
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    resp = create_raw(http)
+                    assert resp.status_code == 507, resp.text
+                    assert resp.json()["error"]["code"] == "insufficient_storage"
+                    r = sb.run_shell("dd if=/dev/zero of=/big bs=1M count=100")
+                    assert r.exit_code != 0 and "quota exceeded" in r.stderr.lower(), r
+                    sb.run_shell("rm -f /big")
+                finally:
+                    unfill(mnt)
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                resp = create_raw(http)
+                assert resp.status_code in (200, 201), resp.text
+                stop_raw(http, resp.json()["id"])
+                FIGURES.survived += 1
+                sb.stop()
+            FIGURES.notes.append(f"sparse disk: log tracebacks {count_tracebacks(plat)}")
+            assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+
+
 # -- out of file descriptors ------------------------------------------------------------------
 def test_out_of_fds_is_typed_visible_and_heals() -> None:
     """The platform's ``nofile`` lowered to 400 (soft and hard, with prlimit) and then

@@ -34,7 +34,7 @@ from dsec.errors import (
     Timeout,
     Unsupported,
 )
-from dsec.exhaustion import Exhaustion, register
+from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
 from dsec.model import (
     SANDBOX_ID_RE,
@@ -119,6 +119,8 @@ class Edge:
         self.limits = LimitWatcher(self.audit, backend.limit_counters)
         self.edge_id = edge_id
         self.backend = backend
+        # Writable disks clamped to what the host can back (dsec.resources.diskguard).
+        self.exhaustion.watch(Resource.SANDBOX_DISK, backend.disk_pressure)
         self.images = images
         self.state = state
         self.admission = admission
@@ -195,6 +197,8 @@ class Edge:
         network = self.network.supervised() if self.network is not None else []
         for name, healthy, restart in [*self.backend.supervised(), *network]:
             self.supervisor.watch(name, healthy, restart)
+        for name, loop in self.backend.loops():
+            self.supervisor.spawn(name, loop)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
         )
