@@ -38,6 +38,9 @@ from tests.faults.helpers import poll
 pytestmark = pytest.mark.root
 
 MiB = 1024 * 1024
+# A platform with a 1 GiB sandbox disk and no egress rules (nothing here needs them).
+SMALL = {"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"}
+SMALL_PREALLOCATED = {**SMALL, "DSEC_SANDBOX_DISK_PREALLOCATE": "1"}
 
 
 @dataclass
@@ -127,6 +130,34 @@ def running(plat: PlatformProcess) -> Iterator[PlatformProcess]:
         clean_leftovers(plat.data_dir, plat.edge_id)
         FIGURES.tracebacks += count_tracebacks(plat)
         assert not leaks, f"platform left these behind: {leaks}"
+
+
+@contextlib.contextmanager
+def faulted_platform(
+    env: dict[str, str],
+) -> Iterator[tuple[OffsitePlatform, DSecSyncClient, httpx.Client]]:
+    """A platform of its own for one fault (its data dir and log in a fresh temp dir,
+    busybox built), with an SDK client and a raw HTTP client; on the way out it is
+    stopped and leak-checked (``running``), its log must hold no traceback, and the
+    temp dir goes, also when the test failed."""
+    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
+    plat = OffsitePlatform(
+        data_dir=base / "d", edge_id="x" + secrets.token_hex(4), extra_env=env, log_dir=base
+    )
+    plat.data_dir.mkdir()
+    try:
+        with (
+            running(plat),
+            DSecSyncClient(plat.url, plat.api_key) as client,
+            httpx.Client(
+                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+            ) as http,
+        ):
+            client.build_image("busybox")
+            yield plat, client, http
+        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -421,28 +452,9 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
     degraded (fds); once the connections close, creates work again (the seccomp
     listener, which used to die on EMFILE, is still there). The hard limit below 4096
     also lowers the sandboxes' own nofile instead of failing every create."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    conns: list[socket.socket] = []
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, client, http):
+        conns: list[socket.socket] = []
+        try:
             assert plat.proc is not None
             limit = 400
             subprocess.run(
@@ -486,11 +498,9 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
             stop_raw(http, resp.json()["id"])
             FIGURES.survived += 1
             FIGURES.notes.append(f"fds: create statuses while exhausted {statuses}")
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        for s in conns:
-            s.close()
-        shutil.rmtree(base, ignore_errors=True)
+        finally:
+            for s in conns:
+                s.close()
 
 
 # -- a broken seccomp listener ----------------------------------------------------------------
@@ -498,47 +508,24 @@ def test_broken_seccomp_listener_recovers() -> None:
     """The seccomp socket file crun hands notify fds to is removed under a running
     platform (a cleaned-up run dir): health says the component is down, the supervisor
     binds it again, and creates work without a restart."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
-            sock = plat.data_dir / "run" / "seccomp.sock"
-            assert sock.exists()
-            for _ in range(3):
-                FIGURES.injected += 1
-                ino = sock.stat().st_ino
-                sock.unlink()
-                wait_for(lambda old=ino: sock.exists() and sock.stat().st_ino != old, timeout=30)
-                resp = create_raw(http)
-                assert resp.status_code in (200, 201), resp.text
-                sid = resp.json()["id"]
-                assert resp.json().get("state") == "running"
-                stop_raw(http, sid)
-                FIGURES.survived += 1
-            h = health(http)
-            # Listed while it was down; ok again once it has run STABLE seconds.
-            wait_for(lambda: health(http)["status"] == "ok", timeout=30)
-            FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, _client, http):
+        sock = plat.data_dir / "run" / "seccomp.sock"
+        assert sock.exists()
+        for _ in range(3):
+            FIGURES.injected += 1
+            ino = sock.stat().st_ino
+            sock.unlink()
+            wait_for(lambda old=ino: sock.exists() and sock.stat().st_ino != old, timeout=30)
+            resp = create_raw(http)
+            assert resp.status_code in (200, 201), resp.text
+            sid = resp.json()["id"]
+            assert resp.json().get("state") == "running"
+            stop_raw(http, sid)
+            FIGURES.survived += 1
+        h = health(http)
+        # Listed while it was down; ok again once it has run STABLE seconds.
+        wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+        FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
 
 
 # -- at the source, in one process --------------------------------------------------------------
@@ -675,51 +662,28 @@ def test_out_of_pids_is_typed_and_heals() -> None:
     """The platform and its spawner in a pids cgroup with no room for another process:
     creates get 503 ``resource_exhausted`` (pids), never a 500; with the limit lifted,
     creates work again without a restart."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
-            assert plat.proc is not None
-            from tests.conftest import spawners
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, _client, http):
+        assert plat.proc is not None
+        from tests.conftest import spawners
 
-            with pids_jail([plat.proc.pid, *spawners(plat.data_dir)]) as cg:
-                FIGURES.injected += 1
-                current = int((cg / "pids.current").read_text())
-                (cg / "pids.max").write_text(str(current))
-                statuses = []
-                for _ in range(3):
-                    resp = create_raw(http)
-                    statuses.append((resp.status_code, resp.json().get("error", {}).get("code")))
-                    if resp.status_code in (200, 201):
-                        stop_raw(http, resp.json()["id"])
-                FIGURES.notes.append(f"pids: create answers while exhausted {statuses}")
-                assert all(code == 503 for code, _ in statuses), statuses
-                assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
-                (cg / "pids.max").write_text("max")
-            resp = create_raw(http)
-            assert resp.status_code in (200, 201), resp.text
-            stop_raw(http, resp.json()["id"])
-            FIGURES.survived += 1
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+        with pids_jail([plat.proc.pid, *spawners(plat.data_dir)]) as cg:
+            FIGURES.injected += 1
+            current = int((cg / "pids.current").read_text())
+            (cg / "pids.max").write_text(str(current))
+            statuses = []
+            for _ in range(3):
+                resp = create_raw(http)
+                statuses.append((resp.status_code, resp.json().get("error", {}).get("code")))
+                if resp.status_code in (200, 201):
+                    stop_raw(http, resp.json()["id"])
+            FIGURES.notes.append(f"pids: create answers while exhausted {statuses}")
+            assert all(code == 503 for code, _ in statuses), statuses
+            assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+            (cg / "pids.max").write_text("max")
+        resp = create_raw(http)
+        assert resp.status_code in (200, 201), resp.text
+        stop_raw(http, resp.json()["id"])
+        FIGURES.survived += 1
 
 
 def _vm_size(pid: int) -> int:
@@ -735,57 +699,38 @@ def test_out_of_memory_is_typed_and_heals() -> None:
     with overcommit off): creates get 503 ``resource_exhausted``, never a 500 or a
     traceback, and the platform stays up; with the limit lifted, creates work again
     without a restart."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"},
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
-            assert plat.proc is not None
-            from tests.conftest import spawners
+    with faulted_platform(SMALL) as (plat, _client, http):
+        assert plat.proc is not None
+        from tests.conftest import spawners
 
-            pids = [plat.proc.pid, *spawners(plat.data_dir)]
-            FIGURES.injected += 1
+        pids = [plat.proc.pid, *spawners(plat.data_dir)]
+        FIGURES.injected += 1
+        for pid in pids:
+            limit = _vm_size(pid) + 4 * MiB
+            subprocess.run(["prlimit", f"--pid={pid}", f"--as={limit}:"], check=True)
+        statuses = []
+        resources: set[str] = set()
+        try:
+            for _ in range(3):
+                resp = create_raw(http)
+                err = resp.json().get("error", {})
+                statuses.append((resp.status_code, err.get("code")))
+                resources.add(str(err.get("details", {}).get("resource")))
+                if resp.status_code in (200, 201):
+                    stop_raw(http, resp.json()["id"])
+        finally:
             for pid in pids:
-                limit = _vm_size(pid) + 4 * MiB
-                subprocess.run(["prlimit", f"--pid={pid}", f"--as={limit}:"], check=True)
-            statuses = []
-            resources: set[str] = set()
-            try:
-                for _ in range(3):
-                    resp = create_raw(http)
-                    err = resp.json().get("error", {})
-                    statuses.append((resp.status_code, err.get("code")))
-                    resources.add(str(err.get("details", {}).get("resource")))
-                    if resp.status_code in (200, 201):
-                        stop_raw(http, resp.json()["id"])
-            finally:
-                for pid in pids:
-                    subprocess.run(["prlimit", f"--pid={pid}", "--as=unlimited:"], check=False)
-            FIGURES.notes.append(f"memory: create answers while exhausted {statuses} {resources}")
-            assert all(code == 503 for code, _ in statuses), statuses
-            assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
-            assert resources == {"memory"}, resources
-            assert plat.proc.poll() is None, "the platform died"
-            wait_for(lambda: health(http)["status"] == "ok", timeout=60)
-            resp = create_raw(http)
-            assert resp.status_code in (200, 201), resp.text
-            stop_raw(http, resp.json()["id"])
-            FIGURES.survived += 1
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+                subprocess.run(["prlimit", f"--pid={pid}", "--as=unlimited:"], check=False)
+        FIGURES.notes.append(f"memory: create answers while exhausted {statuses} {resources}")
+        assert all(code == 503 for code, _ in statuses), statuses
+        assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+        assert resources == {"memory"}, resources
+        assert plat.proc.poll() is None, "the platform died"
+        wait_for(lambda: health(http)["status"] == "ok", timeout=60)
+        resp = create_raw(http)
+        assert resp.status_code in (200, 201), resp.text
+        stop_raw(http, resp.json()["id"])
+        FIGURES.survived += 1
 
 
 # -- host limits at start ----------------------------------------------------------------------
