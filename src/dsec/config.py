@@ -119,8 +119,8 @@ class PlatformConfig:
         )
     )
 
-    # Preallocate the sandbox disk image (dsec.resources.disk), so that a full data dir
-    # cannot make writes inside sandboxes fail behind their back; 0: sparse, as before.
+    # Preallocate the sandbox disk image (dsec.resources.disk), so that it never has to
+    # grow; 0 (default): sparse, guarded by dsec.resources.diskguard instead.
     sandbox_disk_preallocate: bool = field(
         default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "0") == "1"
     )

@@ -15,6 +15,7 @@ from dsec.apiserver.batch import batch_router, batch_runner
 from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.datapath import install_data_path
 from dsec.apiserver.errors import ErrorBody, install_error_handlers
+from dsec.apiserver.filestreams import FileStreams
 from dsec.apiserver.fncall import fncall_router
 from dsec.apiserver.iam import iam_router
 from dsec.apiserver.images import image_router
@@ -56,8 +57,11 @@ def create_app(
     creator: SandboxCreator | None = None,
     iam: IAM | None = None,
     report_load: Admission | None = None,
+    streams: FileStreams | None = None,
     rl: RLEdge | None = None,
 ) -> FastAPI:
+    """``streams``: who streams file bodies of the control routes (default: the data
+    plane; the cluster router forwards them to the sandbox's edge)."""
     limits = limits or ApiLimits()
     auth = Authenticator(keys)
     app = FastAPI(
@@ -88,7 +92,7 @@ def create_app(
             data_path=data_path,
             creator=creator,
             report_load=report_load,
-            streams=dataplane,
+            streams=streams or dataplane,
         )
     )
     app.state.batches = batch_runner(creator, data_path)  # see cancel_batches_on_exit

@@ -82,6 +82,7 @@ async def serve_apiserver(
             creator=SandboxCreator(router, iam=iam),
             iam=iam,
             roles=RoleStore(iam),
+            streams=router,
             rl=router,
         )
         auth = Authenticator(keys)

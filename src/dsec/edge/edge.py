@@ -34,7 +34,7 @@ from dsec.errors import (
     Timeout,
     Unsupported,
 )
-from dsec.exhaustion import Exhaustion, register
+from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
 from dsec.model import (
     SANDBOX_ID_RE,
@@ -124,6 +124,8 @@ class Edge:
         # not, for /v1/health.
         self.backends: dict[BackendKind, Backend] = {b.kind: b for b in backends}
         self.unavailable: dict[BackendKind, str] = dict(unavailable or {})
+        # Writable disks clamped to what the host can back (dsec.resources.diskguard).
+        self.exhaustion.watch(Resource.SANDBOX_DISK, self._disk_pressure)
         self.images = images
         self.state = state
         self.admission = admission
@@ -205,9 +207,12 @@ class Edge:
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
-        for backend in self.backends.values():
-            for name, healthy, restart in backend.supervised():
-                self.supervisor.watch(name, healthy, restart)
+        network = self.network.supervised() if self.network is not None else []
+        backends = list(self.backends.values())
+        for name, healthy, restart in [*(s for b in backends for s in b.supervised()), *network]:
+            self.supervisor.watch(name, healthy, restart)
+        for name, loop in (entry for b in backends for entry in b.loops()):
+            self.supervisor.spawn(name, loop)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
         )
@@ -527,6 +532,10 @@ class Edge:
     def backend_of(self, rec: SandboxRecord, capability: Capability | None = None) -> Backend:
         """The backend of the sandbox ``rec`` (see ``backend_for``)."""
         return self.backend_for(rec.kind, capability)
+
+    def _disk_pressure(self) -> str | None:
+        """The first backend's reason its writable disks are held short, if any."""
+        return next((why for b in self.backends.values() if (why := b.disk_pressure())), None)
 
     def _limit_counters(self, rec: SandboxRecord) -> Any:
         """The limit watcher's probe: None for a sandbox no backend here runs."""

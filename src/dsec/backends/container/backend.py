@@ -22,7 +22,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -424,6 +424,15 @@ class ContainerBackend(Backend):
             return []
         return [("seccomp-listener", listener.healthy, listener.restart)]
 
+    def loops(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        # The host-space guard of a sparse sandbox disk image (dsec.resources.diskguard).
+        guard = self.disk.guard
+        return [] if guard is None else [("sandbox-disk-guard", guard.run)]
+
+    def disk_pressure(self) -> str | None:
+        guard = self.disk.guard
+        return None if guard is None else guard.reason
+
     def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:
         """The ``linux.seccomp`` of container ``sid``; violations are recorded under
         ``report_as`` (e.g. the sandbox a verifier container grades), default ``sid``."""
@@ -589,6 +598,14 @@ class ContainerBackend(Backend):
             self.layers.acquire(digest)
             held.append(digest)
         facts.layers_held = held  # what this process holds (the stored list was the last one's)
+        if (
+            facts.disk_qgroup is not None
+        ):  # the disk guard tracks it again (dsec.resources.diskguard)
+            self.disk.adopt_dir(
+                self.sandbox_dir(rec.id),
+                facts.disk_qgroup,
+                limit_bytes=self.disk.limit_bytes(rec.spec.disk_limit_mb),
+            )
         self.decoys.watch(rec.id, prepared)
         self.init_signals.watch(rec.id, self.agent_socket(rec.id))  # and what pid 1 kept meanwhile
         if facts.seccomp == "notify":
