@@ -131,6 +131,10 @@ async def running_platform(config: PlatformConfig) -> AsyncIterator[Platform]:
 
 @contextlib.asynccontextmanager
 async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIterator[Platform]:
+    # The backends asked for (--backends), or every one this host can run: probed
+    # first, so that a bad --backends fails before anything starts.
+    registry = BackendRegistry()
+    selection = registry.select(config.backends)
     become_subreaper()
     with contextlib.suppress(OSError):  # a `dsec down --stop-sandboxes` this run never got
         config.stop_marker.unlink()
@@ -161,9 +165,6 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             await asyncio.to_thread(cgroups.favor_dynamic_modifications, host)
         wrapper = await asyncio.to_thread(agent_binary)
         spawner = await start_spawner(wrapper, config.data_dir / "run" / "spawner.sock")
-        # The backends asked for (--backends), or every one this host can run.
-        registry = BackendRegistry()
-        selection = registry.select(config.backends)
         backends = registry.build(
             selection,
             BackendHost(

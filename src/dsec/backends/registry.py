@@ -94,7 +94,7 @@ class BackendRegistry:
             try:
                 kind = BackendKind(name.strip())
             except ValueError:
-                known = ", ".join(k.value for k in BackendKind)
+                known = ", ".join(k.value for k in self.kinds())
                 raise InvalidArgument(
                     f"unknown backend {name.strip()!r} (known: {known})", backend=name
                 ) from None
