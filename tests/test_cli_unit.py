@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from dsec.apiserver import create_app
+from dsec.apiserver import ApiServices, create_app
 from dsec.cli import demo as demo_mod
 from dsec.cli.common import percentile
 from dsec.cli.main import run
@@ -283,7 +283,7 @@ def serve_fake_platform(port: int, data_dir: Path, key: str) -> None:
         keys, engine = await make_keystore(data_dir / "keys.db")
         await keys.ensure(key)
         edge = FakeEdge(FakeImages())
-        app = create_app(edge, edge.images, keys)
+        app = create_app(ApiServices(edge=edge, keys=keys, images=edge.images))
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         await uvicorn.Server(config).serve()
         await engine.dispose()

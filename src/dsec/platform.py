@@ -21,7 +21,7 @@ from typing import Any
 
 from dsec import spawn
 from dsec.agent.build import agent_binary
-from dsec.apiserver.creator import StopReleaser, attach_iam
+from dsec.apiserver.creator import SandboxCreator, StopReleaser, attach_iam
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.backends.fncall.service import FnCallService
@@ -309,6 +309,7 @@ async def serve(
     ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
     dsec.cluster.node) and is cancelled before the platform shuts down."""
     from dsec.apiserver.app import create_app
+    from dsec.apiserver.services import ApiServices
     from dsec.edge.dataplane import DataPlane
     from dsec.edge.tokens import TokenSigner, load_or_create_key
 
@@ -328,18 +329,23 @@ async def serve(
         platform.edge.trajectory = TrajectoryService(platform.edge, trajectory_log, dataplane)
         from dsec.images.layers import LayerService
 
+        iam = platform.iam if config.quotas else None
         app = create_app(
-            platform.edge,
-            platform.images,
-            platform.keys,
-            dataplane=dataplane,
-            layers=LayerService(platform.images),
-            audit=platform.edge.audit,
-            fncall=platform.fncall,
-            roles=platform.roles,
-            trajectory=platform.edge.trajectory,
-            iam=platform.iam if config.quotas else None,
-            report_load=config.report_load,
+            ApiServices(
+                edge=platform.edge,
+                keys=platform.keys,
+                images=platform.images,
+                dataplane=dataplane,
+                layers=LayerService(platform.images),
+                audit=platform.edge.audit,
+                fncall=platform.fncall,
+                trajectory=platform.edge.trajectory,
+                roles=platform.roles,
+                rl=platform.edge,
+                creator=SandboxCreator(platform.edge, iam=iam),
+                iam=iam,
+                report_load=config.report_load,
+            )
         )
 
         async def started() -> None:

@@ -19,9 +19,7 @@ from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.cluster import cluster_router
 from dsec.apiserver.creator import SandboxCreator
-from dsec.apiserver.fncall import fncall_router
-from dsec.apiserver.security import security_router
-from dsec.apiserver.trajectory import trajectory_router
+from dsec.apiserver.services import ApiServices, BatchLimits
 from dsec.cluster.fanout import ClusterAudit, ClusterTrajectories
 from dsec.cluster.fncall import ClusterFnCall
 from dsec.cluster.node import EdgeNode
@@ -75,29 +73,29 @@ async def serve_apiserver(
             registry, config.cluster_token, version=API_VERSION, refresh=config.refresh
         )
         await router.start()
+        fncall = ClusterFnCall(router)
+        await fncall.start()
         app = create_app(
-            router,
-            None,
-            keys,
-            creator=SandboxCreator(router, iam=iam),
-            iam=iam,
-            roles=RoleStore(iam),
-            streams=router,
+            ApiServices(
+                edge=router,
+                keys=keys,
+                # What each edge keeps for itself (audit log, trajectory log, FnCall
+                # pools), asked of the edges: routed by sandbox id or fanned out
+                # (dsec.cluster.fanout).
+                audit=ClusterAudit(router),
+                fncall=fncall,
+                trajectory=ClusterTrajectories(router),
+                roles=RoleStore(iam),
+                rl=router,
+                # File bodies of the control routes go to the sandbox's edge.
+                streams=router,
+                creator=SandboxCreator(router, iam=iam),
+                iam=iam,
+                batches=cluster_batch_limits(),
+            )
         )
         auth = Authenticator(keys)
         app.include_router(cluster_router(router, registry, config.cluster_token, auth))
-        # What each edge keeps for itself (audit log, trajectory log, FnCall pools),
-        # asked of the edges: routed by sandbox id or fanned out (dsec.cluster.fanout).
-        app.include_router(security_router(ClusterAudit(router), auth))
-        app.include_router(trajectory_router(ClusterTrajectories(router), auth))
-        fncall = ClusterFnCall(router)
-        await fncall.start()
-        app.include_router(fncall_router(fncall, auth))
-        if "DSEC_BATCH_PARALLELISM" not in os.environ:
-            # Here a create is a request to some edge, not CPU of this host: batches
-            # may keep many in flight (the edges admit or refuse each).
-            app.state.batches.default_parallelism = CLUSTER_BATCH_PARALLELISM
-            app.state.batches.max_in_flight = 4 * CLUSTER_BATCH_PARALLELISM
 
         async def started() -> None:
             if ready is not None:
@@ -112,6 +110,17 @@ async def serve_apiserver(
         if iam is not None:
             await iam.close()
         await engine.dispose()
+
+
+def cluster_batch_limits() -> BatchLimits:
+    """Here a create is a request to some edge, not CPU of this host: batches may keep
+    many in flight (the edges admit or refuse each), unless DSEC_BATCH_PARALLELISM
+    says otherwise."""
+    if "DSEC_BATCH_PARALLELISM" in os.environ:
+        return BatchLimits()
+    return BatchLimits(
+        parallelism=CLUSTER_BATCH_PARALLELISM, max_in_flight=4 * CLUSTER_BATCH_PARALLELISM
+    )
 
 
 def recharger(iam: IAM) -> Callable[[list[SandboxInfo]], Awaitable[list[str]]]:
