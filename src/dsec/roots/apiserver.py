@@ -1,19 +1,22 @@
-"""The cluster's processes: `dsec apiserver`, `dsec watcher` and `dsec edge --join`.
+"""Composition root of `dsec apiserver`: the cluster's public API (any number of them).
 
-Each is the same code as `dsec up`, wired differently: the apiserver serves the public
-API over a ClusterEdge (no sandboxes of its own, any number of instances), the watcher
-only probes, and an edge is a `dsec up` whose API key is the cluster token and which
-beats to the apiservers.
+Wires, once, what a cluster apiserver serves: the control database (reached and
+migrated), the API keys, IAM with its quotas and roles, the edge Registry (which
+releases and re-charges quota as edges come and go), the ClusterEdge that routes each
+call to its edge, the fan-outs for what every edge keeps for itself (audit log,
+trajectory log, FnCall pools), and the batch limits of a cluster; then hands them to
+``create_app`` as one ApiServices value and adds the edges' heartbeat routes. It holds
+no sandboxes: everything per sandbox is asked of the edges. This is the only place
+these cluster services are constructed, so their lifetimes (start, close, dispose)
+are in one try/finally.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
@@ -22,18 +25,15 @@ from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.services import ApiServices, BatchLimits
 from dsec.cluster.fanout import ClusterAudit, ClusterTrajectories
 from dsec.cluster.fncall import ClusterFnCall
-from dsec.cluster.node import EdgeNode
 from dsec.cluster.registry import Registry
 from dsec.cluster.router import ClusterEdge
-from dsec.cluster.watcher import Watcher
-from dsec.config import PlatformConfig
 from dsec.control.db import check_reachable, database_url, make_engine, migrate
 from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
 from dsec.model import SandboxInfo
-from dsec.platform import Platform, run, run_loop, serve_app
+from dsec.roots.serving import run_loop, serve_app
 
 log = logging.getLogger(__name__)
 
@@ -143,75 +143,3 @@ def recharger(iam: IAM) -> Callable[[list[SandboxInfo]], Awaitable[list[str]]]:
 
 def run_apiserver(config: ApiserverConfig, *, ready: Callable[[str], None] | None = None) -> None:
     run_loop(serve_apiserver(config, ready=ready))
-
-
-@dataclass
-class WatcherConfig:
-    db: str
-    period: float = 1.0
-    failures: int = 3
-    stale_after: float = 5.0
-
-
-async def serve_watcher(config: WatcherConfig, *, ready: Callable[[], None] | None = None) -> None:
-    engine = make_engine(database_url(config.db))
-    try:
-        await check_reachable(engine)
-        await migrate(engine)
-        watcher = Watcher(
-            Registry(engine),
-            period=config.period,
-            failures=config.failures,
-            stale_after=config.stale_after,
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        import signal
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        task = asyncio.create_task(watcher.run())
-        if ready is not None:
-            ready()
-        await stop.wait()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        await engine.dispose()
-
-
-def run_watcher(config: WatcherConfig, *, ready: Callable[[], None] | None = None) -> None:
-    run_loop(serve_watcher(config, ready=ready))
-
-
-@dataclass
-class EdgeJoin:
-    join: list[str]
-    cluster_token: str
-    labels: dict[str, str] = field(default_factory=dict)
-    interval: float = 0.5  # with the router's 0.25 s refresh: placement views <= 0.75 s old
-
-
-def run_edge(
-    config: PlatformConfig, join: EdgeJoin, *, ready: Callable[[str, str], None] | None = None
-) -> None:
-    """A `dsec up` that answers to the cluster token and beats to the apiservers."""
-    config.api_key = join.cluster_token
-    config.quotas = False  # the apiservers charge every create before it gets here
-    config.report_load = True  # their placement reads it (dsec.control.placement)
-
-    async def member(platform: Platform) -> None:
-        node = EdgeNode(
-            platform.edge,
-            platform.images,
-            join=join.join,
-            token=join.cluster_token,
-            url=config.url,
-            labels=join.labels,
-            lazy=bool(config.layer_store),
-            interval=join.interval,
-        )
-        await node.run()
-
-    run(config, ready=ready, companion=member)
