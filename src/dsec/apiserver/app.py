@@ -1,8 +1,11 @@
 """The apiserver application: the single HTTP entry point of the platform.
 
 It keeps no per-sandbox state; everything is asked of the edge and the image service,
-so the same app can later route to many edges. Only two light pure-ASGI layers sit on
-the request path (body cap, last-resort error envelope) to keep exec at ~2 ms.
+so the same app routes to one in-process edge (`dsec up`) or to many (a cluster
+apiserver). It is not a composition root: the roots (dsec.roots) build its services and
+hand them over as one ApiServices value (dsec.apiserver.services). Only two light
+pure-ASGI layers sit on the request path (body cap, last-resort error envelope) to keep
+exec at ~2 ms.
 """
 
 from __future__ import annotations
