@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from dsec.apiserver import ApiLimits, create_app
+from dsec.apiserver import ApiLimits, ApiServices, create_app
 from dsec.apiserver.errors import validation_message
 from dsec.control.db import Base, make_engine, sqlite_url
 from dsec.control.keys import ApiKeyRow, KeyStore, hash_key
@@ -290,7 +290,8 @@ async def make_fake_app(
 ) -> tuple[FastAPI, FakeEdge, AsyncEngine]:
     keys, engine = await make_keystore(db)
     edge = FakeEdge(FakeImages())
-    return create_app(edge, edge.images, keys, limits=limits), edge, engine
+    services = ApiServices(edge=edge, keys=keys, images=edge.images, limits=limits or ApiLimits())
+    return create_app(services), edge, engine
 
 
 # ---- fixtures --------------------------------------------------------------------------

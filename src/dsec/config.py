@@ -64,7 +64,7 @@ class PlatformConfig:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     # Unique per host: empty = derived from the machine id and the data dir, and kept
-    # in <data dir>/edge_id (dsec.edge.identity); running_platform fills it in.
+    # in <data dir>/edge_id (dsec.edge.identity); dsec.roots.platform fills it in.
     edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", ""))
     runtime: str = "crun"
     # Backends to run (`dsec up --backends`, DSEC_BACKENDS=container,...); None: every

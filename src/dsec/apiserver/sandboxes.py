@@ -48,7 +48,7 @@ def sandbox_router(
     *,
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
     creator: SandboxCreator | None = None,
-    report_load: Admission | None = None,  # whose usage create/stop answers carry
+    report_load: bool = False,
     streams: FileStreams | None = None,
 ) -> APIRouter:
     creator = creator or SandboxCreator(edge)
@@ -60,13 +60,15 @@ def sandbox_router(
             info.data_path = await data_path(info.id)
         return info
 
+    admission = getattr(edge, "admission", None) if report_load else None
+
     def with_load(resp: Response) -> Response:
         """An edge states its usage right after a create or stop (LOAD_HEADER): each
         apiserver then sees the others' placements on every edge it touches, not only
         at the next heartbeat (dsec.control.placement.EdgeLoad). Read in one go, so the
         figures and their sequence agree."""
-        if report_load is not None:
-            a = report_load
+        if isinstance(admission, Admission):
+            a = admission
             resp.headers[LOAD_HEADER] = EdgeLoad(a.seq, a.count, a.memory_mb, a.cpu_cores).header()
         return resp
 
