@@ -55,9 +55,10 @@ from typing import Any, Literal
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from dsec.api.spec import BackendKind  # noqa: E402
+
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer, Strategy  # noqa: E402
 from dsec.errors import ClusterFull  # noqa: E402
-from dsec.model import BackendKind  # noqa: E402
 
 # name -> (strategy, k, omniscient, piggyback: the apiservers read the usage the edges
 # state in their create and stop answers; without it, reports only: the baseline)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dsec.api.events import AuditKind, EventKind
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
 from dsec.errors import DSecError, LimitExceeded
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
-from dsec.security.events import AuditKind, EventKind
 from tests.conftest import REPO, FakeInternet, PlatformProcess
 
 pytestmark = pytest.mark.root

@@ -13,11 +13,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from dsec.api.events import AuditKind, EventKind, Severity
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind, Severity
 from tests.conftest import PlatformProcess
 
 

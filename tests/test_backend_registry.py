@@ -14,6 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dsec.api.exec import ExecRequest, ExecResult, SessionArgs
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest
 
 from dsec.backends.base import (
     Backend,
@@ -33,17 +38,7 @@ from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.edge.tokens import TokenSigner
 from dsec.errors import ClusterFull, InvalidArgument, Unsupported
-from dsec.model import (
-    BackendKind,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    ImageInfo,
-    SandboxState,
-)
 from dsec.security.audit import AuditLog
-from dsec.verify_model import VerifyRequest
-from dsec.wire import SessionArgs
 
 SID = "e1-0123456789abcdef"
 

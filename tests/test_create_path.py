@@ -13,6 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 
 from dsec import linux
 from dsec.backends.base import SandboxRecord
@@ -20,7 +23,6 @@ from dsec.backends.container.backend import drop_page_charges
 from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.edge.state import EdgeStateDB
-from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 from dsec.resources import cgroups
 
 

@@ -9,10 +9,13 @@ import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+
 from dsec.backends.base import SandboxRecord, StoredFacts
 from dsec.backends.container.facts import ContainerFacts
 from dsec.edge.state import EdgeStateDB
-from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 from dsec.security.protected import Prepared
 
 SID = "e1-00112233445566ff"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dsec.api.fncall import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecSyncClient
@@ -33,7 +34,6 @@ from dsec.errors import (
 )
 from dsec.fncall.service import compare
 from dsec.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree
-from dsec.fncall_model import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from dsec.sdk._rpc import ws_url
 from dsec.sdk.fncall import RemoteCallFailed
 from tests.conftest import PlatformProcess, platform_process

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from dsec.api.fncall import DSecFnCallRunArgs
 
 from dsec.errors import InvalidArgument, LimitExceeded
 from dsec.fncall import callstub
 from dsec.fncall.languages import LANGUAGES, language
 from dsec.fncall.service import check_code, compare
 from dsec.fncall.zygote import cgroup_plan, seccomp_rules, write_config
-from dsec.fncall_model import DSecFnCallRunArgs
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.sdk import _fncall as proto
 

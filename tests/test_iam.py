@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dsec.api.iam import PrincipalCreate, QuotaLimits, Role
+from dsec.api.spec import DSecContainerRunArgs
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -33,8 +35,6 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from dsec.iam_model import PrincipalCreate, QuotaLimits, Role
-from dsec.model import DSecContainerRunArgs
 from tests.conftest import PlatformProcess
 
 

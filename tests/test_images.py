@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from dsec.api.images import ImageInfo
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec import linux
@@ -24,7 +25,6 @@ from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageBuildError, ImageNotFound, InvalidArgument
 from dsec.images.images import Images
 from dsec.images.service import ImageService
-from dsec.model import ImageInfo
 
 pytestmark = [
     pytest.mark.root,

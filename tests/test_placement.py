@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.errors import ClusterFull, InvalidArgument
-from dsec.model import BackendKind, DSecContainerRunArgs
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.sandbox import SandboxInfo
 
 from dsec.apiserver import ApiServices, BatchLimits, create_app
 from dsec.control.db import make_engine, migrate, sqlite_url
@@ -19,8 +21,6 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import NotFound
-from dsec.model import SandboxInfo
-from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.roots.apiserver import CLUSTER_BATCH_PARALLELISM, cluster_batch_limits
 from tests.test_apiserver_unit import FakeEdge, FakeImages
 

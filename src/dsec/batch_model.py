@@ -12,8 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
+from dsec.api.base import Reply, Strict
+from dsec.api.fields import TRAJECTORY_NAME_RE
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import DSecError, error_class_for
-from dsec.model import TRAJECTORY_NAME_RE, DSecContainerRunArgs, Reply, SandboxInfo, Strict
 
 MAX_BATCH_COUNT = 32_000
 MAX_BATCH_PARALLELISM = 1024

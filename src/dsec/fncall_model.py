@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from dsec.model import Reply, Strict, check_network_rules
+from dsec.api.base import Reply, Strict
+from dsec.api.fields import check_network_rules
 
 # Bounds on what one request may carry (typed 422 beyond them).
 MAX_CODE_BYTES = 1 << 20

@@ -13,7 +13,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from dsec.model import PROJECT_RE, Reply, Strict
+from dsec.api.base import Reply, Strict
+from dsec.api.fields import PROJECT_RE
 
 # A new principal's name: safe in URLs, logs and the CLI. Keys made before IAM may name
 # any principal; those keep working, only creation through /v1/principals is strict.

@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.layer_model import ImageLoading, LayerRef
-from dsec.protected_model import ProtectedMount, check_protected
+from dsec.api.layers import ImageLoading, LayerRef
+from dsec.api.protected import ProtectedMount, check_protected
 
 # `name:tag` or `name` (tag defaults to latest); names like registry paths are allowed.
 IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")

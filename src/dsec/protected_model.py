@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dsec.layer_model import LayerRef
+from dsec.api.layers import LayerRef
 
 MAX_PROTECTED_MOUNTS = 8
 MAX_INLINE_FILES = 256

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from dsec.layer_model import LayerInfo, check_layer_name, check_layer_version
-from dsec.model import DSecContainerRunArgs, Reply, SandboxInfo, Strict
+from dsec.api.base import Reply, Strict
+from dsec.api.layers import LayerInfo, check_layer_name, check_layer_version
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 
 JOB_ID_MAX = 128
 

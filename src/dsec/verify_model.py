@@ -17,7 +17,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dsec.model import DSecContainerRunArgs, ExecRequest, ExecResult, Reply
+from dsec.api.base import Reply
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.spec import DSecContainerRunArgs
 
 VerifyMode = Literal["fresh", "isolated"]
 

@@ -21,7 +21,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from dsec.model import ENV_KEY_RE, MAX_OUTPUT_BYTES, USER_RE, Reply, Strict
+from dsec.api.base import Reply, Strict
+from dsec.api.exec import MAX_OUTPUT_BYTES
+from dsec.api.fields import ENV_KEY_RE, USER_RE
 
 STDOUT = 1
 STDERR = 2

@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dsec.api.events import AuditKind, EventKind, SecurityEvent
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import BackendKind
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.backends.base import Backend, BackendFacts, BackendHost, CreateInput, SandboxRecord
@@ -33,11 +38,9 @@ from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.errors import DSecError
-from dsec.model import BackendKind, ExecRequest, ExecResult, ImageInfo, SandboxState
 from dsec.sdk.client import Sandbox
 from dsec.security import tampering
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind, SecurityEvent
 from dsec.security.tampering import TamperWatch
 from tests.conftest import PlatformProcess
 

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dsec.api.events import EventKind
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
-from dsec.security.events import EventKind
 from tests.conftest import REPO, PlatformProcess, platform_process
 from tests.fakenet import FakeRecord, FakeResolver, FakeService, fake_resolver, fake_service
 

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
+from dsec.api.sandbox import CreateSandboxRequest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
 from dsec.errors import IdempotencyKeyReused, ImageNotFound, InvalidArgument
-from dsec.model import CreateSandboxRequest
 from tests.conftest import PlatformProcess, platform_process
 
 pytestmark = pytest.mark.root

@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.responses import Response
 
+from dsec.api.health import HealthInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.batch import batch_router, batch_runner
 from dsec.apiserver.creator import SandboxCreator
@@ -29,7 +30,6 @@ from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
-from dsec.model import HealthInfo
 
 API_VERSION = "0.1.0"
 

@@ -16,13 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.websockets import WebSocket
 
-from dsec.apiserver.auth import Authenticator
-from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.responses import model_response
-from dsec.apiserver.wsmux import MuxConnection, refuse_handshake
-from dsec.errors import DSecError, InvalidArgument
-from dsec.fncall.service import FnCallService
-from dsec.fncall_model import (
+from dsec.api.fncall import (
     FNCALL_RPC_PATH,
     OP_CALL,
     OP_JUDGE,
@@ -37,6 +31,12 @@ from dsec.fncall_model import (
     RunCodeResult,
     WarmPoolRequest,
 )
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.responses import model_response
+from dsec.apiserver.wsmux import MuxConnection, refuse_handshake
+from dsec.errors import DSecError, InvalidArgument
+from dsec.fncall.service import FnCallService
 
 log = logging.getLogger("dsec.apiserver.fncall")
 

@@ -16,18 +16,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.errors import Unsupported
-from dsec.model import (
-    BackendKind,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    ImageInfo,
-    SandboxInfo,
-    SandboxState,
-)
 from dsec.sessions.agent_client import AgentClient
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 if TYPE_CHECKING:
     from dsec.config import PlatformConfig

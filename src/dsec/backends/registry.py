@@ -15,9 +15,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from dsec.api.spec import BackendKind
 from dsec.backends.base import Backend, BackendHost
 from dsec.errors import InvalidArgument, Unsupported
-from dsec.model import BackendKind
 
 log = logging.getLogger(__name__)
 

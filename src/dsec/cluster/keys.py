@@ -35,10 +35,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
+from dsec.api.sandbox import IDEMPOTENCY_HEADER
 from dsec.control.db import Base
 from dsec.edge.idempotency import KEY_TTL, IdempotencyClaim
 from dsec.errors import IdempotencyKeyReused
-from dsec.model import IDEMPOTENCY_HEADER
 
 
 class KeyPinRow(Base):

@@ -18,10 +18,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
+from dsec.api.cluster import EdgeReport, EdgeStatus, HeartbeatReply
+from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.cluster.keys import KeyPins
-from dsec.cluster.model import EdgeReport, EdgeStatus, HeartbeatReply
 from dsec.control.db import Base
-from dsec.model import SandboxInfo, SandboxState
 
 UP = "up"
 DOWN = "down"

@@ -19,8 +19,20 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from dsec.api.cluster import EdgeStatus
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.health import HealthInfo
+from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.sandbox import (
+    IDEMPOTENCY_HEADER,
+    DataPathInfo,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.cluster.keys import KeyPin
-from dsec.cluster.model import EdgeStatus
 from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
@@ -34,20 +46,6 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxNotRunning,
 )
-from dsec.model import (
-    IDEMPOTENCY_HEADER,
-    DataPathInfo,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-)
-from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)

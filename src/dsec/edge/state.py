@@ -17,8 +17,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.base import BackendFacts, SandboxRecord, StoredFacts
-from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (

@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dsec.model import SANDBOX_ID_RE, TRAJECTORY_NAME_RE, Reply, Strict
-from dsec.wire import CommandArgs
+from dsec.api.base import Reply, Strict
+from dsec.api.exec import CommandArgs
+from dsec.api.fields import SANDBOX_ID_RE, TRAJECTORY_NAME_RE
 
 #: Steps per batch request (the SDK splits longer runs): bounds one request's work.
 MAX_BATCH = 5000

@@ -33,6 +33,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsec.api.datapath import STDERR
+from dsec.api.events import AuditKind
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.sandbox import SandboxState
+from dsec.api.trajectory import StepRecord, StepRequest, TrajectoryInfo, check_name
 from dsec.errors import (
     Conflict,
     DSecError,
@@ -43,15 +48,6 @@ from dsec.errors import (
     TrajectoryStepInDoubt,
     Unsupported,
 )
-from dsec.model import ExecRequest, ExecResult, SandboxState, TrajectoryRef
-from dsec.rl.model import (
-    StepRecord,
-    StepRequest,
-    TrajectoryInfo,
-    check_name,
-)
-from dsec.security.events import AuditKind
-from dsec.wire import STDERR
 
 if TYPE_CHECKING:
     from dsec.edge.dataplane import DataPlane

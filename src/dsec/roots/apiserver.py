@@ -18,6 +18,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from dsec.api.sandbox import SandboxInfo
 from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.cluster import cluster_router
@@ -32,7 +33,6 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
-from dsec.model import SandboxInfo
 from dsec.roots.serving import run_loop, serve_app
 
 log = logging.getLogger(__name__)

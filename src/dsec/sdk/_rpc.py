@@ -18,8 +18,8 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from dsec.api.datapath import RPC_PATH, decode_data
 from dsec.errors import DSecError, PlatformUnavailable, error_from_payload
-from dsec.wire import RPC_PATH, decode_data
 
 OnData = Callable[[int, bytes], None]
 

@@ -27,14 +27,8 @@ from dsec.exhaustion import classify
 
 if TYPE_CHECKING:
     from dsec.supervise import Supervisor
-from dsec.security.events import (
-    DEFAULT_SEVERITY,
-    AuditKind,
-    AuditRecord,
-    EventKind,
-    SecurityEvent,
-    Severity,
-)
+from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent, Severity
+from dsec.security.audit import DEFAULT_SEVERITY
 
 log = logging.getLogger(__name__)
 

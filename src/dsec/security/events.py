@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from dsec.model import Reply
+from dsec.api.base import Reply
 
 
 class AuditKind(StrEnum):

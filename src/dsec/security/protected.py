@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.api.events import EventKind, Severity
+from dsec.api.protected import ProtectedMount
 from dsec.errors import BackendError
-from dsec.protected_model import ProtectedMount
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind, Severity
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn, Self, TypeVar
 
+from dsec.api.exec import ExecResult
 from dsec.errors import (
     BackendError,
     Conflict,
@@ -38,7 +39,6 @@ from dsec.errors import (
     LimitExceeded,
     PermissionDenied,
 )
-from dsec.model import ExecResult
 from dsec.sessions import protocol as p
 
 T = TypeVar("T")
