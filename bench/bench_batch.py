@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
-from dsec.batch_model import BatchCreated  # noqa: E402
+from dsec.api.batch import BatchCreated  # noqa: E402
 from dsec.control.batch import default_parallelism  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient  # noqa: E402
+from dsec.api.fncall import DSecFnCallRunArgs  # noqa: E402
 from dsec.backends.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree  # noqa: E402
-from dsec.fncall_model import DSecFnCallRunArgs  # noqa: E402
 
 CPP = """#include <iostream>
 int main(){ long a, b; std::cin >> a >> b; std::cout << a + b << "\\n"; }

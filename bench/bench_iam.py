@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dsec.api.iam import QuotaLimits  # noqa: E402
 from dsec.control.db import make_engine, migrate, sqlite_url  # noqa: E402
 from dsec.control.iam import IAM, Role  # noqa: E402
-from dsec.iam_model import QuotaLimits  # noqa: E402
 
 
 def stats(samples: list[float]) -> dict[str, float]:

@@ -33,10 +33,10 @@ from pathlib import Path
 import httpx
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.layers import ImageLoading
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.publish import publish_tree
-from dsec.layer_model import ImageLoading
 
 PACKAGES = 128
 FILES_PER_PACKAGE = 64

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient  # noqa: E402
-from dsec.model import ExecRequest, TrajectoryRef  # noqa: E402
+from dsec.api.exec import ExecRequest, TrajectoryRef  # noqa: E402
 from dsec.rl.trajectory import TrajectoryLog  # noqa: E402
 
 COUNTER = "/tmp/counter"

@@ -29,11 +29,11 @@ from typing import Any
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
+from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.net.catalog import DEFAULT_SERVICES, Service
 from dsec.net.dns import DnsServer, Resolved
 from dsec.net.manager import NetworkManager
 from dsec.net.netns import Slot
-from dsec.security.events import AuditKind, EventKind, Severity
 
 # socketserver, not http.server's HTTPServer: its server_bind() looks up the address's
 # host name, which would hang (and send a DNS query) in a namespace without DNS.

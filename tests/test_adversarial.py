@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
+from dsec.api.events import AuditKind, EventKind
 from dsec.errors import DSecError, LimitExceeded
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
-from dsec.security.events import AuditKind, EventKind
 from tests.conftest import REPO, FakeInternet, PlatformProcess
 
 pytestmark = pytest.mark.root

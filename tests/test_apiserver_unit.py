@@ -23,6 +23,14 @@ from fastapi import FastAPI
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.fields import parse_image_ref
+from dsec.api.health import HealthInfo
+from dsec.api.images import ImageInfo
+from dsec.api.layers import LayerRef
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.apiserver import ApiLimits, create_app
 from dsec.apiserver.errors import validation_message
 from dsec.control.db import Base, make_engine, sqlite_url
@@ -38,21 +46,6 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.images.service import ArchiveFormat, Progress, Recipe
-from dsec.layer_model import LayerRef
-from dsec.model import (
-    BackendKind,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    ImageInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-    parse_image_ref,
-)
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 KEY = "dsk_test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

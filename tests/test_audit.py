@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind, Severity
 from tests.conftest import PlatformProcess
 
 

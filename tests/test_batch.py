@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
-from dsec.apiserver.creator import SandboxCreator
-from dsec.batch_model import (
+from dsec.api.batch import (
     BATCH_LABEL,
     INDEX_LABEL,
     BatchAccepted,
@@ -28,6 +27,8 @@ from dsec.batch_model import (
     BatchStatus,
     CreateBatchRequest,
 )
+from dsec.api.sandbox import SandboxInfo
+from dsec.apiserver.creator import SandboxCreator
 from dsec.control.batch import BatchRunner
 from dsec.errors import (
     AdmissionRejected,
@@ -37,7 +38,6 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from dsec.model import SandboxInfo
 from dsec.sdk import Sandbox, SyncSandbox
 from tests.conftest import PlatformProcess, platform_process
 from tests.test_apiserver_unit import FakeEdge, FakeImages

@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 import uvicorn
 
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.apiserver import create_app
 from dsec.cli import demo as demo_mod
 from dsec.cli.common import percentile
 from dsec.cli.main import run
 from dsec.config import PlatformConfig
-from dsec.model import ImageInfo, SandboxInfo, SandboxState
 from tests.test_apiserver_unit import KEY, FakeEdge, FakeImages, make_keystore
 from tests.test_sdk_unit import LiveServer, dead_url
 

@@ -17,13 +17,13 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
-from dsec.cluster.model import EdgeStatus
+from dsec.api.cluster import EdgeStatus
+from dsec.api.sandbox import SandboxInfo as SandboxInfoT
+from dsec.api.sandbox import SandboxState
 from dsec.cluster.remote import RemoteEdge
 from dsec.cluster.router import view_of
 from dsec.control.placement import Demand, EdgeLoad, Placer
 from dsec.errors import EdgeUnavailable, PermissionDenied, QuotaExceeded, SandboxNotRunning
-from dsec.model import SandboxInfo as SandboxInfoT
-from dsec.model import SandboxState
 from tests.cluster_env import Cluster, cluster
 from tests.pg import PostgresServer
 

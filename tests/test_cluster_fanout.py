@@ -18,6 +18,9 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
+from dsec.api.events import EventKind, SecurityEvent
+from dsec.api.fncall import DSecFnCallRunArgs, RunCodeRequest
+from dsec.api.sandbox import SandboxState
 from dsec.cluster.fanout import CURSOR_HEADER, MISSING_HEADER, parse_cursor
 from dsec.cluster.fncall import ClusterFnCall
 from dsec.cluster.registry import Registry
@@ -25,10 +28,7 @@ from dsec.cluster.remote import RemoteEdge
 from dsec.cluster.router import ClusterEdge
 from dsec.control.db import database_url, make_engine
 from dsec.errors import EdgeUnavailable, InvalidArgument
-from dsec.fncall_model import DSecFnCallRunArgs, RunCodeRequest
-from dsec.model import SandboxState
 from dsec.sdk import Sandbox
-from dsec.security.events import EventKind, SecurityEvent
 from tests.cluster_env import Cluster, cluster
 from tests.pg import PostgresServer
 

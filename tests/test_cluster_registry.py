@@ -13,11 +13,12 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from dsec.cluster.model import EdgeReport
+from dsec.api.cluster import EdgeReport
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.cluster.registry import DOWN, EdgeRow, Registry, SandboxRow, sandbox_info
 from dsec.cluster.watcher import Watcher
 from dsec.control.db import make_engine, migrate, sqlite_url
-from dsec.model import BackendKind, DSecContainerRunArgs, SandboxInfo, SandboxState
 from tests.conftest import free_port
 
 

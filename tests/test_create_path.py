@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from dsec import linux
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.base import SandboxRecord
 from dsec.backends.container.backend import drop_page_charges
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.edge.state import EdgeStateDB
-from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 from dsec.resources import cgroups
 
 

@@ -24,6 +24,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecSyncClient
+from dsec.api.fncall import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from dsec.backends.fncall.service import compare
 from dsec.backends.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree
 from dsec.errors import (
@@ -33,7 +34,6 @@ from dsec.errors import (
     Unauthenticated,
     Unsupported,
 )
-from dsec.fncall_model import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from dsec.sdk._rpc import ws_url
 from dsec.sdk.fncall import RemoteCallFailed
 from tests.conftest import PlatformProcess, platform_process

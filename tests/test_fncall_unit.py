@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.backends.fncall import callstub
 from dsec.backends.fncall.languages import LANGUAGES, language
 from dsec.backends.fncall.service import check_code, compare
 from dsec.backends.fncall.zygote import cgroup_plan, seccomp_rules, write_config
 from dsec.errors import InvalidArgument, LimitExceeded
-from dsec.fncall_model import DSecFnCallRunArgs
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.sdk import _fncall as proto
 

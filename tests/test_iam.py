@@ -22,6 +22,8 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec import DSecClient
+from dsec.api.iam import PrincipalCreate, QuotaLimits, Role
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM, ROOT, Request
 from dsec.control.iam_tables import ChargeRow, UsageRow
@@ -33,8 +35,6 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from dsec.iam_model import PrincipalCreate, QuotaLimits, Role
-from dsec.model import DSecContainerRunArgs
 from tests.conftest import PlatformProcess
 
 

@@ -20,11 +20,11 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec import linux
+from dsec.api.images import ImageInfo
 from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageBuildError, ImageNotFound, InvalidArgument
 from dsec.images.images import Images
 from dsec.images.service import ImageService
-from dsec.model import ImageInfo
 
 pytestmark = [
     pytest.mark.root,

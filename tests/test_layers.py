@@ -22,11 +22,11 @@ import httpx
 import pytest
 
 from dsec import CorruptBlob, DSecClient, DSecContainerRunArgs, LayerRef, Unsupported
+from dsec.api.layers import LayerInfo
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.chunkindex import ChunkIndex, build_index
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.publish import publish_tree
-from dsec.layer_model import LayerInfo
 from tests.conftest import PlatformProcess, free_port, platform_process
 
 pytestmark = [

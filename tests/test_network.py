@@ -31,11 +31,11 @@ import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import AuditKind, EventKind
 from dsec.errors import InvalidArgument
 from dsec.net.catalog import DEFAULT_SERVICES, Service, compile_rules, load_catalog
 from dsec.net.dns import Resolved, Upstream
 from dsec.net.dnsguard import EventLimiter, Limits, Reason, TunnelGuard, looks_like_data, screen
-from dsec.security.events import AuditKind, EventKind
 from tests.conftest import PlatformProcess, platform_process
 from tests.fakenet import FakeService, StaticUpstream, fake_resolver, fake_service, offline_dns
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.errors import ClusterFull, InvalidArgument
-from dsec.model import DSecContainerRunArgs
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,10 +21,10 @@ import pytest
 from pydantic import ValidationError
 
 from dsec import DSecClient, DSecContainerRunArgs, linux
-from dsec.protected_model import ProtectedMount
+from dsec.api.events import EventKind
+from dsec.api.protected import ProtectedMount
 from dsec.resources import cgroups
 from dsec.security import protected as protected_paths
-from dsec.security.events import EventKind
 from tests.conftest import PlatformProcess
 
 pytestmark = pytest.mark.root

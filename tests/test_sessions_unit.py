@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from dsec.api.datapath import decode_data, encode_data
+from dsec.api.exec import signal_number
 from dsec.errors import InvalidArgument
 from dsec.sessions import protocol as p
 from dsec.sessions.archive import _check_link, safe_member_name
 from dsec.sessions.shell import session_argv, state_path
-from dsec.wire import decode_data, encode_data, signal_number
 
 SHELLS = [s for s in ("/bin/sh", "/bin/dash", "/bin/bash", "/bin/busybox") if os.path.exists(s)]
 

@@ -15,6 +15,14 @@ The top level is libdsec, the SDK (paper Listing 1)::
 Importing ``dsec`` pulls in only httpx and pydantic; the platform lives in subpackages.
 """
 
+from dsec.api.exec import ExecResult, ExitInfo, ProcessInfo, SessionInfo
+from dsec.api.files import FileInfo, FileList
+from dsec.api.images import ImageInfo
+from dsec.api.layers import LayerInfo, LayerRef
+from dsec.api.protected import ProtectedMount
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs, DSecRunArgs
+from dsec.api.verify import GradedRefusal, VerifyResult
 from dsec.errors import (
     AdmissionRejected,
     AlreadyExists,
@@ -38,16 +46,6 @@ from dsec.errors import (
     Unauthenticated,
     Unsupported,
 )
-from dsec.layer_model import LayerInfo, LayerRef
-from dsec.model import (
-    DSecContainerRunArgs,
-    DSecRunArgs,
-    ExecResult,
-    ImageInfo,
-    SandboxInfo,
-    SandboxState,
-)
-from dsec.protected_model import ProtectedMount
 from dsec.sdk import (
     CommandResult,
     DSecClient,
@@ -60,8 +58,6 @@ from dsec.sdk import (
     SyncSandbox,
     SyncSession,
 )
-from dsec.verify_model import GradedRefusal, VerifyResult
-from dsec.wire import ExitInfo, FileInfo, FileList, ProcessInfo, SessionInfo
 
 __version__ = "0.1.0"
 

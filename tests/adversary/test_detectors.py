@@ -28,16 +28,18 @@ from typing import Any
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import AuditKind, EventKind, SecurityEvent
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.errors import DSecError
-from dsec.model import ExecRequest, ExecResult, ImageInfo, SandboxState
 from dsec.sdk.client import Sandbox
 from dsec.security import tampering
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind, SecurityEvent
 from dsec.security.tampering import TamperWatch
 from tests.conftest import PlatformProcess
 

@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import EventKind
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
-from dsec.security.events import EventKind
 from tests.conftest import REPO, PlatformProcess, platform_process
 from tests.fakenet import FakeRecord, FakeResolver, FakeService, fake_resolver, fake_service
 

@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import EventKind, SecurityEvent
+from dsec.api.sandbox import SandboxState
 from dsec.errors import DSecError
-from dsec.model import SandboxState
 from dsec.sdk.client import Sandbox
-from dsec.security.events import EventKind, SecurityEvent
 from dsec.security.seccomp_listener import BURST
 from tests.conftest import PlatformProcess
 from tests.test_adversarial import ATTACK_IN_SANDBOX, attack_binary

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
+from dsec.api.events import EventKind
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.backends.container.oci_spec import HOST_VIEW_MASKS, masked_paths
 from dsec.errors import DSecError
-from dsec.fncall_model import DSecFnCallRunArgs
 from dsec.sdk.client import Sandbox
-from dsec.security.events import EventKind
 from tests.conftest import PlatformProcess
 from tests.test_adversarial import ATTACK_IN_SANDBOX, attack_binary
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount, VerifyResult
+from dsec.api.events import EventKind
+from dsec.api.verify import VerifyMode
 from dsec.errors import DSecError, InvalidArgument, SandboxNotRunning
 from dsec.sdk.client import Sandbox
-from dsec.security.events import EventKind
-from dsec.verify_model import VerifyMode
 from tests.conftest import PlatformProcess
 
 pytestmark = pytest.mark.root

@@ -29,9 +29,9 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from dsec.api.datapath import EDGE_PREFIX, RPC_PATH
+from dsec.api.fncall import FNCALL_RPC_PATH
 from dsec.errors import error_class_for
-from dsec.fncall_model import FNCALL_RPC_PATH
-from dsec.wire import EDGE_PREFIX, RPC_PATH
 from tests.conftest import PlatformProcess, platform_process
 
 pytestmark = pytest.mark.root

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
+from dsec.api.sandbox import CreateSandboxRequest
 from dsec.errors import IdempotencyKeyReused, ImageNotFound, InvalidArgument
-from dsec.model import CreateSandboxRequest
 from tests.conftest import PlatformProcess, platform_process
 
 pytestmark = pytest.mark.root

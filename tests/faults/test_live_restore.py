@@ -20,11 +20,11 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.agent import build
+from dsec.api.events import AuditKind
+from dsec.api.exec import ProcessInfo
 from dsec.errors import DSecError, FileNotFound
 from dsec.sdk.datapath import Process
-from dsec.security.events import AuditKind
 from dsec.sessions.agent_client import ExecStream
-from dsec.wire import ProcessInfo
 from tests.conftest import PlatformProcess, pid1_orphans, platform_process
 from tests.test_agent import running_agent, vm_kib
 

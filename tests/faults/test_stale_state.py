@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecContainerRunArgs, DSecSyncClient, SandboxState
-from dsec.model import SandboxInfo
+from dsec.api.sandbox import SandboxInfo
 from dsec.resources import cgroups
 from tests.conftest import PlatformProcess, pid1_orphans, platform_process
 from tests.faults.helpers import poll
@@ -113,10 +113,10 @@ def test_idle_ttl_clock_is_exact_across_a_clean_restart(tmp_path: Path) -> None:
     issue 13 item 1)."""
     from datetime import UTC, datetime
 
+    from dsec.api.images import ImageInfo
     from dsec.backends.base import SandboxRecord
     from dsec.edge.state import EdgeStateDB
     from dsec.edge.ttl import IdleClocks, step_for
-    from dsec.model import ImageInfo
 
     db = EdgeStateDB(tmp_path / "edge.db")
     spec = DSecContainerRunArgs(container_image="busybox:latest", ttl_running_stop=600)

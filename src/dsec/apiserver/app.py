@@ -12,6 +12,7 @@ from typing import cast
 from fastapi import FastAPI
 from starlette.responses import Response
 
+from dsec.api.health import HealthInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.batch import batch_router, batch_runner
 from dsec.apiserver.creator import SandboxCreator
@@ -35,7 +36,6 @@ from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
-from dsec.model import HealthInfo
 from dsec.rl.trajectory import TrajectoryService
 from dsec.security.audit import AuditLog
 

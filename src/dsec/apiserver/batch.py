@@ -15,13 +15,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Query
 from starlette.responses import Response, StreamingResponse
 
+from dsec.api.batch import BatchStatus, CreateBatchRequest
+from dsec.api.sandbox import DataPathInfo, SandboxInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
-from dsec.batch_model import BatchStatus, CreateBatchRequest
 from dsec.control.batch import BatchRunner, RunningBatch
-from dsec.model import DataPathInfo, SandboxInfo
 
 NDJSON = "application/x-ndjson"
 

@@ -12,16 +12,16 @@ from fastapi import APIRouter, Depends, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.responses import Response
 
+from dsec.api.cluster import EdgeReport, EdgeStatus, HeartbeatReply
+from dsec.api.sandbox import DataPathInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import check_sandbox_id
 from dsec.apiserver.responses import model_response
-from dsec.cluster.model import EdgeReport, EdgeStatus, HeartbeatReply
 from dsec.cluster.registry import Registry
 from dsec.cluster.router import ClusterEdge
 from dsec.control.roles import ADMIN
 from dsec.errors import NotFound, PermissionDenied, Unauthenticated
-from dsec.model import DataPathInfo
 
 _bearer = HTTPBearer(auto_error=False, description="the cluster token (edges only)")
 

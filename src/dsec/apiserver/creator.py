@@ -19,11 +19,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from dsec.api.sandbox import IDEMPOTENCY_HEADER, SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.control.iam import IAM, Role
 from dsec.edge.api import EdgeAPI, KeyedCreates
 from dsec.edge.idempotency import IdempotencyClaim
 from dsec.errors import Unsupported
-from dsec.model import IDEMPOTENCY_HEADER, DSecContainerRunArgs, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.edge.edge import Edge

@@ -18,6 +18,17 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security, WebSo
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.responses import Response, StreamingResponse
 
+from dsec.api.datapath import EDGE_PREFIX, RPC_PATH, PtyControl
+from dsec.api.exec import CommandArgs
+from dsec.api.files import (
+    ChmodRequest,
+    FileInfo,
+    FileList,
+    MkdirRequest,
+    MoveRequest,
+    RemoveRequest,
+)
+from dsec.api.sandbox import DataPathInfo
 from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.filestreams import nonempty
@@ -29,19 +40,6 @@ from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import DSecError, Unauthenticated
-from dsec.model import DataPathInfo
-from dsec.wire import (
-    EDGE_PREFIX,
-    RPC_PATH,
-    ChmodRequest,
-    CommandArgs,
-    FileInfo,
-    FileList,
-    MkdirRequest,
-    MoveRequest,
-    PtyControl,
-    RemoveRequest,
-)
 
 _OCTET = "application/octet-stream"
 _TAR = "application/x-tar"
@@ -237,7 +235,7 @@ def install_data_path(
 
     @app.websocket(RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
-        """Multiplexed commands, sessions and streams (see ``dsec.wire``).
+        """Multiplexed commands, sessions and streams (see ``dsec.api.datapath``).
 
         The handshake needs a credential (``Authorization: Bearer``): an API key, which
         makes every frame trusted, or a sandbox token, after which each frame still

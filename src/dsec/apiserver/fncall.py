@@ -16,13 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.websockets import WebSocket
 
-from dsec.apiserver.auth import Authenticator
-from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.responses import model_response
-from dsec.apiserver.wsmux import MuxConnection, close_with_error
-from dsec.backends.fncall.service import FnCallService
-from dsec.errors import DSecError, InvalidArgument
-from dsec.fncall_model import (
+from dsec.api.fncall import (
     FNCALL_RPC_PATH,
     OP_CALL,
     OP_JUDGE,
@@ -37,6 +31,12 @@ from dsec.fncall_model import (
     RunCodeResult,
     WarmPoolRequest,
 )
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.responses import model_response
+from dsec.apiserver.wsmux import MuxConnection, close_with_error
+from dsec.backends.fncall.service import FnCallService
+from dsec.errors import DSecError, InvalidArgument
 
 log = logging.getLogger("dsec.apiserver.fncall")
 
@@ -98,7 +98,7 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
     @outer.websocket(FNCALL_RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
         """run_code, judge and call (ops fncall.run, fncall.judge, fncall.call; args and
-        result as on the HTTP routes), multiplexed in ``dsec.wire``'s framing."""
+        result as on the HTTP routes), multiplexed in ``dsec.api.datapath``'s framing."""
         await ws.accept()
         header = ws.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")

@@ -12,12 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from starlette.responses import Response
 
-from dsec.apiserver.auth import Authenticator
-from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.responses import model_response
-from dsec.control.iam import IAM, ROOT, check_project
-from dsec.control.keys import KeyStore
-from dsec.iam_model import (
+from dsec.api.iam import (
     KeyCreate,
     KeyCreated,
     KeyInfo,
@@ -30,6 +25,11 @@ from dsec.iam_model import (
     RoleBinding,
     RoleGrant,
 )
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.responses import model_response
+from dsec.control.iam import IAM, ROOT, check_project
+from dsec.control.keys import KeyStore
 
 
 def _list(

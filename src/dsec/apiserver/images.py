@@ -12,13 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
+from dsec.api.images import BuildImageRequest, ImageInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_image_ref
 from dsec.apiserver.responses import images_response, model_response
 from dsec.images.service import ArchiveFormat, ImageService
-from dsec.model import BuildImageRequest, ImageInfo
 
 
 async def _nonempty(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -7,11 +7,11 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from starlette.responses import Response
 
+from dsec.api.layers import BuildLayerRequest, LayerInfo, LayerTransferRequest, TagLayerRequest
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
 from dsec.images.layers import LayerService
-from dsec.layer_model import BuildLayerRequest, LayerInfo, LayerTransferRequest, TagLayerRequest
 
 
 def _list(items: list[LayerInfo]) -> Response:

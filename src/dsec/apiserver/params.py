@@ -7,8 +7,8 @@ behaviour for "no such sandbox" whatever the id looks like.
 
 from __future__ import annotations
 
+from dsec.api.fields import LABEL_KEY_RE, SANDBOX_ID_RE, parse_image_ref
 from dsec.errors import InvalidArgument, SandboxNotFound
-from dsec.model import LABEL_KEY_RE, SANDBOX_ID_RE, parse_image_ref
 
 # The largest value a SQLite INTEGER (and so every cursor and step number) can hold.
 INT64_MAX = (1 << 63) - 1

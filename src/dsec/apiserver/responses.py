@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pydantic import BaseModel, TypeAdapter
 from starlette.responses import Response
 
-from dsec.model import ImageInfo, SandboxInfo
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo
 
 _JSON = "application/json"
 _sandbox_list: TypeAdapter[list[SandboxInfo]] = TypeAdapter(list[SandboxInfo])

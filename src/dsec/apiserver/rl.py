@@ -14,16 +14,7 @@ from typing import Annotated, Protocol
 from fastapi import APIRouter, Depends
 from starlette.responses import Response
 
-from dsec.apiserver.auth import Authenticator
-from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.params import check_sandbox_id
-from dsec.apiserver.responses import model_response
-from dsec.control.iam import IAM, Request
-from dsec.control.roles import Role, RoleStore
-from dsec.errors import QuotaExceeded
-from dsec.model import SandboxInfo
-from dsec.rl.jobs import check_job_id
-from dsec.rl_model import (
+from dsec.api.rl import (
     ForkRequest,
     ForkResult,
     JobPauseReport,
@@ -31,6 +22,15 @@ from dsec.rl_model import (
     PackedEnv,
     PackRequest,
 )
+from dsec.api.sandbox import SandboxInfo
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.errors import ErrorBody
+from dsec.apiserver.params import check_sandbox_id
+from dsec.apiserver.responses import model_response
+from dsec.control.iam import IAM, Request
+from dsec.control.roles import Role, RoleStore
+from dsec.errors import QuotaExceeded
+from dsec.rl.jobs import check_job_id
 
 
 class RLEdge(Protocol):

@@ -19,23 +19,15 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from dsec.api.datapath import PtyControl, encode_data
+from dsec.api.exec import CommandArgs, SessionArgs, signal_number
+from dsec.api.files import ChmodRequest, MkdirRequest, MoveRequest, RemoveRequest
 from dsec.apiserver.errors import validation_message
 from dsec.apiserver.params import INT64_MAX, MAX_LIST_LIMIT, check_sandbox_id
 from dsec.apiserver.wsmux import MuxConnection, close_with_error, error_payload
 from dsec.edge.dataplane import DataPlane, check_path
 from dsec.errors import DSecError, InvalidArgument, PayloadTooLarge, Unauthenticated
 from dsec.sessions.processes import ManagedProcess
-from dsec.wire import (
-    ChmodRequest,
-    CommandArgs,
-    MkdirRequest,
-    MoveRequest,
-    PtyControl,
-    RemoveRequest,
-    SessionArgs,
-    encode_data,
-    signal_number,
-)
 
 Handler = Callable[["RpcConnection", int, str, dict[str, Any]], Awaitable[Any]]
 

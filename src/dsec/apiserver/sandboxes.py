@@ -12,6 +12,16 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request
 from starlette.responses import Response
 
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.sandbox import (
+    IDEMPOTENCY_HEADER,
+    CreateSandboxRequest,
+    DataPathInfo,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.errors import ErrorBody
@@ -24,17 +34,6 @@ from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.edge.admission import Admission
 from dsec.edge.api import EdgeAPI
 from dsec.edge.idempotency import check_key
-from dsec.model import (
-    IDEMPOTENCY_HEADER,
-    CreateSandboxRequest,
-    DataPathInfo,
-    ExecRequest,
-    ExecResult,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-)
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 LIVE_STATES = frozenset(s for s in SandboxState if not s.terminal)
 

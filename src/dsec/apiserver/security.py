@@ -12,12 +12,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
+from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
 from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog, Filters
-from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
 MAX_LIMIT = 10_000
 # Module level: FastAPI resolves the (postponed) annotations in module globals.

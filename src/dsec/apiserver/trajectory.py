@@ -14,12 +14,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
+from dsec.api.exec import TrajectoryRef
+from dsec.api.trajectory import StepAnswer, StepBatch, StepRecord, TrajectoryInfo, check_name
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
 from dsec.errors import InvalidArgument, NotFound
-from dsec.model import TrajectoryRef
-from dsec.rl.model import StepAnswer, StepBatch, StepRecord, TrajectoryInfo, check_name
 from dsec.rl.trajectory import TrajectoryService
 
 _JSON = "application/json"

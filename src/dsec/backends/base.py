@@ -15,18 +15,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.errors import Unsupported
-from dsec.model import (
-    BackendKind,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    ImageInfo,
-    SandboxInfo,
-    SandboxState,
-)
 from dsec.sessions.agent_client import AgentClient
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 
 @dataclass

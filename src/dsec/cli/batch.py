@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from dsec.batch_model import BatchCreated, BatchDone, BatchError, BatchFailed
+from dsec.api.batch import BatchCreated, BatchDone, BatchError, BatchFailed
 from dsec.cli.common import err, inert, out, sync_client
 from dsec.cli.sandbox import container_args
 from dsec.errors import DSecError

@@ -114,7 +114,7 @@ def edge(
     """Run sandboxes for a cluster: a `dsec up` that joins the apiservers."""
     import re
 
-    from dsec.cluster.model import EDGE_ID_PATTERN
+    from dsec.api.cluster import EDGE_ID_PATTERN
     from dsec.cluster.server import EdgeJoin, run_edge
 
     if not re.match(EDGE_ID_PATTERN, edge_id):

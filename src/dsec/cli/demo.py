@@ -36,11 +36,12 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from dsec.api.fields import parse_image_ref
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.cli.common import cell, err, globals_of, out, percentile, print_error
 from dsec.cli.up import announce
 from dsec.config import DEFAULT_DATA_DIR, load_client_config, save_client_config
 from dsec.errors import DSecError, ImageNotFound, PlatformUnavailable, Unauthenticated
-from dsec.model import DSecContainerRunArgs, parse_image_ref
 from dsec.sdk import DSecClient, Sandbox
 
 RECIPES = {"busybox": "busybox", "debian-python": "debian-python"}

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from dsec.api.events import AuditKind, EventKind
 from dsec.cli.common import cells, emit_json, inert, out, sync_client
-from dsec.security.events import AuditKind, EventKind
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 JobOpt = Annotated[str | None, typer.Option("--job", help="RL job id")]

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.cli.common import emit, emit_json, sync_client, usage_from
-from dsec.fncall_model import DSecFnCallRunArgs
 
 LangOpt = Annotated[str, typer.Option("--lang", "-l", help="python, bash, sh, c, cpp, node")]
 ImageOpt = Annotated[str, typer.Option("--image", help="image ref")]

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
+from dsec.api.iam import ROOT, QuotaInfo
 from dsec.cli.common import emit, emit_json, out, sync_client
-from dsec.iam_model import ROOT, QuotaInfo
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 

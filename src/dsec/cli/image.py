@@ -18,8 +18,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from dsec.api.images import ImageInfo
 from dsec.cli.common import cells, emit, emit_json, err, human_bytes, out, sync_client
-from dsec.model import ImageInfo
 
 app = typer.Typer(help="Import, build, list and remove images.", no_args_is_help=True)
 

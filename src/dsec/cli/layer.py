@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from dsec.api.layers import LayerInfo
 from dsec.cli.common import cells, emit, emit_json, err, human_bytes, out, sync_client
-from dsec.layer_model import LayerInfo
 
 app = typer.Typer(help="Build, push, pull, list, tag and remove layers.", no_args_is_help=True)
 

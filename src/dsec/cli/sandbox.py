@@ -10,6 +10,8 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.cli import shell as shell_cmd
 from dsec.cli.common import (
     cells,
@@ -24,7 +26,6 @@ from dsec.cli.common import (
     usage_from,
 )
 from dsec.errors import DSecError
-from dsec.model import DSecContainerRunArgs, SandboxState
 
 app = typer.Typer(help="Create, use and remove sandboxes.", no_args_is_help=True)
 app.command("shell")(shell_cmd.shell)

@@ -34,11 +34,11 @@ import httpx
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
+from dsec.api.trajectory import StepBatch, check_name
 from dsec.cluster.registry import DOWN
 from dsec.cluster.remote import RemoteEdge
 from dsec.cluster.router import ClusterEdge, edge_of
 from dsec.errors import DSecError, EdgeUnavailable, InvalidArgument, NotFound, SandboxNotFound
-from dsec.rl.model import StepBatch, check_name
 from dsec.security.audit import Filters
 
 log = logging.getLogger(__name__)

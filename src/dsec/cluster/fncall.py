@@ -28,13 +28,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
-from dsec.backends.fncall.service import FnCallService
-from dsec.cluster.fanout import Edges
-from dsec.cluster.registry import DOWN
-from dsec.cluster.remote import EdgeNotReached, RemoteEdge
-from dsec.cluster.router import STALE_AFTER_S, ClusterEdge, image_key
-from dsec.errors import AdmissionRejected, DSecError, EdgeUnavailable, ImageNotFound
-from dsec.fncall_model import (
+from dsec.api.fncall import (
     CallRequest,
     CallResult,
     DSecFnCallRunArgs,
@@ -46,6 +40,12 @@ from dsec.fncall_model import (
     RunCodeResult,
     WarmPoolRequest,
 )
+from dsec.backends.fncall.service import FnCallService
+from dsec.cluster.fanout import Edges
+from dsec.cluster.registry import DOWN
+from dsec.cluster.remote import EdgeNotReached, RemoteEdge
+from dsec.cluster.router import STALE_AFTER_S, ClusterEdge, image_key
+from dsec.errors import AdmissionRejected, DSecError, EdgeUnavailable, ImageNotFound
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

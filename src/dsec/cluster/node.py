@@ -18,11 +18,11 @@ import time
 
 import httpx
 
-from dsec.cluster.model import EdgeReport, HeartbeatReply
+from dsec.api.cluster import EdgeReport, HeartbeatReply
+from dsec.api.sandbox import SandboxState
 from dsec.edge.edge import Edge
 from dsec.errors import DSecError
 from dsec.images.images import Images
-from dsec.model import SandboxState
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from sqlalchemy import JSON, Float, Index, String, delete, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
-from dsec.cluster.model import EdgeReport, EdgeStatus, HeartbeatReply
+from dsec.api.cluster import EdgeReport, EdgeStatus, HeartbeatReply
+from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.control.db import Base
-from dsec.model import SandboxInfo, SandboxState
 
 UP = "up"
 DOWN = "down"

@@ -14,21 +14,14 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.health import HealthInfo
+from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
-from dsec.model import (
-    DataPathInfo,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-)
 from dsec.sdk._http import raise_for_error
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 _sandbox_list = TypeAdapter(list[SandboxInfo])
 

@@ -19,7 +19,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from dsec.cluster.model import EdgeStatus
+from dsec.api.cluster import EdgeStatus
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.health import HealthInfo
+from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
 from dsec.control.placement import Demand, EdgeView, Placer
@@ -32,19 +38,6 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxNotRunning,
 )
-from dsec.model import (
-    DataPathInfo,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-)
-from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)

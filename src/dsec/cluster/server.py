@@ -15,6 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from dsec.api.sandbox import SandboxInfo
 from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.cluster import cluster_router
@@ -34,7 +35,6 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
-from dsec.model import SandboxInfo
 from dsec.platform import Platform, run, run_loop, serve_app
 
 log = logging.getLogger(__name__)

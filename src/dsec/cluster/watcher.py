@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from dsec.cluster.model import EdgeStatus
+from dsec.api.cluster import EdgeStatus
 from dsec.cluster.registry import DOWN, Registry
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from dsec.batch_model import (
+from dsec.api.batch import (
     BATCH_LABEL,
     INDEX_LABEL,
     MAX_BATCH_PARALLELISM,
@@ -55,6 +55,8 @@ from dsec.batch_model import (
     BatchStatus,
     CreateBatchRequest,
 )
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import (
     BatchNotFound,
     ClusterFull,
@@ -64,7 +66,6 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from dsec.model import DSecContainerRunArgs, SandboxInfo
 
 if TYPE_CHECKING:  # the apiserver package imports this module
     from dsec.apiserver.creator import SandboxCreator

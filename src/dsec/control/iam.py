@@ -30,20 +30,8 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from dsec.control.db import Base
-from dsec.control.iam_tables import (
-    IAM_TABLES,
-    ChargeRow,
-    PrincipalRow,
-    ProjectRow,
-    QuotaRow,
-    RoleBindingRow,
-    UsageRow,
-)
-from dsec.control.keys import ApiKeyRow, KeyStore, hash_key
-from dsec.control.quotas import Request, ancestors, make_charger, millicores
-from dsec.errors import AlreadyExists, Conflict, InvalidArgument, NotFound, PermissionDenied
-from dsec.iam_model import (
+from dsec.api.fields import PROJECT_RE
+from dsec.api.iam import (
     PRINCIPAL_RE,
     ROOT,
     KeyCreated,
@@ -57,7 +45,19 @@ from dsec.iam_model import (
     Role,
     RoleBinding,
 )
-from dsec.model import PROJECT_RE
+from dsec.control.db import Base
+from dsec.control.iam_tables import (
+    IAM_TABLES,
+    ChargeRow,
+    PrincipalRow,
+    ProjectRow,
+    QuotaRow,
+    RoleBindingRow,
+    UsageRow,
+)
+from dsec.control.keys import ApiKeyRow, KeyStore, hash_key
+from dsec.control.quotas import Request, ancestors, make_charger, millicores
+from dsec.errors import AlreadyExists, Conflict, InvalidArgument, NotFound, PermissionDenied
 
 ADMIN = "admin"
 DEFAULT_PROJECT = "default"

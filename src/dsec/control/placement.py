@@ -88,8 +88,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsec.api.spec import DSecRunArgs
 from dsec.errors import ClusterFull, InvalidArgument
-from dsec.model import DSecRunArgs
 
 Strategy = Literal["power_of_k", "least_loaded", "random"]
 STRATEGIES: tuple[Strategy, ...] = ("power_of_k", "least_loaded", "random")

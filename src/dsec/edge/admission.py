@@ -11,8 +11,8 @@ import os
 import time
 from collections.abc import Iterable
 
+from dsec.api.spec import DSecRunArgs
 from dsec.errors import AdmissionRejected, LimitExceeded
-from dsec.model import DSecRunArgs
 
 
 def host_memory_mb() -> int:

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dsec.model import (
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-)
-from dsec.verify_model import VerifyRequest, VerifyResult
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.health import HealthInfo
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 
 if TYPE_CHECKING:
     from dsec.edge.idempotency import IdempotencyClaim

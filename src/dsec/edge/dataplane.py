@@ -19,6 +19,10 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from dsec.api.events import AuditKind
+from dsec.api.exec import CommandArgs, ProcessInfo, SessionArgs, SessionInfo
+from dsec.api.files import FileInfo, FileList, FileType
+from dsec.api.sandbox import DataPathInfo, SandboxState
 from dsec.backends.base import SandboxRecord
 from dsec.edge.edge import Edge
 from dsec.edge.tokens import TokenSigner
@@ -29,22 +33,11 @@ from dsec.errors import (
     ProcessNotFound,
     SessionNotFound,
 )
-from dsec.model import DataPathInfo, SandboxState
-from dsec.security.events import AuditKind
 from dsec.sessions import archive
 from dsec.sessions import protocol as p
 from dsec.sessions.agent_client import AgentClient, ExecStream
 from dsec.sessions.processes import ManagedProcess, new_process_id
 from dsec.sessions.shell import session_argv, state_path
-from dsec.wire import (
-    CommandArgs,
-    FileInfo,
-    FileList,
-    FileType,
-    ProcessInfo,
-    SessionArgs,
-    SessionInfo,
-)
 
 log = logging.getLogger(__name__)
 

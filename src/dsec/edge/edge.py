@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec import __version__
+from dsec.api.events import AuditKind, EventKind, Severity
+from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
+from dsec.api.fields import SANDBOX_ID_RE, check_network_rules
+from dsec.api.health import Degradation, HealthInfo
+from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
@@ -36,31 +44,16 @@ from dsec.errors import (
 )
 from dsec.exhaustion import Exhaustion, register
 from dsec.images.service import ImageService
-from dsec.model import (
-    SANDBOX_ID_RE,
-    Degradation,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    TrajectoryRef,
-    check_network_rules,
-)
 from dsec.net.manager import NetworkManager
-from dsec.protected_model import protected_summary, redact_files
 from dsec.rl.jobs import JobControl
 from dsec.rl.pack import fork_sandbox, pack_sandbox
-from dsec.rl_model import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.security.audit import AuditLog
-from dsec.security.events import AuditKind, EventKind, Severity
+from dsec.security.graded_paths import resolve_graded
 from dsec.security.guard import DetectorGuard
 from dsec.security.limits import LimitWatcher
+from dsec.security.protected import protected_summary, redact_files
 from dsec.security.tampering import MAX_REPORTED, TamperWatch, merged_names
 from dsec.supervise import Supervisor
-from dsec.verify_model import VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
     from dsec.rl.trajectory import TrajectoryService

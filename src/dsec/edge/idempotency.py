@@ -26,9 +26,10 @@ import json
 import time
 from dataclasses import dataclass
 
+from dsec.api.sandbox import IDEMPOTENCY_HEADER, IDEMPOTENCY_KEY_RE
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.edge.state import EdgeStateDB, KeyRow
 from dsec.errors import IdempotencyKeyReused, InvalidArgument
-from dsec.model import IDEMPOTENCY_HEADER, IDEMPOTENCY_KEY_RE, DSecContainerRunArgs
 
 KEY_TTL = 24 * 3600.0
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.base import SandboxRecord
-from dsec.model import DSecContainerRunArgs, ImageInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (

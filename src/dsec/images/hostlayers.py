@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dsec.api.layers import ImageLoading
 from dsec.errors import CorruptBlob, ImageNotFound
 from dsec.images.chunkindex import ChunkIndex
 from dsec.images.lazy.cache import LazyCache
@@ -30,7 +31,6 @@ from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.mounts import LayerMounts
 from dsec.images.remote.client import RemoteStore
 from dsec.images.store import LayerStore, digest_hex, normalize_digest
-from dsec.layer_model import ImageLoading
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,10 @@ from typing import ParamSpec, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from dsec.api.fields import parse_image_ref
+from dsec.api.images import ImageInfo
+from dsec.api.layers import LayerInfo, LayerRef
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument
 from dsec.images import builders
 from dsec.images.extract import default_config, unpack_archive
@@ -41,8 +45,6 @@ from dsec.images.registry import ImageRow, NewLayer, Registry, manifest_layers, 
 from dsec.images.remote.client import RemoteStore
 from dsec.images.service import ArchiveFormat, Progress, Recipe
 from dsec.images.store import LayerStore, remove_tree
-from dsec.layer_model import LayerInfo, LayerRef
-from dsec.model import DSecContainerRunArgs, ImageInfo, parse_image_ref
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")

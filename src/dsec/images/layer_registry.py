@@ -15,9 +15,9 @@ from sqlalchemy import BigInteger, DateTime, Integer, String, Text, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
+from dsec.api.layers import LayerInfo
 from dsec.control.db import Base
 from dsec.images.registry import utc
-from dsec.layer_model import LayerInfo
 
 
 class LayerTagRow(Base):

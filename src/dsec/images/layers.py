@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dsec import spawn
+from dsec.api.images import ImageInfo
+from dsec.api.layers import BuildLayerRequest, LayerInfo, LayerKind, LayerRef
 from dsec.errors import ImageBuildError, ImageNotFound, InvalidArgument, Unsupported
 from dsec.images.chunkindex import DEFAULT_CHUNK_SIZE, build_index
 from dsec.images.extract import OPAQUE, WHITEOUT, default_config, split_member_name, unpack_archive
@@ -25,8 +27,6 @@ from dsec.images.images import Images
 from dsec.images.remote.client import RemoteStore
 from dsec.images.remote.records import check_name, check_version
 from dsec.images.store import sha256_file
-from dsec.layer_model import BuildLayerRequest, LayerInfo, LayerKind, LayerRef
-from dsec.model import ImageInfo
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from dsec.layer_model import LayerInfo, LayerRef
-from dsec.model import DSecContainerRunArgs, ImageInfo
+from dsec.api.images import ImageInfo
+from dsec.api.layers import LayerInfo, LayerRef
+from dsec.api.spec import DSecContainerRunArgs
 
 # Called with (step description, done units, total units or None) during long work.
 Progress = Callable[[str, int, int | None], None]

@@ -51,6 +51,7 @@ from typing import Any
 
 from pyroute2 import IPRoute
 
+from dsec.api.events import AuditKind, EventKind
 from dsec.errors import BackendError, InvalidArgument
 from dsec.exhaustion import classify
 from dsec.net import netns
@@ -72,7 +73,6 @@ from dsec.net.dnsguard import EventLimiter, Reason, Screened, TunnelGuard, block
 from dsec.net.nflog import LoggedPacket, NflogReader
 from dsec.net.nft import Nft, NftError
 from dsec.security.audit import AuditSink, NullAudit
-from dsec.security.events import AuditKind, EventKind
 
 log = logging.getLogger(__name__)
 

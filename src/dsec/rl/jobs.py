@@ -51,12 +51,13 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from dsec.api.events import AuditKind
+from dsec.api.fields import TRAJECTORY_NAME_RE
+from dsec.api.rl import JOB_ID_MAX, JobPauseReport, JobResumeReport, SandboxPause
+from dsec.api.sandbox import SandboxState
 from dsec.backends.base import ReclaimFigures
 from dsec.errors import BackendError, InvalidArgument, Unsupported
-from dsec.model import TRAJECTORY_NAME_RE, SandboxState
 from dsec.resources.reclaim import swap_available
-from dsec.rl_model import JOB_ID_MAX, JobPauseReport, JobResumeReport, SandboxPause
-from dsec.security.events import AuditKind
 
 if TYPE_CHECKING:
     from dsec.backends.base import SandboxRecord

@@ -27,12 +27,12 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from dsec.api.events import AuditKind
+from dsec.api.layers import LayerInfo, LayerRef
+from dsec.api.rl import ForkRequest, ForkResult, PackedEnv
+from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
 from dsec.images.service import LayerBuilder
-from dsec.layer_model import LayerInfo, LayerRef
-from dsec.model import SandboxInfo, SandboxState
-from dsec.rl_model import ForkRequest, ForkResult, PackedEnv
-from dsec.security.events import AuditKind
 
 if TYPE_CHECKING:
     from dsec.backends.base import SandboxRecord

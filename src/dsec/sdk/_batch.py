@@ -24,7 +24,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from dsec.batch_model import (
+from dsec.api.batch import (
     BatchAccepted,
     BatchCreated,
     BatchDone,
@@ -35,8 +35,9 @@ from dsec.batch_model import (
     CreateBatchRequest,
     batch_event_adapter,
 )
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import BatchNotFound, DSecError, PlatformUnavailable
-from dsec.model import DSecContainerRunArgs, SandboxInfo
 from dsec.sdk import _http
 from dsec.sdk._protocol import _JSON_HEADERS, Call, _model, invalid, wait_timeout
 

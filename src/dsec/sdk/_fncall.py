@@ -12,8 +12,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from dsec.errors import DSecError
-from dsec.fncall_model import (
+from dsec.api.fncall import (
     OP_CALL,
     OP_JUDGE,
     OP_RUN,
@@ -30,6 +29,7 @@ from dsec.fncall_model import (
     RunCodeResult,
     WarmPoolRequest,
 )
+from dsec.errors import DSecError
 from dsec.sdk._protocol import Call, _list_of, _model, invalid, wait_timeout
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

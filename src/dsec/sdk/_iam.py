@@ -8,8 +8,8 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
-from dsec.errors import InvalidArgument
-from dsec.iam_model import (
+from dsec.api.fields import PROJECT_RE
+from dsec.api.iam import (
     ROOT,
     KeyCreate,
     KeyCreated,
@@ -24,7 +24,7 @@ from dsec.iam_model import (
     RoleBinding,
     RoleGrant,
 )
-from dsec.model import PROJECT_RE
+from dsec.errors import InvalidArgument
 from dsec.sdk._protocol import _JSON_HEADERS, Call, _list_of, _model, _nothing, invalid
 
 

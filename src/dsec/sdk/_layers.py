@@ -8,8 +8,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from dsec.errors import InvalidArgument
-from dsec.layer_model import (
+from dsec.api.layers import (
     BuildLayerRequest,
     LayerInfo,
     LayerKind,
@@ -18,6 +17,7 @@ from dsec.layer_model import (
     check_layer_name,
     check_layer_version,
 )
+from dsec.errors import InvalidArgument
 from dsec.sdk._protocol import Call, _list_of, _model, invalid, wait_timeout
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

@@ -16,29 +16,26 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.fields import SANDBOX_ID_RE, parse_image_ref
+from dsec.api.health import HealthInfo
+from dsec.api.images import BuildImageRequest, ImageInfo
+from dsec.api.sandbox import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_KEY_RE,
+    CreateSandboxRequest,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyMode, VerifyRequest, VerifyResult
 from dsec.errors import (
     DSecError,
     InvalidArgument,
     SandboxNotFound,
 )
-from dsec.model import (
-    IDEMPOTENCY_HEADER,
-    IDEMPOTENCY_KEY_RE,
-    SANDBOX_ID_RE,
-    BuildImageRequest,
-    CreateSandboxRequest,
-    DSecContainerRunArgs,
-    ExecRequest,
-    ExecResult,
-    HealthInfo,
-    ImageInfo,
-    NetworkRules,
-    SandboxInfo,
-    SandboxState,
-    parse_image_ref,
-)
 from dsec.sdk._upload import Upload
-from dsec.verify_model import VerifyMode, VerifyRequest, VerifyResult
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

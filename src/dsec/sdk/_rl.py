@@ -7,8 +7,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
-from dsec.errors import InvalidArgument
-from dsec.rl_model import (
+from dsec.api.rl import (
     ForkRequest,
     ForkResult,
     JobPauseReport,
@@ -16,6 +15,7 @@ from dsec.rl_model import (
     PackedEnv,
     PackRequest,
 )
+from dsec.errors import InvalidArgument
 from dsec.sdk._protocol import _JSON_HEADERS, Call, _model, invalid, sandbox_path, wait_timeout
 
 

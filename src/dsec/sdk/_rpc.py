@@ -1,4 +1,4 @@
-"""One multiplexed data-path WebSocket from the SDK to an edge (protocol: ``dsec.wire``).
+"""One multiplexed data-path WebSocket from the SDK to an edge (protocol: ``dsec.api.datapath``).
 
 A reader task routes answers to the waiting callers by request id and output frames to
 their ``on_data`` callbacks, so any number of commands share one connection. A dropped
@@ -18,8 +18,8 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from dsec.api.datapath import RPC_PATH, decode_data
 from dsec.errors import DSecError, PlatformUnavailable, error_from_payload
-from dsec.wire import RPC_PATH, decode_data
 
 OnData = Callable[[int, bytes], None]
 

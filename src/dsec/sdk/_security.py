@@ -8,9 +8,9 @@ from typing import Generic, TypeVar
 
 import httpx
 
+from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.errors import InvalidArgument
 from dsec.sdk._protocol import Call, _list_of
-from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
 R = TypeVar("R", SecurityEvent, AuditRecord)
 # A cursor that is one node's seq, unlike a cluster's "edge:seq,..." (edge ids are [a-z0-9]).

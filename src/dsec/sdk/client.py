@@ -13,14 +13,12 @@ from typing import Self, TypeVar
 
 import httpx
 
+from dsec.api.health import HealthInfo
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
-from dsec.model import (
-    DSecContainerRunArgs,
-    HealthInfo,
-    ImageInfo,
-    SandboxInfo,
-    SandboxState,
-)
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._batch import BatchMixin
@@ -33,7 +31,6 @@ from dsec.sdk.layers import LayersMixin
 from dsec.sdk.rl import JobsMixin, SandboxRLMixin
 from dsec.sdk.security import SecurityMixin
 from dsec.sdk.trajectory import TrajectoryMixin
-from dsec.verify_model import VerifyMode, VerifyResult
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from dsec.cluster.model import EdgeStatus
+from dsec.api.cluster import EdgeStatus
 from dsec.sdk._protocol import Call, _list_of
 
 T = TypeVar("T")

@@ -26,6 +26,18 @@ from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from dsec.api.datapath import EDGE_PREFIX, STDERR, STDOUT
+from dsec.api.exec import (
+    CommandArgs,
+    ExecResult,
+    ExitInfo,
+    ProcessInfo,
+    SessionArgs,
+    SessionInfo,
+    signal_number,
+)
+from dsec.api.files import FileInfo, FileList
+from dsec.api.sandbox import DataPathInfo, SandboxInfo
 from dsec.errors import (
     DSecError,
     FileNotFound,
@@ -37,25 +49,11 @@ from dsec.errors import (
     Unsupported,
     error_from_payload,
 )
-from dsec.model import DataPathInfo, ExecResult, SandboxInfo
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._protocol import Call, exec_command, invalid, sandbox_path
 from dsec.sdk._rpc import MAX_FRAME, RpcClient, ws_url
 from dsec.sdk._upload import open_upload
-from dsec.wire import (
-    EDGE_PREFIX,
-    STDERR,
-    STDOUT,
-    CommandArgs,
-    ExitInfo,
-    FileInfo,
-    FileList,
-    ProcessInfo,
-    SessionArgs,
-    SessionInfo,
-    signal_number,
-)
 
 if TYPE_CHECKING:
     from dsec.sdk.client import DSecClient

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
 
-from dsec.errors import PlatformUnavailable, Timeout
-from dsec.fncall_model import (
+from dsec.api.fncall import (
     FNCALL_RPC_PATH,
     CallResult,
     Comparator,
@@ -34,6 +33,7 @@ from dsec.fncall_model import (
     PoolInfo,
     RunCodeResult,
 )
+from dsec.errors import PlatformUnavailable, Timeout
 from dsec.sdk import _fncall as proto
 from dsec.sdk._fncall import FnCallOp, RemoteCallFailed, TestSpec
 from dsec.sdk._protocol import Call

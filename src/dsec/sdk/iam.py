@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from dsec.iam_model import (
+from dsec.api.iam import (
     ROOT,
     KeyCreated,
     KeyInfo,

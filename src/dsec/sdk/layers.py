@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-from dsec.layer_model import LayerInfo, LayerKind
+from dsec.api.layers import LayerInfo, LayerKind
 from dsec.sdk import _layers as proto
 from dsec.sdk._protocol import Call
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Self, TypeVar
 
-from dsec.model import SandboxInfo
-from dsec.rl_model import JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.rl import JobPauseReport, JobResumeReport, PackedEnv
+from dsec.api.sandbox import SandboxInfo
 from dsec.sdk import _rl as proto
 from dsec.sdk._protocol import Call
 

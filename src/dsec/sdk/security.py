@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
+from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.sdk import _security as proto
 from dsec.sdk._protocol import Call
 from dsec.sdk._security import Page
-from dsec.security.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 
 T = TypeVar("T")
 

@@ -12,14 +12,12 @@ from typing import Self, TypeVar
 
 import httpx
 
+from dsec.api.health import HealthInfo
+from dsec.api.images import ImageInfo
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
-from dsec.model import (
-    DSecContainerRunArgs,
-    HealthInfo,
-    ImageInfo,
-    SandboxInfo,
-    SandboxState,
-)
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._batch import SyncBatchMixin
@@ -35,7 +33,6 @@ from dsec.sdk.rl import SyncJobsMixin, SyncSandboxRLMixin
 from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 from dsec.sdk.trajectory import SyncTrajectoryMixin
-from dsec.verify_model import VerifyMode, VerifyResult
 
 T = TypeVar("T")
 

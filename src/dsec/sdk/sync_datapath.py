@@ -10,7 +10,9 @@ import os
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from dsec.model import SandboxInfo
+from dsec.api.exec import ExitInfo, ProcessInfo, SessionInfo
+from dsec.api.files import FileInfo, FileList
+from dsec.api.sandbox import SandboxInfo
 from dsec.sdk._portal import Portal
 from dsec.sdk.datapath import (
     CommandResult,
@@ -21,7 +23,6 @@ from dsec.sdk.datapath import (
     Pty,
     Session,
 )
-from dsec.wire import ExitInfo, FileInfo, FileList, ProcessInfo, SessionInfo
 
 if TYPE_CHECKING:
     from dsec.sdk.client import DSecClient, Sandbox

@@ -24,8 +24,8 @@ from urllib.parse import quote
 
 import httpx
 
+from dsec.api.trajectory import StepAnswer, StepRecord, TrajectoryInfo, check_name
 from dsec.errors import error_class_for
-from dsec.rl.model import StepAnswer, StepRecord, TrajectoryInfo, check_name
 from dsec.sdk._protocol import Call, _list_of, _model, wait_timeout
 from dsec.sdk.datapath import CommandResult, command_args
 

@@ -16,8 +16,8 @@ import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
+from dsec.api.events import EventKind, Severity
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind, Severity
 from dsec.security.safe_text import lines
 
 log = logging.getLogger(__name__)

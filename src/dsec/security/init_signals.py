@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.api.events import EventKind
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind
 from dsec.security.seccomp_listener import BURST, WINDOW, signal_name
 
 log = logging.getLogger(__name__)

@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.api.events import EventKind, Severity
 from dsec.exhaustion import classify
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.resources.disk import DiskUsage
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind, Severity
 from dsec.security.guard import DetectorGuard
 
 log = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.api.events import EventKind, Severity
+from dsec.api.protected import ProtectedMount
 from dsec.errors import BackendError
-from dsec.protected_model import ProtectedMount
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind, Severity
 
 log = logging.getLogger(__name__)
 
@@ -334,3 +334,21 @@ def frozen(host: CgroupHost, rel: str) -> Iterator[None]:
         yield
     finally:
         thaw(host, rel)
+
+
+def redact_files(mounts: list[ProtectedMount]) -> list[ProtectedMount]:
+    """The same mounts with inline contents blanked: what is stored and echoed back
+    (the names stay, so a caller still sees what it asked for)."""
+    return [
+        m.model_copy(update={"files": dict.fromkeys(m.files, "")}) if m.files else m for m in mounts
+    ]
+
+
+def protected_summary(mounts: list[ProtectedMount]) -> list[dict[str, Any]]:
+    """What the audit log keeps of them: paths and sources, never inline contents."""
+    return [
+        {"path": m.path, "layer": str(m.layer)}
+        if m.layer is not None
+        else {"path": m.path, "files": len(m.files)}
+        for m in mounts
+    ]

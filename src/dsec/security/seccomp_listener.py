@@ -38,8 +38,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from dsec.api.events import EventKind
 from dsec.security.audit import AuditSink
-from dsec.security.events import EventKind
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn, Self
 
+from dsec.api.exec import ExecResult
 from dsec.errors import (
     BackendError,
     Conflict,
@@ -31,7 +32,6 @@ from dsec.errors import (
     LimitExceeded,
     PermissionDenied,
 )
-from dsec.model import ExecResult
 from dsec.sessions import protocol as p
 
 __all__ = ["AgentClient", "AgentExecResult", "ExecStream"]

@@ -23,9 +23,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
+from dsec.api.exec import ExitInfo, ProcessInfo
 from dsec.errors import DSecError, InvalidArgument, SandboxNotRunning
 from dsec.sessions.agent_client import ExecStream
-from dsec.wire import ExitInfo, ProcessInfo
 
 __all__ = ["ManagedProcess", "new_process_id"]
 

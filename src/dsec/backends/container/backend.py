@@ -27,25 +27,26 @@ from pathlib import Path
 from typing import Any
 
 from dsec import linux, spawn
+from dsec.api.events import AuditKind
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.spec import BackendKind
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, PackedWritable, ReclaimFigures, SandboxRecord
 from dsec.backends.container import freezer, verifier
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, InvalidArgument, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
-from dsec.model import BackendKind, ExecRequest, ExecResult
 from dsec.net.oci import net_mounts
 from dsec.resources.cgroups import CgroupHost
 from dsec.resources.disk import MiB, SandboxDisk
 from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
-from dsec.security.events import AuditKind
 from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.sessions.agent_client import AgentClient
 from dsec.supervise import keep_running
-from dsec.verify_model import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 

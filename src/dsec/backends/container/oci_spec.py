@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.hostlimits import sandbox_nofile
-from dsec.model import DSecContainerRunArgs
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
 AGENT_PATH_IN_SANDBOX = "/.dsec/init"

@@ -48,13 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 from dsec import linux
 from dsec.agent.build import untrusted_binary
+from dsec.api.events import EventKind
+from dsec.api.verify import GradedRefusal, VerifyRequest, VerifyResult
 from dsec.backends.container.oci_spec import build_config, image_env
 from dsec.errors import BackendError, Conflict
 from dsec.security import graded as graded_trees
 from dsec.security import protected
-from dsec.security.events import EventKind
+from dsec.security.graded_paths import resolve_graded
 from dsec.sessions.agent_client import AgentClient
-from dsec.verify_model import GradedRefusal, VerifyRequest, VerifyResult, resolve_graded
 
 if TYPE_CHECKING:
     from dsec.backends.base import SandboxRecord

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.backends.fncall.zygote import CgroupPlan, Runner, Zygote
 from dsec.errors import AdmissionRejected, BackendError
-from dsec.fncall_model import DSecFnCallRunArgs
 from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)

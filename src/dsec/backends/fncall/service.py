@@ -22,23 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from dsec.backends.fncall import callstub
-from dsec.backends.fncall.languages import LANGUAGES, Language, language
-from dsec.backends.fncall.pool import Budget, WarmPool
-from dsec.backends.fncall.zygote import (
-    F_CPU,
-    F_EXECFAIL,
-    F_OUTPUT,
-    F_WALL,
-    ExecOutcome,
-    Runner,
-    Zygote,
-    cgroup_plan,
-    seccomp_rules,
-    write_config,
-)
-from dsec.errors import InvalidArgument, LimitExceeded, PlatformUnavailable, Unsupported
-from dsec.fncall_model import (
+from dsec.api.events import AuditKind, EventKind
+from dsec.api.fncall import (
     MAX_CODE_BYTES,
     MAX_FILE_BYTES,
     MAX_FILES,
@@ -59,10 +44,25 @@ from dsec.fncall_model import (
     Verdict,
     WarmPoolRequest,
 )
+from dsec.backends.fncall import callstub
+from dsec.backends.fncall.languages import LANGUAGES, Language, language
+from dsec.backends.fncall.pool import Budget, WarmPool
+from dsec.backends.fncall.zygote import (
+    F_CPU,
+    F_EXECFAIL,
+    F_OUTPUT,
+    F_WALL,
+    ExecOutcome,
+    Runner,
+    Zygote,
+    cgroup_plan,
+    seccomp_rules,
+    write_config,
+)
+from dsec.errors import InvalidArgument, LimitExceeded, PlatformUnavailable, Unsupported
 from dsec.images.images import Images
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
-from dsec.security.events import AuditKind, EventKind
 from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dsec.api.layers import LayerInfo, LayerKind
 from dsec.errors import ImageBuildError
 from dsec.images.chunkindex import DEFAULT_CHUNK_SIZE, build_index
 from dsec.images.remote.dirstore import DirStore
-from dsec.layer_model import LayerInfo, LayerKind
 
 
 def publish_tree(

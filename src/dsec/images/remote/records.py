@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dsec.api.layers import LayerInfo, check_layer_name, check_layer_version
 from dsec.errors import InvalidArgument
-from dsec.layer_model import LayerInfo, check_layer_name, check_layer_version
 
 LayerRecord = LayerInfo
 

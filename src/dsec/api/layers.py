@@ -1,10 +1,9 @@
-"""Layers in the shared language: references, registry entries and layer requests.
+"""Layers on the wire: references, registry entries and layer requests.
 
 A sandbox's root file system is stacked from up to three read-only layers, bottom
 first: the base image, a workspace, a toolkit. Each is versioned on its own, so an
 update rebuilds one layer instead of every image that contains it. A reference is
 ``name:version`` (resolved in the layer registry) or a ``sha256:`` digest (exact).
-Kept apart from dsec.model so that module stays a list of request/response shapes.
 """
 
 from __future__ import annotations
@@ -16,10 +15,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LAYER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
 LAYER_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
+
 ImageLoading = Literal["lazy", "eager"]
+
+
 LayerKind = Literal["base", "workspace", "toolkit"]
 
 

@@ -1,10 +1,10 @@
-"""What edges and apiservers tell each other in cluster mode."""
+"""What edges and apiservers tell each other in cluster mode (heartbeats, edge status)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from dsec.model import Reply, Strict
+from dsec.api.base import Reply, Strict
 
 EDGE_ID_PATTERN = r"^[a-z0-9]{1,16}$"
 

@@ -1,8 +1,7 @@
-"""Batch creation in the shared language: the request and the NDJSON events of /v1/batches.
+"""Batch creation on the wire: the request and the NDJSON events of /v1/batches.
 
-Kept apart from dsec.model (like dsec.rl_model) so that module stays small. One RL job
-asks for thousands of sandboxes of one spec at once; the answer is a stream of events,
-one JSON object per line, each tagged by ``event``.
+One RL job asks for thousands of sandboxes of one spec at once; the answer is a stream
+of events, one JSON object per line, each tagged by ``event``.
 """
 
 from __future__ import annotations
@@ -12,14 +11,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
+from dsec.api.base import Reply, Strict
+from dsec.api.fields import TRAJECTORY_NAME_RE
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import DSecError, error_class_for
-from dsec.model import TRAJECTORY_NAME_RE, DSecContainerRunArgs, Reply, SandboxInfo, Strict
 
 MAX_BATCH_COUNT = 32_000
+
+
 MAX_BATCH_PARALLELISM = 1024
+
 
 # Labels every sandbox of a batch carries, so a job's sandboxes can be listed by batch.
 BATCH_LABEL = "dsec.batch"
+
+
 INDEX_LABEL = "dsec.index"
 
 
@@ -96,7 +103,10 @@ class BatchDone(Reply):
 BatchEvent = Annotated[
     BatchAccepted | BatchCreated | BatchFailed | BatchDone, Field(discriminator="event")
 ]
+
+
 batch_event_adapter: TypeAdapter[BatchEvent] = TypeAdapter(BatchEvent)
+
 
 BatchStateName = Literal["running", "cancelling", "done"]
 

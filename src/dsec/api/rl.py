@@ -1,15 +1,16 @@
-"""RL co-design in the shared language: job pause/resume reports, pack_diff and fork.
+"""RL co-design on the wire: job pause/resume reports, pack_diff and fork.
 
-Kept apart from dsec.model (like dsec.layer_model) so that module stays small; these
-are the wire format of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
+The bodies and answers of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
 """
 
 from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from dsec.layer_model import LayerInfo, check_layer_name, check_layer_version
-from dsec.model import DSecContainerRunArgs, Reply, SandboxInfo, Strict
+from dsec.api.base import Reply, Strict
+from dsec.api.layers import LayerInfo, check_layer_name, check_layer_version
+from dsec.api.sandbox import SandboxInfo
+from dsec.api.spec import DSecContainerRunArgs
 
 JOB_ID_MAX = 128
 
