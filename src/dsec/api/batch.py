@@ -14,7 +14,7 @@ from pydantic import Field, TypeAdapter
 from dsec.api.base import Reply, Strict
 from dsec.api.fields import TRAJECTORY_NAME_RE
 from dsec.api.sandbox import SandboxInfo
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.errors import DSecError, error_class_for
 
 MAX_BATCH_COUNT = 32_000
@@ -33,7 +33,7 @@ INDEX_LABEL = "dsec.index"
 class CreateBatchRequest(Strict):
     """``count`` sandboxes of ``spec`` for ``job`` (the spec's job_id is set to it)."""
 
-    spec: DSecContainerRunArgs
+    spec: RunArgs
     count: int = Field(..., ge=1, le=MAX_BATCH_COUNT, description="sandboxes to create")
     job: str = Field(
         ...,

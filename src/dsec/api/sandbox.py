@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
 from dsec.api.fields import check_network_rules
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.spec import BackendKind, RunArgs
 
 # The Idempotency-Key header of a create (dsec.edge.idempotency): UUIDs, base64, ULIDs.
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -72,12 +72,12 @@ class SandboxInfo(Reply):
     updated_at: datetime
     reason: str | None = Field(None, description="why it failed or stopped")
     edge: str
-    spec: DSecContainerRunArgs
+    spec: RunArgs
     data_path: DataPathInfo | None = Field(
         None, description="direct data path (create and inspect answers only)"
     )
 
 
 class CreateSandboxRequest(Strict):
-    spec: DSecContainerRunArgs
+    spec: RunArgs
     timeout: float = Field(120, gt=0, le=3600)

@@ -8,9 +8,17 @@ discriminated union (``RunArgs``) and switching backend changes only the argumen
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
 
 from dsec.api.base import Strict
 from dsec.api.fields import (
@@ -28,6 +36,9 @@ from dsec.api.protected import ProtectedMount, check_protected
 
 
 class BackendKind(StrEnum):
+    """Every backend a sandbox can name. ``fncall`` runs calls, not sandboxes created
+    through the create route (its per-call limits are ``dsec.api.fncall.DSecFnCallRunArgs``)."""
+
     CONTAINER = "container"
     FNCALL = "fncall"
     MICROVM = "microvm"
@@ -74,6 +85,10 @@ class DSecRunArgs(Strict):
         description="project charged for this sandbox (a path like 'rl/math'); None: the "
         "caller's default project",
     )
+    # Grader/answer content that only verify() runs see (dsec.api.protected).
+    protected: list[ProtectedMount] = Field(
+        default_factory=list, description="paths only verifier runs can read"
+    )
 
     @field_validator("init_user")
     @classmethod
@@ -116,6 +131,11 @@ class DSecRunArgs(Strict):
     def _workdir(cls, v: str) -> str:
         return check_abs_path(v, "workdir")
 
+    @field_validator("protected")
+    @classmethod
+    def _protected(cls, v: list[ProtectedMount]) -> list[ProtectedMount]:
+        return check_protected(v)
+
 
 class DSecContainerRunArgs(DSecRunArgs):
     """A Linux container started from a layered image (paper Listing 1)."""
@@ -128,15 +148,6 @@ class DSecContainerRunArgs(DSecRunArgs):
     image_loading: ImageLoading = Field(
         "lazy", description="lazy: fetch chunks on first read; eager: whole layers first"
     )
-    # Grader/answer content that only verify() runs see (dsec.api.protected).
-    protected: list[ProtectedMount] = Field(
-        default_factory=list, description="paths only verifier runs can read"
-    )
-
-    @field_validator("protected")
-    @classmethod
-    def _protected(cls, v: list[ProtectedMount]) -> list[ProtectedMount]:
-        return check_protected(v)
 
     @field_validator("container_image")
     @classmethod
@@ -144,5 +155,86 @@ class DSecContainerRunArgs(DSecRunArgs):
         parse_image_ref(v)
         return v
 
+    @property
+    def image_ref(self) -> str:
+        """The image the sandbox boots from (placement and audit key on it)."""
+        return self.container_image
 
-RunArgs = Annotated[DSecContainerRunArgs, Field(discriminator="backend")]
+
+class DSecMicroVMRunArgs(DSecRunArgs):
+    """A lightweight VM (Firecracker or QEMU microvm) booted from the same EROFS layers
+    as a container: the base ``image`` plus optional workspace and toolkit layers."""
+
+    backend: Literal["microvm"] = "microvm"
+    image: str = Field(..., description="image reference name[:tag]")
+    workspace: LayerRef | None = Field(None, description="layer name:version or digest")
+    toolkit: LayerRef | None = Field(None, description="layer name:version or digest")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        parse_image_ref(v)
+        return v
+
+    @property
+    def image_ref(self) -> str:
+        """The image the sandbox boots from (placement and audit key on it)."""
+        return self.image
+
+
+class DSecFullVMRunArgs(DSecRunArgs):
+    """A full VM (QEMU) booted from a VM image of its own kernel and disk."""
+
+    backend: Literal["fullvm"] = "fullvm"
+    vm_image: str = Field(..., description="VM image reference name[:tag]")
+
+    @field_validator("vm_image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        parse_image_ref(v)
+        return v
+
+    @property
+    def image_ref(self) -> str:
+        """The image the sandbox boots from (placement and audit key on it)."""
+        return self.vm_image
+
+
+def _backend_of(value: Any) -> str:
+    """A spec without ``backend`` is a container spec: what every caller and every
+    edge.db row sent before the other backends existed."""
+    if isinstance(value, dict):
+        return str(value.get("backend", BackendKind.CONTAINER.value))
+    return str(getattr(value, "backend", BackendKind.CONTAINER.value))
+
+
+_BY_KIND: dict[str, type[DSecRunArgs]] = {
+    BackendKind.CONTAINER.value: DSecContainerRunArgs,
+    BackendKind.MICROVM.value: DSecMicroVMRunArgs,
+    BackendKind.FULLVM.value: DSecFullVMRunArgs,
+}
+
+
+def _untagged_errors(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Validate a known kind as its own class, so an error names the field as it always
+    has (``spec.memory_limit_mb``, not ``spec.container.memory_limit_mb``); the union
+    answers the rest (an unknown ``backend``, a spec object already built)."""
+    cls = None if isinstance(value, DSecRunArgs) else _BY_KIND.get(_backend_of(value))
+    return cls.model_validate(value) if cls is not None else handler(value)
+
+
+#: Any backend's run spec, told apart by ``backend`` (container when absent). The type
+#: of every field and parameter that carries "a sandbox's spec".
+RunArgs = Annotated[
+    Annotated[DSecContainerRunArgs, Tag(BackendKind.CONTAINER.value)]
+    | Annotated[DSecMicroVMRunArgs, Tag(BackendKind.MICROVM.value)]
+    | Annotated[DSecFullVMRunArgs, Tag(BackendKind.FULLVM.value)],
+    Discriminator(
+        _backend_of,
+        custom_error_type="invalid_backend",
+        custom_error_message="backend must be one of: container, microvm, fullvm "
+        "(FnCall runs calls, not sandboxes: see run_code)",
+    ),
+    WrapValidator(_untagged_errors),
+]
+run_args_adapter: TypeAdapter[RunArgs] = TypeAdapter(RunArgs)

@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
 from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
@@ -70,15 +70,18 @@ class RemoteEdge:
         return resp
 
     # -- EdgeAPI --------------------------------------------------------------------------
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         return (await self.create_load(spec, timeout=timeout))[0]
 
     async def create_load(
-        self, spec: DSecContainerRunArgs, *, timeout: float
+        self, spec: RunArgs, *, timeout: float
     ) -> tuple[SandboxInfo, EdgeLoad | None]:
         """Create, and the edge's usage right after as its answer states it (None from
         an edge that does not): placement reads it at once (dsec.control.placement)."""
-        body = {"spec": spec.model_dump(mode="json", exclude_unset=True), "timeout": timeout}
+        # Only what was set (an older edge knows no newer field), but always the backend:
+        # a spec without one is read as a container spec.
+        fields = {**spec.model_dump(mode="json", exclude_unset=True), "backend": spec.backend}
+        body = {"spec": fields, "timeout": timeout}
         resp = await self._call("POST", "/v1/sandboxes", json=body, timeout=timeout + 10)
         info = SandboxInfo.model_validate_json(resp.content)
         return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER))

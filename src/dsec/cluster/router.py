@@ -24,7 +24,7 @@ from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
@@ -202,8 +202,8 @@ class ClusterEdge:
         return sandbox_info(row)
 
     # -- create ---------------------------------------------------------------------------
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
-        image = frozenset({image_key(spec.container_image)})
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
+        image = frozenset({image_key(spec.image_ref)})
         demand = Demand.for_spec(spec, "container", layers=image, requires=image)
         tried: set[str] = set()
         refusals: list[dict[str, Any]] = []

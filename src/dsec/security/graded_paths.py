@@ -7,7 +7,7 @@ graded path that overlaps a protected one.
 
 from __future__ import annotations
 
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import DSecRunArgs
 from dsec.api.verify import DEFAULT_GRADED, VerifyRequest, check_graded_path
 
 
@@ -29,7 +29,7 @@ def overlaps(a: str, b: str) -> bool:
     return _under(a, b) or _under(b, a)
 
 
-def resolve_graded(spec: DSecContainerRunArgs, req: VerifyRequest) -> list[str]:
+def resolve_graded(spec: DSecRunArgs, req: VerifyRequest) -> list[str]:
     """The paths a step grades: the request's, else the spec's workdir, else the usual
     work directories (those that overlap a protected path left out). Raises ValueError
     for a graded path that overlaps a protected one: the grader would see the agent's

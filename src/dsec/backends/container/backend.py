@@ -29,7 +29,7 @@ from typing import Any
 from dsec import linux, spawn
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, ExecResult
-from dsec.api.spec import BackendKind
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, PackedWritable, ReclaimFigures, SandboxRecord
 from dsec.backends.container import freezer, verifier
@@ -53,6 +53,16 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # AF_UNIX paths are limited to 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
+
+
+def container_spec(rec: SandboxRecord) -> DSecContainerRunArgs:
+    """``rec``'s spec as the container spec it is. The edge hands this backend container
+    specs only (dsec.backends.kinds), so another kind here is a platform bug, not bad input."""
+    if not isinstance(rec.spec, DSecContainerRunArgs):
+        raise BackendError(
+            f"sandbox {rec.id} has a {rec.spec.backend} spec: the container backend cannot run it"
+        )
+    return rec.spec
 
 
 def prewarm_tree(root: Path, limit: int) -> int:
@@ -255,7 +265,7 @@ class ContainerBackend(Backend):
             for d in (rootfs, upper, work):
                 d.mkdir(parents=True, exist_ok=False)
             # Fetch what this host lacks: only chunk indexes when lazy, whole layers when eager.
-            await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
+            await self.layers.prepare(rec.image.layers, container_spec(rec).image_loading)
             lowers = []
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
                 lowers.append(str(self.layers.acquire(digest)))
@@ -330,7 +340,7 @@ class ContainerBackend(Backend):
             if digest is None:
                 layers.append(None)
                 continue
-            await self.layers.prepare([digest], rec.spec.image_loading)
+            await self.layers.prepare([digest], container_spec(rec).image_loading)
             layers.append((digest, self.layers.acquire(digest)))
             rec.runtime["layers_held"].append(digest)
         # Inline contents come from the edge beside the (redacted) spec.
@@ -494,12 +504,12 @@ class ContainerBackend(Backend):
         return False
 
     async def adopt(self, rec: SandboxRecord) -> None:
-        await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
+        await self.layers.prepare(rec.image.layers, container_spec(rec).image_loading)
         held = []
         prepared = [protected_paths.Prepared.from_json(p) for p in rec.runtime.get("protected", [])]
         if any(p.digest for p in prepared):
             await self.layers.prepare(
-                [p.digest for p in prepared if p.digest], rec.spec.image_loading
+                [p.digest for p in prepared if p.digest], container_spec(rec).image_loading
             )
         for digest in [*rec.image.layers, *(p.digest for p in prepared if p.digest)]:
             self.layers.acquire(digest)
