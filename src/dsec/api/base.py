@@ -3,7 +3,8 @@
 Requests (``Strict``) refuse unknown fields: a typo such as ``memory_limit=`` must
 fail loudly, not be ignored. Replies (``Reply``) ignore unknown fields, so an older
 SDK keeps working when a newer server adds one. Every model that crosses a process
-boundary derives from one of them (or states why not, like ``LayerRef``).
+boundary derives from one of them; a subclass may add ``frozen`` (value objects such as
+``LayerRef``), never its own ``extra``.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 import posixpath
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from dsec.api.base import Strict
 from dsec.api.layers import LayerRef
 
 MAX_PROTECTED_MOUNTS = 8
@@ -58,12 +59,12 @@ def _check_rel(name: str) -> str:
     return name
 
 
-class ProtectedMount(BaseModel):
+class ProtectedMount(Strict):
     """``path`` shows ``layer``'s root directory or the inline ``files`` (exactly one)
     read-only, in verifier runs only. In the agent's sandbox the path is an empty
     read-only look-alike whose every open is reported as a ``protected_path`` event."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     path: str = Field(description="absolute path, e.g. /grader")
     layer: LayerRef | None = Field(
