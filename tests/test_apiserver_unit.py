@@ -31,7 +31,7 @@ from dsec.api.layers import LayerRef
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
 from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
-from dsec.apiserver import ApiLimits, create_app
+from dsec.apiserver import ApiLimits, ApiServices, create_app
 from dsec.apiserver.errors import validation_message
 from dsec.control.db import Base, make_engine, sqlite_url
 from dsec.control.keys import ApiKeyRow, KeyStore, hash_key
@@ -283,7 +283,8 @@ async def make_fake_app(
 ) -> tuple[FastAPI, FakeEdge, AsyncEngine]:
     keys, engine = await make_keystore(db)
     edge = FakeEdge(FakeImages())
-    return create_app(edge, edge.images, keys, limits=limits), edge, engine
+    services = ApiServices(edge=edge, keys=keys, images=edge.images, limits=limits or ApiLimits())
+    return create_app(services), edge, engine
 
 
 # ---- fixtures --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import uvicorn
 
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.apiserver import create_app
+from dsec.apiserver import ApiServices, create_app
 from dsec.cli import demo as demo_mod
 from dsec.cli.common import percentile
 from dsec.cli.main import run
@@ -284,7 +284,7 @@ def serve_fake_platform(port: int, data_dir: Path, key: str) -> None:
         keys, engine = await make_keystore(data_dir / "keys.db")
         await keys.ensure(key)
         edge = FakeEdge(FakeImages())
-        app = create_app(edge, edge.images, keys)
+        app = create_app(ApiServices(edge=edge, keys=keys, images=edge.images))
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         await uvicorn.Server(config).serve()
         await engine.dispose()
@@ -369,7 +369,7 @@ def test_up_prints_and_saves_the_connection(
         seen.append(config)
         ready(config.url, "dsk_from_platform")
 
-    monkeypatch.setitem(sys.modules, "dsec.platform", types.SimpleNamespace(serve=serve))
+    monkeypatch.setitem(sys.modules, "dsec.roots.platform", types.SimpleNamespace(serve=serve))
     code = run(["up", "--port", "9999", "--data-dir", str(tmp_path / "d"), "--api-key", "k1"])
     out = capsys.readouterr().out
     assert code == 0
@@ -398,7 +398,7 @@ def test_up_prefers_the_blocking_runner(
         ready(config.url, "k")
 
     fake = types.SimpleNamespace(serve=serve, run=run_blocking)
-    monkeypatch.setitem(sys.modules, "dsec.platform", fake)
+    monkeypatch.setitem(sys.modules, "dsec.roots.platform", fake)
     assert run(["up", "--no-save-config"]) == 0
     assert calls == ["run"]
     assert "http://127.0.0.1:8470" in capsys.readouterr().out
@@ -410,7 +410,7 @@ def test_up_without_root_is_a_typed_error(
     async def serve(config: PlatformConfig, *, ready: Any = None) -> None:
         raise PermissionError("the platform needs root (mounts, cgroups, namespaces)")
 
-    monkeypatch.setitem(sys.modules, "dsec.platform", types.SimpleNamespace(serve=serve))
+    monkeypatch.setitem(sys.modules, "dsec.roots.platform", types.SimpleNamespace(serve=serve))
     assert run(["up"]) == 1
     assert_one_line_error(capsys.readouterr().err, "permission_denied")
 

@@ -25,6 +25,7 @@ from dsec.cluster.router import view_of
 from dsec.control.placement import Demand, EdgeLoad, Placer
 from dsec.errors import EdgeUnavailable, PermissionDenied, QuotaExceeded, SandboxNotRunning
 from tests.cluster_env import Cluster, cluster
+from tests.faults.test_streams import MiB, hash_body, memory_cgroup, payload, payload_sha
 from tests.pg import PostgresServer
 
 pytestmark = pytest.mark.timeout(600)
@@ -309,6 +310,82 @@ async def test_quota_holds_under_concurrent_creates_from_two_apiservers(
             await client.close()
     async with DSecClient(c.api_urls[0], c.admin_key) as admin:
         assert (await admin.quota("rlq")).usage.sandboxes == 0
+
+
+async def test_keyed_create_is_made_once_across_apiservers(three_edges: Cluster) -> None:
+    """Issue 13 item 7 in cluster mode: one Idempotency-Key, sent at once through both
+    apiservers (each would place it on its own), makes one sandbox; a retry after the
+    sandbox stopped gets it back, whatever its state; another spec is a 409."""
+    c = three_edges
+    key = "cluster-" + os.urandom(8).hex()
+    body = {"spec": spec(labels={"t": "keyed"}).model_dump(mode="json", exclude_unset=True)}
+    headers = {"Authorization": f"Bearer {c.admin_key}", "Idempotency-Key": key}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=u, timeout=120))
+            for u in c.api_urls
+        ]
+        answers = await asyncio.gather(
+            *(clients[i % 2].post("/v1/sandboxes", json=body, headers=headers) for i in range(12))
+        )
+        assert all(r.status_code in (200, 201) for r in answers), [r.text for r in answers]
+        ids = {r.json()["id"] for r in answers}
+        assert len(ids) == 1, ids
+        assert sorted(r.status_code for r in answers).count(201) == 1
+        (sid,) = ids
+        async with DSecClient(c.api_urls[0], c.admin_key) as a:
+            listed = await a.list_sandboxes(labels={"t": "keyed"})
+            assert [s.id for s in listed] == [sid]
+            await (await a.get(sid)).stop()
+        again = await clients[1].post("/v1/sandboxes", json=body, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == sid
+        assert again.json()["state"] == "stopped"
+        assert again.headers.get("Idempotent-Replayed") == "true"
+        other = {"spec": spec(labels={"t": "keyed"}, memory_limit_mb=96).model_dump(mode="json")}
+        clash = await clients[0].post("/v1/sandboxes", json=other, headers=headers)
+        assert clash.status_code == 409
+        assert clash.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_file_bodies_stream_through_a_memory_limited_apiserver(three_edges: Cluster) -> None:
+    """Issue 13 item 4 in cluster mode: the control routes' file bodies are forwarded to
+    the sandbox's edge chunk by chunk, so an apiserver held to its idle memory plus
+    less than the body's size passes a large file both ways, unharmed."""
+    c = three_edges
+    proc = c.apiservers[0].proc
+    assert proc is not None and proc.poll() is None
+    size = 256 * MiB + 777
+    want = payload_sha(size)
+    headers = {"Authorization": f"Bearer {c.admin_key}"}
+    with (
+        memory_cgroup() as cg,
+        httpx.Client(
+            base_url=c.api_urls[0], headers=headers, timeout=httpx.Timeout(300, connect=10)
+        ) as http,
+        DSecSyncClient(c.api_urls[0], c.admin_key) as client,
+    ):
+        sb = client.run_container(spec(labels={"t": "stream"}, memory_limit_mb=128))
+        try:
+            cg.add(proc.pid)
+            cg.limit(cg.usage() + 120 * MiB)
+            cg.reset_peak()
+            r = http.put(
+                f"/v1/sandboxes/{sb.id}/files",
+                params={"path": "/root/big"},
+                content=payload(size),
+            )
+            assert r.status_code == 204, r.text
+            with http.stream(
+                "GET", f"/v1/sandboxes/{sb.id}/files", params={"path": "/root/big"}
+            ) as r:
+                assert r.status_code == 200
+                assert hash_body(r) == (want, size)
+            missing = http.get(f"/v1/sandboxes/{sb.id}/files", params={"path": "/root/nope"})
+            assert missing.status_code == 404, missing.text
+            assert cg.oom_kills() == 0 and proc.poll() is None
+        finally:
+            cg.limit(-1 if cg.v1 else 2**62)
+            sb.stop()
 
 
 async def test_batch_across_edges(three_edges: Cluster) -> None:

@@ -64,7 +64,7 @@ class PlatformConfig:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     # Unique per host: empty = derived from the machine id and the data dir, and kept
-    # in <data dir>/edge_id (dsec.edge.identity); running_platform fills it in.
+    # in <data dir>/edge_id (dsec.edge.identity); dsec.roots.platform fills it in.
     edge_id: str = field(default_factory=lambda: os.environ.get("DSEC_EDGE_ID", ""))
     runtime: str = "crun"
     max_sandboxes: int = field(
@@ -110,8 +110,8 @@ class PlatformConfig:
         )
     )
 
-    # Preallocate the sandbox disk image (dsec.resources.disk), so that a full data dir
-    # cannot make writes inside sandboxes fail behind their back; 0: sparse, as before.
+    # Preallocate the sandbox disk image (dsec.resources.disk), so that it never has to
+    # grow; 0 (default): sparse, guarded by dsec.resources.diskguard instead.
     sandbox_disk_preallocate: bool = field(
         default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "0") == "1"
     )

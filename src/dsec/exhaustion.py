@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import resource
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -48,6 +49,10 @@ class Resource(StrEnum):
     FDS = "fds"
     MEMORY = "memory"
     PIDS = "pids"
+    # Sandboxes' writable disks held below their limits: the host cannot back the
+    # sparse sandbox disk image (dsec.resources.diskguard). Shown in health; creates go
+    # on unless the guard has no useful share left for one (it refuses those itself).
+    SANDBOX_DISK = "sandbox_disk"
 
 
 _ERRNO: dict[int, Resource] = {
@@ -65,8 +70,22 @@ _TEXT: tuple[tuple[str, Resource], ...] = (
     ("cannot allocate memory", Resource.MEMORY),
     ("out of memory", Resource.MEMORY),
     ("resource temporarily unavailable", Resource.PIDS),  # fork/clone EAGAIN
-    ("can't start new thread", Resource.PIDS),  # threading: clone EAGAIN (pids.max)
+    ("can't start new thread", Resource.PIDS),  # threading: EAGAIN; see below
 )
+_THREAD_START = "can't start new thread"
+THREAD_STACK = 8 * MiB
+
+
+def _thread_start_failure() -> Resource:
+    """Why a thread could not start: pthread_create says EAGAIN both when clone hits
+    pids.max and when the stack cannot be mapped (memory). Map a stack's worth to tell
+    (only on this error path)."""
+    try:
+        mmap.mmap(-1, THREAD_STACK).close()
+    except (OSError, MemoryError):
+        return Resource.MEMORY
+    return Resource.PIDS
+
 
 ADVICE: dict[Resource, str] = {
     Resource.DISK: "free space on the data dir's file system; creates resume by themselves",
@@ -75,6 +94,9 @@ ADVICE: dict[Resource, str] = {
     ),
     Resource.MEMORY: "the host is out of memory: stop some sandboxes or retry later",
     Resource.PIDS: "the host is out of processes (pids): stop some sandboxes or retry later",
+    Resource.SANDBOX_DISK: (
+        "free space on the data dir's file system; sandboxes' disk limits come back by themselves"
+    ),
 }
 
 
@@ -94,7 +116,7 @@ def classify(exc: BaseException) -> Resource | None:
             text = str(cur).lower()
             for needle, res in _TEXT:
                 if needle in text:
-                    return res
+                    return _thread_start_failure() if needle == _THREAD_START else res
         cur = cur.__cause__ or cur.__context__
     return None
 
@@ -129,6 +151,13 @@ class Exhaustion:
         self.noted = 0  # how many failures were typed here (figures for the fault tests)
         self._fds_used = 0
         self._fds_at = -1e9
+        self._probes: dict[Resource, Callable[[], str | None]] = {}
+
+    def watch(self, res: Resource, probe: Callable[[], str | None]) -> None:
+        """Let the part that owns ``res`` say when it runs short (``probe``: why, or
+        None), for health like the rest. Creates are gated by :meth:`check_create`'s
+        own resources only (disk, fds, memory)."""
+        self._probes[res] = probe
 
     # -- recording ---------------------------------------------------------------------
     def note(self, res: Resource, detail: str) -> DSecError:
@@ -181,6 +210,8 @@ class Exhaustion:
     def _probe(self, res: Resource) -> str | None:
         """Why ``res`` is exhausted now, or None if it looks fine (or cannot be told)."""
         try:
+            if res in self._probes:
+                return self._probes[res]()
             if res is Resource.DISK and self.data_dir is not None:
                 st = os.statvfs(self.data_dir)
                 free = st.f_bavail * st.f_frsize
@@ -223,6 +254,9 @@ class Exhaustion:
         out: list[Condition] = []
         for res in Resource:
             detail = self._probe(res) if res is not Resource.PIDS else None
+            if res in self._probes and detail is None:
+                self._clear(res)  # a watched probe reports its owner's state: no lag
+                continue
             cond = noted.get(res)
             if detail is not None:
                 out.append(cond or self._remember(res, detail))

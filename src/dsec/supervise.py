@@ -29,6 +29,10 @@ from dsec.exhaustion import classify
 
 log = logging.getLogger(__name__)
 
+# A thread- or socket-backed part to ``watch``: its name, why it is down (None: it is
+# fine), and how to restart it.
+Watched = tuple[str, Callable[[], str | None], Callable[[], None]]
+
 STABLE = 5.0  # seconds a restarted component must run before it counts as healthy
 MIN_BACKOFF = 0.1
 MAX_BACKOFF = 10.0

@@ -38,6 +38,9 @@ from tests.faults.helpers import poll
 pytestmark = pytest.mark.root
 
 MiB = 1024 * 1024
+# A platform with a 1 GiB sandbox disk and no egress rules (nothing here needs them).
+SMALL = {"DSEC_SANDBOX_DISK_GB": "1", "DSEC_NETWORK": "0"}
+SMALL_PREALLOCATED = {**SMALL, "DSEC_SANDBOX_DISK_PREALLOCATE": "1"}
 
 
 @dataclass
@@ -127,6 +130,34 @@ def running(plat: PlatformProcess) -> Iterator[PlatformProcess]:
         clean_leftovers(plat.data_dir, plat.edge_id)
         FIGURES.tracebacks += count_tracebacks(plat)
         assert not leaks, f"platform left these behind: {leaks}"
+
+
+@contextlib.contextmanager
+def faulted_platform(
+    env: dict[str, str],
+) -> Iterator[tuple[OffsitePlatform, DSecSyncClient, httpx.Client]]:
+    """A platform of its own for one fault (its data dir and log in a fresh temp dir,
+    busybox built), with an SDK client and a raw HTTP client; on the way out it is
+    stopped and leak-checked (``running``), its log must hold no traceback, and the
+    temp dir goes, also when the test failed."""
+    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
+    plat = OffsitePlatform(
+        data_dir=base / "d", edge_id="x" + secrets.token_hex(4), extra_env=env, log_dir=base
+    )
+    plat.data_dir.mkdir()
+    try:
+        with (
+            running(plat),
+            DSecSyncClient(plat.url, plat.api_key) as client,
+            httpx.Client(
+                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+            ) as http,
+        ):
+            client.build_image("busybox")
+            yield plat, client, http
+        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -269,6 +300,151 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
             assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
 
 
+def mount_options(path: Path) -> list[str]:
+    """The options of the mount at ``path`` (btrfs turns ``rw`` into ``ro`` when it
+    aborts a transaction: no dmesg needed to tell)."""
+    target = str(path.resolve())
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == target:
+            return fields[3].split(",")
+    raise AssertionError(f"{target} is not mounted")
+
+
+def dd_bytes(stderr: str) -> int:
+    """Bytes busybox dd says it wrote ("N bytes (..) copied")."""
+    found = re.search(r"(\d+) bytes", stderr)
+    return int(found.group(1)) if found else 0
+
+
+def degraded_by(http: httpx.Client, resource: str) -> bool:
+    return any(d.get("resource") == resource for d in health(http)["degraded"])
+
+
+def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> None:
+    """The default (sparse) sandbox disk on a 2 GiB data dir that fills up: the host-space
+    guard clamps the sandboxes' quota limits, so a running sandbox's write fails inside
+    with EDQUOT at write() time instead of being lost at writeback (which used to turn
+    btrfs read-only under every sandbox); health says ``sandbox_disk``; creates get 507
+    while the data dir is full; a create while the host is merely short gets a clamped
+    limit; once space is back the limits return and the file system was never read-only."""
+    with small_fs(2048) as mnt:
+        data_dir = mnt / "d"
+        data_dir.mkdir()
+        plat = OffsitePlatform(
+            data_dir=data_dir,
+            edge_id="x" + secrets.token_hex(4),
+            extra_env={
+                "DSEC_SANDBOX_DISK_GB": "1",
+                "DSEC_NETWORK": "0",
+                "DSEC_SANDBOX_DISK_PREALLOCATE": "0",  # the default: sparse
+            },
+        )
+        with running(plat):
+            image = data_dir / "sandboxes.img"
+            sandboxes = data_dir / "sandboxes"
+            assert image.stat().st_blocks * 512 < image.stat().st_size // 2  # sparse
+            with (
+                DSecSyncClient(plat.url, plat.api_key) as client,
+                httpx.Client(
+                    base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
+                ) as http,
+            ):
+                client.build_image("busybox")
+                sb = client.run_container(run_args(), timeout=60)
+                assert health(http)["status"] == "ok"
+                FIGURES.injected += 1
+                try:
+                    fill(mnt)
+                    # 1. visible: the guard clamped (and the data dir is full)
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    (cond,) = [
+                        d for d in health(http)["degraded"] if d["resource"] == "sandbox_disk"
+                    ]
+                    assert "EDQUOT" in cond["reason"] and cond["what_to_do"], cond
+                    # 2. creates are typed 507 while the data dir is full
+                    resp = create_raw(http)
+                    assert resp.status_code == 507, resp.text
+                    assert resp.json()["error"]["code"] == "insufficient_storage"
+                    # 3. a write inside fails there, loudly, well below the sandbox's
+                    # own 1 GiB limit (without the guard it "succeeds" into the void)
+                    r = sb.run_shell("dd if=/dev/zero of=/big bs=1M count=400", timeout=300)
+                    assert r.exit_code != 0, r
+                    low = r.stderr.lower()
+                    assert "quota exceeded" in low or "no space left" in low, r
+                    os.sync()  # what the sandbox wrote before reaches the image: no abort
+                    assert "rw" in mount_options(sandboxes), mount_options(sandboxes)
+                finally:
+                    unfill(mnt)
+                # 4. heals: limits back, health ok, and the file system stayed writable
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                r = sb.run_shell(
+                    "rm -f /big; dd if=/dev/zero of=/after bs=1M count=64 && echo fine",
+                    timeout=60,
+                )
+                assert r.exit_code == 0 and r.stdout.strip().endswith("fine"), r
+                os.sync()  # the sandbox's writes reach the image: no abort now either
+                assert "rw" in mount_options(sandboxes), mount_options(sandboxes)
+                r = sb.run_shell("cat /after | wc -c; rm /after")
+                assert r.exit_code == 0 and r.stdout.strip() == str(64 * MiB), r
+                resp = create_raw(http)
+                assert resp.status_code in (200, 201), resp.text
+                stop_raw(http, resp.json()["id"])
+                FIGURES.survived += 1
+
+                # The host short but not full: creates go on with clamped limits, and
+                # each sandbox may write only its share of what is left.
+                FIGURES.injected += 1
+                late = None
+                try:
+                    budget = 256 * MiB
+                    fill(mnt, leave=512 * MiB + budget)  # the reserve plus the budget
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    resp = create_raw(http)
+                    assert resp.status_code in (200, 201), resp.text
+                    late = resp.json()["id"]
+                    for sid in (sb.id, late):
+                        r = client.get(sid).run_shell(
+                            "dd if=/dev/zero of=/big bs=1M count=600", timeout=300
+                        )
+                        assert r.exit_code != 0, (sid, r)
+                        assert "quota exceeded" in r.stderr.lower(), (sid, r)
+                        assert dd_bytes(r.stderr) < budget, (sid, r)
+                        client.get(sid).run_shell("rm -f /big")
+                    assert "rw" in mount_options(sandboxes)
+                finally:
+                    unfill(mnt)
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                assert late is not None
+                r = client.get(late).run_shell("dd if=/dev/zero of=/big bs=1M count=300 && rm /big")
+                assert r.exit_code == 0, r  # its configured limit is back
+                stop_raw(http, late)
+                FIGURES.survived += 1
+
+                # So short that a new sandbox's share would be useless: creates get 507
+                # from the guard (the data dir itself still has room), typed, no traceback.
+                FIGURES.injected += 1
+                try:
+                    fill(mnt, leave=512 * MiB + 20 * MiB)
+                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    resp = create_raw(http)
+                    assert resp.status_code == 507, resp.text
+                    assert resp.json()["error"]["code"] == "insufficient_storage"
+                    r = sb.run_shell("dd if=/dev/zero of=/big bs=1M count=100")
+                    assert r.exit_code != 0 and "quota exceeded" in r.stderr.lower(), r
+                    sb.run_shell("rm -f /big")
+                finally:
+                    unfill(mnt)
+                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                resp = create_raw(http)
+                assert resp.status_code in (200, 201), resp.text
+                stop_raw(http, resp.json()["id"])
+                FIGURES.survived += 1
+                sb.stop()
+            FIGURES.notes.append(f"sparse disk: log tracebacks {count_tracebacks(plat)}")
+            assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
+
+
 # -- out of file descriptors ------------------------------------------------------------------
 def test_out_of_fds_is_typed_visible_and_heals() -> None:
     """The platform's ``nofile`` lowered to 400 (soft and hard, with prlimit) and then
@@ -276,28 +452,9 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
     degraded (fds); once the connections close, creates work again (the seccomp
     listener, which used to die on EMFILE, is still there). The hard limit below 4096
     also lowers the sandboxes' own nofile instead of failing every create."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    conns: list[socket.socket] = []
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, client, http):
+        conns: list[socket.socket] = []
+        try:
             assert plat.proc is not None
             limit = 400
             subprocess.run(
@@ -341,11 +498,9 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
             stop_raw(http, resp.json()["id"])
             FIGURES.survived += 1
             FIGURES.notes.append(f"fds: create statuses while exhausted {statuses}")
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        for s in conns:
-            s.close()
-        shutil.rmtree(base, ignore_errors=True)
+        finally:
+            for s in conns:
+                s.close()
 
 
 # -- a broken seccomp listener ----------------------------------------------------------------
@@ -353,47 +508,24 @@ def test_broken_seccomp_listener_recovers() -> None:
     """The seccomp socket file crun hands notify fds to is removed under a running
     platform (a cleaned-up run dir): health says the component is down, the supervisor
     binds it again, and creates work without a restart."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
-            sock = plat.data_dir / "run" / "seccomp.sock"
-            assert sock.exists()
-            for _ in range(3):
-                FIGURES.injected += 1
-                ino = sock.stat().st_ino
-                sock.unlink()
-                wait_for(lambda old=ino: sock.exists() and sock.stat().st_ino != old, timeout=30)
-                resp = create_raw(http)
-                assert resp.status_code in (200, 201), resp.text
-                sid = resp.json()["id"]
-                assert resp.json().get("state") == "running"
-                stop_raw(http, sid)
-                FIGURES.survived += 1
-            h = health(http)
-            # Listed while it was down; ok again once it has run STABLE seconds.
-            wait_for(lambda: health(http)["status"] == "ok", timeout=30)
-            FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, _client, http):
+        sock = plat.data_dir / "run" / "seccomp.sock"
+        assert sock.exists()
+        for _ in range(3):
+            FIGURES.injected += 1
+            ino = sock.stat().st_ino
+            sock.unlink()
+            wait_for(lambda old=ino: sock.exists() and sock.stat().st_ino != old, timeout=30)
+            resp = create_raw(http)
+            assert resp.status_code in (200, 201), resp.text
+            sid = resp.json()["id"]
+            assert resp.json().get("state") == "running"
+            stop_raw(http, sid)
+            FIGURES.survived += 1
+        h = health(http)
+        # Listed while it was down; ok again once it has run STABLE seconds.
+        wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+        FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
 
 
 # -- at the source, in one process --------------------------------------------------------------
@@ -530,51 +662,75 @@ def test_out_of_pids_is_typed_and_heals() -> None:
     """The platform and its spawner in a pids cgroup with no room for another process:
     creates get 503 ``resource_exhausted`` (pids), never a 500; with the limit lifted,
     creates work again without a restart."""
-    base = Path(tempfile.mkdtemp(prefix="dsec-exh-", dir="/tmp"))
-    plat = OffsitePlatform(
-        data_dir=base / "d",
-        edge_id="x" + secrets.token_hex(4),
-        extra_env={
-            "DSEC_SANDBOX_DISK_GB": "1",
-            "DSEC_NETWORK": "0",
-            "DSEC_SANDBOX_DISK_PREALLOCATE": "1",
-        },
-        log_dir=base,
-    )
-    plat.data_dir.mkdir()
-    try:
-        with (
-            running(plat),
-            DSecSyncClient(plat.url, plat.api_key) as client,
-            httpx.Client(
-                base_url=plat.url, headers={"Authorization": f"Bearer {plat.api_key}"}
-            ) as http,
-        ):
-            client.build_image("busybox")
-            assert plat.proc is not None
-            from tests.conftest import spawners
+    with faulted_platform(SMALL_PREALLOCATED) as (plat, _client, http):
+        assert plat.proc is not None
+        from tests.conftest import spawners
 
-            with pids_jail([plat.proc.pid, *spawners(plat.data_dir)]) as cg:
-                FIGURES.injected += 1
-                current = int((cg / "pids.current").read_text())
-                (cg / "pids.max").write_text(str(current))
-                statuses = []
-                for _ in range(3):
-                    resp = create_raw(http)
-                    statuses.append((resp.status_code, resp.json().get("error", {}).get("code")))
-                    if resp.status_code in (200, 201):
-                        stop_raw(http, resp.json()["id"])
-                FIGURES.notes.append(f"pids: create answers while exhausted {statuses}")
-                assert all(code == 503 for code, _ in statuses), statuses
-                assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
-                (cg / "pids.max").write_text("max")
-            resp = create_raw(http)
-            assert resp.status_code in (200, 201), resp.text
-            stop_raw(http, resp.json()["id"])
-            FIGURES.survived += 1
-        assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+        with pids_jail([plat.proc.pid, *spawners(plat.data_dir)]) as cg:
+            FIGURES.injected += 1
+            current = int((cg / "pids.current").read_text())
+            (cg / "pids.max").write_text(str(current))
+            statuses = []
+            for _ in range(3):
+                resp = create_raw(http)
+                statuses.append((resp.status_code, resp.json().get("error", {}).get("code")))
+                if resp.status_code in (200, 201):
+                    stop_raw(http, resp.json()["id"])
+            FIGURES.notes.append(f"pids: create answers while exhausted {statuses}")
+            assert all(code == 503 for code, _ in statuses), statuses
+            assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+            (cg / "pids.max").write_text("max")
+        resp = create_raw(http)
+        assert resp.status_code in (200, 201), resp.text
+        stop_raw(http, resp.json()["id"])
+        FIGURES.survived += 1
+
+
+def _vm_size(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for {pid}")
+
+
+def test_out_of_memory_is_typed_and_heals() -> None:
+    """The platform and its spawners held to the address space they use now (``prlimit
+    --as``, so every allocation past it fails with ENOMEM, as on a host out of memory
+    with overcommit off): creates get 503 ``resource_exhausted``, never a 500 or a
+    traceback, and the platform stays up; with the limit lifted, creates work again
+    without a restart."""
+    with faulted_platform(SMALL) as (plat, _client, http):
+        assert plat.proc is not None
+        from tests.conftest import spawners
+
+        pids = [plat.proc.pid, *spawners(plat.data_dir)]
+        FIGURES.injected += 1
+        for pid in pids:
+            limit = _vm_size(pid) + 4 * MiB
+            subprocess.run(["prlimit", f"--pid={pid}", f"--as={limit}:"], check=True)
+        statuses = []
+        resources: set[str] = set()
+        try:
+            for _ in range(3):
+                resp = create_raw(http)
+                err = resp.json().get("error", {})
+                statuses.append((resp.status_code, err.get("code")))
+                resources.add(str(err.get("details", {}).get("resource")))
+                if resp.status_code in (200, 201):
+                    stop_raw(http, resp.json()["id"])
+        finally:
+            for pid in pids:
+                subprocess.run(["prlimit", f"--pid={pid}", "--as=unlimited:"], check=False)
+        FIGURES.notes.append(f"memory: create answers while exhausted {statuses} {resources}")
+        assert all(code == 503 for code, _ in statuses), statuses
+        assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
+        assert resources == {"memory"}, resources
+        assert plat.proc.poll() is None, "the platform died"
+        wait_for(lambda: health(http)["status"] == "ok", timeout=60)
+        resp = create_raw(http)
+        assert resp.status_code in (200, 201), resp.text
+        stop_raw(http, resp.json()["id"])
+        FIGURES.survived += 1
 
 
 # -- host limits at start ----------------------------------------------------------------------

@@ -153,16 +153,26 @@ async def refused(url: str, headers: dict[str, str]) -> tuple[int, str]:
     return resp.status_code, json.loads(resp.body or b"{}")["error"]["code"]
 
 
-async def test_data_path_socket_needs_a_credential_at_the_handshake(
-    plat: PlatformProcess,
-) -> None:
-    url = ws(plat.url, RPC_PATH)
-    assert await refused(url, {}) == (401, "unauthenticated")
-    assert await refused(url, {"Authorization": "Bearer dsk_wrong"}) == (401, "unauthenticated")
-    assert await refused(url, {"Authorization": "Bearer dst1.x.1.y"}) == (401, "unauthenticated")
+@pytest.mark.parametrize("path", [RPC_PATH, FNCALL_RPC_PATH])
+async def test_sockets_need_a_credential_at_the_handshake(plat: PlatformProcess, path: str) -> None:
+    """Both WebSocket protocols refuse the upgrade itself without a valid credential:
+    no socket, so no frame parser, is ever reachable unauthenticated."""
+    url = ws(plat.url, path)
+    for bad in (
+        {},
+        {"Authorization": "Bearer dsk_wrong"},
+        {"Authorization": "Bearer dst1.x.1.y"},
+        {"Authorization": "Basic Zm9vOmJhcg=="},
+        {"Authorization": "Bearer "},
+    ):
+        assert await refused(url, bad) == (401, "unauthenticated"), bad
     async with connect(url, additional_headers={"Authorization": f"Bearer {plat.api_key}"}) as c:
-        await c.send(json.dumps({"id": 1, "op": "ping", "sandbox": "e0-0000000000000000"}))
-        assert json.loads(await c.recv())["error"]["code"] == "sandbox_not_found"
+        if path == RPC_PATH:
+            await c.send(json.dumps({"id": 1, "op": "ping", "sandbox": "e0-0000000000000000"}))
+            assert json.loads(await c.recv())["error"]["code"] == "sandbox_not_found"
+        else:
+            await c.send(json.dumps({"id": 1, "op": "fncall.nope", "args": {}}))
+            assert json.loads(await c.recv())["error"]["code"] == "invalid_argument"
 
 
 async def closed_with(conn: ClientConnection) -> tuple[str, int]:

@@ -1,13 +1,14 @@
 """The apiserver application: the single HTTP entry point of the platform.
 
 It keeps no per-sandbox state; everything is asked of the edge and the image service,
-so the same app can later route to many edges. Only two light pure-ASGI layers sit on
-the request path (body cap, last-resort error envelope) to keep exec at ~2 ms.
+so the same app routes to one in-process edge (`dsec up`) or to many (a cluster
+apiserver). It is not a composition root: the roots (dsec.roots) build its services and
+hand them over as one ApiServices value (dsec.apiserver.services). Only two light
+pure-ASGI layers sit on the request path (body cap, last-resort error envelope) to keep
+exec at ~2 ms.
 """
 
 from __future__ import annotations
-
-from typing import cast
 
 from fastapi import FastAPI
 from starlette.responses import Response
@@ -22,43 +23,25 @@ from dsec.apiserver.fncall import fncall_router
 from dsec.apiserver.iam import iam_router
 from dsec.apiserver.images import image_router
 from dsec.apiserver.layers import layer_router
-from dsec.apiserver.limits import ApiLimits, BodyLimitMiddleware
+from dsec.apiserver.limits import BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
-from dsec.apiserver.rl import RLEdge, rl_router
+from dsec.apiserver.rl import rl_router
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
+from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
-from dsec.backends.fncall.service import FnCallService
-from dsec.control.iam import IAM
-from dsec.control.keys import KeyStore
-from dsec.control.roles import RoleStore
-from dsec.edge.api import EdgeAPI
-from dsec.edge.dataplane import DataPlane
-from dsec.images.layers import LayerService
-from dsec.images.service import ImageService
-from dsec.rl.trajectory import TrajectoryService
-from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
 
 
-def create_app(
-    edge: EdgeAPI,
-    images: ImageService | None,
-    keys: KeyStore,
-    *,
-    limits: ApiLimits | None = None,
-    dataplane: DataPlane | None = None,
-    layers: LayerService | None = None,
-    audit: AuditLog | None = None,
-    fncall: FnCallService | None = None,
-    roles: RoleStore | None = None,
-    trajectory: TrajectoryService | None = None,
-    creator: SandboxCreator | None = None,
-    iam: IAM | None = None,
-    report_load: bool = False,
-) -> FastAPI:
-    limits = limits or ApiLimits()
+def create_app(services: ApiServices) -> FastAPI:
+    """The HTTP app over ``services``: the routes of what is given, and nothing else.
+
+    The composition roots (dsec.roots) build the services; this builds only HTTP
+    plumbing (the auth dependency, routers, the batch runner, and a default creator
+    when none is given), so the same services always get the same routes."""
+    edge, keys, limits, iam = services.edge, services.keys, services.limits, services.iam
+    dataplane = services.dataplane
     auth = Authenticator(keys)
     app = FastAPI(
         title="DSec API",
@@ -79,7 +62,8 @@ def create_app(
         return model_response(await edge.health())
 
     data_path = dataplane.data_path if dataplane is not None else None
-    creator = creator or SandboxCreator(edge, iam=iam)  # one create path: sandboxes, batches
+    # One create path for sandboxes and batches.
+    creator = services.creator or SandboxCreator(edge, iam=iam)
     app.include_router(
         sandbox_router(
             edge,
@@ -87,26 +71,31 @@ def create_app(
             limits,
             data_path=data_path,
             creator=creator,
-            report_load=report_load,
-            streams=dataplane,
+            report_load=services.report_load,
+            streams=services.streams or dataplane,
         )
     )
-    app.state.batches = batch_runner(creator, data_path)  # see cancel_batches_on_exit
+    app.state.batches = batch_runner(  # see cancel_batches_on_exit
+        creator,
+        data_path,
+        parallelism=services.batches.parallelism,
+        max_in_flight=services.batches.max_in_flight,
+    )
     app.include_router(batch_router(app.state.batches, auth))
     if dataplane is not None:
         install_data_path(app, dataplane, keys, auth, limits)
-    if images is not None:  # cluster mode: images live on the edges
-        app.include_router(image_router(images, auth, limits))
-    if layers is not None:
-        app.include_router(layer_router(layers, auth))
-    if audit is not None:
-        app.include_router(security_router(audit, auth))
-    if fncall is not None:
-        app.include_router(fncall_router(fncall, auth))
-    if trajectory is not None:
-        app.include_router(trajectory_router(trajectory, auth))
-    if roles is not None and hasattr(edge, "pause_job"):  # job pause, pack_diff, fork
-        app.include_router(rl_router(cast(RLEdge, edge), auth, roles, charge=iam is not None))
+    if services.images is not None:  # cluster mode: images live on the edges
+        app.include_router(image_router(services.images, auth, limits))
+    if services.layers is not None:
+        app.include_router(layer_router(services.layers, auth))
+    if services.audit is not None:
+        app.include_router(security_router(services.audit, auth))
+    if services.fncall is not None:
+        app.include_router(fncall_router(services.fncall, auth))
+    if services.trajectory is not None:
+        app.include_router(trajectory_router(services.trajectory, auth))
+    if services.rl is not None and services.roles is not None:  # job pause, pack_diff, fork
+        app.include_router(rl_router(services.rl, auth, services.roles, charge=iam is not None))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     return app

@@ -38,17 +38,23 @@ async def _stream(batch: RunningBatch) -> AsyncIterator[bytes]:
 def batch_runner(
     creator: SandboxCreator,
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
+    *,
+    parallelism: int | None = None,
+    max_in_flight: int | None = None,
 ) -> BatchRunner:
-    """The apiserver's runner; created events carry the data path like a create answer."""
+    """The apiserver's runner; created events carry the data path like a create answer.
+    ``parallelism`` and ``max_in_flight``: None keeps BatchRunner's defaults."""
     if data_path is None:
-        return BatchRunner(creator)
+        return BatchRunner(creator, parallelism=parallelism, max_in_flight=max_in_flight)
     path = data_path
 
     async def with_data_path(info: SandboxInfo) -> SandboxInfo:
         info.data_path = await path(info.id)
         return info
 
-    return BatchRunner(creator, decorate=with_data_path)
+    return BatchRunner(
+        creator, parallelism=parallelism, max_in_flight=max_in_flight, decorate=with_data_path
+    )
 
 
 async def cancel_batches_on_exit(server: Any, app: FastAPI) -> None:

@@ -64,14 +64,13 @@ class SandboxCreator:
         """Create at most once per Idempotency-Key ``key`` of ``principal`` (and its
         project): (info, True) when this request made the sandbox, (info, False) when an
         earlier one with the key did (dsec.edge.idempotency). Only a create that is made
-        is charged to the project. Unsupported (501) where the edge cannot keep keys
-        (cluster mode: a retry could be placed on another edge)."""
+        is charged to the project. Unsupported (501) from an edge that cannot keep keys."""
         require_backend(spec)  # 501 before the quota is charged or an edge is picked
         edge = self.edge
         if not isinstance(edge, KeyedCreates):
             raise Unsupported(
-                f"{IDEMPOTENCY_HEADER} is not supported in cluster mode yet; "
-                "create without it (and list by label to find a create whose answer was lost)"
+                f"{IDEMPOTENCY_HEADER} is not supported by this edge; create without it "
+                "(and list by label to find a create whose answer was lost)"
             )
         iam = self.iam
         project = ""

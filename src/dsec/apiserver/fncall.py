@@ -34,7 +34,7 @@ from dsec.api.fncall import (
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
-from dsec.apiserver.wsmux import MuxConnection, close_with_error
+from dsec.apiserver.wsmux import MuxConnection, refuse_handshake
 from dsec.backends.fncall.service import FnCallService
 from dsec.errors import DSecError, InvalidArgument
 
@@ -91,7 +91,8 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
     async def languages() -> Response:
         return _list(service.languages())
 
-    # The WebSocket checks the key itself: a refused key is a typed error on the socket.
+    # The WebSocket checks the key itself, at the handshake: a refused key is the
+    # typed error as the HTTP answer to the upgrade.
     outer = APIRouter()
     outer.include_router(router)
 
@@ -99,7 +100,6 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
     async def rpc(ws: WebSocket) -> None:
         """run_code, judge and call (ops fncall.run, fncall.judge, fncall.call; args and
         result as on the HTTP routes), multiplexed in ``dsec.api.datapath``'s framing."""
-        await ws.accept()
         header = ws.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         creds = None
@@ -108,8 +108,11 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
         try:
             await auth(creds)
         except DSecError as exc:
-            await close_with_error(ws, exc)
+            # Before the upgrade: an unauthenticated client never gets a socket to
+            # send frames into (the typed error is the HTTP answer).
+            await refuse_handshake(ws, exc)
             return
+        await ws.accept()
         await FnCallRpc(ws, service, auth, creds).serve()
 
     return outer

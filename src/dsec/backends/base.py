@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -141,6 +141,16 @@ class Backend(ABC):
         """Thread-backed parts the edge's supervisor watches (dsec.supervise): each as
         (name, healthy() -> None or why not, restart())."""
         return []
+
+    def loops(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        """Periodic loops the edge's supervisor runs for this backend (dsec.supervise):
+        each as (name, coroutine factory); restarted with backoff if one raises."""
+        return []
+
+    def disk_pressure(self) -> str | None:
+        """Why sandboxes' writable disks are held below their configured limits right
+        now (the host cannot back them), for ``/v1/health``; None while they are not."""
+        return None
 
     def limit_counters(self, rec: SandboxRecord) -> Any:
         """The kernel's limit counters of a sandbox (a ``dsec.security.limits.LimitReading``),

@@ -50,7 +50,7 @@ def apiserver(
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8470,
 ) -> None:
     """Serve the public API over every edge of the cluster (run as many as you like)."""
-    from dsec.cluster.server import ApiserverConfig, run_apiserver
+    from dsec.roots.apiserver import ApiserverConfig, run_apiserver
 
     config = ApiserverConfig(
         db=db,
@@ -78,7 +78,7 @@ def watcher(
     ] = 5.0,
 ) -> None:
     """Probe every edge; mark the ones that stopped answering down (their sandboxes lost)."""
-    from dsec.cluster.server import WatcherConfig, run_watcher
+    from dsec.roots.watcher import WatcherConfig, run_watcher
 
     config = WatcherConfig(db=db, period=period, failures=failures, stale_after=stale_after)
     try:
@@ -115,7 +115,7 @@ def edge(
     import re
 
     from dsec.api.cluster import EDGE_ID_PATTERN
-    from dsec.cluster.server import EdgeJoin, run_edge
+    from dsec.roots.edge import EdgeJoin, run_edge
 
     if not re.match(EDGE_ID_PATTERN, edge_id):
         raise InvalidArgument(f"--edge-id {edge_id!r} must match {EDGE_ID_PATTERN}")

@@ -96,7 +96,7 @@ def up(
     Sandboxes outlive a shutdown (as they outlive a crash) unless asked otherwise:
     `--stop-sandboxes-on-exit`, or `dsec down --stop-sandboxes`."""
     try:
-        platform = importlib.import_module("dsec.platform")  # lazily: the whole server side
+        platform = importlib.import_module("dsec.roots.platform")  # lazily: the whole server side
     except ImportError as exc:
         raise DSecError(
             f"cannot load the platform ({exc}); it needs the server extra: "

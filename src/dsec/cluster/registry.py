@@ -8,16 +8,19 @@ per sandbox (the directory: where it runs, whose job, live / lost / ended).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from sqlalchemy import JSON, Float, Index, String, delete, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
 from dsec.api.cluster import EdgeReport, EdgeStatus, HeartbeatReply
 from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.cluster.keys import KeyPins
 from dsec.control.db import Base
 
 UP = "up"
@@ -106,6 +109,7 @@ class Registry:
         self, engine: AsyncEngine, *, release: Release = _noop, recharge: Recharge = _fits
     ) -> None:
         self._sessions = async_sessionmaker(engine, expire_on_commit=False, class_=AsyncSession)
+        self.keys = KeyPins(engine)  # Idempotency-Key -> edge (dsec.cluster.keys)
         self._release = release
         self._recharge = recharge
 
@@ -254,22 +258,24 @@ class Registry:
 
     # -- sandbox directory ----------------------------------------------------------------
     async def created(self, info: SandboxInfo) -> None:
+        """Enter a new sandbox. Answers to one keyed create, through several apiservers
+        (dsec.cluster.keys), enter it once: the first row stands."""
         now = time.time()
         body = info.model_dump(mode="json", exclude={"data_path"})
-        async with self._sessions() as s, s.begin():
-            s.add(
-                SandboxRow(
-                    sandbox_id=info.id,
-                    edge_id=info.edge,
-                    job_id=info.spec.job_id,
-                    project=info.spec.project,
-                    state=LIVE,
-                    reason=None,
-                    created_at=now,
-                    updated_at=now,
-                    info=body,
-                )
-            )
+        row = SandboxRow(
+            sandbox_id=info.id,
+            edge_id=info.edge,
+            job_id=info.spec.job_id,
+            project=info.spec.project,
+            state=LIVE,
+            reason=None,
+            created_at=now,
+            updated_at=now,
+            info=body,
+        )
+        with contextlib.suppress(IntegrityError):  # ids are unique per edge: a replay
+            async with self._sessions() as s, s.begin():
+                s.add(row)
 
     async def ended(self, sandbox_id: str, reason: str) -> None:
         async with self._sessions() as s, s.begin():
@@ -302,7 +308,9 @@ class Registry:
             return list(await s.scalars(query))
 
     async def prune(self, older_than: float = ENDED_RETENTION_S) -> int:
-        """Forget sandboxes that ended long ago (the audit log keeps their history)."""
+        """Forget sandboxes that ended long ago (the audit log keeps their history), and
+        expired Idempotency-Key pins."""
+        await self.keys.prune()
         cutoff = time.time() - older_than
         async with self._sessions() as s, s.begin():
             res = await s.execute(

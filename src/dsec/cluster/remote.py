@@ -9,6 +9,7 @@ is told apart so that the router can safely try another edge.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import httpx
@@ -16,7 +17,13 @@ from pydantic import TypeAdapter
 
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
-from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
+from dsec.api.sandbox import (
+    IDEMPOTENCY_HEADER,
+    DataPathInfo,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+)
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
@@ -50,8 +57,17 @@ class RemoteEdge:
     ) -> httpx.Response:
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=2.0)
+        return await self._send(self._http.build_request(method, path, **kwargs), stream=False)
+
+    async def _send(self, req: httpx.Request, *, stream: bool) -> httpx.Response:
+        """Send, with transport failures and error answers as typed errors. ``stream``:
+        the body is left unread for the caller (unless it is an error, read here)."""
+        what = f"{req.method} {req.url.path}"
         try:
-            resp = await self._http.request(method, path, **kwargs)
+            resp = await self._http.send(req, stream=stream)
+            if stream and resp.status_code >= 400:
+                await resp.aread()
+                await resp.aclose()
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise EdgeNotReached(
                 f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",
@@ -59,7 +75,7 @@ class RemoteEdge:
             ) from exc
         except httpx.TimeoutException as exc:
             raise Timeout(
-                f"edge {self.edge_id} did not answer {method} {path} in time", edge=self.edge_id
+                f"edge {self.edge_id} did not answer {what} in time", edge=self.edge_id
             ) from exc
         except httpx.HTTPError as exc:
             raise EdgeUnavailable(
@@ -78,13 +94,24 @@ class RemoteEdge:
     ) -> tuple[SandboxInfo, EdgeLoad | None]:
         """Create, and the edge's usage right after as its answer states it (None from
         an edge that does not): placement reads it at once (dsec.control.placement)."""
+        info, load, _ = await self.create_keyed_load(spec, timeout=timeout, key=None)
+        return info, load
+
+    async def create_keyed_load(
+        self, spec: RunArgs, *, timeout: float, key: str | None
+    ) -> tuple[SandboxInfo, EdgeLoad | None, bool]:
+        """``create_load`` with the edge's own Idempotency-Key (dsec.cluster.keys):
+        also whether this call made the sandbox (201) or the key's earlier one did (200)."""
         # Only what was set (an older edge knows no newer field), but always the backend:
         # a spec without one is read as a container spec.
         fields = {**spec.model_dump(mode="json", exclude_unset=True), "backend": spec.backend}
         body = {"spec": fields, "timeout": timeout}
-        resp = await self._call("POST", "/v1/sandboxes", json=body, timeout=timeout + 10)
+        headers = {} if key is None else {IDEMPOTENCY_HEADER: key}
+        resp = await self._call(
+            "POST", "/v1/sandboxes", json=body, headers=headers, timeout=timeout + 10
+        )
         info = SandboxInfo.model_validate_json(resp.content)
-        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER))
+        return info, EdgeLoad.parse(resp.headers.get(LOAD_HEADER)), resp.status_code == 201
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -145,6 +172,37 @@ class RemoteEdge:
             params.update(trajectory.model_dump(exclude_none=True))
         await self._call("PUT", f"/v1/sandboxes/{sandbox_id}/files", params=params, content=data)
 
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes as the edge streams them; a typed error (missing file, no
+        such sandbox) is raised before this returns, like the data plane's."""
+        req = self._http.build_request(
+            "GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}
+        )
+        resp = await self._send(req, stream=True)
+        return _chunks(resp)
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
+    ) -> int:
+        """Forward a body chunk by chunk (memory: one chunk); the bytes sent."""
+        sent = 0
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal sent
+            async for chunk in chunks:
+                sent += len(chunk)
+                yield chunk
+
+        req = self._http.build_request(
+            "PUT",
+            f"/v1/sandboxes/{sandbox_id}/files",
+            params={"path": path, "mode": f"{mode:o}"},
+            content=counted(),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        await self._send(req, stream=False)
+        return sent
+
     async def health(self) -> HealthInfo:
         resp = await self._call("GET", "/v1/health", timeout=2.0)
         return HealthInfo.model_validate_json(resp.content)
@@ -161,3 +219,12 @@ class RemoteEdge:
     async def forward(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Any other edge route (jobs, pack, events) as it is."""
         return await self._call(method, path, **kwargs)
+
+
+async def _chunks(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """A streamed answer's body, closed however the reader ends."""
+    try:
+        async for chunk in resp.aiter_bytes():
+            yield chunk
+    finally:
+        await resp.aclose()

@@ -16,19 +16,27 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from dsec.api.cluster import EdgeStatus
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
-from dsec.api.sandbox import DataPathInfo, NetworkRules, SandboxInfo, SandboxState
+from dsec.api.sandbox import (
+    IDEMPOTENCY_HEADER,
+    DataPathInfo,
+    NetworkRules,
+    SandboxInfo,
+    SandboxState,
+)
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
+from dsec.cluster.keys import KeyPin
 from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
-from dsec.control.placement import Demand, EdgeView, Placer
+from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
+from dsec.edge.idempotency import IdempotencyClaim
 from dsec.errors import (
     AdmissionRejected,
     ClusterFull,
@@ -42,6 +50,17 @@ from dsec.errors import (
 log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
 T = TypeVar("T")
+# What an edge answers to a create: the sandbox, its usage, made by this call.
+_Sent = tuple[SandboxInfo, "EdgeLoad | None", bool]
+
+
+class _PinnedElsewhere(Exception):
+    """Another apiserver pinned the key to another edge first (dsec.cluster.keys)."""
+
+    def __init__(self, pin: KeyPin) -> None:
+        super().__init__(pin.edge_id)
+        self.pin = pin
+
 
 CLUSTER_EDGE_ID = "cluster"
 # A view older than this is not placed on, even before the watcher marks the edge down.
@@ -203,8 +222,98 @@ class ClusterEdge:
 
     # -- create ---------------------------------------------------------------------------
     async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
+        async def send(remote: RemoteEdge) -> _Sent:
+            info, load = await remote.create_load(spec, timeout=timeout)
+            return info, load, True
+
+        return (await self._place(spec, send))[0]
+
+    async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
+        """The sandbox the key already made, when the cluster knows it; None otherwise
+        (then ``create_keyed`` sends the create where the key is pinned, if anywhere)."""
+        pin = await self.registry.keys.find(claim)
+        if pin is None or pin.sandbox_id is None:
+            return None
+        return await self.get(pin.sandbox_id)
+
+    async def create_keyed(
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim
+    ) -> tuple[SandboxInfo, bool]:
+        """At most one sandbox per key across every apiserver (dsec.cluster.keys)."""
+        keys = self.registry.keys
+
+        async def send(remote: RemoteEdge) -> _Sent:
+            pin = await keys.pin(claim, remote.edge_id)
+            if pin.edge_id != remote.edge_id:
+                raise _PinnedElsewhere(pin)
+            return await self._send_pinned(remote, pin, spec, timeout)
+
+        for _ in range(self._rounds):
+            pin = await keys.find(claim)
+            if pin is not None:
+                got = await self._to_pin(pin, spec, timeout)
+                if got is not None:
+                    return got
+                continue  # the pin was given back: place anew
+            try:
+                return await self._place(spec, send)
+            except _PinnedElsewhere:
+                continue  # another apiserver pinned the key first: follow its pin
+        raise EdgeUnavailable(
+            f"the create with {IDEMPOTENCY_HEADER} {claim.key!r} could not be placed "
+            "(its edge kept refusing or going away); retry with the same key",
+        )
+
+    async def _send_pinned(
+        self, remote: RemoteEdge, pin: KeyPin, spec: RunArgs, timeout: float
+    ) -> _Sent:
+        """The keyed create on the pinned edge. An edge that refused made nothing, so
+        the pin goes back; one that did not answer keeps it (it may have made it)."""
+        try:
+            info, load, made = await remote.create_keyed_load(spec, timeout=timeout, key=pin.key_id)
+        except (AdmissionRejected, ImageNotFound):
+            await asyncio.shield(self.registry.keys.unpin(pin))
+            raise
+        await self.registry.keys.bind(pin, info.id)
+        return info, load, made
+
+    async def _to_pin(
+        self, pin: KeyPin, spec: RunArgs, timeout: float
+    ) -> tuple[SandboxInfo, bool] | None:
+        """Follow an existing pin; None when it was given back and the create must be
+        placed anew (its edge refused, or is down with nothing recorded for the key)."""
+        if pin.sandbox_id is not None:
+            return await self.get(pin.sandbox_id), False
+        status = self._edges.get(pin.edge_id) or await self.registry.edge(pin.edge_id)
+        remote = self._remotes.get(pin.edge_id)
+        if status is None or status.status == DOWN or remote is None:
+            # Whatever that edge made for the key is unknown to the directory: it is
+            # stopped as an orphan when the edge returns (dsec.cluster.registry).
+            await self.registry.keys.unpin(pin)
+            return None
+        demand = self._demand(spec)
+        self.placer.reserve(pin.edge_id, demand)
+        try:
+            info, load, made = await self._send_pinned(remote, pin, spec, timeout)
+        except (AdmissionRejected, ImageNotFound):
+            self.placer.unreserve(pin.edge_id, demand)
+            return None
+        except BaseException:
+            self.placer.unreserve(pin.edge_id, demand)
+            raise
+        self.placer.confirm(pin.edge_id, demand, load)
+        await self._record(info, remote)
+        return info, made
+
+    def _demand(self, spec: RunArgs) -> Demand:
         image = frozenset({image_key(spec.image_ref)})
-        demand = Demand.for_spec(spec, "container", layers=image, requires=image)
+        return Demand.for_spec(spec, "container", layers=image, requires=image)
+
+    async def _place(
+        self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
+    ) -> tuple[SandboxInfo, bool]:
+        """``send`` the create to the best candidates in turn until one takes it."""
+        demand = self._demand(spec)
         tried: set[str] = set()
         refusals: list[dict[str, Any]] = []
         no_image: ImageNotFound | None = None
@@ -219,7 +328,7 @@ class ClusterEdge:
                     continue
                 self.placer.reserve(view.edge_id, demand)
                 try:
-                    info, load = await remote.create_load(spec, timeout=timeout)
+                    info, load, made = await send(remote)
                 except AdmissionRejected as exc:
                     self.placer.unreserve(view.edge_id, demand)
                     self.placer.refused(view.edge_id, exc.details)
@@ -239,7 +348,7 @@ class ClusterEdge:
                 # the edge's usage from its answer: the other apiservers' creates there
                 self.placer.confirm(view.edge_id, demand, load)
                 await self._record(info, remote)
-                return info
+                return info, made
         if no_image is not None and all(r["code"] == no_image.code for r in refusals):
             raise no_image  # no edge tried has it: not a capacity problem
         ups = [s for s in self._edges.values() if s.status != DOWN]
@@ -317,6 +426,17 @@ class ClusterEdge:
     async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int) -> bytes:
         return await self._on_edge(
             sandbox_id, lambda r: r.read_file(sandbox_id, path, max_bytes=max_bytes)
+        )
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """dsec.apiserver.filestreams.FileStreams: memory per request is one chunk."""
+        return await self._on_edge(sandbox_id, lambda r: r.read_stream(sandbox_id, path))
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
+    ) -> int:
+        return await self._on_edge(
+            sandbox_id, lambda r: r.write_stream(sandbox_id, path, chunks, mode=mode)
         )
 
     async def write_file(

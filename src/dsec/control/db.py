@@ -36,6 +36,7 @@ MODEL_MODULES = (
     "dsec.control.iam",
     "dsec.control.iam_tables",
     "dsec.cluster.registry",
+    "dsec.cluster.keys",
 )
 # Two apiservers starting at once against one PostgreSQL must not both migrate.
 _PG_LOCK_KEY = 0x64736563  # "dsec"

@@ -67,8 +67,8 @@ class EdgeAPI(Protocol):
 
 @runtime_checkable
 class KeyedCreates(Protocol):
-    """An edge that makes at most one sandbox per Idempotency-Key (dsec.edge.idempotency):
-    the in-process edge of a single node. The cluster router does not (yet)."""
+    """An edge that makes at most one sandbox per Idempotency-Key: the in-process edge
+    of a single node (dsec.edge.idempotency) and the cluster router (dsec.cluster.keys)."""
 
     async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
         """The sandbox the key already made, or None; 409 if it went with another spec."""

@@ -43,7 +43,7 @@ from dsec.errors import (
     Timeout,
     Unsupported,
 )
-from dsec.exhaustion import Exhaustion, register
+from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
 from dsec.net.manager import NetworkManager
 from dsec.rl.jobs import JobControl
@@ -113,6 +113,8 @@ class Edge:
         self.limits = LimitWatcher(self.audit, backend.limit_counters)
         self.edge_id = edge_id
         self.backend = backend
+        # Writable disks clamped to what the host can back (dsec.resources.diskguard).
+        self.exhaustion.watch(Resource.SANDBOX_DISK, backend.disk_pressure)
         self.images = images
         self.state = state
         self.admission = admission
@@ -186,8 +188,11 @@ class Edge:
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
-        for name, healthy, restart in self.backend.supervised():
+        network = self.network.supervised() if self.network is not None else []
+        for name, healthy, restart in [*self.backend.supervised(), *network]:
             self.supervisor.watch(name, healthy, restart)
+        for name, loop in self.backend.loops():
+            self.supervisor.spawn(name, loop)
         self.limits.start(
             lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
         )

@@ -81,6 +81,10 @@ class _Protocol(asyncio.DatagramProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.server.lost(self, exc)
+
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if len(self.server.tasks) >= MAX_PENDING or len(data) > MAX_DATAGRAM:
             self.server.dropped += 1
@@ -139,15 +143,47 @@ class DnsServer:
         self.dropped = 0  # datagrams not answered: oversized or too many pending
         self.failures = 0  # queries in a row whose answer raised
         self._transport: asyncio.DatagramTransport | None = None
+        self._protocol: _Protocol | None = None
+        self._why_down: str | None = None
+        self._restarting: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
+        """Bind (an ephemeral port the first time, the same one on a restart: the nft
+        redirect names it) and serve; the port."""
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self), local_addr=("0.0.0.0", 0), family=socket.AF_INET
+        transport, proto = await loop.create_datagram_endpoint(
+            lambda: _Protocol(self), local_addr=("0.0.0.0", self.port), family=socket.AF_INET
         )
-        self._transport = transport
+        self._transport, self._protocol = transport, proto
         self.port = transport.get_extra_info("sockname")[1]
+        self._why_down = None
         return self.port
+
+    def lost(self, proto: _Protocol, exc: Exception | None) -> None:
+        if proto is self._protocol and self._transport is not None:
+            self._transport = None
+            self._why_down = f"the DNS socket closed: {exc or 'no error given'}"
+
+    def healthy(self) -> str | None:
+        """None while the socket serves; else why not (for the edge's supervisor)."""
+        if self._transport is None or self._transport.is_closing():
+            return self._why_down or "the DNS socket is closed"
+        return None
+
+    def restart(self) -> None:
+        """Bind the same port again, in the background (the supervisor polls health)."""
+        if self._restarting is not None and not self._restarting.done():
+            return
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._restarting = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        try:
+            await self.start()
+        except OSError as exc:
+            self._why_down = f"cannot bind the DNS port {self.port} again: {exc}"
 
     async def answer(self, data: bytes, source: str) -> bytes | None:
         """The reply to one datagram from ``source`` (None: send nothing)."""
@@ -175,6 +211,9 @@ class DnsServer:
         return pack(reply)
 
     async def close(self) -> None:
+        if self._restarting is not None:
+            self._restarting.cancel()
+        self._protocol = None  # its connection_lost is ours, not a failure
         if self._transport is not None:
             self._transport.close()
             self._transport = None

@@ -73,6 +73,7 @@ from dsec.net.dnsguard import EventLimiter, Reason, Screened, TunnelGuard, block
 from dsec.net.nflog import LoggedPacket, NflogReader
 from dsec.net.nft import Nft, NftError
 from dsec.security.audit import AuditSink, NullAudit
+from dsec.supervise import Watched
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,7 @@ class NetworkManager:
         self._next = max(used, default=-1) + 1
         self._free = [i for i in range(self._next) if i not in used]
         self._refill = asyncio.Event()
-        self._refill.set()
-        self._pool_task = asyncio.create_task(self._pool_loop(), name="dsec-net-pool")
+        self._start_pool()
         self.started = True
 
     def _choose_block(self) -> ipaddress.IPv4Network:
@@ -638,6 +638,40 @@ class NetworkManager:
             self.audit.event(sb.sid, EventKind.HOST_ACCESS, target=target, **detail)
         else:
             self.audit.event(sb.sid, EventKind.DENIED_CONNECTION, **detail)
+
+    # -- supervision (dsec.supervise) ---------------------------------------------------
+    def supervised(self) -> list[Watched]:
+        """The network's long-running parts, for the edge's supervisor: each says why it
+        is down and restarts itself (DNS on its port, NFLOG on its group, the pool)."""
+        if not self.started:
+            return []
+        assert self._dns is not None
+        return [
+            ("dns-responder", self._dns.healthy, self._dns.restart),
+            ("nflog-reader", self._nflog.healthy, self._restart_nflog),
+            ("network-pool", self._pool_health, self._start_pool),
+        ]
+
+    def _restart_nflog(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._nflog.sock is not None:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._nflog.sock.fileno())
+        self._nflog.rebind()
+        assert self._nflog.sock is not None
+        loop.add_reader(self._nflog.sock.fileno(), self._nflog.read, self._on_packet)
+
+    def _pool_health(self) -> str | None:
+        task = self._pool_task
+        if task is None or not task.done():
+            return None
+        exc = None if task.cancelled() else task.exception()
+        return f"the warm network pool stopped: {exc!r}"
+
+    def _start_pool(self) -> None:
+        self._refill = self._refill or asyncio.Event()
+        self._refill.set()
+        self._pool_task = asyncio.create_task(self._pool_loop(), name="dsec-net-pool")
 
     # -- shutdown ----------------------------------------------------------------------------
     def _del_link(self, name: str) -> None:

@@ -110,6 +110,20 @@ class NflogReader:
         self.sock: socket.socket | None = None
         self.group = 0
         self.handler_errors = 0
+        self.broken: str | None = None  # why the socket stopped reading, if it did
+
+    def healthy(self) -> str | None:
+        """None while the socket reads; else why not (for the edge's supervisor)."""
+        if self.sock is None:
+            return "the NFLOG socket is closed"
+        return self.broken
+
+    def rebind(self) -> None:
+        """A fresh socket on the *same* group: the nft rules name it."""
+        group = self.group
+        self.close()
+        self.bind(group - 1024, attempts=1)
+        self.broken = None
 
     def bind(self, first: int, attempts: int = 64) -> int:
         for i in range(attempts):
@@ -156,6 +170,7 @@ class NflogReader:
             except OSError as exc:  # ENOBUFS: the kernel dropped some; go on
                 if exc.errno == errno.ENOBUFS:
                     continue
+                self.broken = f"reading the NFLOG socket failed: {exc}"
                 return
             for pkt in parse_messages(data):
                 try:

@@ -16,11 +16,18 @@ import asyncio
 import contextlib
 import errno
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn, Self
+from typing import NoReturn, Self, TypeVar
 
 from dsec.api.exec import ExecResult
 from dsec.errors import (
@@ -33,6 +40,8 @@ from dsec.errors import (
     PermissionDenied,
 )
 from dsec.sessions import protocol as p
+
+T = TypeVar("T")
 
 __all__ = ["AgentClient", "AgentExecResult", "ExecStream"]
 
@@ -380,19 +389,30 @@ class AgentClient:
 
     async def kept(self) -> list[p.KeptCommand]:
         """The commands the agent owns (running, or finished and not forgotten)."""
-        conn = await _Connection.open(self.socket_path, "list of kept processes")
+        kept, _ = await self._gather(
+            p.frame(p.OP_LIST), "list of kept processes", lambda body: [p.decode_kept(body)]
+        )
+        return kept
+
+    async def _gather(
+        self, request: bytes, what: str, decode: Callable[[bytes], list[T]]
+    ) -> tuple[list[T], bytes]:
+        """Send one request and collect its answer: every D frame through ``decode``
+        (a malformed one is a BackendError), until Y (its payload is returned) or F
+        (the agent's typed error)."""
+        conn = await _Connection.open(self.socket_path, what)
         try:
-            conn.send(p.frame(p.OP_LIST))
-            out: list[p.KeptCommand] = []
+            conn.send(request)
+            out: list[T] = []
             while True:
                 kind, body = await conn.read_frame()
                 if kind == p.T_DATA:
                     try:
-                        out.append(p.decode_kept(body))
+                        out.extend(decode(body))
                     except p.ProtocolError as exc:
                         self._bad(exc)
                 elif kind == p.T_DONE:
-                    return out
+                    return out, body
                 elif kind == p.T_FAIL:
                     raise agent_error(*p.decode_failure(body))
                 else:
@@ -457,32 +477,17 @@ class AgentClient:
         """Read a file as ``user``; larger than ``max_bytes`` raises ``LimitExceeded``."""
         if max_bytes < 0:
             raise InvalidArgument(f"max_bytes must not be negative, not {max_bytes}")
-        try:
-            request = p.encode_read(path, user=user, max_bytes=max_bytes)
-        except ValueError as exc:
-            raise _invalid(exc) from None
-        conn = await _Connection.open(self.socket_path, f"read of {path!r}")
-        try:
-            conn.send(request)
-            parts: list[bytes] = []
-            size = 0
-            while True:
-                kind, body = await conn.read_frame()
-                if kind == p.T_DATA:
-                    size += len(body)
-                    if size > max_bytes:
-                        raise LimitExceeded(f"{path!r} is larger than {max_bytes} bytes")
-                    parts.append(body)
-                elif kind == p.T_DONE:
-                    if p.decode_u64(body) != size:
-                        conn.unexpected(kind)
-                    return b"".join(parts)
-                elif kind == p.T_FAIL:
-                    raise agent_error(*p.decode_failure(body), reading=True)
-                else:
-                    conn.unexpected(kind)
-        finally:
-            await conn.close()
+        parts: list[bytes] = []
+        size = 0
+        async with contextlib.aclosing(
+            self.read_stream(path, user=user, max_bytes=max_bytes)
+        ) as chunks:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise LimitExceeded(f"{path!r} is larger than {max_bytes} bytes")
+                parts.append(chunk)
+        return b"".join(parts)
 
     async def write_file(
         self, path: str, data: bytes, *, user: str, mode: int, make_parents: bool = True
@@ -496,7 +501,7 @@ class AgentClient:
 
     async def read_stream(
         self, path: str, *, user: str, max_bytes: int = p.U64_MAX
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Read a file as ``user`` chunk by chunk (never the whole file in memory).
 
         The file is opened before the first chunk is yielded, so a missing file raises at
@@ -595,25 +600,7 @@ class AgentClient:
             )
         except ValueError as exc:
             raise _invalid(exc) from None
-        conn = await _Connection.open(self.socket_path, f"file operation on {path!r}")
-        try:
-            conn.send(request)
-            entries: list[p.Entry] = []
-            while True:
-                kind, body = await conn.read_frame()
-                if kind == p.T_DATA:
-                    try:
-                        entries.extend(p.decode_entries(body))
-                    except p.ProtocolError as exc:
-                        self._bad(exc)
-                elif kind == p.T_DONE:
-                    return entries, body
-                elif kind == p.T_FAIL:
-                    raise agent_error(*p.decode_failure(body))
-                else:
-                    conn.unexpected(kind)
-        finally:
-            await conn.close()
+        return await self._gather(request, f"file operation on {path!r}", p.decode_entries)
 
     def _bad(self, exc: Exception) -> NoReturn:
         raise BackendError(

@@ -85,7 +85,7 @@ async def download(agent: AgentClient, root: str, *, user: str) -> AsyncIterator
                 left -= len(chunk)
                 yield chunk
         finally:
-            await reader.aclose()  # type: ignore[attr-defined]
+            await reader.aclose()
         if left:
             yield bytes(left)
         if pad := _pad(entry.size):

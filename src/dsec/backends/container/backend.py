@@ -22,7 +22,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +366,15 @@ class ContainerBackend(Backend):
             return []
         return [("seccomp-listener", listener.healthy, listener.restart)]
 
+    def loops(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        # The host-space guard of a sparse sandbox disk image (dsec.resources.diskguard).
+        guard = self.disk.guard
+        return [] if guard is None else [("sandbox-disk-guard", guard.run)]
+
+    def disk_pressure(self) -> str | None:
+        guard = self.disk.guard
+        return None if guard is None else guard.reason
+
     def seccomp_profile(self, sid: str, *, report_as: str | None = None) -> dict[str, Any] | None:
         """The ``linux.seccomp`` of container ``sid``; violations are recorded under
         ``report_as`` (e.g. the sandbox a verifier container grades), default ``sid``."""
@@ -515,6 +524,11 @@ class ContainerBackend(Backend):
             self.layers.acquire(digest)
             held.append(digest)
         rec.runtime["layers_held"] = held
+        qgroup = rec.runtime.get("disk_qgroup")
+        if isinstance(qgroup, int):  # the disk guard tracks it again (dsec.resources.diskguard)
+            self.disk.adopt_dir(
+                self._dir(rec.id), qgroup, limit_bytes=self.disk.limit_bytes(rec.spec.disk_limit_mb)
+            )
         self.decoys.watch(rec.id, prepared)
         self.init_signals.watch(rec.id, self._socket(rec.id))  # and what pid 1 kept meanwhile
         if rec.runtime.get("seccomp") == "notify":

@@ -1,7 +1,20 @@
-"""The embedded single-node platform: apiserver + edge + SQLite store + layer store.
+"""Composition root of `dsec up`: apiserver + edge + SQLite store + layer store.
 
-`dsec up` runs this. The same components are separate processes in cluster mode; here
-they are wired together in one process and one event loop, talking by method calls.
+The same components are separate processes in cluster mode; here they are wired
+together in one process and one event loop, talking by method calls. What it wires:
+
+- ``running_platform``: the host identity claim (first, so a second instance cannot
+  sweep this one's sandboxes), the SQLite control store (API keys, IAM, roles), the
+  images (with the shared layer store and lazy loader when configured), the cgroup
+  host, the spawner, the OCI runtime, the container backend (seccomp, sandbox disk),
+  the Edge (state DB, audit log, admission, network), swap, the IAM releaser and the
+  FnCall service; and shuts them down in reverse, also on error;
+- ``serve``: the data plane and its token signer, the trajectory service, the layer
+  service, and the one ApiServices value handed to ``create_app``.
+
+It is the only place these host services are constructed: a cluster edge
+(dsec.roots.edge) is this root with a cluster token and a heartbeat companion, so the
+two cannot wire a host differently.
 """
 
 from __future__ import annotations
@@ -9,19 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import secrets
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsec import spawn
 from dsec.agent.build import agent_binary
-from dsec.apiserver.creator import StopReleaser, attach_iam
+from dsec.apiserver.creator import SandboxCreator, StopReleaser, attach_iam
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.backends.fncall.service import FnCallService
@@ -40,15 +51,13 @@ from dsec.net.manager import NetworkManager
 from dsec.resources import cgroups
 from dsec.resources.disk import GiB, SandboxDisk
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
+from dsec.roots.serving import run_loop, serve_app
 from dsec.security.audit import AuditLog
-from dsec.security.safe_text import escape_log_records
 from dsec.security.seccomp import SeccompGuard
 
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
-# Seconds the HTTP server waits for requests in flight at SIGTERM before cancelling them.
-SHUTDOWN_GRACE_S = 3
 
 
 def become_subreaper() -> None:
@@ -263,41 +272,6 @@ def start_swap(config: PlatformConfig, host: cgroups.CgroupHost) -> SwapFile | N
     return swap
 
 
-def tune_gc() -> None:
-    """Fewer, cheaper collections on the request path: everything loaded at startup
-    moves to a permanent generation (never scanned again), and young collections run
-    less often. Per-request garbage is short-lived and acyclic; reference counting
-    frees it, so the cycle collector only has to catch the rare cycle. Measured with
-    200 sandboxes, 1,500 execs: p50 2.73-2.90 vs 2.88-3.71 ms, p99.9 10.4 vs 11-15 ms."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-
-
-def _server_class() -> type[Any]:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the
-        process before the platform stops its sandboxes; we handle the signals instead."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._request_exit)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-        def _request_exit(self) -> None:
-            self.should_exit = True
-
-    return Server
-
-
 async def serve(
     config: PlatformConfig,
     *,
@@ -309,6 +283,7 @@ async def serve(
     ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
     dsec.cluster.node) and is cancelled before the platform shuts down."""
     from dsec.apiserver.app import create_app
+    from dsec.apiserver.services import ApiServices
     from dsec.edge.dataplane import DataPlane
     from dsec.edge.tokens import TokenSigner, load_or_create_key
 
@@ -328,18 +303,23 @@ async def serve(
         platform.edge.trajectory = TrajectoryService(platform.edge, trajectory_log, dataplane)
         from dsec.images.layers import LayerService
 
+        iam = platform.iam if config.quotas else None
         app = create_app(
-            platform.edge,
-            platform.images,
-            platform.keys,
-            dataplane=dataplane,
-            layers=LayerService(platform.images),
-            audit=platform.edge.audit,
-            fncall=platform.fncall,
-            roles=platform.roles,
-            trajectory=platform.edge.trajectory,
-            iam=platform.iam if config.quotas else None,
-            report_load=config.report_load,
+            ApiServices(
+                edge=platform.edge,
+                keys=platform.keys,
+                images=platform.images,
+                dataplane=dataplane,
+                layers=LayerService(platform.images),
+                audit=platform.edge.audit,
+                fncall=platform.fncall,
+                trajectory=platform.edge.trajectory,
+                roles=platform.roles,
+                rl=platform.edge,
+                creator=SandboxCreator(platform.edge, iam=iam),
+                iam=iam,
+                report_load=config.report_load,
+            )
         )
 
         async def started() -> None:
@@ -351,72 +331,6 @@ async def serve(
         await serve_app(app, config.host, config.port, started)
 
 
-async def serve_app(
-    app: Any, host: str, port: int, started: Callable[[], Awaitable[None]] | None = None
-) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (every server process of the platform).
-
-    ``started`` runs once the server listens, beside it, and is cancelled when it
-    stops; running batches are cancelled on exit so that their streams end."""
-    import uvicorn
-
-    from dsec.apiserver.batch import cancel_batches_on_exit
-    from dsec.apiserver.frames import MAX_FRAME_CHARS
-    from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
-
-    tune_gc()
-    escape_log_records()  # sandbox-controlled text in our log lines is made inert
-
-    async def bounded(scope: Any, receive: Any, send: Any) -> None:
-        """A request that the shutdown bound cancels ends quietly: that is the bound at
-        work, not a fault (uvicorn would log each one with a traceback)."""
-        try:
-            await app(scope, receive, send)
-        except asyncio.CancelledError:
-            if not server.should_exit:
-                raise
-
-    server = _server_class()(
-        uvicorn.Config(
-            bounded,
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=False,
-            # Longer than any client pool keeps idle connections (httpx: 5 s), so a
-            # client never sends a request on a connection the server is closing.
-            timeout_keep_alive=75,
-            # Header timeout and size, connection cap (dsec.apiserver.httpguard).
-            http=guarded_protocol(ConnectionLimits.from_env()),
-            # A little above the frame cap, so that a frame past the cap still gets its
-            # typed answer (dsec.apiserver.frames); larger ones are closed with 1009.
-            ws_max_size=MAX_FRAME_CHARS + (1 << 20),
-            # SIGTERM is bounded whatever is in flight: requests and sockets still open
-            # after this are cancelled, so that the platform can stop (10 s in all).
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-            lifespan="off",
-        )
-    )
-
-    async def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.02)
-        if started is not None:
-            await started()
-
-    task = asyncio.create_task(announce())
-    batches = asyncio.create_task(cancel_batches_on_exit(server, app))
-    try:
-        await server.serve()
-    finally:
-        task.cancel()
-        batches.cancel()
-    if not server.started:
-        raise OSError(f"could not listen on {host}:{port}")
-
-
 def run(
     config: PlatformConfig,
     *,
@@ -425,13 +339,3 @@ def run(
 ) -> None:
     """Blocking entry point; uses uvloop when installed."""
     run_loop(serve(config, ready=ready, companion=companion))
-
-
-def run_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on uvloop when installed (every server process of the platform)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)

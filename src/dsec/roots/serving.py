@@ -1,0 +1,132 @@
+"""Serving plumbing shared by every root: the uvicorn server and the event loop.
+
+Not a composition root itself: it wires no service. Every server process of the
+platform (`dsec up`, `dsec edge --join`, `dsec apiserver`, `dsec watcher`) serves and
+loops the same way, so the signal handling, shutdown bound, connection guards and GC
+tuning live here once instead of in each root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any
+
+from dsec.security.safe_text import escape_log_records
+
+# Seconds the HTTP server waits for requests in flight at SIGTERM before cancelling them.
+SHUTDOWN_GRACE_S = 3
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper collections on the request path: everything loaded at startup
+    moves to a permanent generation (never scanned again), and young collections run
+    less often. Per-request garbage is short-lived and acyclic; reference counting
+    frees it, so the cycle collector only has to catch the rare cycle. Measured with
+    200 sandboxes, 1,500 execs: p50 2.73-2.90 vs 2.88-3.71 ms, p99.9 10.4 vs 11-15 ms."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
+def _server_class() -> type[Any]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the
+        process before the platform stops its sandboxes; we handle the signals instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._request_exit)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _request_exit(self) -> None:
+            self.should_exit = True
+
+    return Server
+
+
+async def serve_app(
+    app: Any, host: str, port: int, started: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM (every server process of the platform).
+
+    ``started`` runs once the server listens, beside it, and is cancelled when it
+    stops; running batches are cancelled on exit so that their streams end."""
+    import uvicorn
+
+    from dsec.apiserver.batch import cancel_batches_on_exit
+    from dsec.apiserver.frames import MAX_FRAME_CHARS
+    from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
+
+    tune_gc()
+    escape_log_records()  # sandbox-controlled text in our log lines is made inert
+
+    async def bounded(scope: Any, receive: Any, send: Any) -> None:
+        """A request that the shutdown bound cancels ends quietly: that is the bound at
+        work, not a fault (uvicorn would log each one with a traceback)."""
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not server.should_exit:
+                raise
+
+    server = _server_class()(
+        uvicorn.Config(
+            bounded,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            # Longer than any client pool keeps idle connections (httpx: 5 s), so a
+            # client never sends a request on a connection the server is closing.
+            timeout_keep_alive=75,
+            # Header timeout and size, connection cap (dsec.apiserver.httpguard).
+            http=guarded_protocol(ConnectionLimits.from_env()),
+            # A little above the frame cap, so that a frame past the cap still gets its
+            # typed answer (dsec.apiserver.frames); larger ones are closed with 1009.
+            ws_max_size=MAX_FRAME_CHARS + (1 << 20),
+            # SIGTERM is bounded whatever is in flight: requests and sockets still open
+            # after this are cancelled, so that the platform can stop (10 s in all).
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            lifespan="off",
+        )
+    )
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        if started is not None:
+            await started()
+
+    task = asyncio.create_task(announce())
+    batches = asyncio.create_task(cancel_batches_on_exit(server, app))
+    try:
+        await server.serve()
+    finally:
+        task.cancel()
+        batches.cancel()
+    if not server.started:
+        raise OSError(f"could not listen on {host}:{port}")
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when installed (every server process of the platform)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
