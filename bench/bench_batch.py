@@ -26,10 +26,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dsec.api.batch import BatchCreated  # noqa: E402
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.api.batch import BatchCreated  # noqa: E402
 from dsec.control.batch import default_parallelism  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -29,10 +29,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dsec.api.fncall import DSecFnCallRunArgs  # noqa: E402
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient  # noqa: E402
+from dsec.api.fncall import DSecFnCallRunArgs  # noqa: E402
 from dsec.fncall.toolchain import TOOLCHAIN_REF, ensure_toolchain_tree  # noqa: E402
 
 CPP = """#include <iostream>

@@ -25,7 +25,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dsec.api.iam import QuotaLimits  # noqa: E402
-
 from dsec.control.db import make_engine, migrate, sqlite_url  # noqa: E402
 from dsec.control.iam import IAM, Role  # noqa: E402
 

@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from dsec.api.layers import ImageLoading
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.layers import ImageLoading
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.publish import publish_tree

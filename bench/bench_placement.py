@@ -56,7 +56,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from dsec.api.spec import BackendKind  # noqa: E402
-
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer, Strategy  # noqa: E402
 from dsec.errors import ClusterFull  # noqa: E402
 

@@ -28,10 +28,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dsec.api.exec import ExecRequest, TrajectoryRef  # noqa: E402
 from tests.conftest import platform_process  # noqa: E402
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient  # noqa: E402
+from dsec.api.exec import ExecRequest, TrajectoryRef  # noqa: E402
 from dsec.rl.trajectory import TrajectoryLog  # noqa: E402
 
 COUNTER = "/tmp/counter"

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSError, DNSRecord
-from dsec.api.events import AuditKind, EventKind, Severity
 
+from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.net.catalog import DEFAULT_SERVICES, Service
 from dsec.net.dns import DnsServer, Resolved
 from dsec.net.manager import NetworkManager

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dsec.api.events import AuditKind, EventKind
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
+from dsec.api.events import AuditKind, EventKind
 from dsec.errors import DSecError, LimitExceeded
 from dsec.native import binary
 from dsec.sdk.client import Sandbox

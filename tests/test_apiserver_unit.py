@@ -19,18 +19,18 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.fields import parse_image_ref
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerRef
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
-from fastapi import FastAPI
-from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from dsec.apiserver import ApiLimits, ApiServices, create_app
 from dsec.apiserver.errors import validation_message
 from dsec.control.db import Base, make_engine, sqlite_url
@@ -158,16 +158,16 @@ class FakeEdge:
     def _running(self) -> int:
         return sum(1 for b in self.boxes.values() if b.state is SandboxState.RUNNING)
 
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
-        await self.images.resolve(spec.container_image)
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
+        await self.images.resolve(spec.image_ref)
         if self._running() >= self.capacity:
             raise AdmissionRejected("edge e0 is full", capacity=self.capacity)
         now = _now()
         info = SandboxInfo(
             id=f"e0-{secrets.token_hex(8)}",
-            backend=BackendKind.CONTAINER,
+            backend=BackendKind(spec.backend),
             state=SandboxState.RUNNING,
-            image=spec.container_image,
+            image=spec.image_ref,
             labels=spec.labels,
             created_at=now,
             updated_at=now,

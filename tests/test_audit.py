@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from dsec.api.events import AuditKind, EventKind, Severity
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog
 from tests.conftest import PlatformProcess

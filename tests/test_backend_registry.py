@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from dsec.api.exec import ExecRequest, ExecResult, SessionArgs
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
 from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.api.verify import VerifyRequest
-
 from dsec.backends.base import (
     Backend,
     BackendFacts,

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
 from dsec.api.batch import (
     BATCH_LABEL,
     INDEX_LABEL,
@@ -26,8 +28,7 @@ from dsec.api.batch import (
     CreateBatchRequest,
 )
 from dsec.api.sandbox import SandboxInfo
-
-from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
+from dsec.api.spec import RunArgs
 from dsec.apiserver.creator import SandboxCreator
 from dsec.control.batch import BatchRunner
 from dsec.errors import (
@@ -327,9 +328,7 @@ class QuotaCreator(SandboxCreator):
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def create(
-        self, principal: str, spec: DSecContainerRunArgs, *, timeout: float
-    ) -> SandboxInfo:
+    async def create(self, principal: str, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         self.attempts += 1
         await self.gate.wait()
         if self.attempts > self.allowed:

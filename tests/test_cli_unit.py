@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import uvicorn
+
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-
 from dsec.apiserver import ApiServices, create_app
 from dsec.cli import demo as demo_mod
 from dsec.cli.common import percentile

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.api.cluster import EdgeStatus
 from dsec.api.sandbox import SandboxInfo as SandboxInfoT
 from dsec.api.sandbox import SandboxState
-
-from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.cluster.remote import RemoteEdge
 from dsec.cluster.router import view_of
 from dsec.control.placement import Demand, EdgeLoad, Placer

@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.api.events import EventKind, SecurityEvent
 from dsec.api.fncall import DSecFnCallRunArgs, RunCodeRequest
 from dsec.api.sandbox import SandboxState
-
-from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.cluster.fanout import CURSOR_HEADER, MISSING_HEADER, parse_cursor
 from dsec.cluster.fncall import ClusterFnCall
 from dsec.cluster.registry import Registry

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dsec.api.cluster import EdgeReport
-from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from dsec.api.cluster import EdgeReport
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.cluster.registry import DOWN, EdgeRow, Registry, SandboxRow, sandbox_info
 from dsec.cluster.watcher import Watcher
 from dsec.control.db import make_engine, migrate, sqlite_url

@@ -13,11 +13,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+
+from dsec import linux
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
 from dsec.api.spec import DSecContainerRunArgs
-
-from dsec import linux
 from dsec.backends.base import SandboxRecord
 from dsec.backends.container.backend import drop_page_charges
 from dsec.backends.container.facts import ContainerFacts

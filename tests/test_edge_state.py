@@ -12,7 +12,6 @@ from pathlib import Path
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
 from dsec.api.spec import DSecContainerRunArgs
-
 from dsec.backends.base import SandboxRecord, StoredFacts
 from dsec.backends.container.facts import ContainerFacts
 from dsec.edge.state import EdgeStateDB

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dsec.api.fncall import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecSyncClient
+from dsec.api.fncall import FNCALL_RPC_PATH, DSecFnCallRunArgs
 from dsec.errors import (
     ImageNotFound,
     InvalidArgument,

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from dsec.api.fncall import DSecFnCallRunArgs
 
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.errors import InvalidArgument, LimitExceeded
 from dsec.fncall import callstub
 from dsec.fncall.languages import LANGUAGES, language

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dsec.api.iam import PrincipalCreate, QuotaLimits, Role
-from dsec.api.spec import DSecContainerRunArgs
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec import DSecClient
+from dsec.api.iam import PrincipalCreate, QuotaLimits, Role
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM, ROOT, Request
 from dsec.control.iam_tables import ChargeRow, UsageRow

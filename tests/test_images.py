@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from dsec.api.images import ImageInfo
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec import linux
+from dsec.api.images import ImageInfo
 from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageBuildError, ImageNotFound, InvalidArgument
 from dsec.images.images import Images

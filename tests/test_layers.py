@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dsec.api.layers import LayerInfo
 
 from dsec import CorruptBlob, DSecClient, DSecContainerRunArgs, LayerRef, Unsupported
+from dsec.api.layers import LayerInfo
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.chunkindex import ChunkIndex, build_index
 from dsec.images.remote.dirstore import DirStore

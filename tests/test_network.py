@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
-from dsec.api.events import AuditKind, EventKind
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import AuditKind, EventKind
 from dsec.errors import InvalidArgument
 from dsec.net.catalog import DEFAULT_SERVICES, Service, compile_rules, load_catalog
 from dsec.net.dns import Resolved, Upstream

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
 
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.errors import ClusterFull, InvalidArgument
 

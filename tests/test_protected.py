@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from dsec.api.events import EventKind
-from dsec.api.protected import ProtectedMount
 from pydantic import ValidationError
 
 from dsec import DSecClient, DSecContainerRunArgs, linux
+from dsec.api.events import EventKind
+from dsec.api.protected import ProtectedMount
 from dsec.resources import cgroups
 from dsec.security import protected as protected_paths
 from tests.conftest import PlatformProcess

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import SandboxInfo
-
 from dsec.apiserver import ApiServices, BatchLimits, create_app
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM

@@ -470,21 +470,10 @@ def test_sdk_imports_stay_light() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
     allowed = {
-        "dsec.model",
+        "dsec.api",  # the wire models (pure pydantic)
         "dsec.errors",
         "dsec.config",
         "dsec.sdk",
-        "dsec.wire",  # the data path's wire format (pure pydantic)
-        "dsec.layer_model",  # layer references (pure pydantic)
-        "dsec.protected_model",  # protected paths (pure pydantic)
-        "dsec.verify_model",  # verify requests and verdicts (pure pydantic)
-        "dsec.security.events",  # audit records and events (pure pydantic)
-        "dsec.fncall_model",  # FnCall requests and results (pure pydantic)
-        "dsec.rl_model",  # job pause reports, pack_diff/fork (pure pydantic)
-        "dsec.rl.model",  # trajectory steps and records (pure pydantic)
-        "dsec.batch_model",  # batch requests and events (pure pydantic)
-        "dsec.iam_model",  # projects, principals, keys, quotas (pure pydantic)
-        "dsec.cluster.model",  # edge heartbeats and status (pure pydantic)
         "cloudpickle",  # client.call(fn) only, imported when called
         "httpx",
         "pydantic",

@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from dsec.api.datapath import decode_data, encode_data
 from dsec.api.exec import signal_number
-
 from dsec.errors import InvalidArgument
 from dsec.sessions import protocol as p
 from dsec.sessions.archive import _check_link, safe_member_name

@@ -21,7 +21,12 @@ from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.protected import ProtectedMount
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs, DSecRunArgs
+from dsec.api.spec import (
+    DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
+    DSecRunArgs,
+)
 from dsec.api.verify import GradedRefusal, VerifyResult
 from dsec.errors import (
     AdmissionRejected,
@@ -71,6 +76,8 @@ __all__ = [
     "DSecClient",
     "DSecContainerRunArgs",
     "DSecError",
+    "DSecFullVMRunArgs",
+    "DSecMicroVMRunArgs",
     "DSecRunArgs",
     "DSecSyncClient",
     "ExecResult",

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs
 from dsec.api.events import AuditKind, EventKind, SecurityEvent
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
 from dsec.api.spec import BackendKind
-
-from dsec import DSecClient, DSecContainerRunArgs
 from dsec.backends.base import Backend, BackendFacts, BackendHost, CreateInput, SandboxRecord
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge

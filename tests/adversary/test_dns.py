@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dsec.api.events import EventKind
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import EventKind
 from dsec.native import binary
 from dsec.sdk.client import Sandbox
 from tests.conftest import REPO, PlatformProcess, platform_process

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dsec.api.events import EventKind, SecurityEvent
-from dsec.api.sandbox import SandboxState
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.api.events import EventKind, SecurityEvent
+from dsec.api.sandbox import SandboxState
 from dsec.errors import DSecError
 from dsec.sdk.client import Sandbox
 from dsec.security.seccomp_listener import BURST

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from dsec.api.events import EventKind
-from dsec.api.fncall import DSecFnCallRunArgs
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
+from dsec.api.events import EventKind
+from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.backends.container.oci_spec import HOST_VIEW_MASKS, masked_paths
 from dsec.errors import DSecError
 from dsec.sdk.client import Sandbox

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dsec.api.events import EventKind
-from dsec.api.verify import VerifyMode
 
 from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount, VerifyResult
+from dsec.api.events import EventKind
+from dsec.api.verify import VerifyMode
 from dsec.errors import DSecError, InvalidArgument, SandboxNotRunning
 from dsec.sdk.client import Sandbox
 from tests.conftest import PlatformProcess

@@ -26,11 +26,11 @@ from typing import Any
 
 import httpx
 import pytest
-from dsec.api.datapath import EDGE_PREFIX, RPC_PATH
-from dsec.api.fncall import FNCALL_RPC_PATH
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from dsec.api.datapath import EDGE_PREFIX, RPC_PATH
+from dsec.api.fncall import FNCALL_RPC_PATH
 from dsec.errors import error_class_for
 from tests.conftest import PlatformProcess, platform_process
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from dsec.api.sandbox import CreateSandboxRequest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, SandboxState
+from dsec.api.sandbox import CreateSandboxRequest
 from dsec.errors import IdempotencyKeyReused, ImageNotFound, InvalidArgument
 from tests.conftest import PlatformProcess, platform_process
 

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from dsec.api.events import AuditKind
-from dsec.api.exec import ProcessInfo
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.agent import build
+from dsec.api.events import AuditKind
+from dsec.api.exec import ProcessInfo
 from dsec.errors import DSecError, FileNotFound
 from dsec.sdk.datapath import Process
 from dsec.sessions.agent_client import ExecStream

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dsec.api.sandbox import SandboxInfo
 
 from dsec import DSecContainerRunArgs, DSecSyncClient, SandboxState
+from dsec.api.sandbox import SandboxInfo
 from dsec.resources import cgroups
 from tests.conftest import PlatformProcess, pid1_orphans, platform_process
 from tests.faults.helpers import poll
@@ -114,7 +114,6 @@ def test_idle_ttl_clock_is_exact_across_a_clean_restart(tmp_path: Path) -> None:
     from datetime import UTC, datetime
 
     from dsec.api.images import ImageInfo
-
     from dsec.backends.base import SandboxRecord
     from dsec.edge.state import EdgeStateDB
     from dsec.edge.ttl import IdleClocks, step_for

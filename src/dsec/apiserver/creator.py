@@ -20,7 +20,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsec.api.sandbox import IDEMPOTENCY_HEADER, SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
+from dsec.backends.kinds import require_backend
 from dsec.control.iam import IAM, Role
 from dsec.edge.api import EdgeAPI, KeyedCreates
 from dsec.edge.idempotency import IdempotencyClaim
@@ -37,10 +38,9 @@ class SandboxCreator:
         self.edge = edge
         self.iam = iam
 
-    async def create(
-        self, principal: str, spec: DSecContainerRunArgs, *, timeout: float
-    ) -> SandboxInfo:
+    async def create(self, principal: str, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         """Create one sandbox on behalf of ``principal``; returns once it runs."""
+        require_backend(spec)  # 501 before the quota is charged or an edge is picked
         iam = self.iam
         if iam is None:
             return await self.edge.create(spec, timeout=timeout)
@@ -59,12 +59,13 @@ class SandboxCreator:
         return info
 
     async def create_keyed(
-        self, principal: str, spec: DSecContainerRunArgs, *, timeout: float, key: str
+        self, principal: str, spec: RunArgs, *, timeout: float, key: str
     ) -> tuple[SandboxInfo, bool]:
         """Create at most once per Idempotency-Key ``key`` of ``principal`` (and its
         project): (info, True) when this request made the sandbox, (info, False) when an
         earlier one with the key did (dsec.edge.idempotency). Only a create that is made
         is charged to the project. Unsupported (501) from an edge that cannot keep keys."""
+        require_backend(spec)  # 501 before the quota is charged or an edge is picked
         edge = self.edge
         if not isinstance(edge, KeyedCreates):
             raise Unsupported(

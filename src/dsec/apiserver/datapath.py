@@ -235,7 +235,7 @@ def install_data_path(
 
     @app.websocket(RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
-        """Multiplexed commands, sessions and streams (see ``dsec.wire``).
+        """Multiplexed commands, sessions and streams (see ``dsec.api.datapath``).
 
         The handshake needs a credential (``Authorization: Bearer``): an API key, which
         makes every frame trusted, or a sandbox token, after which each frame still

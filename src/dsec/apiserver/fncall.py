@@ -99,7 +99,7 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
     @outer.websocket(FNCALL_RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
         """run_code, judge and call (ops fncall.run, fncall.judge, fncall.call; args and
-        result as on the HTTP routes), multiplexed in ``dsec.wire``'s framing."""
+        result as on the HTTP routes), multiplexed in ``dsec.api.datapath``'s framing."""
         header = ws.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         creds = None

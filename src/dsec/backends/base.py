@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.spec import BackendKind, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.errors import Unsupported
 from dsec.sessions.agent_client import AgentClient
@@ -70,7 +70,7 @@ class CreateInput:
     keeps comes back as its ``BackendFacts``)."""
 
     id: str
-    spec: DSecContainerRunArgs  # inline protected contents redacted (as persisted)
+    spec: RunArgs  # inline protected contents redacted (as persisted)
     image: ImageInfo  # the composed image: base + workspace + toolkit layers
     # Per spec.protected mount: its layer resolved to a digest, None for inline files.
     protected_layers: tuple[str | None, ...] = ()
@@ -85,7 +85,7 @@ class SandboxRecord:
     """Everything the edge knows about one sandbox; persisted on every state change."""
 
     id: str
-    spec: DSecContainerRunArgs
+    spec: RunArgs
     image: ImageInfo
     state: SandboxState
     created_at: datetime
@@ -111,7 +111,7 @@ class SandboxRecord:
             id=self.id,
             backend=self.kind,
             state=self.state,
-            image=self.spec.container_image,
+            image=self.spec.image_ref,
             labels=dict(self.spec.labels),
             created_at=self.created_at,
             updated_at=self.updated_at,
@@ -257,7 +257,7 @@ class Backend(ABC):
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {}
 
-    def check_limits(self, spec: DSecContainerRunArgs) -> None:
+    def check_limits(self, spec: RunArgs) -> None:
         """Refuse (LimitExceeded) limits this backend could never honour on this host."""
 
     def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:

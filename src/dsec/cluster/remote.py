@@ -24,7 +24,7 @@ from dsec.api.sandbox import (
     SandboxInfo,
     SandboxState,
 )
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
@@ -86,11 +86,11 @@ class RemoteEdge:
         return resp
 
     # -- EdgeAPI --------------------------------------------------------------------------
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         return (await self.create_load(spec, timeout=timeout))[0]
 
     async def create_load(
-        self, spec: DSecContainerRunArgs, *, timeout: float
+        self, spec: RunArgs, *, timeout: float
     ) -> tuple[SandboxInfo, EdgeLoad | None]:
         """Create, and the edge's usage right after as its answer states it (None from
         an edge that does not): placement reads it at once (dsec.control.placement)."""
@@ -98,11 +98,14 @@ class RemoteEdge:
         return info, load
 
     async def create_keyed_load(
-        self, spec: DSecContainerRunArgs, *, timeout: float, key: str | None
+        self, spec: RunArgs, *, timeout: float, key: str | None
     ) -> tuple[SandboxInfo, EdgeLoad | None, bool]:
         """``create_load`` with the edge's own Idempotency-Key (dsec.cluster.keys):
         also whether this call made the sandbox (201) or the key's earlier one did (200)."""
-        body = {"spec": spec.model_dump(mode="json", exclude_unset=True), "timeout": timeout}
+        # Only what was set (an older edge knows no newer field), but always the backend:
+        # a spec without one is read as a container spec.
+        fields = {**spec.model_dump(mode="json", exclude_unset=True), "backend": spec.backend}
+        body = {"spec": fields, "timeout": timeout}
         headers = {} if key is None else {IDEMPOTENCY_HEADER: key}
         resp = await self._call(
             "POST", "/v1/sandboxes", json=body, headers=headers, timeout=timeout + 10

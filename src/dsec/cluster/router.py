@@ -30,7 +30,7 @@ from dsec.api.sandbox import (
     SandboxInfo,
     SandboxState,
 )
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.cluster.keys import KeyPin
 from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
@@ -221,7 +221,7 @@ class ClusterEdge:
         return sandbox_info(row)
 
     # -- create ---------------------------------------------------------------------------
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         async def send(remote: RemoteEdge) -> _Sent:
             info, load = await remote.create_load(spec, timeout=timeout)
             return info, load, True
@@ -237,7 +237,7 @@ class ClusterEdge:
         return await self.get(pin.sandbox_id)
 
     async def create_keyed(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim
     ) -> tuple[SandboxInfo, bool]:
         """At most one sandbox per key across every apiserver (dsec.cluster.keys)."""
         keys = self.registry.keys
@@ -265,7 +265,7 @@ class ClusterEdge:
         )
 
     async def _send_pinned(
-        self, remote: RemoteEdge, pin: KeyPin, spec: DSecContainerRunArgs, timeout: float
+        self, remote: RemoteEdge, pin: KeyPin, spec: RunArgs, timeout: float
     ) -> _Sent:
         """The keyed create on the pinned edge. An edge that refused made nothing, so
         the pin goes back; one that did not answer keeps it (it may have made it)."""
@@ -278,7 +278,7 @@ class ClusterEdge:
         return info, load, made
 
     async def _to_pin(
-        self, pin: KeyPin, spec: DSecContainerRunArgs, timeout: float
+        self, pin: KeyPin, spec: RunArgs, timeout: float
     ) -> tuple[SandboxInfo, bool] | None:
         """Follow an existing pin; None when it was given back and the create must be
         placed anew (its edge refused, or is down with nothing recorded for the key)."""
@@ -305,12 +305,12 @@ class ClusterEdge:
         await self._record(info, remote)
         return info, made
 
-    def _demand(self, spec: DSecContainerRunArgs) -> Demand:
-        image = frozenset({image_key(spec.container_image)})
+    def _demand(self, spec: RunArgs) -> Demand:
+        image = frozenset({image_key(spec.image_ref)})
         return Demand.for_spec(spec, spec.backend, layers=image, requires=image)
 
     async def _place(
-        self, spec: DSecContainerRunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
+        self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
     ) -> tuple[SandboxInfo, bool]:
         """``send`` the create to the best candidates in turn until one takes it."""
         demand = self._demand(spec)

@@ -56,7 +56,8 @@ from dsec.api.batch import (
     CreateBatchRequest,
 )
 from dsec.api.sandbox import SandboxInfo
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
+from dsec.backends.kinds import require_backend
 from dsec.errors import (
     BatchNotFound,
     ClusterFull,
@@ -193,7 +194,7 @@ class RunningBatch:
         )
         self._task = asyncio.create_task(self._run(), name=f"dsec-batch-{self.id}")
 
-    def _spec_for(self, index: int) -> DSecContainerRunArgs:
+    def _spec_for(self, index: int) -> RunArgs:
         labels = {**self.spec.labels, BATCH_LABEL: self.id, INDEX_LABEL: str(index)}
         return self.spec.model_copy(update={"job_id": self.job, "labels": labels})
 
@@ -333,7 +334,9 @@ class BatchRunner:
         return [b for b in self._batches.values() if b.done is None]
 
     def start(self, principal: str, req: CreateBatchRequest) -> RunningBatch:
-        """Admit and start a batch; raises a typed 422 when it cannot be run at all."""
+        """Admit and start a batch; raises a typed 422 when it cannot be run at all (501
+        for a backend kind the platform has no backend for)."""
+        require_backend(req.spec)
         running = self.running()
         if len(running) >= self.max_batches:
             raise LimitExceeded(
@@ -362,7 +365,7 @@ class BatchRunner:
             "batch %s: %d sandboxes of %s for job %s by %s, parallelism %d",
             batch_id,
             req.count,
-            req.spec.container_image,
+            req.spec.image_ref,
             req.job,
             principal,
             parallelism,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class EdgeAPI(Protocol):
     edge_id: str
 
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         """Admit, build the root file system, start; returns when the sandbox runs."""
         ...
 
@@ -75,7 +75,7 @@ class KeyedCreates(Protocol):
         ...
 
     async def create_keyed(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim
     ) -> tuple[SandboxInfo, bool]:
         """(info, made by this call)."""
         ...

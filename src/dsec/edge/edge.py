@@ -25,9 +25,10 @@ from dsec.api.fields import SANDBOX_ID_RE, check_network_rules
 from dsec.api.health import Degradation, HealthInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs
+from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, Capability, CreateInput, SandboxRecord
+from dsec.backends.kinds import require_backend
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
@@ -235,7 +236,7 @@ class Edge:
         await self.audit.close()
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def create(self, spec: DSecContainerRunArgs, *, timeout: float) -> SandboxInfo:
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         return await self._create(spec, timeout=timeout, claim=None)
 
     async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
@@ -263,7 +264,7 @@ class Edge:
             # Done (or failed, freeing the key): look again.
 
     async def create_keyed(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim
     ) -> tuple[SandboxInfo, bool]:
         """Create at most once per key: (info, True) when this call made the sandbox,
         (info, False) when an earlier create with the key did. The create runs on even
@@ -278,7 +279,7 @@ class Edge:
         return await asyncio.shield(task), True
 
     async def _create(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
         if claim is None:
             return await self._build(spec, timeout=timeout, claim=None)
@@ -291,11 +292,12 @@ class Edge:
             self.keys.end(claim, made)
 
     async def _build(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
+        runnable = require_backend(spec)  # 501 for a kind without a backend, before any work
         self.exhaustion.check_create()  # 507/503 before any work while the host is out
         with self.exhaustion.mapped():
-            return await self._build_mapped(spec, timeout=timeout, claim=claim)
+            return await self._build_mapped(runnable, timeout=timeout, claim=claim)
 
     async def _build_mapped(
         self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from dsec.api.sandbox import IDEMPOTENCY_HEADER, IDEMPOTENCY_KEY_RE
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.edge.state import EdgeStateDB, KeyRow
 from dsec.errors import IdempotencyKeyReused, InvalidArgument
 
@@ -45,7 +45,7 @@ def check_key(key: str) -> str:
     return key
 
 
-def fingerprint(spec: DSecContainerRunArgs) -> str:
+def fingerprint(spec: RunArgs) -> str:
     """What "the same spec" means: the full spec, defaults filled in, keys sorted."""
     canon = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()
@@ -60,7 +60,7 @@ class IdempotencyClaim:
     fingerprint: str
 
     @classmethod
-    def of(cls, scope: str, key: str, spec: DSecContainerRunArgs) -> IdempotencyClaim:
+    def of(cls, scope: str, key: str, spec: RunArgs) -> IdempotencyClaim:
         return cls(scope, check_key(key), fingerprint(spec))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import run_args_adapter
 from dsec.backends.base import BackendFacts, SandboxRecord, StoredFacts
 
 SCHEMA = """
@@ -188,7 +188,7 @@ class EdgeStateDB:
                 SandboxRecord(
                     id=r[0],
                     state=SandboxState(r[1]),
-                    spec=DSecContainerRunArgs.model_validate_json(r[2]),
+                    spec=run_args_adapter.validate_json(r[2]),
                     image=ImageInfo.model_validate_json(r[3]),
                     created_at=datetime.fromisoformat(r[4]),
                     updated_at=datetime.fromisoformat(r[5]),

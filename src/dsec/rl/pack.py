@@ -31,6 +31,7 @@ from dsec.api.events import AuditKind
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.rl import ForkRequest, ForkResult, PackedEnv
 from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.base import Capability
 from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
 from dsec.images.service import LayerBuilder
@@ -40,9 +41,19 @@ if TYPE_CHECKING:
     from dsec.edge.edge import Edge
 
 
-def _slot(rec: SandboxRecord) -> tuple[str, dict[str, Any]]:
+def _packable(rec: SandboxRecord) -> DSecContainerRunArgs:
+    """The spec of a sandbox that can be packed: a packed environment is a container
+    image plus layers (``PackedEnv.run_args``), so other backends are refused."""
+    if not isinstance(rec.spec, DSecContainerRunArgs):
+        raise Unsupported(
+            f"pack_diff of a {rec.spec.backend} sandbox is not supported: a packed "
+            "environment is a container image plus layers"
+        )
+    return rec.spec
+
+
+def _slot(rec: SandboxRecord, spec: DSecContainerRunArgs) -> tuple[str, dict[str, Any]]:
     """Which slot the packed layer takes, and the other slots pinned by digest."""
-    spec = rec.spec
     layers = list(rec.image.layers)
     if spec.toolkit is not None:
         raise Unsupported(
@@ -63,7 +74,8 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
     images = edge.images
     if not isinstance(images, LayerBuilder):
         raise Unsupported("this edge's image service cannot register layers")
-    slot, pinned = _slot(rec)
+    spec = _packable(rec)
+    slot, pinned = _slot(rec, spec)
     out = images.temp_layer_path()
     async with edge.exclusive(sandbox_id):
         if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
@@ -97,7 +109,7 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
         await images.gc()
     env = PackedEnv(
         layer=info,
-        container_image=rec.spec.container_image,
+        container_image=spec.container_image,
         workspace=(f"{name}:{version}" if slot == "workspace" else str(pinned["workspace"].digest)),
         toolkit=f"{name}:{version}" if slot == "toolkit" else None,
         source_sandbox=sandbox_id,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -73,6 +74,27 @@ CREATE TABLE IF NOT EXISTS bindings (
     sandbox_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, rollout_id TEXT NOT NULL
 ) WITHOUT ROWID;
 """
+
+
+def step_digest(req: StepRequest) -> tuple[str, str]:
+    """A step's ``(content hash, request JSON for the log)``: the hash covers everything
+    that decides what the step does (sandbox, command, env, user, file bytes...), not
+    the step number, so a resumed trainer that sends the same request again matches.
+    File bytes enter the hash, but only their sha256 and size are stored."""
+    body: dict[str, Any] = {"sandbox_id": req.sandbox_id, "op": req.op}
+    if req.command is not None:
+        body["command"] = req.command.model_dump(exclude_defaults=True)
+    else:
+        assert req.file is not None
+        data = req.file.data()
+        body["file"] = {
+            "path": req.file.path,
+            "mode": req.file.mode,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32], text
 
 
 @dataclass(slots=True)
@@ -372,7 +394,7 @@ class TrajectoryService:
             out: list[Outcome] = []
             replayed_to = -1
             for req in steps:
-                hash_, text = req.digest()
+                hash_, text = step_digest(req)
                 row = logged.get(req.step)
                 if row is not None and row.hash == hash_:
                     if row.status == "pending":

@@ -1,6 +1,6 @@
 """libdsec: one Python SDK for every DSec backend (async ``DSecClient``, sync twin).
 
-Depends only on dsec.model, dsec.errors, dsec.config, httpx and pydantic, so it installs
+Depends only on dsec.api, dsec.errors, dsec.config, httpx and pydantic, so it installs
 without the server's dependencies.
 """
 

@@ -36,7 +36,7 @@ from dsec.api.batch import (
     batch_event_adapter,
 )
 from dsec.api.sandbox import SandboxInfo
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.errors import BatchNotFound, DSecError, PlatformUnavailable
 from dsec.sdk import _http
 from dsec.sdk._protocol import _JSON_HEADERS, Call, _model, invalid, wait_timeout
@@ -52,7 +52,7 @@ H = TypeVar("H")
 
 
 def create_batch_body(
-    args: DSecContainerRunArgs, count: int, job: str, timeout: float, parallelism: int | None
+    args: RunArgs, count: int, job: str, timeout: float, parallelism: int | None
 ) -> bytes:
     try:
         body = CreateBatchRequest(
@@ -240,7 +240,7 @@ class Batch(Generic[H]):
 
 async def open_batch(
     client: DSecClient,
-    args: DSecContainerRunArgs,
+    args: RunArgs,
     *,
     count: int,
     job: str,
@@ -277,7 +277,7 @@ async def open_batch(
 class BatchMixin:
     async def create_batch(
         self,
-        args: DSecContainerRunArgs,
+        args: RunArgs,
         *,
         count: int,
         job: str,
@@ -398,7 +398,7 @@ class SyncBatch:
 class SyncBatchMixin:
     def create_batch(
         self,
-        args: DSecContainerRunArgs,
+        args: RunArgs,
         *,
         count: int,
         job: str,

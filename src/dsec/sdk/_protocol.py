@@ -28,7 +28,7 @@ from dsec.api.sandbox import (
     SandboxInfo,
     SandboxState,
 )
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyMode, VerifyRequest, VerifyResult
 from dsec.errors import (
     DSecError,
@@ -152,7 +152,7 @@ def health() -> Call[HealthInfo]:
 
 
 def create_sandbox(
-    args: DSecContainerRunArgs, timeout: float, idempotency_key: str | None = None
+    args: RunArgs, timeout: float, idempotency_key: str | None = None
 ) -> Call[SandboxInfo]:
     """``idempotency_key``: resending the same create with the same key returns the
     sandbox the first one made instead of a second one (for 24 h)."""

@@ -1,4 +1,4 @@
-"""One multiplexed data-path WebSocket from the SDK to an edge (protocol: ``dsec.wire``).
+"""One multiplexed data-path WebSocket from the SDK to an edge (protocol: ``dsec.api.datapath``).
 
 A reader task routes answers to the waiting callers by request id and output frames to
 their ``on_data`` callbacks, so any number of commands share one connection. A dropped

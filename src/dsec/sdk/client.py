@@ -16,7 +16,7 @@ import httpx
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import DSecContainerRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
 from dsec.sdk import _http
@@ -150,6 +150,22 @@ class DSecClient(
     async def health(self) -> HealthInfo:
         return await self._send(proto.health())
 
+    async def run_sandbox(
+        self,
+        args: RunArgs,
+        timeout: float = 120,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Sandbox:
+        """Create a sandbox of the backend ``args`` names (``DSecContainerRunArgs``,
+        ``DSecMicroVMRunArgs``, ``DSecFullVMRunArgs``) and return once it runs, or raise
+        a typed error: ``Unsupported`` (501) for a backend the platform does not run.
+
+        With ``idempotency_key`` the create is safe to retry: the same key and spec give
+        the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
+        info = await self._send(proto.create_sandbox(args, timeout, idempotency_key))
+        return Sandbox(self, info)
+
     async def run_container(
         self,
         args: DSecContainerRunArgs,
@@ -161,8 +177,7 @@ class DSecClient(
 
         With ``idempotency_key`` the create is safe to retry: the same key and spec give
         the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
-        info = await self._send(proto.create_sandbox(args, timeout, idempotency_key))
-        return Sandbox(self, info)
+        return await self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
 
     async def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self, await self._send(proto.get_sandbox(sandbox_id)))

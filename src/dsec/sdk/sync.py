@@ -15,7 +15,7 @@ import httpx
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import DSecContainerRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
 from dsec.sdk import _http
@@ -141,6 +141,22 @@ class DSecSyncClient(
     def health(self) -> HealthInfo:
         return self._send(proto.health())
 
+    def run_sandbox(
+        self,
+        args: RunArgs,
+        timeout: float = 120,
+        *,
+        idempotency_key: str | None = None,
+    ) -> SyncSandbox:
+        """Create a sandbox of the backend ``args`` names (``DSecContainerRunArgs``,
+        ``DSecMicroVMRunArgs``, ``DSecFullVMRunArgs``) and return once it runs, or raise
+        a typed error: ``Unsupported`` (501) for a backend the platform does not run.
+
+        With ``idempotency_key`` the create is safe to retry: the same key and spec give
+        the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
+        info = self._send(proto.create_sandbox(args, timeout, idempotency_key))
+        return SyncSandbox(self, info)
+
     def run_container(
         self,
         args: DSecContainerRunArgs,
@@ -152,8 +168,7 @@ class DSecSyncClient(
 
         With ``idempotency_key`` the create is safe to retry: the same key and spec give
         the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
-        info = self._send(proto.create_sandbox(args, timeout, idempotency_key))
-        return SyncSandbox(self, info)
+        return self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
 
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._send(proto.get_sandbox(sandbox_id)))

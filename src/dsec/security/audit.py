@@ -28,9 +28,25 @@ from dsec.exhaustion import classify
 if TYPE_CHECKING:
     from dsec.supervise import Supervisor
 from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent, Severity
-from dsec.security.audit import DEFAULT_SEVERITY
 
 log = logging.getLogger(__name__)
+
+# How severe each kind is unless its detector says otherwise.
+DEFAULT_SEVERITY: dict[EventKind, Severity] = {
+    EventKind.PROTECTED_PATH: Severity.CRITICAL,
+    EventKind.DENIED_CONNECTION: Severity.WARNING,
+    EventKind.HOST_ACCESS: Severity.CRITICAL,
+    EventKind.SECCOMP_VIOLATION: Severity.CRITICAL,
+    EventKind.BINARY_TAMPERING: Severity.WARNING,
+    EventKind.RESOURCE_LIMIT: Severity.INFO,
+    EventKind.ESCAPE_ATTEMPT: Severity.CRITICAL,
+    EventKind.GRADED_LINK_ESCAPE: Severity.CRITICAL,
+    EventKind.SCAN_INCOMPLETE: Severity.CRITICAL,
+    EventKind.DETECTOR_ERROR: Severity.WARNING,
+    EventKind.DNS_REBINDING: Severity.CRITICAL,
+    EventKind.DNS_TUNNEL_SUSPECTED: Severity.CRITICAL,
+    EventKind.SIGNAL_TO_INIT: Severity.CRITICAL,
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

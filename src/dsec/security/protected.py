@@ -334,3 +334,21 @@ def frozen(host: CgroupHost, rel: str) -> Iterator[None]:
         yield
     finally:
         thaw(host, rel)
+
+
+def redact_files(mounts: list[ProtectedMount]) -> list[ProtectedMount]:
+    """The same mounts with inline contents blanked: what is stored and echoed back
+    (the names stay, so a caller still sees what it asked for)."""
+    return [
+        m.model_copy(update={"files": dict.fromkeys(m.files, "")}) if m.files else m for m in mounts
+    ]
+
+
+def protected_summary(mounts: list[ProtectedMount]) -> list[dict[str, Any]]:
+    """What the audit log keeps of them: paths and sources, never inline contents."""
+    return [
+        {"path": m.path, "layer": str(m.layer)}
+        if m.layer is not None
+        else {"path": m.path, "files": len(m.files)}
+        for m in mounts
+    ]

@@ -29,7 +29,7 @@ from typing import Any, Self
 from dsec import linux, spawn
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, ExecResult
-from dsec.api.spec import BackendKind
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import (
     Backend,
@@ -62,6 +62,17 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # AF_UNIX paths are limited to 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
+
+
+def container_spec(rec: SandboxRecord | CreateInput) -> DSecContainerRunArgs:
+    """``rec``'s spec as the container spec it is. The edge hands this backend container
+    specs only (dsec.backends.registry), so another kind here is a platform bug, not bad
+    input."""
+    if not isinstance(rec.spec, DSecContainerRunArgs):
+        raise BackendError(
+            f"sandbox {rec.id} has a {rec.spec.backend} spec: the container backend cannot run it"
+        )
+    return rec.spec
 
 
 def prewarm_tree(root: Path, limit: int) -> int:
@@ -314,7 +325,7 @@ class ContainerBackend(Backend):
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, inp: CreateInput) -> ContainerFacts:
-        sid, spec = inp.id, inp.spec
+        sid, spec = inp.id, container_spec(inp)
         net = dict(inp.net) if inp.net is not None else None  # dsec.net's (egress rules)
         root = self.sandbox_dir(sid)
         rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
@@ -393,7 +404,7 @@ class ContainerBackend(Backend):
     ) -> list[protected_paths.Prepared]:
         """Hold each protected layer for the sandbox's life, write inline files, build
         the decoys (see dsec.security.protected)."""
-        spec = inp.spec
+        spec = container_spec(inp)
         if len(inp.protected_layers) != len(spec.protected):
             raise BackendError("protected layers were not resolved before create")
         layers: list[tuple[str, Path] | None] = []
@@ -587,13 +598,13 @@ class ContainerBackend(Backend):
         return False
 
     async def adopt(self, rec: SandboxRecord) -> None:
-        await self.layers.prepare(rec.image.layers, rec.spec.image_loading)
+        await self.layers.prepare(rec.image.layers, container_spec(rec).image_loading)
         facts = self.facts(rec)
         held = []
         prepared = facts.protected
         if any(p.digest for p in prepared):
             await self.layers.prepare(
-                [p.digest for p in prepared if p.digest], rec.spec.image_loading
+                [p.digest for p in prepared if p.digest], container_spec(rec).image_loading
             )
         for digest in [*rec.image.layers, *(p.digest for p in prepared if p.digest)]:
             self.layers.acquire(digest)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import DSecRunArgs
 from dsec.hostlimits import sandbox_nofile
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
@@ -209,7 +209,7 @@ def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
 def build_config(
     *,
     sandbox_id: str,
-    spec: DSecContainerRunArgs,
+    spec: DSecRunArgs,
     rootfs: Path,
     agent_binary: Path,
     cgroup_path: str,

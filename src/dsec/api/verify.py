@@ -1,4 +1,4 @@
-"""Verify steps in the shared language: what a grader sees, and the verdict it gives.
+"""Verify steps on the wire: what a grader sees, and the verdict it gives.
 
 A verify step is where a reward is decided, so its wire shapes say exactly what is
 trusted: the grader ``command`` (the caller's), the platform's pristine layers and the
@@ -6,8 +6,8 @@ protected paths; and what is not: the agent's files, which reach the verifier on
 read-only *data* under the ``graded`` paths (a snapshot taken while the agent is frozen,
 links that would leave a graded tree refused). ``mode`` says whether the agent survives
 the step (``isolated``) or is stopped first so nothing the verifier does can flow back
-to it (``fresh``, the default). See dsec.backends.container.verifier for the mechanics
-and the README's threat model for what each mode guarantees.
+to it (``fresh``, the default). Which paths a step grades by default is decided on the
+edge (dsec.security.graded_paths); the mechanics are in dsec.backends.container.verifier.
 """
 
 from __future__ import annotations
@@ -19,14 +19,18 @@ from pydantic import Field, field_validator, model_validator
 
 from dsec.api.base import Reply
 from dsec.api.exec import ExecRequest, ExecResult
-from dsec.api.spec import DSecContainerRunArgs
 
 VerifyMode = Literal["fresh", "isolated"]
 
+
 MAX_GRADED_PATHS = 16
+
+
 # Where an agent keeps its work when the spec's workdir is "/": graded by default, each
 # only if it exists in the agent's tree. Never a system directory (see SYSTEM_PREFIXES).
 DEFAULT_GRADED = ("/work", "/workspace", "/testbed", "/app", "/srv", "/root", "/home")
+
+
 # A graded path replaces the pristine content at that path in the verifier, so grading
 # one of these would hand the grader the agent's interpreter, loader or shell.
 SYSTEM_PREFIXES = (
@@ -109,49 +113,6 @@ class VerifyRequest(ExecRequest):
         if self.trajectory is not None:
             raise ValueError("a verify step is not a trajectory step: leave trajectory out")
         return self
-
-
-def collapse_graded(paths: list[str]) -> list[str]:
-    """Sorted, without duplicates and without paths inside another graded path."""
-    out: list[str] = []
-    for p in sorted(set(paths)):
-        if not any(_under(p, kept) for kept in out):
-            out.append(p)
-    return out
-
-
-def overlaps(a: str, b: str) -> bool:
-    """One path is the other or inside it."""
-    return _under(a, b) or _under(b, a)
-
-
-def resolve_graded(spec: DSecContainerRunArgs, req: VerifyRequest) -> list[str]:
-    """The paths a step grades: the request's, else the spec's workdir, else the usual
-    work directories (those that overlap a protected path left out). Raises ValueError
-    for a graded path that overlaps a protected one: the grader would see the agent's
-    files as answers, or the answers under the agent's name."""
-    if req.graded is not None:
-        paths = list(req.graded)
-    elif spec.workdir != "/":
-        try:
-            paths = [check_graded_path(spec.workdir)]
-        except ValueError as exc:
-            raise ValueError(
-                f"the sandbox's workdir cannot be graded by default ({exc}); pass graded=[...]"
-            ) from None
-    else:
-        paths = list(DEFAULT_GRADED)
-    out = []
-    for p in collapse_graded(paths):
-        clash = next((m.path for m in spec.protected if overlaps(p, m.path)), None)
-        if clash is None:
-            out.append(p)
-        elif req.graded is not None:
-            raise ValueError(
-                f"graded path {p} overlaps the protected path {clash}: "
-                "grade the agent's work, not the answers"
-            )
-    return out
 
 
 class GradedRefusal(Reply):

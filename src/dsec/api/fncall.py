@@ -1,6 +1,8 @@
-"""Requests and replies of the FnCall backend: stateless code runs from warm pools.
+"""The FnCall backend on the wire: stateless code runs from warm pools.
 
-Shared by the SDK, the apiserver and the backend (like dsec.model for containers).
+Shared by the SDK, the apiserver and the backend. ``DSecFnCallRunArgs`` is not a
+sandbox run spec (nothing creates a long-lived FnCall sandbox): it is the limits of one
+call, and calls with equal args share a warm pool.
 """
 
 from __future__ import annotations
@@ -14,24 +16,42 @@ from dsec.api.fields import check_network_rules
 
 # Bounds on what one request may carry (typed 422 beyond them).
 MAX_CODE_BYTES = 1 << 20
+
+
 MAX_STDIN_BYTES = 16 << 20
+
+
 MAX_FILES = 64
+
+
 MAX_FILE_BYTES = 8 << 20
+
+
 MAX_TESTS = 1000
+
+
 MAX_OUTPUT_BYTES = 64 << 20
 
-#: The FnCall WebSocket (API key): ``dsec.wire``'s framing (JSON text frames ``{"id", "op",
-#: "args"}`` answered by ``{"id", "result"}`` or ``{"id", "error"}``, ``{"id", "op":
+
+#: The FnCall WebSocket (API key): ``dsec.api.datapath``'s framing (JSON text frames
+#: ``{"id", "op", "args"}`` answered by ``{"id", "result"}`` or ``{"id", "error"}``, ``{"id", "op":
 #: "cancel"}``) with the ops below, whose args and result are those of the HTTP routes.
 #: Why: a warm call costs ~1-3 ms on the edge, an HTTP request through FastAPI and httpx
 #: ~3 ms more; a message on an open WebSocket ~0.3 ms (bench/bench_fncall.py).
 FNCALL_RPC_PATH = "/v1/fncall/rpc"
+
+
 OP_RUN, OP_JUDGE, OP_CALL = "fncall.run", "fncall.judge", "fncall.call"
+
 
 RunStatus = Literal[
     "ok", "runtime_error", "timeout", "memory_limit", "compile_error", "output_limit"
 ]
+
+
 Verdict = Literal["AC", "WA", "TLE", "MLE", "RE", "CE", "OLE"]
+
+
 Comparator = Literal["exact", "whitespace", "float"]
 
 

@@ -1,10 +1,9 @@
-"""Layers in the shared language: references, registry entries and layer requests.
+"""Layers on the wire: references, registry entries and layer requests.
 
 A sandbox's root file system is stacked from up to three read-only layers, bottom
 first: the base image, a workspace, a toolkit. Each is versioned on its own, so an
 update rebuilds one layer instead of every image that contains it. A reference is
 ``name:version`` (resolved in the layer registry) or a ``sha256:`` digest (exact).
-Kept apart from dsec.model so that module stays a list of request/response shapes.
 """
 
 from __future__ import annotations
@@ -13,13 +12,22 @@ import re
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from dsec.api.base import Reply, Strict
 
 LAYER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
 LAYER_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
+
 ImageLoading = Literal["lazy", "eager"]
+
+
 LayerKind = Literal["base", "workspace", "toolkit"]
 
 
@@ -40,13 +48,13 @@ def check_layer_version(version: str) -> str:
     return version
 
 
-class LayerRef(BaseModel):
+class LayerRef(Strict):
     """``LayerRef("task-repo", "v3")``, ``LayerRef("task-repo:v3")`` or ``LayerRef("sha256:…")``.
 
     Fields in the model accept the string form too: ``workspace="task-repo:v3"``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)  # a value: compared and hashed by content
 
     name: str | None = None
     version: str | None = None
@@ -97,10 +105,8 @@ def _split(text: str) -> dict[str, Any]:
     return {"name": name, "version": version} if sep else {"name": name}
 
 
-class LayerInfo(BaseModel):
+class LayerInfo(Reply):
     """A named, versioned layer in a registry (the platform's or a shared store's)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     name: str
     version: str
@@ -129,10 +135,8 @@ class LayerInfo(BaseModel):
         return check_layer_version(v)
 
 
-class BuildLayerRequest(BaseModel):
+class BuildLayerRequest(Strict):
     """Build a layer from a directory, a tar or a git checkout *on the platform's host*."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ref: str = Field(description="name:version to register it under")
     source: Literal["dir", "tar", "git"]
@@ -149,17 +153,13 @@ class BuildLayerRequest(BaseModel):
         return v
 
 
-class TagLayerRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TagLayerRequest(Strict):
     source: str = Field(description="existing layer name:version, image name:tag or digest")
     target: str = Field(description="new name:version")
 
 
-class LayerTransferRequest(BaseModel):
+class LayerTransferRequest(Strict):
     """Push to / pull from the shared layer store configured on the platform."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ref: str
     blob: bool = Field(True, description="pull: also fetch the whole blob now (eager)")

@@ -1,4 +1,4 @@
-"""Protected paths in the shared language: grader or answer files only a verifier sees.
+"""Protected paths on the wire: grader or answer files only a verifier sees.
 
 A ``ProtectedMount`` names a path and where its content comes from: a layer of the
 layer registry (content-addressed, built once, shared by every sandbox on a host: the
@@ -6,22 +6,27 @@ right source for a grader suite) or inline files in the request (small per-rollo
 answers). Never a host path: the platform is multi-tenant, and a caller who could name
 a host directory could read any file the edge can. The content is never in the agent's
 sandbox; only ``verify`` runs see it (see dsec.security.protected).
-Kept apart from dsec.model so that module stays a list of request/response shapes.
 """
 
 from __future__ import annotations
 
 import itertools
 import posixpath
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from dsec.api.base import Strict
 from dsec.api.layers import LayerRef
 
 MAX_PROTECTED_MOUNTS = 8
+
+
 MAX_INLINE_FILES = 256
+
+
 MAX_INLINE_BYTES = 1024 * 1024
+
+
 # Paths the platform itself mounts or the kernel owns: a protected mount there would
 # shadow them in the verifier, or be meaningless.
 RESERVED_PREFIXES = ("/proc", "/sys", "/dev", "/.dsec")
@@ -54,12 +59,12 @@ def _check_rel(name: str) -> str:
     return name
 
 
-class ProtectedMount(BaseModel):
+class ProtectedMount(Strict):
     """``path`` shows ``layer``'s root directory or the inline ``files`` (exactly one)
     read-only, in verifier runs only. In the agent's sandbox the path is an empty
     read-only look-alike whose every open is reported as a ``protected_path`` event."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     path: str = Field(description="absolute path, e.g. /grader")
     layer: LayerRef | None = Field(
@@ -112,21 +117,3 @@ def check_protected(mounts: list[ProtectedMount]) -> list[ProtectedMount]:
         if a == b or b.startswith(a + "/"):
             raise ValueError(f"protected paths {a!r} and {b!r} overlap")
     return mounts
-
-
-def redact_files(mounts: list[ProtectedMount]) -> list[ProtectedMount]:
-    """The same mounts with inline contents blanked: what is stored and echoed back
-    (the names stay, so a caller still sees what it asked for)."""
-    return [
-        m.model_copy(update={"files": dict.fromkeys(m.files, "")}) if m.files else m for m in mounts
-    ]
-
-
-def protected_summary(mounts: list[ProtectedMount]) -> list[dict[str, Any]]:
-    """What the audit log keeps of them: paths and sources, never inline contents."""
-    return [
-        {"path": m.path, "layer": str(m.layer)}
-        if m.layer is not None
-        else {"path": m.path, "files": len(m.files)}
-        for m in mounts
-    ]

@@ -1,7 +1,7 @@
-"""IAM in the shared language: projects, principals, keys, roles and quotas on the wire.
+"""IAM on the wire: projects, principals, keys, roles and quotas.
 
-Kept apart from dsec.model (like dsec.rl_model); these are the bodies and answers of
-/v1/projects, /v1/principals and /v1/keys, shared by the apiserver and the SDK.
+The bodies and answers of /v1/projects, /v1/principals and /v1/keys, shared by the
+apiserver and the SDK.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dsec.api.fields import PROJECT_RE
 # A new principal's name: safe in URLs, logs and the CLI. Keys made before IAM may name
 # any principal; those keep working, only creation through /v1/principals is strict.
 PRINCIPAL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+
+
 # Bindings on ROOT hold on every project (the bootstrap ``admin`` is admin there).
 ROOT = "*"
 

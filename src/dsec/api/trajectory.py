@@ -1,17 +1,14 @@
-"""Wire models of the trajectory log (requests, answers, listings).
+"""The trajectory log on the wire (requests, answers, listings).
 
 A step is one state-changing request on a sandbox: a command (``/bin/sh -c`` string or
-argv, optionally in a shell session) or a file write. Its *content hash* covers
-everything that decides what it does (sandbox, command, env, user, file bytes...), not
-the step number, so a resumed trainer that sends the same request again matches.
+argv, optionally in a shell session) or a file write. The log matches a step sent again
+by its content hash (dsec.rl.trajectory), never by its step number alone.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import json
 from datetime import datetime
 from typing import Any, Literal
 
@@ -24,7 +21,10 @@ from dsec.api.fields import SANDBOX_ID_RE, TRAJECTORY_NAME_RE
 #: Steps per batch request (the SDK splits longer runs): bounds one request's work.
 MAX_BATCH = 5000
 
+
 StepOp = Literal["exec", "session", "write_file"]
+
+
 StepStatus = Literal["pending", "ok", "error"]
 
 
@@ -82,24 +82,6 @@ class StepRequest(Strict):
             return "write_file"
         assert self.command is not None
         return "session" if self.command.session is not None else "exec"
-
-    def digest(self) -> tuple[str, str]:
-        """``(content hash, request JSON for the log)``; file bytes enter the hash, but
-        only their sha256 and size are stored."""
-        body: dict[str, Any] = {"sandbox_id": self.sandbox_id, "op": self.op}
-        if self.command is not None:
-            body["command"] = self.command.model_dump(exclude_defaults=True)
-        else:
-            assert self.file is not None
-            data = self.file.data()
-            body["file"] = {
-                "path": self.file.path,
-                "mode": self.file.mode,
-                "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:32], text
 
 
 class StepBatch(Strict):

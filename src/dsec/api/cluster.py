@@ -1,4 +1,4 @@
-"""What edges and apiservers tell each other in cluster mode."""
+"""What edges and apiservers tell each other in cluster mode (heartbeats, edge status)."""
 
 from __future__ import annotations
 

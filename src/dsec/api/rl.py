@@ -1,7 +1,6 @@
-"""RL co-design in the shared language: job pause/resume reports, pack_diff and fork.
+"""RL co-design on the wire: job pause/resume reports, pack_diff and fork.
 
-Kept apart from dsec.model (like dsec.layer_model) so that module stays small; these
-are the wire format of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
+The bodies and answers of /v1/jobs and /v1/sandboxes/{id}/pack|fork.
 """
 
 from __future__ import annotations

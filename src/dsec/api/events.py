@@ -1,8 +1,9 @@
-"""What the audit log records and what detectors raise (paper §6.4, §6.5).
+"""What the audit log records and what detectors raise, on the wire (paper §6.4, §6.5).
 
 Two streams in one store: *audit records* say what a sandbox did (every command, file
 operation and network decision), *events* say that it misbehaved. Both carry the
-sandbox's job and trajectory ids so a trainer can discard or penalise a rollout.
+sandbox's job and trajectory ids so a trainer can discard or penalise a rollout. How
+severe a kind is by default is the detectors' policy (dsec.security.audit).
 """
 
 from __future__ import annotations
@@ -48,23 +49,6 @@ class Severity(StrEnum):
     INFO = "info"
     WARNING = "warning"
     CRITICAL = "critical"
-
-
-DEFAULT_SEVERITY: dict[EventKind, Severity] = {
-    EventKind.PROTECTED_PATH: Severity.CRITICAL,
-    EventKind.DENIED_CONNECTION: Severity.WARNING,
-    EventKind.HOST_ACCESS: Severity.CRITICAL,
-    EventKind.SECCOMP_VIOLATION: Severity.CRITICAL,
-    EventKind.BINARY_TAMPERING: Severity.WARNING,
-    EventKind.RESOURCE_LIMIT: Severity.INFO,
-    EventKind.ESCAPE_ATTEMPT: Severity.CRITICAL,
-    EventKind.GRADED_LINK_ESCAPE: Severity.CRITICAL,
-    EventKind.SCAN_INCOMPLETE: Severity.CRITICAL,
-    EventKind.DETECTOR_ERROR: Severity.WARNING,
-    EventKind.DNS_REBINDING: Severity.CRITICAL,
-    EventKind.DNS_TUNNEL_SUSPECTED: Severity.CRITICAL,
-    EventKind.SIGNAL_TO_INIT: Severity.CRITICAL,
-}
 
 
 class AuditRecord(Reply):

@@ -1,8 +1,7 @@
-"""Batch creation in the shared language: the request and the NDJSON events of /v1/batches.
+"""Batch creation on the wire: the request and the NDJSON events of /v1/batches.
 
-Kept apart from dsec.model (like dsec.rl_model) so that module stays small. One RL job
-asks for thousands of sandboxes of one spec at once; the answer is a stream of events,
-one JSON object per line, each tagged by ``event``.
+One RL job asks for thousands of sandboxes of one spec at once; the answer is a stream
+of events, one JSON object per line, each tagged by ``event``.
 """
 
 from __future__ import annotations
@@ -15,21 +14,26 @@ from pydantic import Field, TypeAdapter
 from dsec.api.base import Reply, Strict
 from dsec.api.fields import TRAJECTORY_NAME_RE
 from dsec.api.sandbox import SandboxInfo
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import RunArgs
 from dsec.errors import DSecError, error_class_for
 
 MAX_BATCH_COUNT = 32_000
+
+
 MAX_BATCH_PARALLELISM = 1024
+
 
 # Labels every sandbox of a batch carries, so a job's sandboxes can be listed by batch.
 BATCH_LABEL = "dsec.batch"
+
+
 INDEX_LABEL = "dsec.index"
 
 
 class CreateBatchRequest(Strict):
     """``count`` sandboxes of ``spec`` for ``job`` (the spec's job_id is set to it)."""
 
-    spec: DSecContainerRunArgs
+    spec: RunArgs
     count: int = Field(..., ge=1, le=MAX_BATCH_COUNT, description="sandboxes to create")
     job: str = Field(
         ...,
@@ -99,7 +103,10 @@ class BatchDone(Reply):
 BatchEvent = Annotated[
     BatchAccepted | BatchCreated | BatchFailed | BatchDone, Field(discriminator="event")
 ]
+
+
 batch_event_adapter: TypeAdapter[BatchEvent] = TypeAdapter(BatchEvent)
+
 
 BatchStateName = Literal["running", "cancelling", "done"]
 

@@ -1,36 +1,84 @@
-"""The data path's wire format, shared by the SDK and the edge (no I/O, no server deps).
-
-The data path is one WebSocket per client and edge (``/v1/edge/rpc``), multiplexing any
-number of requests, because a command round trip must cost about what the agent costs:
-an HTTP request through httpx alone costs ~0.7 ms of client CPU, a WebSocket message
-~0.05 ms (measured on our machines).
-
-- Text frames are JSON. A request is ``{"id", "op", "sandbox", "token"?, "args"}``; the
-  answer is ``{"id", "result"}`` or ``{"id", "error": {"code", "message", "details"}}``.
-  ``{"id": n, "op": "cancel"}`` abandons request ``n`` (a foreground command is killed).
-- Binary frames carry output: ``u32 request id, u8 stream (1 stdout, 2 stderr), bytes``,
-  always before the request's final answer.
-"""
+"""Commands on the wire: one-shot exec requests and results, data-path commands,
+processes and shell sessions, signals by name."""
 
 from __future__ import annotations
 
 import signal as _signal
-import struct
 from datetime import datetime
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
-from dsec.api.exec import MAX_OUTPUT_BYTES
-from dsec.api.fields import ENV_KEY_RE, USER_RE
+from dsec.api.fields import ENV_KEY_RE, TRAJECTORY_NAME_RE, USER_RE, check_abs_path
 
-STDOUT = 1
-STDERR = 2
-_DATA = struct.Struct("<IB")
+MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 
-RPC_PATH = "/v1/edge/rpc"
-EDGE_PREFIX = "/v1/edge/sandboxes"
+
+class TrajectoryRef(Strict):
+    """Which step of which rollout a state-changing request is (see dsec.rl.trajectory):
+    logged before it is answered, answered from the log when sent again."""
+
+    job_id: str = Field(pattern=TRAJECTORY_NAME_RE.pattern)
+    rollout_id: str = Field(pattern=TRAJECTORY_NAME_RE.pattern)
+    step: int = Field(ge=0, le=1 << 40)
+
+
+class ExecRequest(Strict):
+    """One command. A string runs through ``/bin/sh -c``; a list is an argv."""
+
+    command: str | list[str]
+    trajectory: TrajectoryRef | None = Field(
+        None, description="log and replay this command as a step of a trajectory"
+    )
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    timeout: float | None = Field(None, gt=0, le=86400, description="seconds; kills the command")
+    stdin: str | None = Field(None, description="text fed to the command's stdin")
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1, le=MAX_OUTPUT_BYTES)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            if not v or not v[0]:
+                raise ValueError("command argv must be a non-empty list")
+            if any("\x00" in a for a in v):
+                raise ValueError("command arguments must not contain NUL bytes")
+        elif not v.strip() or "\x00" in v:
+            raise ValueError("command must be a non-empty string without NUL bytes")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _wd(cls, v: str | None) -> str | None:
+        return None if v is None else check_abs_path(v, "workdir")
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not USER_RE.match(v):
+            raise ValueError(f"user must be a user name or uid[:gid], got {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not ENV_KEY_RE.match(key) or "\x00" in val:
+                raise ValueError(f"invalid environment variable {key!r}")
+        return v
+
+
+class ExecResult(Reply):
+    exit_code: int = Field(description="exit status; 128+N when killed by signal N")
+    stdout: str
+    stderr: str
+    duration: float = Field(description="seconds from start to exit inside the sandbox")
+    timed_out: bool = False
+    truncated: bool = Field(False, description="output beyond max_output_bytes was dropped")
+
 
 SIGNALS: dict[str, int] = {
     "interrupt": int(_signal.SIGINT),
@@ -43,17 +91,6 @@ SIGNALS: dict[str, int] = {
     "usr1": int(_signal.SIGUSR1),
     "usr2": int(_signal.SIGUSR2),
 }
-
-
-def encode_data(request_id: int, stream: int, data: bytes) -> bytes:
-    return _DATA.pack(request_id, stream) + data
-
-
-def decode_data(frame: bytes) -> tuple[int, int, bytes]:
-    if len(frame) < _DATA.size:
-        raise ValueError("data frame shorter than its header")
-    request_id, stream = _DATA.unpack_from(frame)
-    return int(request_id), int(stream), frame[_DATA.size :]
 
 
 def signal_number(sig: int | str) -> int:
@@ -161,51 +198,3 @@ class SessionInfo(Reply):
     created_at: datetime
     commands: int = 0
     busy: bool = False
-
-
-FileType = Literal["file", "directory", "symlink", "fifo", "socket", "char", "block", "unknown"]
-
-
-class FileInfo(Reply):
-    path: str = Field(description="absolute, or relative to the listed directory")
-    type: FileType
-    mode: int = Field(description="permission bits, e.g. 0o644 = 420")
-    size: int
-    mtime: datetime
-    uid: int
-    gid: int
-    target: str | None = Field(None, description="where a symlink points (not followed)")
-
-
-class FileList(Reply):
-    entries: list[FileInfo]
-    truncated: bool = Field(False, description="more entries than the limit")
-
-
-class MkdirRequest(Strict):
-    path: str
-    parents: bool = True
-    mode: int = Field(0o755, ge=0, le=0o7777)
-
-
-class RemoveRequest(Strict):
-    path: str
-    recursive: bool = False
-
-
-class MoveRequest(Strict):
-    src: str
-    dst: str
-
-
-class ChmodRequest(Strict):
-    path: str
-    mode: int = Field(ge=0, le=0o7777)
-
-
-class PtyControl(Strict):
-    """Text frames of the PTY WebSocket, client to edge."""
-
-    type: Literal["resize"]
-    rows: int = Field(ge=1, le=0xFFFF)
-    cols: int = Field(ge=1, le=0xFFFF)
