@@ -106,7 +106,7 @@ def test_the_container_backend_is_imported_on_first_use_only() -> None:
         """
         import sys
         from dsec.backends.registry import BackendRegistry
-        from dsec.model import BackendKind
+        from dsec.api.spec import BackendKind
         mod = "dsec.backends.container.backend"
         assert mod not in sys.modules, "imported eagerly"
         cls = BackendRegistry().load(BackendKind.CONTAINER)
@@ -151,7 +151,7 @@ def test_default_selection_is_every_backend_that_probes_ok(
         monkeypatch,
         "dsec_test_no_kvm",
         """
-        from dsec.model import BackendKind
+        from dsec.api.spec import BackendKind
         from tests.test_backend_registry import MinimalBackend
 
         class NoKVM(MinimalBackend):
