@@ -81,7 +81,7 @@ class MountEntry:
     source: str
 
 
-def _unescape(field: str) -> str:
+def unescape_mount_field(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
     out, i = [], 0
     while i < len(field):
@@ -103,10 +103,10 @@ def mounts(under: str | os.PathLike[str] | None = None) -> list[MountEntry]:
             left, _, right = line.partition(" - ")
             fields = left.split()
             rfields = right.split()
-            point = _unescape(fields[4])
+            point = unescape_mount_field(fields[4])
             if prefix is not None and not (point == prefix or point.startswith(prefix + "/")):
                 continue
-            entries.append(MountEntry(point, rfields[0], _unescape(rfields[1])))
+            entries.append(MountEntry(point, rfields[0], unescape_mount_field(rfields[1])))
     return entries
 
 

@@ -116,7 +116,7 @@ def active_swaps() -> list[SwapEntry]:
         with contextlib.suppress(ValueError):
             out.append(
                 SwapEntry(
-                    linux._unescape(fields[0]),
+                    linux.unescape_mount_field(fields[0]),
                     fields[1],
                     int(fields[2]) * 1024,
                     int(fields[3]) * 1024,
