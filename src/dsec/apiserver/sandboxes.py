@@ -47,7 +47,7 @@ def sandbox_router(
     *,
     data_path: Callable[[str], Awaitable[DataPathInfo]] | None = None,
     creator: SandboxCreator | None = None,
-    report_load: bool = False,
+    report_load: Admission | None = None,
     streams: FileStreams | None = None,
 ) -> APIRouter:
     creator = creator or SandboxCreator(edge)
@@ -59,14 +59,14 @@ def sandbox_router(
             info.data_path = await data_path(info.id)
         return info
 
-    admission = getattr(edge, "admission", None) if report_load else None
+    admission = report_load
 
     def with_load(resp: Response) -> Response:
         """An edge states its usage right after a create or stop (LOAD_HEADER): each
         apiserver then sees the others' placements on every edge it touches, not only
         at the next heartbeat (dsec.control.placement.EdgeLoad). Read in one go, so the
         figures and their sequence agree."""
-        if isinstance(admission, Admission):
+        if admission is not None:
             a = admission
             resp.headers[LOAD_HEADER] = EdgeLoad(a.seq, a.count, a.memory_mb, a.cpu_cores).header()
         return resp

@@ -21,6 +21,7 @@ from dsec.apiserver.trajectory import TrajectoryRemote
 from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
+from dsec.edge.admission import Admission
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.fncall.service import FnCallService
@@ -67,5 +68,7 @@ class ApiServices:
     streams: FileStreams | None = None
     creator: SandboxCreator | None = None
     iam: IAM | None = None  # charges quotas; also serves projects, principals, keys
-    report_load: bool = False  # a cluster edge states its load in answers (placement)
+    # A cluster edge states its usage in create/stop answers (dsec.control.placement):
+    # whose usage. None on a single node and on apiservers.
+    report_load: Admission | None = None
     batches: BatchLimits = field(default_factory=BatchLimits)

@@ -299,7 +299,7 @@ async def serve(
                 rl=platform.edge,
                 creator=SandboxCreator(platform.edge, iam=iam),
                 iam=iam,
-                report_load=config.report_load,
+                report_load=platform.edge.admission if config.report_load else None,
             )
         )
 
