@@ -43,6 +43,7 @@ class BackendKind(StrEnum):
     FNCALL = "fncall"
     MICROVM = "microvm"
     FULLVM = "fullvm"
+    MEMORY = "memory"  # in-process test backend (dsec.backends.memory), never on by default
 
 
 class DSecRunArgs(Strict):
@@ -200,6 +201,19 @@ class DSecFullVMRunArgs(DSecRunArgs):
         return self.vm_image
 
 
+class DSecMemoryRunArgs(DSecRunArgs):
+    """A sandbox of the in-memory test backend (dsec.backends.memory): no image, no
+    processes; it exists so the edge and the conformance suite run without root."""
+
+    backend: Literal["memory"] = "memory"
+    image: str = Field("scratch", description="a name only: nothing is fetched")
+
+    @property
+    def image_ref(self) -> str:
+        """The image name placement and audit key on."""
+        return self.image
+
+
 def _backend_of(value: Any) -> str:
     """A spec without ``backend`` is a container spec: what every caller and every
     edge.db row sent before the other backends existed."""
@@ -212,6 +226,7 @@ _BY_KIND: dict[str, type[DSecRunArgs]] = {
     BackendKind.CONTAINER.value: DSecContainerRunArgs,
     BackendKind.MICROVM.value: DSecMicroVMRunArgs,
     BackendKind.FULLVM.value: DSecFullVMRunArgs,
+    BackendKind.MEMORY.value: DSecMemoryRunArgs,
 }
 
 
@@ -228,11 +243,12 @@ def _untagged_errors(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 RunArgs = Annotated[
     Annotated[DSecContainerRunArgs, Tag(BackendKind.CONTAINER.value)]
     | Annotated[DSecMicroVMRunArgs, Tag(BackendKind.MICROVM.value)]
-    | Annotated[DSecFullVMRunArgs, Tag(BackendKind.FULLVM.value)],
+    | Annotated[DSecFullVMRunArgs, Tag(BackendKind.FULLVM.value)]
+    | Annotated[DSecMemoryRunArgs, Tag(BackendKind.MEMORY.value)],
     Discriminator(
         _backend_of,
         custom_error_type="invalid_backend",
-        custom_error_message="backend must be one of: container, microvm, fullvm "
+        custom_error_message="backend must be one of: container, microvm, fullvm, memory "
         "(FnCall runs calls, not sandboxes: see run_code)",
     ),
     WrapValidator(_untagged_errors),

@@ -23,6 +23,7 @@ from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.fields import SANDBOX_ID_RE, check_network_rules
 from dsec.api.health import Degradation, HealthInfo
+from dsec.api.images import ImageInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
 from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
@@ -300,7 +301,7 @@ class Edge:
             return await self._build_mapped(runnable, timeout=timeout, claim=claim)
 
     async def _build_mapped(
-        self, spec: DSecContainerRunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
         backend = self.backend_for(BackendKind(spec.backend))  # 501 for a kind not run here
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
@@ -320,7 +321,7 @@ class Edge:
             )
         self.admission.check_limits(spec)
         backend.check_limits(spec)  # e.g. disk_limit_mb larger than the sandbox disk
-        image = await self.images.compose(spec)  # base + workspace + toolkit layers
+        image = await self._image_of(spec)
         # Protected layers: resolved to digests now, like the image's (None: inline files).
         protected_layers = [
             (await self.images.layer_digest(m.layer))[0] if m.layer is not None else None
@@ -347,7 +348,7 @@ class Edge:
             rec.id,
             AuditKind.LIFECYCLE,
             "create",
-            image=spec.container_image,
+            image=spec.image_ref,
             layers=list(image.layers),
             network_rules=spec.network_rules,
             **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
@@ -391,6 +392,15 @@ class Edge:
         self.clocks.started(rec)
         self._watch_init(rec)
         return rec.info()
+
+    async def _image_of(self, spec: RunArgs) -> ImageInfo:
+        """What a sandbox starts from: a container's layered image (base + workspace +
+        toolkit, resolved to digests now); a kind without layers is named only."""
+        if isinstance(spec, DSecContainerRunArgs):
+            return await self.images.compose(spec)
+        return ImageInfo(
+            name=spec.image_ref, tag="", digest="", layers=[], size_bytes=0, created_at=_now()
+        )
 
     async def stop(self, sandbox_id: str, *, reason: str = "stopped by request") -> SandboxInfo:
         rec = self._get(sandbox_id)

@@ -1,0 +1,134 @@
+"""The backend conformance suite: the same tests for every backend with a harness
+(tests/conformance/conftest.py), through a real Edge: create, exec, files, idle TTL,
+stop, recovery after an edge restart, capability refusals, admission limits, audit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from dsec.api.events import AuditKind
+from dsec.api.exec import ExecRequest, SessionArgs
+from dsec.api.sandbox import SandboxState
+from dsec.api.verify import VerifyRequest
+from dsec.backends.base import Capability
+from dsec.edge.dataplane import DataPlane
+from dsec.edge.tokens import TokenSigner
+from dsec.errors import AdmissionRejected, FileNotFound, SandboxNotRunning, Unsupported
+from tests.conformance.conftest import Harness
+
+
+async def test_create_and_exec(harness: Harness) -> None:
+    edge = await harness.edge()
+    info = await edge.create(harness.make_spec(), timeout=10)
+    assert info.state is SandboxState.RUNNING and info.backend is harness.kind
+    ok = await edge.exec(info.id, ExecRequest(command=["echo", "hello", "world"]))
+    assert (ok.exit_code, ok.stdout) == (0, "hello world\n")
+    assert (await edge.exec(info.id, ExecRequest(command="false"))).exit_code == 1
+    assert (await edge.exec(info.id, ExecRequest(command="exit 7"))).exit_code == 7
+    missing = await edge.exec(info.id, ExecRequest(command="no-such-tool"))
+    assert missing.exit_code == 127 and "not found" in missing.stderr
+
+
+async def test_files_round_trip_and_are_seen_by_commands(harness: Harness) -> None:
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    await edge.write_file(sid, "/tmp/a.txt", b"payload\n")
+    assert await edge.read_file(sid, "/tmp/a.txt", max_bytes=100) == b"payload\n"
+    assert (await edge.exec(sid, ExecRequest(command="cat /tmp/a.txt"))).stdout == "payload\n"
+    with pytest.raises(FileNotFound) as err:
+        await edge.read_file(sid, "/tmp/missing", max_bytes=100)
+    assert err.value.status == 404
+
+
+async def test_idle_ttl_stops_the_sandbox(harness: Harness) -> None:
+    edge = await harness.edge()
+    idle = (await edge.create(harness.make_spec(ttl_running_stop=1), timeout=10)).id
+    kept = (await edge.create(harness.make_spec(ttl_running_stop=None), timeout=10)).id
+    for _ in range(100):
+        if (await edge.get(idle)).state.terminal:
+            break
+        await asyncio.sleep(0.05)
+    assert (await edge.get(idle)).state is SandboxState.STOPPED
+    assert (await edge.get(kept)).state is SandboxState.RUNNING
+
+
+async def test_stop_is_idempotent_and_ends_the_sandbox(harness: Harness) -> None:
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    first = await edge.stop(sid)
+    second = await edge.stop(sid)
+    assert first.state is second.state is SandboxState.STOPPED
+    assert edge.admission.count == 0
+    with pytest.raises(SandboxNotRunning):  # a stopped sandbox runs nothing
+        await edge.exec(sid, ExecRequest(command="true"))
+
+
+async def test_an_edge_restart_re_adopts_running_sandboxes(harness: Harness) -> None:
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    await edge.write_file(sid, "/state", b"kept")
+    dies = (await edge.create(harness.make_spec(), timeout=10)).id
+    stopped = (await edge.create(harness.make_spec(), timeout=10)).id
+    await edge.stop(stopped)
+    edge = await harness.restart(edge)
+    assert set(harness.last_recovery["adopted"]) == {sid, dies}
+    assert (await edge.exec(sid, ExecRequest(command="cat /state"))).stdout == "kept"
+    assert edge.admission.count == 2  # adopted sandboxes count against the host again
+    assert (await edge.get(stopped)).state is SandboxState.STOPPED
+    # One dies while the edge is down: the next start finds it lost, not adopted.
+    edge = await harness.restart(edge, while_down=lambda: harness.kill(dies))
+    assert harness.last_recovery["adopted"] == [sid]
+    assert harness.last_recovery["lost"] == [dies]
+    assert (await edge.get(dies)).state is SandboxState.FAILED
+    assert edge.admission.count == 1
+
+
+async def test_missing_capabilities_are_refused_before_any_work(harness: Harness) -> None:
+    edge = await harness.edge()
+    backend = edge.backend_for(harness.kind)
+    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    checks: list[tuple[Capability, Coroutine[Any, Any, object]]] = []
+    if Capability.VERIFY not in backend.capabilities:
+        checks.append((Capability.VERIFY, edge.verify(sid, VerifyRequest(command="true"))))
+    if Capability.PACK not in backend.capabilities:
+        checks.append((Capability.PACK, edge.pack_diff(sid, "env", "1")))
+    if Capability.SESSIONS not in backend.capabilities:
+        plane = DataPlane(edge, TokenSigner(b"k" * 32), "http://e1:8471")
+        checks.append((Capability.SESSIONS, plane.open_session(sid, SessionArgs())))
+    if Capability.DISK_LIMIT not in backend.capabilities:
+        spec = harness.make_spec(disk_limit_mb=64)
+        checks.append((Capability.DISK_LIMIT, edge.create(spec, timeout=10)))
+    assert checks, "a backend with every capability: nothing to refuse"
+    for capability, call in checks:
+        with pytest.raises(Unsupported) as err:
+            await call
+        assert err.value.status == 501
+        assert err.value.details == {"backend": harness.kind.value, "capability": capability}
+    assert [r.id for r in await edge.list()] == [sid]  # the refused create made nothing
+    assert edge.admission.count == 1
+
+
+async def test_admission_refuses_past_max_sandboxes(harness: Harness) -> None:
+    harness.max_sandboxes = 2
+    edge = await harness.edge()
+    first = (await edge.create(harness.make_spec(), timeout=10)).id
+    await edge.create(harness.make_spec(), timeout=10)
+    with pytest.raises(AdmissionRejected) as err:
+        await edge.create(harness.make_spec(), timeout=10)
+    assert err.value.status == 503
+    await edge.stop(first)
+    assert (await edge.create(harness.make_spec(), timeout=10)).state is SandboxState.RUNNING
+
+
+async def test_exec_is_audited(harness: Harness) -> None:
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    await edge.exec(sid, ExecRequest(command=["echo", "audited"]))
+    harness.audit.flush()
+    rows = harness.audit.records(kinds=[AuditKind.COMMAND], sandbox_id=sid)
+    assert [r.action for r in rows] == ["exec"]
+    assert "audited" in str(rows[0].detail)
