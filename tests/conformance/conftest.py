@@ -1,26 +1,36 @@
-"""Harnesses for the backend conformance suite: one per backend that can run
-in-process (a real Edge on a real EdgeStateDB and AuditLog, no image service).
+"""Harnesses for the backend conformance suite, one per registered backend: the
+memory backend on a bare Edge (a real EdgeStateDB and AuditLog, no image service, no
+root), the container backend through the platform's own composition root (root).
 
-A harness builds the edge afresh on the same state directory, so a test can close an
-edge without stopping its sandboxes and start another that must re-adopt them.
+A harness builds the edge afresh on the same state, so a test can close an edge
+without stopping its sandboxes and start another that must re-adopt them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from dsec.api.spec import BackendKind, DSecMemoryRunArgs, RunArgs
+from dsec.api.spec import BackendKind, DSecContainerRunArgs, DSecMemoryRunArgs, RunArgs
 from dsec.backends.base import Backend
 from dsec.backends.memory.backend import MemoryBackend
 from dsec.backends.memory.world import MemoryWorld
+from dsec.config import PlatformConfig
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
+from dsec.roots.platform import running_platform
 from dsec.security.audit import AuditLog
+from tests.conftest import clean_leftovers, host_leaks
 
 
 @dataclass
@@ -84,9 +94,92 @@ def _memory(tmp_path: Path) -> Harness:
     )
 
 
-# Kinds with an in-process harness. The container backend needs root, crun and images:
-# it is exercised by tests/test_platform_e2e.py, not (yet) by this suite.
-HARNESSES: dict[BackendKind, Callable[[Path], Harness]] = {BackendKind.MEMORY: _memory}
+@dataclass
+class ContainerHarness(Harness):
+    """The container backend as ``dsec up`` wires it (dsec.roots.platform, in this
+    process: real crun, cgroups, EROFS layers, the spawner), busybox built. A restart
+    leaves the sandboxes running, as a SIGTERM does, and the next start re-adopts
+    them; everything the platform made is removed at the end, also on failure."""
+
+    _stack: contextlib.AsyncExitStack | None = None
+    _config: PlatformConfig | None = None
+    _pids: dict[str, int] = field(default_factory=dict)
+    _base: Path | None = None
+
+    async def edge(self, *, stop_on_close: bool = True) -> Edge:
+        if self._config is None:
+            # A short data dir: agent sockets live under it (unix socket path limit).
+            self._base = Path(tempfile.mkdtemp(prefix="dsec-cf-", dir="/tmp"))
+            self._config = PlatformConfig(
+                data_dir=self._base / "d",
+                edge_id="c" + secrets.token_hex(4),
+                max_sandboxes=self.max_sandboxes,
+                sandbox_disk_gb=1,
+                stop_sandboxes_on_exit=True,
+            )
+        self._config.stop_sandboxes_on_exit = stop_on_close
+        self._stack = contextlib.AsyncExitStack()
+        platform = await self._stack.enter_async_context(running_platform(self._config))
+        await platform.images.build("busybox")
+        edge = platform.edge
+        edge.ttl_interval = 0.05
+        self.audit = edge.audit
+        self.last_recovery = platform.recovery
+        self.edges.append(edge)
+        return edge
+
+    async def restart(self, edge: Edge, *, while_down: Callable[[], object] = lambda: None) -> Edge:
+        assert self._stack is not None and self._config is not None
+        self._pids = {
+            r.id: r.facts.init_pid
+            for r in (edge.find(i.id) for i in await edge.list())
+            if r is not None and r.facts.init_pid is not None
+        }
+        self._config.stop_sandboxes_on_exit = False
+        await self._stack.aclose()
+        self.edges.remove(edge)
+        while_down()
+        return await self.edge()
+
+    def kill_init(self, sandbox_id: str) -> None:
+        """SIGKILL the sandbox's init from the host (while the edge is down)."""
+        os.kill(self._pids[sandbox_id], signal.SIGKILL)
+
+    async def close(self) -> None:
+        try:
+            if self._stack is not None and self._config is not None:
+                self._config.stop_sandboxes_on_exit = True
+                await self._stack.aclose()
+        finally:
+            leaks: list[str] = []
+            if self._config is not None:
+                leaks = host_leaks(self._config.data_dir, self._config.edge_id)
+                clean_leftovers(self._config.data_dir, self._config.edge_id)
+            if self._base is not None:
+                shutil.rmtree(self._base, ignore_errors=True)
+            assert not leaks, f"the platform left these behind: {leaks}"
+
+
+def _container(tmp_path: Path) -> Harness:
+    h = ContainerHarness(
+        kind=BackendKind.CONTAINER,
+        make_backend=lambda: pytest.fail("built by the platform root"),
+        make_spec=lambda **kw: DSecContainerRunArgs(
+            container_image="busybox:latest", memory_limit_mb=64, **kw
+        ),
+        kill=lambda sid: None,
+        state_dir=tmp_path,
+    )
+    h.kill = h.kill_init
+    return h
+
+
+# Every kind with a harness: the memory backend in-process, the container backend
+# through the platform's own root (needs root, crun, cgroups: our CI runs as root).
+HARNESSES: dict[BackendKind, Callable[[Path], Harness]] = {
+    BackendKind.MEMORY: _memory,
+    BackendKind.CONTAINER: _container,
+}
 
 
 @pytest.fixture(params=sorted(HARNESSES), ids=lambda k: k.value)

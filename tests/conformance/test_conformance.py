@@ -102,7 +102,8 @@ async def test_missing_capabilities_are_refused_before_any_work(harness: Harness
     if Capability.DISK_LIMIT not in backend.capabilities:
         spec = harness.make_spec(disk_limit_mb=64)
         checks.append((Capability.DISK_LIMIT, edge.create(spec, timeout=10)))
-    assert checks, "a backend with every capability: nothing to refuse"
+    if not checks:
+        pytest.skip(f"the {harness.kind.value} backend has every capability checked here")
     for capability, call in checks:
         with pytest.raises(Unsupported) as err:
             await call
