@@ -479,11 +479,15 @@ def test_pool_survives_its_zygote_dying(fc: DSecSyncClient, fc_platform: Platfor
     assert fc_platform.proc is not None
     ours = []
     for pid in zygotes(fc_platform.data_dir):
-        with open(f"/proc/{pid}/stat") as fh:
-            ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            conf = fh.read().split(b"\0")[1]
-        if ppid == fc_platform.proc.pid and b"-m50-" in conf:
+        # Other pools' zygotes may exit (or be zombies) while we look: skip those.
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == fc_platform.proc.pid and len(argv) > 1 and b"-m50-" in argv[1]:
             ours.append(pid)
     assert len(ours) == 1
     os.kill(ours[0], signal.SIGKILL)
