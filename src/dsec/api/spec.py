@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     Discriminator,
     Field,
     Tag,
@@ -44,6 +45,15 @@ class BackendKind(StrEnum):
     MICROVM = "microvm"
     FULLVM = "fullvm"
     MEMORY = "memory"  # in-process test backend (dsec.backends.memory), never on by default
+
+
+def _image_name(v: str) -> str:
+    parse_image_ref(v)  # ValueError with the reason: a 422 naming the field
+    return v
+
+
+# An image reference, checked the same way for every backend's spec.
+ImageName = Annotated[str, AfterValidator(_image_name)]
 
 
 class DSecRunArgs(Strict):
@@ -142,19 +152,13 @@ class DSecContainerRunArgs(DSecRunArgs):
     """A Linux container started from a layered image (paper Listing 1)."""
 
     backend: Literal["container"] = "container"
-    container_image: str = Field(..., description="image reference name[:tag]")
+    container_image: ImageName = Field(..., description="image reference name[:tag]")
     # Composable layers (stacked on the base image in this order) and how they load.
     workspace: LayerRef | None = Field(None, description="layer name:version or digest")
     toolkit: LayerRef | None = Field(None, description="layer name:version or digest")
     image_loading: ImageLoading = Field(
         "lazy", description="lazy: fetch chunks on first read; eager: whole layers first"
     )
-
-    @field_validator("container_image")
-    @classmethod
-    def _image(cls, v: str) -> str:
-        parse_image_ref(v)
-        return v
 
     @property
     def image_ref(self) -> str:
@@ -167,15 +171,9 @@ class DSecMicroVMRunArgs(DSecRunArgs):
     as a container: the base ``image`` plus optional workspace and toolkit layers."""
 
     backend: Literal["microvm"] = "microvm"
-    image: str = Field(..., description="image reference name[:tag]")
+    image: ImageName = Field(..., description="image reference name[:tag]")
     workspace: LayerRef | None = Field(None, description="layer name:version or digest")
     toolkit: LayerRef | None = Field(None, description="layer name:version or digest")
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str) -> str:
-        parse_image_ref(v)
-        return v
 
     @property
     def image_ref(self) -> str:
@@ -187,13 +185,7 @@ class DSecFullVMRunArgs(DSecRunArgs):
     """A full VM (QEMU) booted from a VM image of its own kernel and disk."""
 
     backend: Literal["fullvm"] = "fullvm"
-    vm_image: str = Field(..., description="VM image reference name[:tag]")
-
-    @field_validator("vm_image")
-    @classmethod
-    def _image(cls, v: str) -> str:
-        parse_image_ref(v)
-        return v
+    vm_image: ImageName = Field(..., description="VM image reference name[:tag]")
 
     @property
     def image_ref(self) -> str:
