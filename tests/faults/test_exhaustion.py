@@ -108,6 +108,16 @@ def health(http: httpx.Client) -> dict[str, Any]:
     return body
 
 
+def assert_heals(http: httpx.Client, *, timeout: float) -> None:
+    """The fault is gone: health says ok again by itself, a create works (and is
+    stopped), and the fault counts as survived."""
+    wait_for(lambda: health(http)["status"] == "ok", timeout=timeout)
+    resp = create_raw(http)
+    assert resp.status_code in (200, 201), resp.text
+    stop_raw(http, resp.json()["id"])
+    FIGURES.survived += 1
+
+
 def count_tracebacks(plat: PlatformProcess) -> int:
     if not plat.log_path.exists():
         return 0
@@ -275,11 +285,7 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
                 finally:
                     unfill(mnt)
                 # 4. heals by itself
-                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
-                resp = create_raw(http)
-                assert resp.status_code in (200, 201), resp.text
-                stop_raw(http, resp.json()["id"])
-                FIGURES.survived += 1
+                assert_heals(http, timeout=30)
                 # The same with the disk full to the last byte while a create runs on.
                 FIGURES.injected += 1
                 try:
@@ -290,11 +296,7 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
                     assert r.exit_code == 0 and r.stdout.strip() == "still", r
                 finally:
                     unfill(mnt)
-                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
-                resp = create_raw(http)
-                assert resp.status_code in (200, 201), resp.text
-                stop_raw(http, resp.json()["id"])
-                FIGURES.survived += 1
+                assert_heals(http, timeout=30)
                 sb.stop()
             FIGURES.notes.append(f"disk: log tracebacks {count_tracebacks(plat)}")
             assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
@@ -435,11 +437,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                     sb.run_shell("rm -f /big")
                 finally:
                     unfill(mnt)
-                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
-                resp = create_raw(http)
-                assert resp.status_code in (200, 201), resp.text
-                stop_raw(http, resp.json()["id"])
-                FIGURES.survived += 1
+                assert_heals(http, timeout=30)
                 sb.stop()
             FIGURES.notes.append(f"sparse disk: log tracebacks {count_tracebacks(plat)}")
             assert count_tracebacks(plat) == 0, plat.log_path.read_text()[-4000:]
@@ -492,11 +490,7 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
             for s in conns:
                 s.close()
             conns.clear()
-            wait_for(lambda: health(http)["status"] == "ok", timeout=60)
-            resp = create_raw(http)
-            assert resp.status_code in (200, 201), resp.text
-            stop_raw(http, resp.json()["id"])
-            FIGURES.survived += 1
+            assert_heals(http, timeout=60)
             FIGURES.notes.append(f"fds: create statuses while exhausted {statuses}")
         finally:
             for s in conns:
@@ -726,11 +720,7 @@ def test_out_of_memory_is_typed_and_heals() -> None:
         assert {c for _, c in statuses} == {"resource_exhausted"}, statuses
         assert resources == {"memory"}, resources
         assert plat.proc.poll() is None, "the platform died"
-        wait_for(lambda: health(http)["status"] == "ok", timeout=60)
-        resp = create_raw(http)
-        assert resp.status_code in (200, 201), resp.text
-        stop_raw(http, resp.json()["id"])
-        FIGURES.survived += 1
+        assert_heals(http, timeout=60)
 
 
 # -- host limits at start ----------------------------------------------------------------------
