@@ -32,3 +32,6 @@ class HealthInfo(Reply):
     # The backends this edge runs (probed at start), and why each other one is not.
     backends: list[str] = []
     backends_unavailable: dict[str, str] = {}
+    # Per running backend, what it runs on (e.g. microvm: accelerator kvm or tcg, and
+    # why not kvm): the facts a benchmark or an operator must quote with its numbers.
+    backend_details: dict[str, dict[str, str]] = {}

@@ -73,6 +73,11 @@ class SandboxInfo(Reply):
     reason: str | None = Field(None, description="why it failed or stopped")
     edge: str
     spec: RunArgs
+    accelerator: str | None = Field(
+        None,
+        description="what executes a VM sandbox's guest: 'kvm' (hardware) or 'tcg' "
+        "(software emulation); None for containers",
+    )
     data_path: DataPathInfo | None = Field(
         None, description="direct data path (create and inspect answers only)"
     )

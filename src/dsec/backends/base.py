@@ -46,6 +46,11 @@ class BackendFacts(ABC):
     def to_json(self) -> dict[str, Any]:
         """JSON-serialisable; ``Backend.load_facts`` reads it back."""
 
+    @property
+    def accelerator(self) -> str | None:
+        """What executes a VM's guest ("kvm", "tcg"), for ``SandboxInfo``; None: not a VM."""
+        return None
+
 
 @dataclass(frozen=True)
 class StoredFacts(BackendFacts):
@@ -118,6 +123,7 @@ class SandboxRecord:
             reason=self.reason,
             edge=self.edge,
             spec=self.spec,
+            accelerator=self.facts.accelerator,
         )
 
 
@@ -200,6 +206,11 @@ class Backend(ABC):
 
     async def start(self) -> None:
         """Prepare the host (binaries, directories); called once before any create."""
+
+    def details(self) -> Mapping[str, str]:
+        """What this backend runs on, for ``/v1/health`` (``backend_details``): e.g. the
+        microVM accelerator and why not the other. Cheap: answered from memory."""
+        return {}
 
     async def close(self) -> None:
         """Release host-level resources the backend holds (not the sandboxes)."""

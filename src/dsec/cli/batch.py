@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from dsec.api.batch import BatchCreated, BatchDone, BatchError, BatchFailed
 from dsec.cli.common import err, inert, out, sync_client
-from dsec.cli.sandbox import container_args
+from dsec.cli.sandbox import run_args
 from dsec.errors import DSecError
 from dsec.sdk._batch import SyncBatch
 from dsec.sdk.sync import DSecSyncClient
@@ -131,7 +131,7 @@ def batch(
     """Create COUNT sandboxes of IMAGE for JOB with a progress bar; Ctrl-C cancels.
 
     Exit status: 0 if all were created, 1 if any failed, 130 if cancelled."""
-    spec = container_args(image, memory, cpus, ttl, label, env)
+    spec = run_args(image, memory, cpus, ttl, label, env)
     with sync_client(ctx, timeout=60.0) as client:
         with client.create_batch(
             spec, count=count, job=job, parallelism=parallelism, timeout=timeout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from dsec.api.sandbox import SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import BackendKind, RunArgs, run_args_adapter
 from dsec.cli import shell as shell_cmd
 from dsec.cli.common import (
     cells,
@@ -40,18 +41,21 @@ DenyOpt = Annotated[
 ]
 
 
-def container_args(
+def run_args(
     image: str,
     memory: int | None,
     cpus: float | None,
     ttl: int | None,
     label: list[str],
     env: list[str],
+    *,
+    backend: BackendKind = BackendKind.CONTAINER,
     **extra: object,
-) -> DSecContainerRunArgs:
-    """A run spec from the options `sandbox create` and `sandbox batch` share (a spec
-    the model refuses is a usage error, exit 2)."""
-    fields: dict[str, object] = {"container_image": image, **extra}
+) -> RunArgs:
+    """A run spec of ``backend`` from the options `sandbox create` and `sandbox batch`
+    share (a spec the model refuses is a usage error, exit 2)."""
+    image_field = "container_image" if backend is BackendKind.CONTAINER else "image"
+    fields: dict[str, object] = {"backend": backend.value, image_field: image, **extra}
     if memory is not None:
         fields["memory_limit_mb"] = memory
     if cpus is not None:
@@ -63,9 +67,16 @@ def container_args(
     if env:
         fields["env"] = parse_pairs(env, "--env")
     try:
-        return DSecContainerRunArgs.model_validate(fields)
+        return run_args_adapter.validate_python(fields)
     except ValidationError as exc:
         raise usage_from(exc) from None
+
+
+class SandboxBackend(StrEnum):
+    """The backends a sandbox can be created on from the command line."""
+
+    CONTAINER = BackendKind.CONTAINER.value
+    MICROVM = BackendKind.MICROVM.value
 
 
 def network_rules(allow: list[str], deny: list[str]) -> dict[str, bool]:
@@ -97,9 +108,13 @@ def create(
             "--protect", help="PATH=LAYER: only `dsec sandbox verify` sees it; repeatable"
         ),
     ] = [],  # noqa: B006
+    backend: Annotated[
+        SandboxBackend,
+        typer.Option("--backend", "-b", help="what runs it: a container or a QEMU microVM"),
+    ] = SandboxBackend.CONTAINER,
     as_json: JsonOpt = False,
 ) -> None:
-    """Create a container sandbox and print its id."""
+    """Create a sandbox (a container unless --backend says otherwise) and print its id."""
     extra: dict[str, object] = {}
     if allow or deny:
         extra["network_rules"] = network_rules(allow, deny)
@@ -112,9 +127,10 @@ def create(
     if protect:
         pairs = parse_pairs(protect, "--protect")
         extra["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]
-    args = container_args(image, memory, cpus, ttl, label, env, **extra)
+    kind = BackendKind(backend.value)
+    args = run_args(image, memory, cpus, ttl, label, env, backend=kind, **extra)
     with sync_client(ctx) as client:
-        sandbox = client.run_container(args, timeout=timeout)
+        sandbox = client.run_sandbox(args, timeout=timeout)
     emit(sandbox.info, sandbox.id, as_json)
 
 

@@ -618,6 +618,9 @@ class Edge:
             degraded=degraded,
             backends=[k.value for k in self.backends],
             backends_unavailable={k.value: why for k, why in self.unavailable.items()},
+            backend_details={
+                k.value: dict(d) for k, b in self.backends.items() if (d := b.details())
+            },
         )
 
     # -- data path ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import httpx
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs, RunArgs
+from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
 from dsec.sdk import _http
@@ -177,6 +177,20 @@ class DSecClient(
 
         With ``idempotency_key`` the create is safe to retry: the same key and spec give
         the sandbox the first attempt made (``IdempotencyKeyReused`` for another spec)."""
+        return await self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
+
+    async def run_microvm(
+        self,
+        args: DSecMicroVMRunArgs,
+        timeout: float = 300,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Sandbox:
+        """Create a microVM sandbox (QEMU, booted from the same EROFS layers as a
+        container) and return once its agent answers. The handle is the container
+        handle: commands, sessions, files, verify, pause. ``Unsupported`` (501) when no
+        edge runs microVMs; ``SandboxInfo.accelerator`` says whether it runs under KVM
+        or TCG (software: expect a boot of seconds, not milliseconds)."""
         return await self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
 
     async def get(self, sandbox_id: str) -> Sandbox:

@@ -28,9 +28,9 @@ from typing import Any, Self
 
 from dsec import linux, spawn
 from dsec.api.events import AuditKind
-from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
+from dsec.backends.agentpath import AgentDataPath
 from dsec.backends.base import (
     Backend,
     BackendHost,
@@ -42,9 +42,9 @@ from dsec.backends.base import (
 )
 from dsec.backends.container import freezer, verifier
 from dsec.backends.container.facts import ContainerFacts
-from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config, image_env
+from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
 from dsec.backends.container.runtime import OCIRuntime
-from dsec.errors import BackendError, InvalidArgument, LimitExceeded, Unsupported
+from dsec.errors import BackendError, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
 from dsec.net.oci import net_mounts
 from dsec.resources.cgroups import CgroupHost
@@ -54,12 +54,10 @@ from dsec.security.audit import AuditSink, NullAudit
 from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
-from dsec.sessions.agent_client import AgentClient
 from dsec.supervise import keep_running
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # AF_UNIX paths are limited to 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
 
@@ -136,7 +134,7 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     cgroups.drop_charges(rel)
 
 
-class ContainerBackend(Backend):
+class ContainerBackend(AgentDataPath, Backend):
     kind = BackendKind.CONTAINER
     capabilities = frozenset(
         {
@@ -378,19 +376,7 @@ class ContainerBackend(Backend):
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
             self.init_signals.watch(sid, self.agent_socket(sid))
-            if spec.init_user not in ("root", "0", "0:0"):
-                # Fail at create, not at the first command, if the user does not exist.
-                res = await AgentClient(self.agent_socket(sid)).exec(
-                    ["true"],
-                    env={"PATH": DEFAULT_PATH},
-                    cwd="/",
-                    user=spec.init_user,
-                    timeout=10,
-                    max_output=4096,
-                    stdin=None,
-                )
-                if res.exit_code != 0:
-                    raise InvalidArgument(f"init_user {spec.init_user!r} cannot run commands")
+            await self.check_init_user(sid, spec.init_user)
         except BaseException:
             # Nothing of it may outlive a create that did not return: the edge gets no
             # facts to tear down from (an agent's refusal of the user included).
@@ -590,7 +576,7 @@ class ContainerBackend(Backend):
         # agent more than one chance before believing it dead.
         for timeout in (2.0, 4.0, 8.0):
             try:
-                await self._agent(rec).ping(timeout=timeout)
+                await self.agent(rec).ping(timeout=timeout)
             except Exception as exc:
                 log.warning("sandbox %s: agent did not answer a ping (%s)", rec.id, exc)
                 continue
@@ -639,42 +625,6 @@ class ContainerBackend(Backend):
             except BackendError as exc:
                 log.warning("sweep of %s incomplete: %s", sid, exc)
         return removed
-
-    # -- data path ----------------------------------------------------------------------
-    def _agent(self, rec: SandboxRecord) -> AgentClient:
-        return AgentClient(self.agent_socket(rec.id))
-
-    def agent(self, rec: SandboxRecord) -> AgentClient:
-        return self._agent(rec)
-
-    def command_env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
-        return self._env(rec, extra)
-
-    def _env(self, rec: SandboxRecord, extra: dict[str, str]) -> dict[str, str]:
-        env = {"PATH": DEFAULT_PATH}
-        env.update(image_env(rec.image.config))
-        env.update(rec.spec.env)
-        env.update(extra)
-        return env
-
-    async def exec(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
-        argv = ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command
-        res = await self._agent(rec).exec(
-            argv,
-            env=self._env(rec, req.env),
-            cwd=req.workdir or rec.spec.workdir,
-            user=req.user or rec.spec.init_user,
-            timeout=req.timeout,
-            max_output=req.max_output_bytes,
-            stdin=req.stdin.encode() if req.stdin is not None else None,
-        )
-        return res.as_exec_result()
-
-    async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes:
-        return await self._agent(rec).read_file(path, user=rec.spec.init_user, max_bytes=max_bytes)
-
-    async def write_file(self, rec: SandboxRecord, path: str, data: bytes, *, mode: int) -> None:
-        await self._agent(rec).write_file(path, data, user=rec.spec.init_user, mode=mode)
 
     def writable_dir(self, rec: SandboxRecord) -> Path | None:
         return self.facts(rec).upper

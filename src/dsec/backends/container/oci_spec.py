@@ -134,19 +134,6 @@ READONLY_PATHS = [
 CPU_PERIOD_US = 100_000
 
 
-def image_env(config: dict[str, Any]) -> dict[str, str]:
-    raw = config.get("env") or config.get("Env") or {}
-    env: dict[str, str] = {}
-    if isinstance(raw, dict):
-        env.update({str(k): str(v) for k, v in raw.items()})
-    elif isinstance(raw, list):
-        for item in raw:
-            key, sep, val = str(item).partition("=")
-            if sep:
-                env[key] = val
-    return env
-
-
 # /dev/shm keeps data written in big chunks in large folios (up to 2 MiB, never past
 # the file's size), which a job pause swaps out whole: ~6x less kernel CPU per page
 # than 4 KiB pages (dsec.resources.swap). Only where the kernel knows the option.

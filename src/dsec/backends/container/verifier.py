@@ -50,8 +50,9 @@ from dsec import linux
 from dsec.agent.build import untrusted_binary
 from dsec.api.events import EventKind
 from dsec.api.verify import GradedRefusal, VerifyRequest, VerifyResult
+from dsec.backends.agentpath import image_env
 from dsec.backends.container.facts import ContainerFacts
-from dsec.backends.container.oci_spec import build_config, image_env
+from dsec.backends.container.oci_spec import build_config
 from dsec.errors import BackendError, Conflict
 from dsec.security import graded as graded_trees
 from dsec.security import protected
