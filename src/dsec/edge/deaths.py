@@ -65,11 +65,14 @@ def describe(status: int | None) -> str:
 
 
 class InitWatcher:
-    """One pidfd per watched init; ``on_death(sandbox_id, wait_status)`` when it dies."""
+    """One pidfd per watched init; ``on_death(sandbox_id, pid, wait_status)`` when it
+    dies (the pid, so that a sandbox whose init changed meanwhile, a microVM resumed
+    into a new VMM process, can tell an old init's death from its current one's)."""
 
-    def __init__(self, on_death: Callable[[str, int | None], None]) -> None:
+    def __init__(self, on_death: Callable[[str, int, int | None], None]) -> None:
         self.on_death = on_death
         self._fds: dict[str, int] = {}
+        self._pids: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.max_watched = (
@@ -91,12 +94,13 @@ class InitWatcher:
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            self._report(sandbox_id, None)
+            self._report(sandbox_id, pid, None)
             return False
         except OSError as exc:  # EMFILE/ENFILE, or no pidfds at all
             self._not_watched(sandbox_id, str(exc))
             return False
         self._fds[sandbox_id] = fd
+        self._pids[sandbox_id] = pid
         asyncio.get_running_loop().add_reader(fd, self._exited, sandbox_id)
         return True
 
@@ -113,6 +117,7 @@ class InitWatcher:
     def forget(self, sandbox_id: str) -> None:
         """Stop watching (before the edge kills the sandbox itself)."""
         fd = self._fds.pop(sandbox_id, None)
+        self._pids.pop(sandbox_id, None)
         if fd is None:
             return
         with contextlib.suppress(Exception):
@@ -121,14 +126,15 @@ class InitWatcher:
 
     def _exited(self, sandbox_id: str) -> None:
         fd = self._fds.pop(sandbox_id, None)
+        pid = self._pids.pop(sandbox_id, 0)
         if fd is None:
             return
         asyncio.get_running_loop().remove_reader(fd)
-        task = asyncio.get_running_loop().create_task(self._collect(sandbox_id, fd))
+        task = asyncio.get_running_loop().create_task(self._collect(sandbox_id, pid, fd))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _collect(self, sandbox_id: str, fd: int) -> None:
+    async def _collect(self, sandbox_id: str, pid: int, fd: int) -> None:
         """Wait briefly for the reaper, so that the record can say how the init died."""
         status: int | None = None
         try:
@@ -140,11 +146,11 @@ class InitWatcher:
                     break
         finally:
             os.close(fd)
-        self._report(sandbox_id, status)
+        self._report(sandbox_id, pid, status)
 
-    def _report(self, sandbox_id: str, status: int | None) -> None:
+    def _report(self, sandbox_id: str, pid: int, status: int | None) -> None:
         try:
-            self.on_death(sandbox_id, status)
+            self.on_death(sandbox_id, pid, status)
         except Exception:
             log.exception("handling the death of %s failed", sandbox_id)
 

@@ -131,6 +131,8 @@ class Edge:
         # called with the sandbox id when a paused sandbox runs again (dsec.rl.jobs.thaw)
         self.thaw_listeners: builtins.list[Callable[[str], None]] = []
         self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
+        # A resumed sandbox may have a new init (a microVM restored into a new VMM).
+        self.thaw_listeners.append(self._rewatch_init)
         self._death_tasks: set[asyncio.Task[None]] = set()
         self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
         self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
@@ -441,19 +443,28 @@ class Edge:
         if pid is not None:
             self.deaths.watch(rec.id, pid)
 
-    def _init_died(self, sandbox_id: str, status: int | None) -> None:
+    def _rewatch_init(self, sandbox_id: str) -> None:
+        rec = self._records.get(sandbox_id)
+        if rec is not None:
+            self._watch_init(rec)
+
+    def _init_died(self, sandbox_id: str, pid: int, status: int | None) -> None:
         """A watched init exited (dsec.edge.deaths): the record says failed, and how."""
-        task = asyncio.get_running_loop().create_task(self._fail_dead(sandbox_id, status))
+        task = asyncio.get_running_loop().create_task(self._fail_dead(sandbox_id, pid, status))
         self._death_tasks.add(task)
         task.add_done_callback(self._death_tasks.discard)
 
-    async def _fail_dead(self, sandbox_id: str, status: int | None) -> None:
+    async def _fail_dead(self, sandbox_id: str, pid: int, status: int | None) -> None:
         rec = self._records.get(sandbox_id)
         if rec is None:
             return
         try:
             async with self._lock(sandbox_id):
                 if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                    return
+                if rec.facts.init_pid != pid:
+                    # Not its init any more: the backend ended it on purpose (a microVM
+                    # paused to a snapshot) or replaced it (resumed into a new VMM).
                     return
                 reason = f"the sandbox's init process died: {describe(status)}"
                 log.warning("sandbox %s: %s", sandbox_id, reason)

@@ -115,6 +115,15 @@ class LayerMounts:
             self._refs[digest] += 1
             return target
 
+    def blob(self, digest: str) -> Path:
+        """The file a layer's bytes are read from: the verified local blob, or for a
+        lazily loaded layer its dsec-lazyfs file (chunks fetched on first read). A VM
+        attaches it as a read-only disk, so containers and microVMs share one copy of
+        the layer, one chunk cache and one eviction policy. Call after :meth:`acquire`,
+        which verifies the blob and counts the user that keeps it from eviction."""
+        digest = normalize_digest(digest)
+        return self.provider.source(digest) if self.provider else self.store.path(digest)
+
     def release(self, digest: str) -> None:
         """One user fewer. The mount stays cached until :meth:`unmount_unused`."""
         digest = normalize_digest(digest)

@@ -161,6 +161,55 @@ class CgroupHost:
                         ok = False
         return ok
 
+    def create_limited(
+        self, rel: str, *, memory_bytes: int, cpu_cores: float, pids: int | None = None
+    ) -> list[Path]:
+        """Make the cgroup ``rel`` in every hierarchy with a hard memory limit (no swap
+        beyond it), a CPU quota of ``cpu_cores`` and optionally a pids limit, for a
+        process the platform starts itself (a microVM's QEMU: crun makes containers'
+        cgroups). Returns the ``cgroup.procs`` files to write the process into, one
+        per hierarchy. On failure leaves nothing behind."""
+        rel = rel.strip("/")
+        period = 100_000
+        quota = max(1000, int(cpu_cores * period))
+        made: list[Path] = []
+        try:
+            for d in self.dirs(rel):
+                d.mkdir(parents=True, exist_ok=True)
+                made.append(d)
+            if "cpuset" in self.v1:
+                # v1 cpuset refuses tasks until cpus and mems are set, at every level.
+                level = self.v1["cpuset"]
+                for part in rel.split("/"):
+                    child = level / part
+                    for key in ("cpuset.cpus", "cpuset.mems"):
+                        if not (child / key).read_text().strip():
+                            (child / key).write_text((level / key).read_text())
+                    level = child
+            if "memory" in self.v1:
+                m = self.v1["memory"] / rel
+                (m / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                with contextlib.suppress(OSError):  # absent without swap accounting
+                    (m / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+            if "cpu" in self.v1:
+                c = self.v1["cpu"] / rel
+                (c / "cpu.cfs_period_us").write_text(str(period))
+                (c / "cpu.cfs_quota_us").write_text(str(quota))
+            if pids is not None and "pids" in self.v1:
+                (self.v1["pids"] / rel / "pids.max").write_text(str(pids))
+            if self.layout is Layout.V2 and self.v2 is not None:
+                u = self.v2 / rel
+                (u / "memory.max").write_text(str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    (u / "memory.swap.max").write_text("0")
+                (u / "cpu.max").write_text(f"{quota} {period}")
+                if pids is not None:
+                    (u / "pids.max").write_text(str(pids))
+        except BaseException:
+            self._rmdir_tree(rel)
+            raise
+        return [d / "cgroup.procs" for d in made]
+
     def children(self, rel: str) -> set[str]:
         """Names of child cgroups of ``rel`` in any hierarchy."""
         names: set[str] = set()
