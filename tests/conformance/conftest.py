@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from dsec.api.spec import BackendKind, DSecContainerRunArgs, DSecMemoryRunArgs, RunArgs
+from dsec.api.spec import (
+    BackendKind,
+    DSecContainerRunArgs,
+    DSecMemoryRunArgs,
+    DSecMicroVMRunArgs,
+    RunArgs,
+)
 from dsec.backends.base import Backend
 from dsec.backends.memory.backend import MemoryBackend
 from dsec.backends.memory.world import MemoryWorld
@@ -43,6 +49,7 @@ class Harness:
     kill: Callable[[str], object]  # a sandbox dies behind the edge's back
     state_dir: Path
     max_sandboxes: int = 4
+    create_timeout: float = 10
     edges: list[Edge] = field(default_factory=list)
     states: list[EdgeStateDB] = field(default_factory=list)
     audit: AuditLog = field(default_factory=lambda: AuditLog(None))
@@ -95,11 +102,12 @@ def _memory(tmp_path: Path) -> Harness:
 
 
 @dataclass
-class ContainerHarness(Harness):
-    """The container backend as ``dsec up`` wires it (dsec.roots.platform, in this
-    process: real crun, cgroups, EROFS layers, the spawner), busybox built. A restart
-    leaves the sandboxes running, as a SIGTERM does, and the next start re-adopts
-    them; everything the platform made is removed at the end, also on failure."""
+class PlatformHarness(Harness):
+    """A backend as ``dsec up`` wires it (dsec.roots.platform, in this process: real
+    crun or QEMU, cgroups, EROFS layers, the spawner), only that backend enabled,
+    busybox built. A restart leaves the sandboxes running, as a SIGTERM does, and the
+    next start re-adopts them; everything the platform made is removed at the end,
+    also on failure."""
 
     _stack: contextlib.AsyncExitStack | None = None
     _config: PlatformConfig | None = None
@@ -116,6 +124,7 @@ class ContainerHarness(Harness):
                 max_sandboxes=self.max_sandboxes,
                 sandbox_disk_gb=1,
                 stop_sandboxes_on_exit=True,
+                backends=[self.kind.value],
             )
         self._config.stop_sandboxes_on_exit = stop_on_close
         self._stack = contextlib.AsyncExitStack()
@@ -161,7 +170,7 @@ class ContainerHarness(Harness):
 
 
 def _container(tmp_path: Path) -> Harness:
-    h = ContainerHarness(
+    h = PlatformHarness(
         kind=BackendKind.CONTAINER,
         make_backend=lambda: pytest.fail("built by the platform root"),
         make_spec=lambda **kw: DSecContainerRunArgs(
@@ -174,11 +183,30 @@ def _container(tmp_path: Path) -> Harness:
     return h
 
 
+def _microvm(tmp_path: Path) -> Harness:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed (scripts/install.sh installs it)")
+    h = PlatformHarness(
+        kind=BackendKind.MICROVM,
+        make_backend=lambda: pytest.fail("built by the platform root"),
+        make_spec=lambda **kw: DSecMicroVMRunArgs(
+            image="busybox:latest", memory_limit_mb=256, disk_limit_mb=256, **kw
+        ),
+        kill=lambda sid: None,
+        state_dir=tmp_path,
+        # A boot under TCG (no usable KVM here) takes seconds, not milliseconds.
+        create_timeout=60,
+    )
+    h.kill = h.kill_init
+    return h
+
+
 # Every kind with a harness: the memory backend in-process, the container backend
 # through the platform's own root (needs root, crun, cgroups: our CI runs as root).
 HARNESSES: dict[BackendKind, Callable[[Path], Harness]] = {
     BackendKind.MEMORY: _memory,
     BackendKind.CONTAINER: _container,
+    BackendKind.MICROVM: _microvm,
 }
 
 

@@ -23,7 +23,7 @@ from tests.conformance.conftest import Harness
 
 async def test_create_and_exec(harness: Harness) -> None:
     edge = await harness.edge()
-    info = await edge.create(harness.make_spec(), timeout=10)
+    info = await edge.create(harness.make_spec(), timeout=harness.create_timeout)
     assert info.state is SandboxState.RUNNING and info.backend is harness.kind
     ok = await edge.exec(info.id, ExecRequest(command=["echo", "hello", "world"]))
     assert (ok.exit_code, ok.stdout) == (0, "hello world\n")
@@ -35,7 +35,7 @@ async def test_create_and_exec(harness: Harness) -> None:
 
 async def test_files_round_trip_and_are_seen_by_commands(harness: Harness) -> None:
     edge = await harness.edge()
-    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     await edge.write_file(sid, "/tmp/a.txt", b"payload\n")
     assert await edge.read_file(sid, "/tmp/a.txt", max_bytes=100) == b"payload\n"
     assert (await edge.exec(sid, ExecRequest(command="cat /tmp/a.txt"))).stdout == "payload\n"
@@ -46,8 +46,12 @@ async def test_files_round_trip_and_are_seen_by_commands(harness: Harness) -> No
 
 async def test_idle_ttl_stops_the_sandbox(harness: Harness) -> None:
     edge = await harness.edge()
-    idle = (await edge.create(harness.make_spec(ttl_running_stop=1), timeout=10)).id
-    kept = (await edge.create(harness.make_spec(ttl_running_stop=None), timeout=10)).id
+    idle = (
+        await edge.create(harness.make_spec(ttl_running_stop=1), timeout=harness.create_timeout)
+    ).id
+    kept = (
+        await edge.create(harness.make_spec(ttl_running_stop=None), timeout=harness.create_timeout)
+    ).id
     for _ in range(100):
         if (await edge.get(idle)).state.terminal:
             break
@@ -58,7 +62,7 @@ async def test_idle_ttl_stops_the_sandbox(harness: Harness) -> None:
 
 async def test_stop_is_idempotent_and_ends_the_sandbox(harness: Harness) -> None:
     edge = await harness.edge()
-    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     first = await edge.stop(sid)
     second = await edge.stop(sid)
     assert first.state is second.state is SandboxState.STOPPED
@@ -69,10 +73,10 @@ async def test_stop_is_idempotent_and_ends_the_sandbox(harness: Harness) -> None
 
 async def test_an_edge_restart_re_adopts_running_sandboxes(harness: Harness) -> None:
     edge = await harness.edge()
-    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     await edge.write_file(sid, "/state", b"kept")
-    dies = (await edge.create(harness.make_spec(), timeout=10)).id
-    stopped = (await edge.create(harness.make_spec(), timeout=10)).id
+    dies = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
+    stopped = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     await edge.stop(stopped)
     edge = await harness.restart(edge)
     assert set(harness.last_recovery["adopted"]) == {sid, dies}
@@ -90,7 +94,7 @@ async def test_an_edge_restart_re_adopts_running_sandboxes(harness: Harness) -> 
 async def test_missing_capabilities_are_refused_before_any_work(harness: Harness) -> None:
     edge = await harness.edge()
     backend = edge.backend_for(harness.kind)
-    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     checks: list[tuple[Capability, Coroutine[Any, Any, object]]] = []
     if Capability.VERIFY not in backend.capabilities:
         checks.append((Capability.VERIFY, edge.verify(sid, VerifyRequest(command="true"))))
@@ -101,7 +105,7 @@ async def test_missing_capabilities_are_refused_before_any_work(harness: Harness
         checks.append((Capability.SESSIONS, plane.open_session(sid, SessionArgs())))
     if Capability.DISK_LIMIT not in backend.capabilities:
         spec = harness.make_spec(disk_limit_mb=64)
-        checks.append((Capability.DISK_LIMIT, edge.create(spec, timeout=10)))
+        checks.append((Capability.DISK_LIMIT, edge.create(spec, timeout=harness.create_timeout)))
     if not checks:
         pytest.skip(f"the {harness.kind.value} backend has every capability checked here")
     for capability, call in checks:
@@ -116,18 +120,20 @@ async def test_missing_capabilities_are_refused_before_any_work(harness: Harness
 async def test_admission_refuses_past_max_sandboxes(harness: Harness) -> None:
     harness.max_sandboxes = 2
     edge = await harness.edge()
-    first = (await edge.create(harness.make_spec(), timeout=10)).id
-    await edge.create(harness.make_spec(), timeout=10)
+    first = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
+    await edge.create(harness.make_spec(), timeout=harness.create_timeout)
     with pytest.raises(AdmissionRejected) as err:
-        await edge.create(harness.make_spec(), timeout=10)
+        await edge.create(harness.make_spec(), timeout=harness.create_timeout)
     assert err.value.status == 503
     await edge.stop(first)
-    assert (await edge.create(harness.make_spec(), timeout=10)).state is SandboxState.RUNNING
+    assert (
+        await edge.create(harness.make_spec(), timeout=harness.create_timeout)
+    ).state is SandboxState.RUNNING
 
 
 async def test_exec_is_audited(harness: Harness) -> None:
     edge = await harness.edge()
-    sid = (await edge.create(harness.make_spec(), timeout=10)).id
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     await edge.exec(sid, ExecRequest(command=["echo", "audited"]))
     harness.audit.flush()
     rows = harness.audit.records(kinds=[AuditKind.COMMAND], sandbox_id=sid)
