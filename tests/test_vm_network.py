@@ -1,0 +1,419 @@
+"""A microVM's network, for real: the edge's NetworkManager gives a slot a persistent
+tap (``dsec.net.vmtap``), and a "guest" speaks raw Ethernet frames on the very tap fd
+QEMU would get: ARP, DNS to the edge's responder, TCP SYNs to fake services in their
+own namespaces (``tests.fakenet``). Root, no QEMU needed; nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import select
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dnslib import QTYPE, RCODE, DNSRecord
+
+from dsec.errors import BackendError
+from dsec.net import vmtap
+from dsec.net.catalog import load_catalog
+from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
+from dsec.net.vmtap import VMNetAttachment, attach_vm
+from tests.fakenet import FakeService, RecordingAudit, fake_service
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+]
+
+TUNSETVNETHDRSZ = 0x400454D8
+VNET_HDR = 12  # what QEMU sets for virtio-net with mergeable receive buffers
+ETH_IP, ETH_ARP = 0x0800, 0x0806
+SYN, RST, ACK = 0x02, 0x04, 0x10
+QUIET = 1.0  # how long "dropped" waits for an answer that must not come
+
+
+def _csum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = int(sum(struct.unpack(f"!{len(data) // 2}H", data)))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _ip_header(src: str, dst: str, proto: int, length: int) -> bytes:
+    head = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        20 + length,
+        secrets.randbelow(65536),
+        0x4000,
+        64,
+        proto,
+        0,
+        socket.inet_aton(src),
+        socket.inet_aton(dst),
+    )
+    return head[:10] + struct.pack("!H", _csum(head)) + head[12:]
+
+
+@dataclass
+class Frame:
+    src_mac: bytes
+    ethertype: int
+    payload: bytes
+
+    @property
+    def ip(self) -> tuple[str, str, int, bytes] | None:
+        """(src, dst, proto, l4 payload) of an IPv4 frame."""
+        if self.ethertype != ETH_IP or len(self.payload) < 20:
+            return None
+        ihl = (self.payload[0] & 0xF) * 4
+        src, dst = socket.inet_ntoa(self.payload[12:16]), socket.inet_ntoa(self.payload[16:20])
+        return src, dst, self.payload[9], self.payload[ihl:]
+
+
+class Guest:
+    """The guest side of a tap fd: what a virtio-net driver behind QEMU would send and
+    receive, frame by frame. It answers the host's ARP requests for its address."""
+
+    def __init__(self, att: VMNetAttachment) -> None:
+        self.att = att
+        self.fd = att.tap_fd
+        os.set_blocking(self.fd, False)
+        fcntl.ioctl(self.fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR))
+        self.mac = bytes.fromhex(att.mac.replace(":", ""))
+        self.ip = att.guest_ip.split("/")[0]
+        self.gw = att.gateway
+        self.gw_mac = b"\xff" * 6
+
+    def send(self, dst_mac: bytes, ethertype: int, payload: bytes) -> None:
+        frame = dst_mac + self.mac + struct.pack("!H", ethertype) + payload
+        os.write(self.fd, b"\0" * VNET_HDR + frame)
+
+    def _arp(self, oper: int, tha: bytes, spa: str, tpa: str, dst: bytes) -> None:
+        body = struct.pack("!HHBBH", 1, ETH_IP, 6, 4, oper)
+        body += self.mac + socket.inet_aton(spa) + tha + socket.inet_aton(tpa)
+        self.send(dst, ETH_ARP, body)
+
+    def frames(self, timeout: float) -> Iterator[Frame]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                return
+            try:
+                raw = os.read(self.fd, 65536)[VNET_HDR:]
+            except BlockingIOError:
+                continue
+            if len(raw) < 14:
+                continue
+            frame = Frame(raw[6:12], struct.unpack("!H", raw[12:14])[0], raw[14:])
+            if frame.ethertype == ETH_ARP and len(frame.payload) >= 28:
+                oper = struct.unpack("!H", frame.payload[6:8])[0]
+                tpa = socket.inet_ntoa(frame.payload[24:28])
+                if oper == 1 and tpa == self.ip:  # who-has us: answer, as a kernel does
+                    spa = socket.inet_ntoa(frame.payload[14:18])
+                    self._arp(2, frame.payload[8:14], self.ip, spa, frame.src_mac)
+                    continue
+            yield frame
+
+    def resolve_gateway(self) -> bytes:
+        """ARP for the gateway; its MAC (the host-side tap's)."""
+        self._arp(1, b"\0" * 6, self.ip, self.gw, b"\xff" * 6)
+        for f in self.frames(3):
+            is_reply = f.ethertype == ETH_ARP and struct.unpack("!H", f.payload[6:8])[0] == 2
+            if is_reply and socket.inet_ntoa(f.payload[14:18]) == self.gw:
+                self.gw_mac = f.payload[8:14]
+                return self.gw_mac
+        raise AssertionError("no ARP reply from the gateway")
+
+    def udp(self, dst: str, sport: int, dport: int, data: bytes, src: str | None = None) -> None:
+        seg = struct.pack("!HHHH", sport, dport, 8 + len(data), 0) + data  # no UDP checksum
+        self.send(self.gw_mac, ETH_IP, _ip_header(src or self.ip, dst, 17, len(seg)) + seg)
+
+    def tcp(self, dst: str, sport: int, dport: int, flags: int, src: str | None = None) -> None:
+        src = src or self.ip
+        seg = struct.pack("!HHIIBBHHH", sport, dport, 1000, 0, 5 << 4, flags, 64240, 0, 0)
+        pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, 20)
+        seg = seg[:16] + struct.pack("!H", _csum(pseudo + seg)) + seg[18:]
+        self.send(self.gw_mac, ETH_IP, _ip_header(src, dst, 6, len(seg)) + seg)
+
+    def dns(self, name: str, server: str | None = None) -> DNSRecord | None:
+        """One A query over UDP to ``server`` (the gateway by default); the reply, or
+        None when nothing came back."""
+        server = server or self.gw
+        sport = 20000 + secrets.randbelow(20000)
+        query = DNSRecord.question(name, "A")
+        self.udp(server, sport, 53, bytes(query.pack()))
+        for f in self.frames(3):
+            ip = f.ip
+            if ip and ip[2] == 17 and ip[0] == server:
+                dport = struct.unpack("!H", ip[3][2:4])[0]
+                if dport == sport:
+                    return DNSRecord.parse(ip[3][8:])
+        return None
+
+    def connect(self, dst: str, dport: int, wait: float = 3.0) -> bool:
+        """Send a SYN; True when a SYN-ACK comes back (then reset the attempt)."""
+        sport = 40000 + secrets.randbelow(20000)
+        self.tcp(dst, sport, dport, SYN)
+        for f in self.frames(wait):
+            ip = f.ip
+            if ip and ip[2] == 6 and ip[0] == dst:
+                got_sport, got_dport = struct.unpack("!HH", ip[3][:4])
+                if (got_sport, got_dport) == (dport, sport) and ip[3][13] & (SYN | ACK) == (
+                    SYN | ACK
+                ):
+                    self.tcp(dst, sport, dport, RST)
+                    return True
+        return False
+
+
+def addresses(reply: DNSRecord | None) -> list[str]:
+    assert reply is not None, "no DNS answer"
+    return [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A]
+
+
+def rcode(reply: DNSRecord | None) -> str:
+    assert reply is not None, "no DNS answer"
+    return str(RCODE.get(reply.header.rcode))
+
+
+def link(name: str) -> dict[str, Any] | None:
+    out = subprocess.run(["ip", "-j", "-d", "addr", "show", "dev", name], capture_output=True)
+    if out.returncode != 0:
+        return None
+    found: list[dict[str, Any]] = json.loads(out.stdout)
+    return found[0] if found else None
+
+
+def nft(*args: str) -> str:
+    return subprocess.run(["nft", *args], capture_output=True, text=True, check=True).stdout
+
+
+@dataclass
+class VmNet:
+    edge_id: str
+    run_dir: Path
+    catalog: Path
+    pypi: FakeService
+    npm: FakeService
+    managers: list[NetworkManager]
+    audit: RecordingAudit
+
+    async def manager(
+        self, adopt: Sequence[tuple[str, dict[str, Any], dict[str, bool]]] = ()
+    ) -> NetworkManager:
+        mgr = NetworkManager(
+            edge_id=self.edge_id,
+            run_dir=self.run_dir,
+            audit=self.audit,
+            pool_size=1,
+            catalog=load_catalog(self.catalog),
+            upstream=("127.0.0.1", 9),  # nothing answers there: static answers only
+        )
+        for sid, net, rules in adopt:
+            mgr.adopt(sid, net, rules)
+        self.managers.append(mgr)
+        await mgr.start()
+        return mgr
+
+
+@pytest.fixture
+async def vmnet() -> AsyncIterator[VmNet]:
+    octet = secrets.randbelow(256)
+    edge_id = "vmnet-" + secrets.token_hex(4)
+    with contextlib.ExitStack() as stack:
+        pypi = stack.enter_context(fake_service("pypi", octet, 0))
+        npm = stack.enter_context(fake_service("npm", octet, 1))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-vmnet-")))
+        catalog = tmp / "catalog.json"
+        catalog.write_text(
+            json.dumps(
+                {
+                    "services": {
+                        "pypi": {
+                            "hosts": ["pypi.org", "files.pythonhosted.org"],
+                            "ports": [80],
+                            "addresses": {
+                                "pypi.org": [pypi.ip],
+                                "files.pythonhosted.org": [pypi.ip],
+                            },
+                        },
+                        "npm": {
+                            "hosts": ["registry.npmjs.org"],
+                            "ports": [80],
+                            "addresses": {"registry.npmjs.org": [npm.ip]},
+                        },
+                    }
+                }
+            )
+        )
+        env = VmNet(edge_id, tmp / "run", catalog, pypi, npm, [], RecordingAudit())
+        try:
+            yield env
+        finally:
+            for mgr in env.managers:
+                if mgr.started:
+                    await mgr.close()
+            left = host_leftovers(edge_id)
+            remove_leftovers(edge_id)
+            assert left == [], f"left behind: {left}"
+
+
+@contextlib.contextmanager
+def guest_of(att: VMNetAttachment) -> Iterator[Guest]:
+    try:
+        yield Guest(att)
+    finally:
+        att.close()
+
+
+@contextlib.contextmanager
+def host_listener() -> Iterator[int]:
+    """A TCP socket of the host listening on every address; its port."""
+    with socket.socket() as srv:
+        srv.bind(("0.0.0.0", 0))
+        srv.listen()
+        yield srv.getsockname()[1]
+
+
+async def test_tap_follows_the_rules_dns_and_updates(vmnet: VmNet) -> None:
+    mgr = await vmnet.manager()
+    sid = "vm-" + secrets.token_hex(3)
+    rules = {"pypi": True, "npm": False}
+    net = await mgr.attach(sid, rules, vm=True)
+    ifname = net["ifname"]
+    dev = link(ifname)
+    assert dev is not None and vmtap.is_tap(ifname)
+    assert dev["linkinfo"]["info_kind"] == "tun" and dev["linkinfo"]["info_data"]["persist"]
+    assert [(a["local"], a["prefixlen"]) for a in dev["addr_info"]] == [(net["gateway"], 30)]
+    assert "netns" not in net and net["tap"] is True
+    mgr.joined(sid)  # what the edge calls after any create: harmless for a VM
+    att = attach_vm(net)
+    assert att.cmdline() == f"dsec.ip={net['ip']}/30 dsec.gw={net['gateway']}"
+    assert att.qemu_args()[1] == f"tap,id=n0,fd={att.tap_fd}"
+    assert os.get_inheritable(att.tap_fd) is False  # pass_fds hands it to QEMU only
+    with guest_of(att) as g, host_listener() as host_port:
+        tap_mac = link(ifname)["address"]  # type: ignore[index]
+        assert (await asyncio.to_thread(g.resolve_gateway)).hex(":") == tap_mac
+        # Not learned from DNS yet: the allowed service's address is still closed.
+        assert not await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80, QUIET)
+        assert addresses(await asyncio.to_thread(g.dns, "pypi.org")) == [vmnet.pypi.ip]
+        assert await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80)
+        # Any server's port 53 is the edge's responder (the answer looks like it's theirs).
+        reply = await asyncio.to_thread(g.dns, "files.pythonhosted.org", "192.0.2.53")
+        assert addresses(reply) == [vmnet.pypi.ip]
+        assert rcode(await asyncio.to_thread(g.dns, "registry.npmjs.org")) == "REFUSED"
+        assert rcode(await asyncio.to_thread(g.dns, "example.com")) == "REFUSED"
+        assert not await asyncio.to_thread(g.connect, vmnet.npm.ip, 80, QUIET)
+        # The host, on any address and port, and a forged source address: dropped.
+        assert not await asyncio.to_thread(g.connect, net["gateway"], host_port, QUIET)
+        await asyncio.to_thread(g.tcp, vmnet.pypi.ip, 41000, 80, SYN, "100.64.0.99")
+        assert not any(f.ip for f in await asyncio.to_thread(lambda: list(g.frames(QUIET))))
+        for _ in range(50):  # NFLOG reaches the audit log through the event loop
+            if any(
+                a == "connect_denied" and d["dst"] == vmnet.npm.ip for a, d in vmnet.audit.records
+            ):
+                break
+            await asyncio.sleep(0.05)
+        actions = {(a, d.get("name") or d.get("dst")) for a, d in vmnet.audit.records}
+        assert {("dns_answered", "pypi.org"), ("dns_refused", "registry.npmjs.org")} <= actions
+        assert ("connect_denied", vmnet.npm.ip) in actions
+        assert ("connect_denied", net["gateway"]) in actions
+        # update_network replaces the rules: npm now, pypi no more (new connections).
+        await mgr.update(sid, {"npm": True})
+        assert addresses(await asyncio.to_thread(g.dns, "registry.npmjs.org")) == [vmnet.npm.ip]
+        assert await asyncio.to_thread(g.connect, vmnet.npm.ip, 80)
+        assert not await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80, QUIET)
+        assert rcode(await asyncio.to_thread(g.dns, "pypi.org")) == "REFUSED"
+        await mgr.update(sid, {})
+        assert not await asyncio.to_thread(g.connect, vmnet.npm.ip, 80, QUIET)
+    mgr.release(sid)
+    mgr.release(sid)  # idempotent
+    await mgr.settled()
+    assert link(ifname) is None
+    with pytest.raises(BackendError, match="gone"):
+        attach_vm(net)
+    assert link(ifname) is None  # the failed open made no device
+    assert ifname not in nft("list", "map", "inet", mgr.table, "slots")
+
+
+async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) -> None:
+    mgr = await vmnet.manager()
+    kept, lost = "vm-" + secrets.token_hex(3), "vm-" + secrets.token_hex(3)
+    net = await mgr.attach(kept, {"pypi": True}, vm=True)
+    other = await mgr.attach(lost, {"pypi": True}, vm=True)
+    assert net["slot"] != other["slot"] and net["mac"] != other["mac"]
+    att = attach_vm(net)
+    with pytest.raises(BackendError, match="still held"):  # one VMM per tap
+        attach_vm(net)
+    with guest_of(att) as g:
+        await asyncio.to_thread(g.resolve_gateway)
+        assert addresses(await asyncio.to_thread(g.dns, "pypi.org")) == [vmnet.pypi.ip]
+    # The VMM ended (pause): the tap stays, with its address, for the resumed one.
+    assert link(net["ifname"]) is not None
+    with guest_of(attach_vm(net)) as g:
+        await asyncio.to_thread(g.resolve_gateway)
+        assert await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80)
+    # The edge goes away keeping its sandboxes; the next one knows only `kept`.
+    await mgr.close(keep_rules=True)
+    assert link(net["ifname"]) is not None and link(other["ifname"]) is not None
+    mgr = await vmnet.manager(adopt=[(kept, net, {"pypi": True})])
+    assert link(other["ifname"]) is None, "the tap of an unknown sandbox was not swept"
+    with guest_of(attach_vm(net)) as g:
+        await asyncio.to_thread(g.resolve_gateway)
+        # The table was rebuilt from the rules: DNS first, then the address opens.
+        assert not await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80, QUIET)
+        assert addresses(await asyncio.to_thread(g.dns, "pypi.org")) == [vmnet.pypi.ip]
+        assert await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80)
+        await mgr.update(kept, {})
+        assert not await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80, QUIET)
+    await mgr.close()
+    assert link(net["ifname"]) is None
+    assert host_leftovers(vmnet.edge_id) == []
+
+
+async def test_attach_cost(vmnet: VmNet) -> None:
+    """Create-path cost of a VM network (tap + address + nft batch) and of opening it
+    for a launch, and the release (tap delete, in the netlink thread)."""
+    mgr = await vmnet.manager()
+    attach, launch, release = [], [], []
+    for i in range(20):
+        sid = f"vm-cost-{i}"
+        t0 = time.perf_counter()
+        net = await mgr.attach(sid, {"pypi": True, "npm": True}, vm=True)
+        t1 = time.perf_counter()
+        attach_vm(net).close()
+        t2 = time.perf_counter()
+        mgr.release(sid)
+        await mgr.settled()
+        t3 = time.perf_counter()
+        attach.append(t1 - t0)
+        launch.append(t2 - t1)
+        release.append(t3 - t2)
+
+    def p(xs: list[float], q: float) -> str:
+        return f"{sorted(xs)[int(q * (len(xs) - 1))] * 1000:.2f}"
+
+    print(
+        f"vm network attach p50 {p(attach, 0.5)} ms p95 {p(attach, 0.95)} ms; "
+        f"attach_vm (open tap) p50 {p(launch, 0.5)} ms; "
+        f"release (tap delete) p50 {p(release, 0.5)} ms p95 {p(release, 0.95)} ms"
+    )
+    assert sorted(attach)[10] < 0.05
