@@ -417,3 +417,165 @@ async def test_attach_cost(vmnet: VmNet) -> None:
         f"release (tap delete) p50 {p(release, 0.5)} ms p95 {p(release, 0.95)} ms"
     )
     assert sorted(attach)[10] < 0.05
+
+
+# ---- a real guest: QEMU (TCG) on the tap, busybox initramfs --------------------------------
+
+KERNEL_PACKAGE = "linux-image-6.1.0-57-cloud-amd64"
+GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "failover", "net_failover", "virtio_net")
+GUEST_INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+for m in $MODULES; do insmod /lib/$m.ko || echo "@@ insmod $m FAIL"; done
+for kv in $(cat /proc/cmdline); do
+  case $kv in
+    dsec.ip=*) IP=${kv#*=};; dsec.gw=*) GW=${kv#*=};;
+    t.pypi=*) PYPI=${kv#*=};; t.npm=*) NPM=${kv#*=};; t.host=*) HOSTPORT=${kv#*=};;
+  esac
+done
+say() { echo "@@ $*"; }
+get() { printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 2 $1 ${2:-80} 2>/dev/null; }
+check() { if get $2 $3 | grep -q fake-; then say $1 ok; else say $1 no; fi; }
+last() { awk '/^Address/ {a=$NF} END {print a}' /tmp/o; }
+lookup() { nslookup $2 $3 > /tmp/o 2>&1 && say $1 $(last) || say $1 refused; }
+ip link set lo up; ip link set eth0 up
+ip addr add $IP dev eth0 && ip route add default via $GW
+echo "nameserver $GW" > /etc/resolv.conf
+say mac $(cat /sys/class/net/eth0/address) links $(ls /sys/class/net | tr '\n' ,)
+check pypi-before-dns $PYPI
+lookup dns-pypi pypi.org
+check pypi $PYPI
+lookup dns-other-server files.pythonhosted.org 192.0.2.53
+lookup dns-npm registry.npmjs.org
+check npm $NPM
+if get $GW $HOSTPORT > /dev/null; then say host reached; else say host no; fi
+say phase1
+i=0
+until nslookup registry.npmjs.org > /dev/null 2>&1 || [ $i -ge 60 ]; do sleep 0.5; i=$((i+1)); done
+lookup dns-npm-after registry.npmjs.org
+check npm-after $NPM
+check pypi-after $PYPI
+say done
+reboot -f
+"""
+
+
+def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
+    """A cpio "newc" archive of (name, mode, data, rdev) entries (the kernel's format
+    for an initramfs; there is no cpio on the host)."""
+    out = bytearray()
+
+    def pad() -> None:
+        out.extend(b"\0" * (-len(out) % 4))
+
+    for ino, (name, mode, data, rdev) in enumerate([*entries, ("TRAILER!!!", 0, b"", 0)], 1):
+        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, rdev >> 8, rdev & 0xFF, len(name) + 1, 0]
+        out.extend(b"070701" + b"".join(b"%08x" % f for f in fields))
+        out.extend(name.encode() + b"\0")
+        pad()
+        out.extend(data)
+        pad()
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def guest_kernel() -> Iterator[Path]:
+    """The Debian cloud kernel, unpacked: the cached copy under $DSEC_CACHE_DIR, else
+    downloaded with apt into a temporary directory (removed afterwards)."""
+    if not Path("/usr/bin/qemu-system-x86_64").exists():
+        pytest.skip("qemu-system-x86 is not installed")
+    cache = Path(os.environ.get("DSEC_CACHE_DIR", "/var/cache/dsec")) / "kernel" / KERNEL_PACKAGE
+    if (cache / "boot").is_dir():
+        yield cache
+        return
+    with tempfile.TemporaryDirectory(prefix="dsec-vmnet-kernel-") as tmp:
+        subprocess.run(["apt-get", "download", KERNEL_PACKAGE], cwd=tmp, check=True)
+        deb = next(Path(tmp).glob("*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/root"], check=True)
+        yield Path(tmp) / "root"
+
+
+def build_initramfs(kernel: Path, dest: Path) -> None:
+    modules = {p.stem: p for p in (kernel / "lib" / "modules").rglob("*.ko")}
+    init = GUEST_INIT.replace("$MODULES", " ".join(GUEST_MODULES))
+    entries: list[tuple[str, int, bytes, int]] = [
+        *((d, 0o040755, b"", 0) for d in ("bin", "dev", "proc", "sys", "etc", "tmp", "lib")),
+        ("dev/console", 0o020600, b"", (5 << 8) | 1),
+        ("bin/busybox", 0o100755, Path("/usr/bin/busybox").read_bytes(), 0),
+        ("init", 0o100755, init.encode(), 0),
+        *((f"lib/{m}.ko", 0o100644, modules[m].read_bytes(), 0) for m in GUEST_MODULES),
+    ]
+    dest.write_bytes(_newc(entries))
+
+
+async def test_a_qemu_guest_gets_the_containers_network(
+    vmnet: VmNet, guest_kernel: Path, tmp_path: Path
+) -> None:
+    """QEMU in an empty network namespace, handed only the tap fd: the guest's eth0
+    reaches what the rules allow (by name, through the edge's DNS), nothing else, and
+    an update_network during the run takes effect."""
+    mgr = await vmnet.manager()
+    sid = "vm-" + secrets.token_hex(3)
+    net = await mgr.attach(sid, {"pypi": True, "npm": False}, vm=True)
+    att = attach_vm(net)
+    initrd = tmp_path / "initrd"
+    build_initramfs(guest_kernel, initrd)
+    vmlinuz = next((guest_kernel / "boot").glob("vmlinuz-*"))
+    append = (
+        "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off "
+        f"{att.cmdline()} t.pypi={vmnet.pypi.ip} t.npm={vmnet.npm.ip}"
+    )
+    lines: list[str] = []
+    proc = None
+    with host_listener() as host_port:
+        append += f" t.host={host_port}"
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *("unshare", "--net", "--", "qemu-system-x86_64", "-M", "microvm"),
+                *("-accel", "tcg", "-cpu", "max", "-m", "256", "-smp", "1", "-nodefaults"),
+                *("-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"),
+                *("-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", append),
+                *att.qemu_args(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=[att.tap_fd],
+            )
+            att.close()  # QEMU holds its own copy
+            assert proc.stdout is not None
+            found: dict[str, str] = {}
+            async with asyncio.timeout(120):
+                while "done" not in found:
+                    raw = await proc.stdout.readline()
+                    if not raw:
+                        break
+                    line = raw.decode(errors="replace").strip()
+                    lines.append(line)
+                    if line.startswith("@@ "):
+                        key, _, value = line[3:].partition(" ")
+                        found[key] = value
+                        if key == "phase1":
+                            await mgr.update(sid, {"npm": True})
+        finally:
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            att.close()
+    log = "\n".join(lines)
+    print("guest says:", found)
+    assert "done" in found, log
+    assert found["mac"] == f"{net['mac']} links eth0,lo,", log
+    assert found["pypi-before-dns"] == "no", log
+    assert found["dns-pypi"] == vmnet.pypi.ip and found["pypi"] == "ok", log
+    assert found["dns-other-server"] == vmnet.pypi.ip, log
+    assert found["dns-npm"] == "refused" and found["npm"] == "no", log
+    assert found["host"] == "no", log
+    assert found["dns-npm-after"] == vmnet.npm.ip and found["npm-after"] == "ok", log
+    assert found["pypi-after"] == "no", log
+    assert not any(k.startswith("insmod") for k in found), log
+    # QEMU is gone; the tap stays for a resume until the sandbox's network is released.
+    assert link(net["ifname"]) is not None
+    mgr.release(sid)
+    await mgr.settled()
+    assert link(net["ifname"]) is None
