@@ -18,7 +18,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,15 @@ class Guest:
                     self.tcp(dst, sport, dport, RST)
                     return True
         return False
+
+    def syns(self, timeout: float) -> list[tuple[str, int]]:
+        """(source, port) of the TCP SYNs that reach this guest within ``timeout``."""
+        out = []
+        for f in self.frames(timeout):
+            ip = f.ip
+            if ip and ip[2] == 6 and ip[1] == self.ip and ip[3][13] & (SYN | ACK) == SYN:
+                out.append((ip[0], struct.unpack("!H", ip[3][2:4])[0]))
+        return out
 
 
 def addresses(reply: DNSRecord | None) -> list[str]:
@@ -389,6 +398,32 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
     assert host_leftovers(vmnet.edge_id) == []
 
 
+async def test_another_sandbox_is_unreachable_unless_a_rule_names_it(vmnet: VmNet) -> None:
+    mgr = await vmnet.manager()
+    net_a = await mgr.attach("vm-a", {"pypi": True}, vm=True)
+    net_b = await mgr.attach("vm-b", {}, vm=True)
+    with guest_of(attach_vm(net_a)) as a, guest_of(attach_vm(net_b)) as b:
+        await asyncio.to_thread(a.resolve_gateway)
+        await asyncio.to_thread(b.resolve_gateway)
+
+        async def syns_at_b() -> list[tuple[str, int]]:
+            seen, _ = await asyncio.gather(
+                asyncio.to_thread(b.syns, QUIET + 0.5),
+                asyncio.to_thread(a.connect, b.ip, 8080, QUIET),
+            )
+            return seen
+
+        assert await syns_at_b() == []
+        await mgr.update("vm-a", {f"{b.ip}:8080": True})
+        assert (a.ip, 8080) in await syns_at_b()
+        await mgr.update("vm-a", {})
+        assert await syns_at_b() == []
+    mgr.release("vm-a")
+    mgr.release("vm-b")
+    await mgr.settled()
+    assert link(net_a["ifname"]) is None and link(net_b["ifname"]) is None
+
+
 async def test_attach_cost(vmnet: VmNet) -> None:
     """Create-path cost of a VM network (tap + address + nft batch) and of opening it
     for a launch, and the release (tap delete, in the netlink thread)."""
@@ -438,7 +473,9 @@ get() { printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 2 $1 ${2:-80} 2>/dev/null; }
 check() { if get $2 $3 | grep -q fake-; then say $1 ok; else say $1 no; fi; }
 last() { awk '/^Address/ {a=$NF} END {print a}' /tmp/o; }
 lookup() { nslookup $2 $3 > /tmp/o 2>&1 && say $1 $(last) || say $1 refused; }
-ip link set lo up; ip link set eth0 up
+ip link set lo up
+if [ -z "$IP" ]; then say links $(ls /sys/class/net | tr '\n' ,); say done; reboot -f; fi
+ip link set eth0 up
 ip addr add $IP dev eth0 && ip route add default via $GW
 echo "nameserver $GW" > /etc/resolv.conf
 say mac $(cat /sys/class/net/eth0/address) links $(ls /sys/class/net | tr '\n' ,)
@@ -508,8 +545,69 @@ def build_initramfs(kernel: Path, dest: Path) -> None:
     dest.write_bytes(_newc(entries))
 
 
+BOOT_ARGS = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off"
+
+
+async def run_guest(
+    kernel: Path,
+    initrd: Path,
+    append: str,
+    att: VMNetAttachment | None,
+    on_say: Callable[[str, str], Awaitable[None]] | None = None,
+) -> tuple[dict[str, str], str]:
+    """Boot the guest (TCG, ``-M microvm``) with QEMU in an empty network namespace,
+    given the tap fd only when ``att``; the ``@@ key value`` lines /init printed, and the
+    whole console. QEMU is killed on the way out, whatever happened."""
+    vmlinuz = next((kernel / "boot").glob("vmlinuz-*"))
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    proc = None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *("unshare", "--net", "--", "qemu-system-x86_64", "-M", "microvm"),
+            *("-accel", "tcg", "-cpu", "max", "-m", "256", "-smp", "1", "-nodefaults"),
+            *("-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"),
+            *("-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", append),
+            *(att.qemu_args() if att is not None else ()),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=[att.tap_fd] if att is not None else [],
+        )
+        if att is not None:
+            att.close()  # QEMU holds its own copy
+        assert proc.stdout is not None
+        async with asyncio.timeout(120):
+            while "done" not in found:
+                raw = await proc.stdout.readline()
+                if not raw:
+                    break
+                line = raw.decode(errors="replace").strip()
+                lines.append(line)
+                if line.startswith("@@ "):
+                    key, _, value = line[3:].partition(" ")
+                    found[key] = value
+                    if on_say is not None:
+                        await on_say(key, value)
+    finally:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        if att is not None:
+            att.close()
+    return found, "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def initrd(guest_kernel: Path) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="dsec-vmnet-initrd-") as tmp:
+        build_initramfs(guest_kernel, Path(tmp) / "initrd")
+        yield Path(tmp) / "initrd"
+
+
 async def test_a_qemu_guest_gets_the_containers_network(
-    vmnet: VmNet, guest_kernel: Path, tmp_path: Path
+    vmnet: VmNet, guest_kernel: Path, initrd: Path
 ) -> None:
     """QEMU in an empty network namespace, handed only the tap fd: the guest's eth0
     reaches what the rules allow (by name, through the edge's DNS), nothing else, and
@@ -518,51 +616,17 @@ async def test_a_qemu_guest_gets_the_containers_network(
     sid = "vm-" + secrets.token_hex(3)
     net = await mgr.attach(sid, {"pypi": True, "npm": False}, vm=True)
     att = attach_vm(net)
-    initrd = tmp_path / "initrd"
-    build_initramfs(guest_kernel, initrd)
-    vmlinuz = next((guest_kernel / "boot").glob("vmlinuz-*"))
-    append = (
-        "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off "
-        f"{att.cmdline()} t.pypi={vmnet.pypi.ip} t.npm={vmnet.npm.ip}"
-    )
-    lines: list[str] = []
-    proc = None
+
+    async def on_say(key: str, value: str) -> None:
+        if key == "phase1":
+            await mgr.update(sid, {"npm": True})
+
     with host_listener() as host_port:
-        append += f" t.host={host_port}"
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *("unshare", "--net", "--", "qemu-system-x86_64", "-M", "microvm"),
-                *("-accel", "tcg", "-cpu", "max", "-m", "256", "-smp", "1", "-nodefaults"),
-                *("-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"),
-                *("-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", append),
-                *att.qemu_args(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                pass_fds=[att.tap_fd],
-            )
-            att.close()  # QEMU holds its own copy
-            assert proc.stdout is not None
-            found: dict[str, str] = {}
-            async with asyncio.timeout(120):
-                while "done" not in found:
-                    raw = await proc.stdout.readline()
-                    if not raw:
-                        break
-                    line = raw.decode(errors="replace").strip()
-                    lines.append(line)
-                    if line.startswith("@@ "):
-                        key, _, value = line[3:].partition(" ")
-                        found[key] = value
-                        if key == "phase1":
-                            await mgr.update(sid, {"npm": True})
-        finally:
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-            att.close()
-    log = "\n".join(lines)
+        append = (
+            f"{BOOT_ARGS} {att.cmdline()} t.pypi={vmnet.pypi.ip} t.npm={vmnet.npm.ip} "
+            f"t.host={host_port}"
+        )
+        found, log = await run_guest(guest_kernel, initrd, append, att, on_say)
     print("guest says:", found)
     assert "done" in found, log
     assert found["mac"] == f"{net['mac']} links eth0,lo,", log
@@ -579,3 +643,12 @@ async def test_a_qemu_guest_gets_the_containers_network(
     mgr.release(sid)
     await mgr.settled()
     assert link(net["ifname"]) is None
+
+
+async def test_a_qemu_guest_without_rules_has_no_network_device(
+    guest_kernel: Path, initrd: Path
+) -> None:
+    """What the backend does for a sandbox without network_rules: no -netdev at all
+    (``-nodefaults`` adds none), so the guest has loopback only."""
+    found, log = await run_guest(guest_kernel, initrd, BOOT_ARGS, None)
+    assert found.get("links") == "lo,", log

@@ -34,6 +34,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,7 @@ def create(host: IPRoute, slot: Slot) -> None:
     try:
         fcntl.ioctl(fd, TUNSETPERSIST, 1)
         _write(f"/proc/sys/net/ipv6/conf/{slot.ifname}/disable_ipv6", "1")
-        idx = host.link_lookup(ifname=slot.ifname)[0]
+        idx = socket.if_nametoindex(slot.ifname)  # an ioctl; link_lookup dumps every link
         host.addr("add", index=idx, address=slot.gw, prefixlen=PREFIXLEN)
         host.link("set", index=idx, state="up")
         slot.ifindex = idx
