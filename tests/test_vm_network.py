@@ -376,8 +376,20 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
         await asyncio.to_thread(g.resolve_gateway)
         assert addresses(await asyncio.to_thread(g.dns, "pypi.org")) == [vmnet.pypi.ip]
     # The VMM ended (pause): the tap stays, with its address, for the resumed one.
-    assert link(net["ifname"]) is not None
+    # Whatever that VMM did with its fd as another user, the next one gets a root tap.
+    att = attach_vm(net)
+    fd = att.tap_fd
+    chown = f"import fcntl; fcntl.ioctl({fd}, {vmtap.TUNSETOWNER}, 65534); "
+    chown += f"fcntl.ioctl({fd}, {vmtap.TUNSETGROUP}, 65534)"
+    nobody = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3", "-c", chown, pass_fds=[fd], user=65534, group=65534, extra_groups=[]
+    )
+    assert await nobody.wait() == 0
+    att.close()
+    assert link(net["ifname"])["linkinfo"]["info_data"]["user"] == "nobody"  # type: ignore[index]
     with guest_of(attach_vm(net)) as g:
+        info = link(net["ifname"])["linkinfo"]["info_data"]  # type: ignore[index]
+        assert (info["user"], info["group"]) == ("root", "root")
         await asyncio.to_thread(g.resolve_gateway)
         assert await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80)
     # The edge goes away keeping its sandboxes; the next one knows only `kept`.

@@ -23,8 +23,9 @@ container's eth0 would hold. Why not a netns + veth + bridge + tap as for contai
 The datapath for the guest is the container's: the reverse-path rule, DNS redirect,
 masquerade and the per-slot chain match ``iifname <prefix>*`` and the slot's name, so
 ``update_network`` and NFLOG work unchanged. IPv6 is off on the tap, as on the veth.
-The device's owner is left unset (root only): the tun driver then refuses TUNSETIFF on
-it to anyone without CAP_NET_ADMIN, and QEMU only ever holds the fd it was given.
+The device's owner is root (``attach_vm`` resets whatever an earlier VMM set through
+its fd): the tun driver refuses TUNSETIFF on it to anyone without CAP_NET_ADMIN, and
+QEMU only ever holds the fd it was given.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from dsec.net.netns import Slot
 TUN_DEVICE = "/dev/net/tun"
 TUNSETIFF = 0x400454CA
 TUNSETPERSIST = 0x400454CB
+TUNSETOWNER = 0x400454CC
+TUNSETGROUP = 0x400454CE
 TUNGETIFF = 0x800454D2
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
@@ -173,6 +176,16 @@ def attach_vm(net: dict[str, Any]) -> VMNetAttachment:
         # device, which this close removes again. Never give QEMU a dead network.
         os.close(fd)
         raise BackendError(f"the network of this sandbox is gone (no tap {ifname})")
+    try:
+        # Any holder of a tap fd may set the device's owner and group (the tun driver
+        # checks nothing for those), and an owner may attach to it without CAP_NET_ADMIN.
+        # An earlier VMM of this sandbox held such an fd: take the device back to root
+        # (the driver cannot unset an owner) before the next VMM gets it.
+        fcntl.ioctl(fd, TUNSETOWNER, 0)
+        fcntl.ioctl(fd, TUNSETGROUP, 0)
+    except OSError as exc:
+        os.close(fd)
+        raise BackendError(f"cannot reset tap {ifname}: {exc.strerror}") from exc
     return VMNetAttachment(
         tap_fd=fd,
         mac=str(net["mac"]),
