@@ -34,8 +34,10 @@ Design (numbers from HOST_LIMITS and bench/):
 - MicroVMs (``attach(..., vm=True)``) get the same slot with a persistent tap as its
   host-side device instead of netns + veth (``dsec.net.vmtap`` says why); everything
   above is keyed by the device name, so it applies unchanged. Taps are not pooled:
-  making one costs ~1-3 ms on the create path (bench numbers in ``dsec.net.vmtap``),
-  and a release deletes it explicitly (no namespace takes it along).
+  attaching one costs ~2.5-4 ms on the create path, ~0.5 ms of it on the event loop
+  (``tests/test_vm_network.py::test_attach_cost``), next to a boot of seconds; a
+  release deletes it explicitly (no namespace takes it along), ~20 ms in the netlink
+  thread.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,7 +166,7 @@ class NetworkManager:
         self._dns: DnsServer | None = None
         self._upstream: UpstreamResolver = Upstream(upstream or default_upstream())
         self._nflog = NflogReader()
-        self._deleting: set[asyncio.Future[None]] = set()
+        self._deleting: set[Future[None]] = set()
         self.started = False
 
     @classmethod
@@ -386,7 +388,7 @@ class NetworkManager:
                     await asyncio.sleep(1)
                     break
 
-    async def _claim(self) -> netns.Slot:
+    def _claim(self) -> netns.Slot:
         """A slot index whose host-side name is free (no device of that name exists)."""
         # Reuse a freed slot whose device is gone; the veth of a just-ended sandbox may
         # still be going away (the kernel drops it with the namespace): then take a fresh one.
@@ -412,7 +414,7 @@ class NetworkManager:
     async def _build(self) -> netns.Slot:
         assert self._ipr is not None and self._host_ns is not None
         loop = asyncio.get_running_loop()
-        slot = await self._claim()
+        slot = self._claim()
         try:
             await loop.run_in_executor(self._exec, netns.build, slot, self._ipr, self._host_ns)
             await self._chain(slot.idx)
@@ -426,9 +428,13 @@ class NetworkManager:
     async def _build_tap(self) -> netns.Slot:
         assert self._ipr is not None
         loop = asyncio.get_running_loop()
-        slot = await self._claim()
+        slot = self._claim()
         try:
             await loop.run_in_executor(self._exec, vmtap.create, self._ipr, slot)
+        except BaseException:  # create removes what it made; the name may be another's
+            self._free.append(slot.idx)
+            raise
+        try:
             await self._chain(slot.idx)
         except BaseException:
             await self._delete_tap(slot.ifname)
@@ -736,23 +742,19 @@ class NetworkManager:
         await loop.run_in_executor(self._exec, vmtap.detach_vm, self._ipr, {"ifname": name})
 
     def _spawn_delete(self, name: str) -> None:
-        """Delete a tap in the netlink thread (~17 ms of the kernel's device unregister);
-        a later ``_claim`` of the slot runs after it on the same thread."""
+        """Delete a tap in the netlink thread (~20 ms of the kernel's device unregister,
+        off the event loop); a later ``_claim`` skips the name until it is gone."""
         if self._ipr is None:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # released outside the loop (shutdown paths): delete here
-            self._del_link(name)
-            return
-        fut = loop.run_in_executor(self._exec, vmtap.detach_vm, self._ipr, {"ifname": name})
+        fut = self._exec.submit(vmtap.detach_vm, self._ipr, {"ifname": name})
         self._deleting.add(fut)
         fut.add_done_callback(self._deleting.discard)
 
     async def settled(self) -> None:
         """Wait until the taps of released microVMs are deleted (tests, shutdown)."""
-        if self._deleting:
-            await asyncio.gather(*list(self._deleting), return_exceptions=True)
+        pending = [asyncio.wrap_future(f) for f in list(self._deleting)]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def close(self, *, keep_rules: bool = False) -> None:
         """Stop the pool and the readers; unless ``keep_rules`` (sandboxes go on running
