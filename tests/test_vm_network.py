@@ -567,9 +567,10 @@ async def run_guest(
     att: VMNetAttachment | None,
     on_say: Callable[[str, str], Awaitable[None]] | None = None,
 ) -> tuple[dict[str, str], str]:
-    """Boot the guest (TCG, ``-M microvm``) with QEMU in an empty network namespace,
-    given the tap fd only when ``att``; the ``@@ key value`` lines /init printed, and the
-    whole console. QEMU is killed on the way out, whatever happened."""
+    """Boot the guest (TCG, ``-M microvm``) with QEMU in an empty network namespace and
+    under its seccomp sandbox, given the tap fd only when ``att``; the ``@@ key value``
+    lines /init printed, and the whole console. QEMU is killed on the way out, whatever
+    happened."""
     vmlinuz = next((kernel / "boot").glob("vmlinuz-*"))
     lines: list[str] = []
     found: dict[str, str] = {}
@@ -579,6 +580,11 @@ async def run_guest(
             *("unshare", "--net", "--", "qemu-system-x86_64", "-M", "microvm"),
             *("-accel", "tcg", "-cpu", "max", "-m", "256", "-smp", "1", "-nodefaults"),
             *("-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"),
+            # QEMU's own seccomp filter, as the jail runs it: the tap fd works under it.
+            *(
+                "-sandbox",
+                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            ),
             *("-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", append),
             *(att.qemu_args() if att is not None else ()),
             stdin=subprocess.DEVNULL,
