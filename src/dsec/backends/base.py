@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
@@ -180,6 +180,9 @@ class Backend(ABC):
     kind: ClassVar[BackendKind]
     # What this backend does of the optional part of the interface (see Capability).
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    # How a sandbox with network rules is attached (dsec.net): a network namespace with
+    # a veth a container joins, or a tap device a VM's VMM is handed (dsec.net.vmtap).
+    network_device: ClassVar[Literal["veth", "tap"]] = "veth"
 
     @classmethod
     def probe(cls) -> str | None:

@@ -359,7 +359,9 @@ class Edge:
             # The key is durable with the record, before anything is acknowledged.
             self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
             if self.network is not None and spec.network_rules:
-                rec.net = await self.network.attach(rec.id, spec.network_rules)
+                rec.net = await self.network.attach(
+                    rec.id, spec.network_rules, vm=backend.network_device == "tap"
+                )
             inp = CreateInput(
                 id=rec.id,
                 spec=spec,
