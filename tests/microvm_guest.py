@@ -29,7 +29,7 @@ MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk
 
 
 @dataclass(frozen=True)
-class TestKernel:
+class GuestKernel:
     vmlinuz: Path
     modules: dict[str, Path]  # module name -> .ko
     release: str
@@ -45,7 +45,7 @@ def _versioned_package() -> str:
     return match.group(1)
 
 
-def test_kernel() -> TestKernel:
+def guest_kernel() -> GuestKernel:
     """Fetch and unpack the cloud kernel once (file lock: parallel test runs share it)."""
     root = cache_dir() / "test-guest"
     root.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def test_kernel() -> TestKernel:
     missing = set(MODULES) - set(modules)
     if missing:
         raise RuntimeError(f"kernel {release} lacks modules {sorted(missing)}")
-    return TestKernel(vmlinuz=vmlinuz, modules=modules, release=release)
+    return GuestKernel(vmlinuz=vmlinuz, modules=modules, release=release)
 
 
 def _newc_entry(out: io.BytesIO, name: str, mode: int, data: bytes, ino: int) -> None:
@@ -100,7 +100,7 @@ for m in {modules}; do insmod /lib/$m.ko; done
 """
 
 
-def initramfs(kernel: TestKernel, script: str, where: Path) -> Path:
+def initramfs(kernel: GuestKernel, script: str, where: Path) -> Path:
     """An initramfs whose /init runs the prologue (busybox, devtmpfs, modules) then
     ``script``; cached by content under ``where``."""
     init = INIT_PROLOGUE.format(modules=" ".join(MODULES)) + script

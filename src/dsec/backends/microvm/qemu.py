@@ -73,7 +73,7 @@ class VMConfig:
     """
 
     kernel: Path
-    initrd: Path
+    initrd: Path | None
     agent_socket: Path
     qmp_socket: Path
     log_path: Path
@@ -91,8 +91,10 @@ class VMConfig:
         if self.accel == "tcg":
             parts += TCG_CMDLINE
         for key, value in self.params.items():
-            if not key or any(c.isspace() or c == "=" for c in key) or any(
-                c.isspace() for c in value
+            if (
+                not key
+                or any(c.isspace() or c == "=" for c in key)
+                or any(c.isspace() for c in value)
             ):
                 raise BackendError(f"invalid guest boot parameter {key!r}={value!r}")
             parts.append(f"{key}={value}")
@@ -106,7 +108,7 @@ class VMConfig:
         shape = {
             "qemu": qemu_version(),
             "kernel": _file_id(self.kernel),
-            "initrd": _file_id(self.initrd),
+            "initrd": _file_id(self.initrd) if self.initrd is not None else None,
             "cmdline": self.cmdline(),
             "vcpus": self.vcpus,
             "memory_mb": self.memory_mb,
@@ -170,7 +172,6 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
         "-chardev", f"ringbuf,id=console,size={ring}",
         "-serial", "chardev:console",
         "-kernel", str(config.kernel),
-        "-initrd", str(config.initrd),
         "-append", config.cmdline(),
         "-chardev", f"socket,id=qmp,path={config.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
@@ -178,6 +179,8 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
         "-chardev", f"socket,id=agent,path={config.agent_socket},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
+    if config.initrd is not None:
+        argv += ["-initrd", str(config.initrd)]
     if supports_sandbox():
         argv += ["-sandbox", SANDBOX]
     for i, drive in enumerate(config.drives):
@@ -247,7 +250,9 @@ class QemuProcess:
             stale.unlink(missing_ok=True)
         argv = [*prefix, *build_argv(config)]
         inherit = list(pass_fds) + ([config.net.tap_fd] if config.net else [])
-        log_fd = os.open(config.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        log_fd = os.open(
+            config.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+        )
         restore: list[tuple[int, bool]] = []
         try:
             for fd in inherit:

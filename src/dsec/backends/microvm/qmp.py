@@ -13,7 +13,7 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,15 @@ class Qmp:
         self._console = bytearray()  # ringbuf-read consumes: keep what we read
 
     @classmethod
-    async def connect(cls, socket: Path, timeout: float = DEFAULT_TIMEOUT) -> Qmp:
-        """Connect, retrying until QEMU has created its socket or ``timeout``."""
+    async def connect(
+        cls,
+        socket: Path,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        alive: Callable[[], bool] | None = None,
+    ) -> Qmp:
+        """Connect, retrying until QEMU has created its socket or ``timeout``; with
+        ``alive`` (e.g. ``QemuProcess.is_alive``), stop early once QEMU has exited."""
         qmp = cls(socket)
         deadline = time.monotonic() + timeout
         while True:
@@ -50,7 +57,7 @@ class Qmp:
             except (ConnectError, OSError, TimeoutError) as exc:
                 with_msg = str(exc)
                 await qmp._client.disconnect()
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or (alive is not None and not alive()):
                     raise QmpError(f"cannot connect to QMP at {socket}: {with_msg}") from exc
                 qmp._client = QMPClient("dsec-vmm")
                 await asyncio.sleep(0.005)
@@ -65,7 +72,8 @@ class Qmp:
         try:
             return await asyncio.wait_for(self._client.execute(cmd, arguments), timeout)
         except ExecuteError as exc:
-            raise QmpError(f"QMP {cmd} failed: {exc.error.desc}", qemu=exc.error.desc) from exc
+            desc = exc.error.error.desc
+            raise QmpError(f"QMP {cmd} failed: {desc}", qemu=desc) from exc
         except TimeoutError as exc:
             raise QmpError(f"QMP {cmd} got no answer within {timeout}s") from exc
         except (ExecInterruptedError, QMPError, OSError, EOFError) as exc:
@@ -111,8 +119,7 @@ class Qmp:
                 return text
             if time.monotonic() > deadline:
                 raise QmpError(
-                    f"guest did not print {marker!r} within {timeout}s; console: "
-                    f"{text[-2000:]!r}"
+                    f"guest did not print {marker!r} within {timeout}s; console: {text[-2000:]!r}"
                 )
             await asyncio.sleep(0.02)
 

@@ -56,7 +56,9 @@ async def _wait_migration(qmp: Qmp, timeout: float, what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-async def save_to_file(proc: QemuProcess, qmp: Qmp, path: Path, *, timeout: float = 60.0) -> SnapshotStats:
+async def save_to_file(
+    proc: QemuProcess, qmp: Qmp, path: Path, *, timeout: float = 60.0
+) -> SnapshotStats:
     """Stop the guest and write its full state to ``path`` (atomically: a partial
     file never appears under that name), then end QEMU. On failure the VM is left
     running as it was and no file is left behind."""
@@ -86,10 +88,12 @@ async def save_to_file(proc: QemuProcess, qmp: Qmp, path: Path, *, timeout: floa
     await qmp.close()
     if not await asyncio.to_thread(proc.wait_exit, 5.0):
         await asyncio.to_thread(proc.kill)
-    return SnapshotStats(time.monotonic() - t0, path.stat().st_size)
+    return SnapshotStats(time.monotonic() - t0, os.stat(path).st_size)
 
 
-async def pause_to_file(proc: QemuProcess, qmp: Qmp, path: Path, *, timeout: float = 60.0) -> SnapshotStats:
+async def pause_to_file(
+    proc: QemuProcess, qmp: Qmp, path: Path, *, timeout: float = 60.0
+) -> SnapshotStats:
     """Pause: the guest's memory and device state go to ``path`` and the QEMU process
     ends (its memory is freed). ``resume_from_file`` brings it back."""
     return await save_to_file(proc, qmp, path, timeout=timeout)
@@ -113,7 +117,7 @@ async def restore_from_file(
         proc = QemuProcess.launch(
             dataclasses.replace(config, incoming=path), prefix=prefix, pass_fds=pass_fds
         )
-        qmp = await Qmp.connect(config.qmp_socket)
+        qmp = await Qmp.connect(config.qmp_socket, alive=proc.is_alive)
         await qmp.send_fd(SNAPSHOT_FD, fd)
         await qmp.execute("migrate-incoming", {"uri": f"fd:{SNAPSHOT_FD}"})
         await _wait_migration(qmp, timeout, f"restore from {path.name}")
@@ -147,7 +151,8 @@ async def resume_from_file(
         config, path, prefix=prefix, pass_fds=pass_fds, timeout=timeout
     )
     if remove:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return proc, qmp
 
 
@@ -162,10 +167,10 @@ async def save_template(
 ) -> Path:
     """Save a booted, waiting guest as the template for its machine key (ends QEMU).
     The file is made read-only: every restore shares it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)
     path = template_path(directory, config)
     await save_to_file(proc, qmp, path, timeout=timeout)
-    path.chmod(0o444)
+    os.chmod(path, 0o444)
     return path
 
 
@@ -180,6 +185,6 @@ async def restore_template(
     """A new VM from the template for ``config``'s machine key (BackendError if
     there is none: the caller cold-boots, and may save one for next time)."""
     path = template_path(directory, config)
-    if not path.is_file():
+    if not await asyncio.to_thread(path.is_file):
         raise BackendError(f"no template snapshot for machine {config.machine_key()}")
     return await restore_from_file(config, path, prefix=prefix, pass_fds=pass_fds, timeout=timeout)

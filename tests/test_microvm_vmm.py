@@ -1,0 +1,339 @@
+"""The microVM VMM layer against real QEMU under TCG: command line, jailed boot, pause
+and resume of a running counter, template snapshots, adoption after the starter died,
+and the accelerator probe.
+
+Every QEMU started here is killed and every file removed in the fixtures' teardown,
+also when a test fails; the last test checks that no QEMU of ours is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.microvm import accel, snapshot
+from dsec.backends.microvm.jail import Jail, vm_uid
+from dsec.backends.microvm.qemu import Drive, QemuProcess, VMConfig, build_argv
+from dsec.backends.microvm.qmp import Qmp
+from dsec.errors import BackendError, InvalidArgument
+from dsec.resources import cgroups
+from tests.microvm_guest import GuestKernel, guest_kernel, initramfs
+
+pytestmark = pytest.mark.root
+REPO = Path(__file__).resolve().parent.parent
+
+# One guest for every test: prints a marker, optionally (dsec.wait=1, the template
+# mode) blocks until the host writes a line on the agent port, then counts in a
+# shell variable (guest memory) on the console.
+GUEST = """echo DSEC-UP
+if grep -q dsec.wait=1 /proc/cmdline; then
+  until read -r go < /dev/vport0p1; do sleep 0.05; done
+  echo "GOT $go"
+fi
+i=0
+while :; do i=$((i+1)); echo "count $i"; sleep 0.2; done
+"""
+
+
+@dataclass
+class World:
+    root: Path
+    kernel: GuestKernel
+    initrd: Path
+    procs: list[QemuProcess] = field(default_factory=list)
+    clients: list[Qmp] = field(default_factory=list)
+    n: int = 0
+
+    def config(self, **kw: object) -> VMConfig:
+        self.n += 1
+        d = self.root / f"vm{self.n}"
+        d.mkdir(mode=0o700)
+        return VMConfig(
+            kernel=self.kernel.vmlinuz,
+            initrd=self.initrd,
+            agent_socket=d / "agent.sock",
+            qmp_socket=d / "qmp.sock",
+            log_path=self.root / f"vm{self.n}.log",
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def track(self, proc: QemuProcess, qmp: Qmp | None = None) -> None:
+        self.procs.append(proc)
+        if qmp is not None:
+            self.clients.append(qmp)
+
+    async def boot(self, config: VMConfig, jail: Jail | None = None) -> tuple[QemuProcess, Qmp]:
+        proc = QemuProcess.launch(config, prefix=jail.prefix(config) if jail else ())
+        self.track(proc)
+        try:
+            qmp = await Qmp.connect(config.qmp_socket, alive=proc.is_alive)
+        except BackendError as exc:
+            raise BackendError(f"{exc}; QEMU: {proc.log_tail()}") from exc
+        self.clients.append(qmp)
+        return proc, qmp
+
+
+@pytest.fixture(scope="module")
+def guest_files() -> Iterator[tuple[Path, GuestKernel, Path]]:
+    root = Path(tempfile.mkdtemp(prefix="dsec-vmm-test-"))
+    os.chmod(root, 0o755)  # the jailed QEMU (its own uid) reads the initrd here
+    try:
+        kernel = guest_kernel()
+        yield root, kernel, initramfs(kernel, GUEST, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def world(guest_files: tuple[Path, GuestKernel, Path]) -> AsyncIterator[World]:
+    base, kernel, initrd = guest_files
+    root = Path(tempfile.mkdtemp(prefix="w-", dir=base))
+    os.chmod(root, 0o755)
+    w = World(root, kernel, initrd)
+    try:
+        yield w
+    finally:
+        for qmp in w.clients:
+            await qmp.close()
+        for proc in w.procs:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def counts(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"count (\d+)", text)]
+
+
+def test_argv_shape(tmp_path: Path) -> None:
+    k = tmp_path / "k"
+    config = VMConfig(
+        kernel=k,
+        initrd=None,
+        agent_socket=tmp_path / "a",
+        qmp_socket=tmp_path / "q",
+        log_path=tmp_path / "l",
+        params={"dsec.layers": "2", "dsec.rw": "1"},
+        drives=(Drive(tmp_path / "l0", "dsec-l0"), Drive(tmp_path / "rw", "dsec-rw", False)),
+        incoming=tmp_path / "snap",
+    )
+    argv = build_argv(config, binary="qemu")
+    joined = " ".join(argv)
+    assert argv[:3] == ["qemu", "-M", "microvm"]
+    for flag in ("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"):
+        assert flag in argv
+    cmdline = argv[argv.index("-append") + 1]
+    assert "panic=-1" in cmdline and "tsc_early_khz=" in cmdline and "dsec.layers=2" in cmdline
+    assert "serial=dsec-l0" in joined and "readonly=on" in joined and "readonly=off" in joined
+    assert argv[-2:] == ["-incoming", "defer"]
+    assert "-initrd" not in argv
+    assert "-sandbox" in argv  # Debian's QEMU has seccomp
+    kvm = build_argv(VMConfig(**{**config.__dict__, "accel": "kvm"}), binary="qemu")
+    assert "tsc_early_khz" not in " ".join(kvm) and "host" in kvm
+    with pytest.raises(BackendError):
+        build_argv(VMConfig(**{**config.__dict__, "params": {"a b": "c"}}), binary="qemu")
+
+
+async def test_jailed_boot_pause_resume_keeps_counting(world: World) -> None:
+    host = cgroups.detect()
+    rel = f"dsec-test-vmm-{os.getpid()}"
+    for d in host.dirs(rel):
+        d.mkdir(exist_ok=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):  # v1 cpuset starts empty
+            if (d / name).exists():
+                (d / name).write_text((d.parent / name).read_text())
+    try:
+        jail = Jail(cgroup_dirs=tuple(host.dirs(rel)))
+        config = world.config()
+        t0 = time.monotonic()
+        proc, qmp = await world.boot(config, jail)
+        await qmp.wait_console("count 3", 60)
+        print(f"\ncold boot to counting: {time.monotonic() - t0:.2f}s")
+
+        # The jail: own uid, no capabilities, no_new_privs, seccomp, own namespaces,
+        # in the sandbox's cgroup.
+        status = await asyncio.to_thread(Path(f"/proc/{proc.pid}/status").read_text)
+        uid = vm_uid(proc.pid)
+        assert re.search(rf"^Uid:\s+{uid}\s+{uid}\s+{uid}\s+{uid}$", status, re.M)
+        assert re.search(r"^CapEff:\s+0+$", status, re.M)
+        assert re.search(r"^CapBnd:\s+0+$", status, re.M)
+        assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
+        assert re.search(r"^Seccomp:\s+2$", status, re.M)
+        for ns in ("mnt", "net", "ipc", "uts"):
+            assert os.readlink(f"/proc/{proc.pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
+        assert proc.pid in host.pids(rel)
+        assert config.qmp_socket.stat().st_uid == uid
+
+        before = await qmp.console()
+        snap = world.root / "pause.vmstate"
+        stats = await snapshot.pause_to_file(proc, qmp, snap)
+        assert not proc.is_alive()  # the process really ended while paused
+        assert proc.pid not in host.pids(rel)
+        print(f"pause of a 256 MiB guest: {stats.seconds * 1000:.0f} ms, {stats.size >> 20} MiB")
+        last = max(counts(before))
+
+        t1 = time.monotonic()
+        proc2, qmp2 = await snapshot.resume_from_file(config, snap, prefix=jail.prefix(config))
+        world.track(proc2, qmp2)
+        print(f"resume: {(time.monotonic() - t1) * 1000:.0f} ms")
+        assert not snap.exists()
+        text = await qmp2.wait_console(f"count {last + 3}", 30)
+        after = counts(text)
+        assert after[0] == last + 1 or after[0] <= last + 2  # went on, did not restart
+        assert 1 not in after
+        assert proc2.pid in host.pids(rel)
+        proc2.kill()
+        assert not proc2.is_alive()
+    finally:
+        host.kill_and_remove(rel)
+
+
+async def _say(agent_socket: Path, line: str) -> None:
+    _reader, writer = await asyncio.open_unix_connection(str(agent_socket))
+    writer.write(line.encode() + b"\n")
+    await writer.drain()
+    await asyncio.sleep(0.3)  # let the guest read it before we close our end
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_template_snapshot_starts_many_vms(world: World) -> None:
+    template_dir = world.root / "templates"
+    params = {"dsec.wait": "1"}
+    config = world.config(params=params)
+    t0 = time.monotonic()
+    proc, qmp = await world.boot(config)
+    await qmp.wait_console("DSEC-UP", 60)
+    await asyncio.sleep(0.3)  # into the wait loop
+    cold = time.monotonic() - t0
+    path = await snapshot.save_template(proc, qmp, config, template_dir)
+    assert path == snapshot.template_path(template_dir, config)
+    assert not os.stat(path).st_mode & 0o222 and not proc.is_alive()
+
+    # A different VM dir (sockets, log) is not part of the key; the shape is.
+    other = world.config(params=params)
+    assert other.machine_key() == config.machine_key()
+    assert world.config(params=params, memory_mb=512).machine_key() != config.machine_key()
+
+    async def one(i: int) -> tuple[float, float]:
+        cfg = world.config(params=params)
+        t = time.monotonic()
+        p, q = await snapshot.restore_template(cfg, template_dir, prefix=Jail().prefix(cfg))
+        world.track(p, q)
+        restored = time.monotonic() - t
+        await _say(cfg.agent_socket, f"go-{i}")
+        await q.wait_console(f"GOT go-{i}", 30)
+        await q.wait_console("count 2", 30)
+        return restored, time.monotonic() - t
+
+    times = await asyncio.gather(*(one(i) for i in range(3)))
+    print(
+        f"\ncold boot to waiting: {cold:.2f}s; template restore to running: "
+        + ", ".join(f"{r * 1000:.0f} ms (guest answered after {a * 1000:.0f} ms)" for r, a in times)
+    )
+    assert all(r < cold for r, _ in times)
+    with pytest.raises(BackendError):
+        await snapshot.restore_template(world.config(memory_mb=128), template_dir)
+
+
+STARTER = """
+import json, sys
+from pathlib import Path
+from dsec.backends.microvm.qemu import QemuProcess, VMConfig
+c = json.loads(sys.argv[1])
+cfg = VMConfig(kernel=Path(c["kernel"]), initrd=Path(c["initrd"]),
+               agent_socket=Path(c["agent"]), qmp_socket=Path(c["qmp"]), log_path=Path(c["log"]))
+p = QemuProcess.launch(cfg)
+print(json.dumps({"pid": p.pid, "start": p.start_time}))
+"""
+
+
+async def test_qemu_outlives_its_starter_and_is_adopted(world: World) -> None:
+    config = world.config()
+    spec = {
+        "kernel": str(config.kernel),
+        "initrd": str(config.initrd),
+        "agent": str(config.agent_socket),
+        "qmp": str(config.qmp_socket),
+        "log": str(config.log_path),
+    }
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", STARTER, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    info = json.loads(out.stdout)
+    proc = QemuProcess.adopt(info["pid"], info["start"], config.qmp_socket, config.log_path)
+    world.track(proc)  # killed in teardown even if an assert below fails
+    assert proc.is_alive()  # the starter is gone, QEMU is not
+    qmp = await Qmp.connect(config.qmp_socket)
+    world.clients.append(qmp)
+    await qmp.wait_console("count 1", 60)
+    assert await qmp.status() == "running"
+    with pytest.raises(BackendError):
+        QemuProcess.adopt(info["pid"], info["start"] + 1, config.qmp_socket, config.log_path)
+    proc.kill()
+    assert not proc.is_alive()
+    proc.kill()  # idempotent
+
+
+async def test_accelerator_probe(
+    guest_files: tuple[Path, GuestKernel, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DSEC_CACHE_DIR", str(tmp_path))
+    kernel = guest_files[1].vmlinuz
+    monkeypatch.setenv(accel.ENV, "tcg")
+    forced = await accel.probe_accelerator(kernel)
+    assert forced.accel == "tcg" and forced.forced
+    monkeypatch.setenv(accel.ENV, "bogus")
+    with pytest.raises(InvalidArgument):
+        await accel.probe_accelerator(kernel)
+    monkeypatch.delenv(accel.ENV)
+
+    t0 = time.monotonic()
+    choice = await accel.probe_accelerator(kernel, deadline=3.0)
+    took = time.monotonic() - t0
+    print(f"\nprobe: {choice.accel} in {took:.2f}s ({choice.reason})")
+    assert took < 10
+    if accel.kvm_device_usable() is None and "kvm_pvm" in _kvm_modules():
+        assert choice.accel == "tcg"  # PVM-only KVM: detected, not used
+        assert "KVM" in choice.reason
+    again = await accel.probe_accelerator(kernel)
+    assert again.cached and again.accel == choice.accel and again.reason == choice.reason
+
+
+def _kvm_modules() -> str:
+    try:
+        return Path("/proc/modules").read_text()
+    except OSError:
+        return ""
+
+
+def test_no_qemu_left(guest_files: tuple[Path, GuestKernel, Path]) -> None:
+    root = str(guest_files[0])
+    left = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if root in cmd and stat[stat.rindex(")") + 2] != "Z":
+                left.append(pid)
+    assert not left
