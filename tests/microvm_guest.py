@@ -25,7 +25,16 @@ from dsec.native import cache_dir
 
 KERNEL_META = "linux-image-cloud-amd64"
 # Load order matters: each module's dependencies come first.
-MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")
+MODULES = (
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_console",
+    "virtio_blk",
+    "failover",
+    "net_failover",
+    "virtio_net",
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ INIT_PROLOGUE = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t devtmpfs dev /dev
 mount -t proc proc /proc
+mount -t sysfs sys /sys
 for m in {modules}; do insmod /lib/$m.ko; done
 """
 
@@ -109,6 +119,7 @@ def initramfs(kernel: GuestKernel, script: str, where: Path) -> Path:
         ("bin", 0o040755, b""),
         ("dev", 0o040755, b""),
         ("proc", 0o040755, b""),
+        ("sys", 0o040755, b""),
         ("lib", 0o040755, b""),
         ("bin/busybox", 0o100755, Path(busybox).read_bytes()),
         ("init", 0o100755, init.encode()),

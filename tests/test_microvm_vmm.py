@@ -9,10 +9,12 @@ also when a test fails; the last test checks that no QEMU of ours is left.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,7 +27,14 @@ import pytest
 
 from dsec.backends.microvm import accel, snapshot
 from dsec.backends.microvm.jail import Jail, vm_uid
-from dsec.backends.microvm.qemu import Drive, QemuProcess, VMConfig, build_argv
+from dsec.backends.microvm.qemu import (
+    Drive,
+    NetAttachment,
+    QemuProcess,
+    VMConfig,
+    build_argv,
+    find_running,
+)
 from dsec.backends.microvm.qmp import Qmp
 from dsec.errors import BackendError, InvalidArgument
 from dsec.resources import cgroups
@@ -38,6 +47,19 @@ REPO = Path(__file__).resolve().parent.parent
 # mode) blocks until the host writes a line on the agent port, then counts in a
 # shell variable (guest memory) on the console.
 GUEST = """echo DSEC-UP
+for b in /sys/block/vd*; do
+  [ -e "$b" ] || continue
+  echo "DISK $(cat $b/serial) ro=$(cat $b/ro) $(head -c 12 /dev/${b##*/})"
+  if [ "$(cat $b/serial)" = dsec-rw ]; then echo written-by-guest > /dev/${b##*/}; sync; fi
+  if [ "$(cat $b/serial)" = dsec-l0 ]; then
+    echo x > /dev/${b##*/} 2>/dev/null || echo RO-REFUSED
+  fi
+done
+if ip link show eth0 >/dev/null 2>&1; then
+  ip addr add 10.213.77.2/24 dev eth0 && ip link set eth0 up
+  ping -c 1 -W 10 10.213.77.1 >/dev/null && echo PING-OK || echo PING-FAIL
+fi
+echo DSEC-CHECKED
 if grep -q dsec.wait=1 /proc/cmdline; then
   until read -r go < /dev/vport0p1; do sleep 0.05; done
   echo "GOT $go"
@@ -199,6 +221,53 @@ async def test_jailed_boot_pause_resume_keeps_counting(world: World) -> None:
         host.kill_and_remove(rel)
 
 
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+
+
+@pytest.fixture
+def tap() -> Iterator[tuple[str, int]]:
+    """A tap in the host netns (10.213.77.1/24), gone when its fd is closed."""
+    name = f"dsvt{os.getpid() % 100000}"
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TAP | IFF_NO_PI))
+        subprocess.run(["ip", "addr", "add", "10.213.77.1/24", "dev", name], check=True)
+        subprocess.run(["ip", "link", "set", name, "up"], check=True)
+        yield name, fd
+    finally:
+        os.close(fd)
+    assert not Path(f"/sys/class/net/{name}").exists()
+
+
+async def test_jailed_vm_gets_its_drives_and_tap(tap: tuple[str, int], world: World) -> None:
+    """Only through the jail's binds and the inherited tap fd (QEMU sits in an empty
+    netns): the guest sees both drives by serial, writes the writable one (chowned to
+    QEMU's uid), cannot write the read-only one, and reaches the host over the tap."""
+    layer = world.root / "layer.img"
+    layer.write_bytes(b"layer-content".ljust(1 << 20, b"\0"))
+    layer.chmod(0o644)
+    disk = world.root / "rw.img"
+    fd = os.open(disk, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    os.ftruncate(fd, 8 << 20)
+    os.close(fd)
+    disk.chmod(0o600)
+    config = world.config(
+        drives=(Drive(layer, "dsec-l0"), Drive(disk, "dsec-rw", readonly=False)),
+        net=NetAttachment(tap[1], "52:54:00:12:34:56"),
+    )
+    proc, qmp = await world.boot(config, Jail())
+    text = await qmp.wait_console("DSEC-CHECKED", 90)
+    assert "DISK dsec-l0 ro=1 layer-conten" in text
+    assert "DISK dsec-rw ro=0" in text
+    assert "RO-REFUSED" in text
+    assert "PING-OK" in text, text
+    assert disk.stat().st_uid == vm_uid(proc.pid)
+    assert (await asyncio.to_thread(disk.read_bytes))[:16] == b"written-by-guest"
+    assert (await asyncio.to_thread(layer.read_bytes))[:13] == b"layer-content"
+    assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+
+
 async def _say(agent_socket: Path, line: str) -> None:
     _reader, writer = await asyncio.open_unix_connection(str(agent_socket))
     writer.write(line.encode() + b"\n")
@@ -285,6 +354,8 @@ async def test_qemu_outlives_its_starter_and_is_adopted(world: World) -> None:
     world.clients.append(qmp)
     await qmp.wait_console("count 1", 60)
     assert await qmp.status() == "running"
+    swept = find_running(world.root)
+    assert [(p.pid, p.start_time) for p in swept] == [(proc.pid, proc.start_time)]
     with pytest.raises(BackendError):
         QemuProcess.adopt(info["pid"], info["start"] + 1, config.qmp_socket, config.log_path)
     proc.kill()

@@ -338,3 +338,30 @@ class QemuProcess:
                 return f.read().decode(errors="replace").strip()
         except OSError:
             return ""
+
+
+def find_running(root: Path) -> list[QemuProcess]:
+    """Every live QEMU whose QMP socket lies under ``root`` (an edge's VM directory):
+    what a restarted edge compares with its records, adopting the known ones and
+    killing the rest (``kill`` checks the start time read here)."""
+    prefix = f"socket,id=qmp,path={os.path.realpath(root)}/"
+    found: list[QemuProcess] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(QEMU.encode()):
+            continue
+        for arg in argv:
+            text = arg.decode(errors="replace")
+            if text.startswith(prefix):
+                start = _start_time(pid)
+                if start is not None:
+                    qmp = Path(text.removeprefix("socket,id=qmp,path=").split(",")[0])
+                    found.append(QemuProcess(pid, start, qmp, qmp.parent / "qemu.log"))
+                break
+    return found

@@ -26,6 +26,10 @@ DEFAULT_TIMEOUT = 5.0
 CONSOLE_KEEP = 16 * 1024
 
 
+def _exists(path: Path) -> bool:
+    return path.exists()
+
+
 class QmpError(BackendError):
     """A QMP connection or command failed (QEMU's message in ``details['qemu']``)."""
 
@@ -51,6 +55,12 @@ class Qmp:
         qmp = cls(socket)
         deadline = time.monotonic() + timeout
         while True:
+            if not _exists(socket) and time.monotonic() < deadline:
+                # not created yet: wait here rather than let qemu.qmp log a failure
+                if alive is not None and not alive():
+                    raise QmpError(f"QEMU exited before creating its QMP socket {socket}")
+                await asyncio.sleep(0.005)
+                continue
             try:
                 await asyncio.wait_for(qmp._client.connect(str(socket)), timeout)
                 return qmp
