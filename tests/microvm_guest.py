@@ -24,17 +24,12 @@ from pathlib import Path
 from dsec.native import cache_dir
 
 KERNEL_META = "linux-image-cloud-amd64"
-# Load order matters: each module's dependencies come first.
-MODULES = (
-    "virtio_ring",
-    "virtio",
-    "virtio_mmio",
-    "virtio_console",
-    "virtio_blk",
-    "failover",
-    "net_failover",
-    "virtio_net",
-)
+# Load order matters: each module's dependencies come first. The late ones are
+# loaded by the script's `late` call: after the GO of a template restore, as in the
+# real guest, so a restored VM probes the drives and NIC it was restored with.
+EARLY_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
+LATE_MODULES = ("virtio_blk", "failover", "net_failover", "virtio_net")
+MODULES = EARLY_MODULES + LATE_MODULES
 
 
 @dataclass(frozen=True)
@@ -106,14 +101,17 @@ INIT_PROLOGUE = """#!/bin/busybox sh
 mount -t devtmpfs dev /dev
 mount -t proc proc /proc
 mount -t sysfs sys /sys
-for m in {modules}; do insmod /lib/$m.ko; done
+for m in {early}; do insmod /lib/$m.ko; done
+late() {{ for m in {late}; do insmod /lib/$m.ko; done; }}
 """
 
 
 def initramfs(kernel: GuestKernel, script: str, where: Path) -> Path:
-    """An initramfs whose /init runs the prologue (busybox, devtmpfs, modules) then
-    ``script``; cached by content under ``where``."""
-    init = INIT_PROLOGUE.format(modules=" ".join(MODULES)) + script
+    """An initramfs whose /init runs the prologue (busybox, devtmpfs, the early
+    modules, a shell function ``late`` that loads the rest) then ``script``; cached
+    by content under ``where``."""
+    init = INIT_PROLOGUE.format(early=" ".join(EARLY_MODULES), late=" ".join(LATE_MODULES))
+    init += script
     busybox = shutil.which("busybox") or "/bin/busybox"
     entries: list[tuple[str, int, bytes]] = [
         ("bin", 0o040755, b""),

@@ -47,9 +47,14 @@ REPO = Path(__file__).resolve().parent.parent
 # mode) blocks until the host writes a line on the agent port, then counts in a
 # shell variable (guest memory) on the console.
 GUEST = """echo DSEC-UP
+if grep -q dsec.wait=1 /proc/cmdline; then
+  until read -r go < /dev/vport0p1; do sleep 0.05; done
+  echo "GOT $go"
+fi
+late
 for b in /sys/block/vd*; do
   [ -e "$b" ] || continue
-  echo "DISK $(cat $b/serial) ro=$(cat $b/ro) $(head -c 12 /dev/${b##*/})"
+  echo "DISK $(cat $b/serial) ro=$(cat $b/ro) size=$(cat $b/size) $(head -c 12 /dev/${b##*/})"
   if [ "$(cat $b/serial)" = dsec-rw ]; then echo written-by-guest > /dev/${b##*/}; sync; fi
   if [ "$(cat $b/serial)" = dsec-l0 ]; then
     echo x > /dev/${b##*/} 2>/dev/null || echo RO-REFUSED
@@ -60,10 +65,6 @@ if ip link show eth0 >/dev/null 2>&1; then
   ping -c 1 -W 10 10.213.77.1 >/dev/null && echo PING-OK || echo PING-FAIL
 fi
 echo DSEC-CHECKED
-if grep -q dsec.wait=1 /proc/cmdline; then
-  until read -r go < /dev/vport0p1; do sleep 0.05; done
-  echo "GOT $go"
-fi
 i=0
 while :; do i=$((i+1)); echo "count $i"; sleep 0.2; done
 """
@@ -244,22 +245,16 @@ async def test_jailed_vm_gets_its_drives_and_tap(tap: tuple[str, int], world: Wo
     """Only through the jail's binds and the inherited tap fd (QEMU sits in an empty
     netns): the guest sees both drives by serial, writes the writable one (chowned to
     QEMU's uid), cannot write the read-only one, and reaches the host over the tap."""
-    layer = world.root / "layer.img"
-    layer.write_bytes(b"layer-content".ljust(1 << 20, b"\0"))
-    layer.chmod(0o644)
-    disk = world.root / "rw.img"
-    fd = os.open(disk, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    os.ftruncate(fd, 8 << 20)
-    os.close(fd)
-    disk.chmod(0o600)
+    layer = _image(world.root / "layer.img", b"layer-content", 1 << 20, 0o644)
+    disk = _image(world.root / "rw.img", b"", 8 << 20, 0o600)
     config = world.config(
         drives=(Drive(layer, "dsec-l0"), Drive(disk, "dsec-rw", readonly=False)),
         net=NetAttachment(tap[1], "52:54:00:12:34:56"),
     )
     proc, qmp = await world.boot(config, Jail())
     text = await qmp.wait_console("DSEC-CHECKED", 90)
-    assert "DISK dsec-l0 ro=1 layer-conten" in text
-    assert "DISK dsec-rw ro=0" in text
+    assert re.search(r"DISK dsec-l0 ro=1 size=2048 layer-conten", text)
+    assert re.search(r"DISK dsec-rw ro=0 size=16384 ", text)
     assert "RO-REFUSED" in text
     assert "PING-OK" in text, text
     assert disk.stat().st_uid == vm_uid(proc.pid)
@@ -268,19 +263,38 @@ async def test_jailed_vm_gets_its_drives_and_tap(tap: tuple[str, int], world: Wo
     assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
 
 
-async def _say(agent_socket: Path, line: str) -> None:
+async def _say(agent_socket: Path, line: str, qmp: Qmp, answer: str) -> str:
+    """Write ``line`` on the agent port and keep the connection open until the guest
+    printed ``answer`` (closing earlier could race with a slow guest's open)."""
     _reader, writer = await asyncio.open_unix_connection(str(agent_socket))
-    writer.write(line.encode() + b"\n")
-    await writer.drain()
-    await asyncio.sleep(0.3)  # let the guest read it before we close our end
-    writer.close()
-    await writer.wait_closed()
+    try:
+        writer.write(line.encode() + b"\n")
+        await writer.drain()
+        return await qmp.wait_console(answer, 60)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def _image(path: Path, content: bytes, size: int, mode: int) -> Path:
+    path.write_bytes(content.ljust(size, b"\0"))
+    path.chmod(mode)
+    return path
 
 
 async def test_template_snapshot_starts_many_vms(world: World) -> None:
+    """One waiting guest saved once; three VMs restored from that one read-only
+    file, each with its OWN drives (other files, other sizes) that the guest probes
+    only after the GO, as the real guest does in template mode."""
     template_dir = world.root / "templates"
     params = {"dsec.wait": "1"}
-    config = world.config(params=params)
+
+    def drives(tag: str, rw_mib: int) -> tuple[Drive, ...]:
+        layer = _image(world.root / f"l0-{tag}.img", f"layer-{tag}".encode(), 1 << 20, 0o644)
+        disk = _image(world.root / f"rw-{tag}.img", b"", rw_mib << 20, 0o600)
+        return (Drive(layer, "dsec-l0"), Drive(disk, "dsec-rw", readonly=False))
+
+    config = world.config(params=params, drives=drives("tmpl", 4))
     t0 = time.monotonic()
     proc, qmp = await world.boot(config)
     await qmp.wait_console("DSEC-UP", 60)
@@ -290,26 +304,29 @@ async def test_template_snapshot_starts_many_vms(world: World) -> None:
     assert path == snapshot.template_path(template_dir, config)
     assert not os.stat(path).st_mode & 0o222 and not proc.is_alive()
 
-    # A different VM dir (sockets, log) is not part of the key; the shape is.
-    other = world.config(params=params)
-    assert other.machine_key() == config.machine_key()
+    # Other drive files and VM dirs are not part of the key; the machine's shape is.
+    assert world.config(params=params, drives=drives("x", 8)).machine_key() == config.machine_key()
     assert world.config(params=params, memory_mb=512).machine_key() != config.machine_key()
 
     async def one(i: int) -> tuple[float, float]:
-        cfg = world.config(params=params)
+        cfg = world.config(params=params, drives=drives(f"vm{i}", 4 + 4 * i))
         t = time.monotonic()
         p, q = await snapshot.restore_template(cfg, template_dir, prefix=Jail().prefix(cfg))
         world.track(p, q)
         restored = time.monotonic() - t
-        await _say(cfg.agent_socket, f"go-{i}")
-        await q.wait_console(f"GOT go-{i}", 30)
-        await q.wait_console("count 2", 30)
+        await _say(cfg.agent_socket, f"go-{i}", q, f"GOT go-{i}")
+        text = await q.wait_console("DSEC-CHECKED", 60)
+        assert f"DISK dsec-l0 ro=1 size=2048 layer-vm{i}" in text, text
+        assert f"DISK dsec-rw ro=0 size={(4 + 4 * i) * 2048} " in text, text
+        assert (await asyncio.to_thread(cfg.drives[1].path.read_bytes))[:7] == b"written"
         return restored, time.monotonic() - t
 
     times = await asyncio.gather(*(one(i) for i in range(3)))
     print(
         f"\ncold boot to waiting: {cold:.2f}s; template restore to running: "
-        + ", ".join(f"{r * 1000:.0f} ms (guest answered after {a * 1000:.0f} ms)" for r, a in times)
+        + ", ".join(
+            f"{r * 1000:.0f} ms (guest checked its drives at {a * 1000:.0f} ms)" for r, a in times
+        )
     )
     assert all(r < cold for r, _ in times)
     with pytest.raises(BackendError):
