@@ -199,6 +199,9 @@ async def test_jailed_boot_pause_resume_keeps_counting(world: World) -> None:
         assert config.qmp_socket.stat().st_uid == uid
 
         before = await qmp.console()
+        rss = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        assert rss is not None
+        print(f"QEMU RSS before pause: {int(rss.group(1)) >> 10} MiB (freed by the pause)")
         snap = world.root / "pause.vmstate"
         stats = await snapshot.pause_to_file(proc, qmp, snap)
         assert not proc.is_alive()  # the process really ended while paused
@@ -398,18 +401,33 @@ async def test_accelerator_probe(
     took = time.monotonic() - t0
     print(f"\nprobe: {choice.accel} in {took:.2f}s ({choice.reason})")
     assert took < 10
-    if accel.kvm_device_usable() is None and "kvm_pvm" in _kvm_modules():
+    pvm_only = await asyncio.to_thread(Path("/sys/module/kvm_pvm").exists)
+    if accel.kvm_device_usable() is None and pvm_only:
         assert choice.accel == "tcg"  # PVM-only KVM: detected, not used
         assert "KVM" in choice.reason
     again = await accel.probe_accelerator(kernel)
     assert again.cached and again.accel == choice.accel and again.reason == choice.reason
 
 
-def _kvm_modules() -> str:
-    try:
-        return Path("/proc/modules").read_text()
-    except OSError:
-        return ""
+async def test_forced_kvm_that_cannot_boot_fails_typed(
+    world: World, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """DSEC_MICROVM_ACCEL=kvm on a host whose KVM cannot run our guest: a typed error
+    within the boot deadline, never a hang."""
+    monkeypatch.setenv("DSEC_CACHE_DIR", str(tmp_path))
+    if accel.kvm_device_usable() is not None:
+        pytest.skip("no usable /dev/kvm at all: the forced choice itself is refused")
+    choice = await accel.probe_accelerator(world.kernel.vmlinuz, use_cache=False, deadline=3.0)
+    if choice.accel == "kvm":
+        pytest.skip("KVM boots guests on this host: nothing fails")
+    monkeypatch.setenv(accel.ENV, "kvm")
+    forced = await accel.probe_accelerator(world.kernel.vmlinuz)
+    assert forced.accel == "kvm" and forced.forced
+    t0 = time.monotonic()
+    with pytest.raises(BackendError):
+        _proc, qmp = await world.boot(world.config(accel=forced.accel))
+        await qmp.wait_console("DSEC-UP", 10)
+    assert time.monotonic() - t0 < 15
 
 
 def test_no_qemu_left(guest_files: tuple[Path, GuestKernel, Path]) -> None:

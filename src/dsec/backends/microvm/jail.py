@@ -28,6 +28,7 @@ from pathlib import Path
 from dsec import native
 from dsec.agent.build import CFLAGS
 from dsec.backends.microvm.qemu import VMConfig
+from dsec.errors import BackendError
 
 SOURCE = Path(__file__).with_name("dsec-vmjail.c")
 # Far above login users (1000+) and the usual subordinate-id ranges (100000+ per
@@ -77,9 +78,23 @@ class Jail:
             real = os.path.realpath(path)
             argv += ["--rw", real, "--own", real]
         if config.accel == "kvm":
-            argv += ["--dev", "/dev/kvm", "--group", str(os.stat("/dev/kvm").st_gid)]
+            argv += ["--dev", "/dev/kvm", "--group", str(kvm_group())]
         argv.append("--")
         return argv
+
+
+def kvm_group(path: str = "/dev/kvm") -> int:
+    """The group that grants /dev/kvm to a jailed QEMU (its supplementary group).
+
+    Never the root group, and only if the device is group read-write (Debian:
+    ``root:kvm 0660``); otherwise a jailed QEMU cannot use KVM: say how to fix it."""
+    st = os.stat(path)
+    if st.st_gid == 0 or st.st_mode & 0o060 != 0o060:
+        raise BackendError(
+            f"{path} is mode {st.st_mode & 0o777:o} group {st.st_gid}: a jailed QEMU needs "
+            "it group read-write for a non-root group (chgrp kvm /dev/kvm; chmod 0660)"
+        )
+    return st.st_gid
 
 
 def jail_argv(jail: Jail | None, config: VMConfig) -> Sequence[str]:

@@ -73,7 +73,7 @@ async def save_to_file(
         await qmp.send_fd(SNAPSHOT_FD, fd)
         await qmp.execute("migrate", {"uri": f"fd:{SNAPSHOT_FD}"})
         await _wait_migration(qmp, timeout, "pause to file")
-        os.fsync(fd)
+        await asyncio.to_thread(os.fsync, fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
