@@ -216,7 +216,9 @@ async def test_jailed_boot_pause_resume_keeps_counting(world: World) -> None:
         assert not snap.exists()
         text = await qmp2.wait_console(f"count {last + 3}", 30)
         after = counts(text)
-        assert after[0] == last + 1 or after[0] <= last + 2  # went on, did not restart
+        # It went on from where it was (a count or two may have been printed between
+        # our last console read and the stop), and did not start again from 1.
+        assert last < after[0] <= last + 5, (last, after[:3])
         assert 1 not in after
         assert proc2.pid in host.pids(rel)
         proc2.kill()
