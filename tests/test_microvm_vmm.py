@@ -83,9 +83,9 @@ class World:
         self.n += 1
         d = self.root / f"vm{self.n}"
         d.mkdir(mode=0o700)
+        kw.setdefault("initrd", self.initrd)
         return VMConfig(
             kernel=self.kernel.vmlinuz,
-            initrd=self.initrd,
             agent_socket=d / "agent.sock",
             qmp_socket=d / "qmp.sock",
             log_path=self.root / f"vm{self.n}.log",
@@ -336,6 +336,22 @@ async def test_template_snapshot_starts_many_vms(world: World) -> None:
     assert all(r < cold for r, _ in times)
     with pytest.raises(BackendError):
         await snapshot.restore_template(world.config(memory_mb=128), template_dir)
+
+
+async def test_guest_end_keeps_qemu_for_its_console(world: World) -> None:
+    """pid 1 exits (a kernel panic, panic=-1): QEMU does not exit but pauses in
+    'shutdown', so the panic is still readable; then kill it."""
+    config = world.config(initrd=initramfs(world.kernel, "echo GUEST-BYE\nexit 3\n", world.root))
+    proc, qmp = await world.boot(config)
+    await qmp.wait_console("Attempted to kill init", 60)
+    deadline = time.monotonic() + 10
+    while not await qmp.guest_ended():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert proc.is_alive()
+    assert "GUEST-BYE" in await qmp.console()
+    proc.kill()
+    assert not proc.is_alive()
 
 
 STARTER = """

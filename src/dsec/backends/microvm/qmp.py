@@ -24,6 +24,10 @@ from dsec.errors import BackendError
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 5.0
 CONSOLE_KEEP = 16 * 1024
+# Run states of a QEMU whose guest is over (powered off, panicked, pid 1 exited: see
+# ``-action shutdown=pause`` in qemu.py): the process lives on only so that its
+# console can be read; the owner kills it.
+GUEST_ENDED = frozenset({"shutdown", "guest-panicked", "internal-error", "io-error"})
 
 
 def _exists(path: Path) -> bool:
@@ -94,6 +98,10 @@ class Qmp:
         panicked, see qemu.py), 'inmigrate', 'postmigrate', ..."""
         reply = await self.execute("query-status", timeout=timeout)
         return str(reply["status"])
+
+    async def guest_ended(self, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Whether the guest is over while QEMU still runs (read the console, kill)."""
+        return await self.status(timeout) in GUEST_ENDED
 
     async def send_fd(self, name: str, fd: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Hand QEMU one of our fds under ``name`` (getfd + SCM_RIGHTS): how QEMU gets
