@@ -1,0 +1,1 @@
+"""MicroVM backend: QEMU microVMs booted from the same EROFS layers as containers."""
