@@ -19,6 +19,7 @@ APT_PACKAGES=(
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
   libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
   postgresql      # cluster mode's control database (the tests start a real server)
+  qemu-system-x86 # the microVM backend's VMM (qemu-system-x86_64, -M microvm)
   ca-certificates
 )
 
