@@ -183,6 +183,10 @@ class Backend(ABC):
     # How a sandbox with network rules is attached (dsec.net): a network namespace with
     # a veth a container joins, or a tap device a VM's VMM is handed (dsec.net.vmtap).
     network_device: ClassVar[Literal["veth", "tap"]] = "veth"
+    # Whether a paused sandbox must be resumed before ``destroy`` can kill it (frozen
+    # cgroup tasks ignore SIGKILL until thawed; a VM paused to a file has nothing to
+    # thaw, and resuming it would restore a whole VM only to kill it).
+    destroy_needs_resume: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> str | None:

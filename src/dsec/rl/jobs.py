@@ -213,8 +213,10 @@ class JobControl:
     def release(self, rec: SandboxRecord) -> None:
         """Before a teardown: frozen tasks cannot die of SIGKILL until thawed."""
         if rec.state is SandboxState.PAUSED:
-            with contextlib.suppress(Unsupported):
-                self.edge.backend_of(rec).resume(rec)
+            backend = self.edge.backend_of(rec)
+            if backend.destroy_needs_resume:
+                with contextlib.suppress(Unsupported):
+                    backend.resume(rec)
 
     # -- recovery -------------------------------------------------------------------------
     async def recover(self, rec: SandboxRecord) -> bool:

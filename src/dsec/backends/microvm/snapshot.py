@@ -40,7 +40,7 @@ class SnapshotStats:
     size: int
 
 
-async def _wait_migration(qmp: Qmp, timeout: float, what: str) -> None:
+async def wait_migration(qmp: Qmp, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         info = await qmp.execute("query-migrate")
@@ -72,7 +72,7 @@ async def save_to_file(
         await qmp.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
         await qmp.send_fd(SNAPSHOT_FD, fd)
         await qmp.execute("migrate", {"uri": f"fd:{SNAPSHOT_FD}"})
-        await _wait_migration(qmp, timeout, "pause to file")
+        await wait_migration(qmp, timeout, "pause to file")
         await asyncio.to_thread(os.fsync, fd)
         os.replace(tmp, path)
     except BaseException:
@@ -120,7 +120,7 @@ async def restore_from_file(
         qmp = await Qmp.connect(config.qmp_socket, alive=proc.is_alive)
         await qmp.send_fd(SNAPSHOT_FD, fd)
         await qmp.execute("migrate-incoming", {"uri": f"fd:{SNAPSHOT_FD}"})
-        await _wait_migration(qmp, timeout, f"restore from {path.name}")
+        await wait_migration(qmp, timeout, f"restore from {path.name}")
         await qmp.execute("cont")
         return proc, qmp
     except BaseException as exc:

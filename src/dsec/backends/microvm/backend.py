@@ -1,0 +1,669 @@
+"""MicroVM backend: a QEMU microVM per sandbox, booted from the sandbox's own EROFS
+layers, with the same agent and data path as a container.
+
+Create = the image's layers (the same blobs, mounts and chunk cache as containers)
+attached read-only by serial, a private sparse ext4 disk of ``disk_limit_mb`` for the
+overlay's upper, the guest kernel and the project's initramfs (dsec.guest), a tap when
+the spec has network rules (dsec.net.vmtap: the same slot, rules and DNS responder as a
+container), QEMU started jailed (jail.py: its own uid, namespaces, no capabilities) in
+the sandbox's cgroup, then the agent channel (dsec.guest.channel) until the guest's
+agent answers. The agent in the guest is the container's dsec-init, so exec, sessions,
+PTY, files and streaming are the container's code (dsec.backends.agentpath).
+
+Fast start: every guest boots in template mode (``dsec.wait=1``: the kernel comes up and
+waits before it touches a drive). The first create of a machine shape (vCPUs, memory,
+NIC or not, accelerator) boots cold and, once it runs, a template of that shape is saved
+in the background from a second, drive-less boot; later creates restore the template
+(a QEMU migration from one shared read-only file) and send the guest its boot
+parameters. Pause writes the VM's state to a file and ends QEMU (its memory goes back
+to the host); resume starts a new QEMU that restores it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+from dsec.api.events import AuditKind
+from dsec.api.spec import BackendKind, DSecMicroVMRunArgs
+from dsec.backends.agentpath import AgentDataPath
+from dsec.backends.base import (
+    Backend,
+    BackendHost,
+    Capability,
+    CreateInput,
+    ReclaimFigures,
+    SandboxRecord,
+)
+from dsec.backends.microvm import snapshot
+from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
+from dsec.backends.microvm.disk import create_disk, disk_usage
+from dsec.backends.microvm.facts import MicroVMFacts
+from dsec.backends.microvm.jail import Jail
+from dsec.backends.microvm.machine import Machine, rss_bytes, wait_until
+from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConfig, find_running
+from dsec.errors import BackendError, LimitExceeded
+from dsec.images.mounts import LayerMounts
+from dsec.net.vmtap import VMNetAttachment, attach_vm
+from dsec.resources.cgroups import CgroupHost
+from dsec.security.audit import AuditSink
+from dsec.security.limits import LimitReading, read_cgroup_counters
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# QEMU's own memory beside the guest's RAM (its code, TCG's translation cache, device
+# state), charged to the sandbox's cgroup too: measured ~100 MiB under TCG.
+VMM_OVERHEAD_MB = 160
+MIN_MEMORY_MB = 128  # the guest kernel and initramfs need this much to boot
+QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
+GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
+# Layers are fetched whole before a VM starts: the jailed QEMU (another uid) cannot read
+# a lazily loaded layer's FUSE file, which only its mounter (root) may open.
+LAYER_LOADING = "eager"
+
+
+def _placeholder(path: Path) -> None:
+    """A 1 MiB sparse file standing in for a drive a template guest never reads."""
+    with open(path, "wb") as f:
+        f.truncate(1 * MiB)
+
+
+def microvm_spec(rec: SandboxRecord | CreateInput) -> DSecMicroVMRunArgs:
+    """``rec``'s spec as the microVM spec it is (another kind here is a platform bug)."""
+    if not isinstance(rec.spec, DSecMicroVMRunArgs):
+        raise BackendError(
+            f"sandbox {rec.id} has a {rec.spec.backend} spec: the microvm backend cannot run it"
+        )
+    return rec.spec
+
+
+class MicroVMBackend(AgentDataPath, Backend):
+    kind = BackendKind.MICROVM
+    capabilities = frozenset(
+        {
+            Capability.SESSIONS,
+            Capability.FILES,
+            Capability.PAUSE,
+            Capability.NETWORK_RULES,
+            Capability.DISK_LIMIT,
+        }
+    )
+    network_device: ClassVar[Literal["veth", "tap"]] = "tap"
+    destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """Root (cgroups, the jail), a cgroup file system and QEMU on PATH. The guest
+        kernel and initramfs are built at start if missing (install.sh builds them)."""
+        if os.geteuid() != 0:
+            return "needs root (cgroups, the QEMU jail, taps)"
+        if not os.path.ismount("/sys/fs/cgroup"):
+            return "no cgroup file system at /sys/fs/cgroup"
+        if shutil.which("qemu-system-x86_64") is None:
+            return "no qemu-system-x86_64 on PATH (apt-get install qemu-system-x86)"
+        return None
+
+    @classmethod
+    def from_host(cls, host: BackendHost) -> Self:
+        config = host.config
+        return cls(
+            vms_dir=config.data_dir / "vms",
+            templates_dir=config.data_dir / "vm-templates",
+            layers=host.layers,
+            cgroups=host.cgroups,
+            cgroup_parent=f"dsec/{config.edge_id}-vm",
+            audit=host.audit,
+        )
+
+    def __init__(
+        self,
+        *,
+        vms_dir: Path,
+        templates_dir: Path,
+        layers: LayerMounts,
+        cgroups: CgroupHost,
+        cgroup_parent: str,
+        audit: AuditSink,
+        templates: bool = True,
+    ) -> None:
+        self.vms_dir = vms_dir
+        self.templates_dir = templates_dir
+        self.layers = layers
+        self.cgroups = cgroups
+        self.cgroup_parent = cgroup_parent.strip("/")
+        self.audit = audit
+        self.templates = templates
+        self.host_cpus = os.cpu_count() or 1
+        self._machines: dict[str, Machine] = {}
+        self._kernel: Path | None = None
+        self._initrd: Path | None = None
+        self._accel: AccelChoice | None = None
+        self._ready: asyncio.Task[None] | None = None
+        self._template_builds: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- host -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.vms_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.vms_dir, 0o700)
+        # The guest image and the accelerator probe take seconds the first time on a
+        # host (cached after): in the background, so an edge start does not wait.
+        self._ready = asyncio.create_task(self._prepare_guest(), name="microvm-guest")
+
+    async def _prepare_guest(self) -> None:
+        from dsec.guest.initramfs import guest_initramfs
+        from dsec.guest.kernel import guest_kernel
+
+        kernel = await asyncio.to_thread(guest_kernel)
+        self._initrd = await asyncio.to_thread(guest_initramfs)
+        self._kernel = kernel.vmlinuz
+        self._accel = await probe_accelerator(kernel.vmlinuz)
+
+    async def _guest(self) -> tuple[Path, Path, AccelChoice]:
+        if self._ready is None:
+            raise BackendError("the microvm backend was not started")
+        await asyncio.shield(self._ready)
+        assert self._kernel is not None and self._initrd is not None and self._accel is not None
+        return self._kernel, self._initrd, self._accel
+
+    def details(self) -> Mapping[str, str]:
+        if self._accel is None:
+            if self._ready is not None and self._ready.done() and self._ready.exception():
+                return {"accelerator": "unknown", "error": str(self._ready.exception())}
+            return {"accelerator": "probing"}
+        return {"accelerator": self._accel.accel, "accelerator_reason": self._accel.reason}
+
+    async def close(self) -> None:
+        for task in [*self._template_builds.values(), *self._background]:
+            task.cancel()
+        for task in [*self._template_builds.values(), *self._background]:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ready
+        for machine in list(self._machines.values()):
+            await machine.close()
+        self._machines.clear()
+        if not self.cgroups.children(f"/{self.cgroup_parent}"):
+            await asyncio.to_thread(
+                self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
+            )
+
+    # -- paths --------------------------------------------------------------------------
+    def vm_dir(self, sandbox_id: str) -> Path:
+        return self.vms_dir / sandbox_id
+
+    def agent_socket(self, sandbox_id: str) -> Path:
+        return self.vm_dir(sandbox_id) / "agent.sock"
+
+    def cgroup_of(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_parent}/{sandbox_id}"
+
+    def load_facts(self, data: Mapping[str, Any]) -> MicroVMFacts:
+        return MicroVMFacts.from_json(data)
+
+    def facts(self, rec: SandboxRecord) -> MicroVMFacts:
+        if not isinstance(rec.facts, MicroVMFacts):
+            rec.facts = MicroVMFacts.of(rec.facts)
+        return rec.facts
+
+    # -- limits -------------------------------------------------------------------------
+    def check_limits(self, spec: Any) -> None:
+        if spec.memory_limit_mb < MIN_MEMORY_MB:
+            raise LimitExceeded(
+                f"memory_limit_mb={spec.memory_limit_mb} is below the microVM minimum of "
+                f"{MIN_MEMORY_MB} MiB (the guest kernel's own need)",
+                minimum_mb=MIN_MEMORY_MB,
+            )
+
+    def _vcpus(self, spec: DSecMicroVMRunArgs) -> int:
+        return max(1, min(self.host_cpus, math.ceil(spec.cpu_cores_limit)))
+
+    # -- configuration -------------------------------------------------------------------
+    def _config(
+        self,
+        sid: str,
+        spec: DSecMicroVMRunArgs,
+        kernel: Path,
+        initrd: Path,
+        accel: AccelChoice,
+        drives: tuple[Drive, ...],
+        net: NetAttachment | None,
+    ) -> VMConfig:
+        q = self.vm_dir(sid) / "q"
+        return VMConfig(
+            kernel=kernel,
+            initrd=initrd,
+            agent_socket=q / "chardev.sock",
+            qmp_socket=q / "qmp.sock",
+            log_path=self.vm_dir(sid) / "qemu.log",
+            params={"dsec.wait": "1"},  # boot parameters come with GO (see the module doc)
+            vcpus=self._vcpus(spec),
+            memory_mb=spec.memory_limit_mb,
+            drives=drives,
+            net=net,
+            accel=accel.accel,
+        )
+
+    def _jail(self, sid: str | None) -> Jail:
+        dirs = tuple(self.cgroups.dirs(self.cgroup_of(sid))) if sid is not None else ()
+        return Jail(cgroup_dirs=dirs)
+
+    @staticmethod
+    def _boot_params(sid: str, layers: int, facts: MicroVMFacts) -> dict[str, str]:
+        """What GO tells the guest (the boot contract of dsec.guest): its drives, its
+        name, its address when it has a NIC, and the host's clock (a guest restored
+        from a template or a pause would otherwise run on the snapshot's time)."""
+        params = {
+            "layers": str(layers),
+            "rw": "1",
+            "hostname": sid[:63],
+            "time": str(time.time_ns() // 1000),
+        }
+        if facts.guest_ip is not None and facts.gateway is not None:
+            params["ip"] = facts.guest_ip
+            params["gw"] = facts.gateway
+        return params
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def create(self, inp: CreateInput) -> MicroVMFacts:
+        sid, spec = inp.id, microvm_spec(inp)
+        deadline = time.monotonic() + 600
+        root = self.vm_dir(sid)
+        facts = MicroVMFacts(dir=root, layers=list(inp.image.layers))
+        net: VMNetAttachment | None = None
+        machine: Machine | None = None
+        try:
+            kernel, initrd, accel = await self._guest()
+            root.mkdir(mode=0o700)
+            (root / "q").mkdir(mode=0o700)
+            await self.layers.prepare(inp.image.layers, LAYER_LOADING)
+            drives: list[Drive] = []
+            for i, digest in enumerate(reversed(inp.image.layers)):  # top layer first
+                self.layers.acquire(digest)
+                facts.layers_held.append(digest)
+                drives.append(Drive(self.layers.blob(digest), f"dsec-l{i}", readonly=True))
+            facts.disk_bytes = await asyncio.to_thread(
+                create_disk, root / "disk.img", spec.disk_limit_mb
+            )
+            drives.append(Drive(root / "disk.img", "dsec-rw", readonly=False))
+            await asyncio.to_thread(
+                self.cgroups.create_limited,
+                self.cgroup_of(sid),
+                memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
+                cpu_cores=spec.cpu_cores_limit,
+                pids=QEMU_PIDS,
+            )
+            if inp.net is not None:
+                net = attach_vm(dict(inp.net))
+                facts.mac, facts.guest_ip, facts.gateway = net.mac, net.guest_ip, net.gateway
+            tap = NetAttachment(net.tap_fd, net.mac) if net is not None else None
+            config = self._config(sid, spec, kernel, initrd, accel, tuple(drives), tap)
+            facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
+            machine = Machine(root, config)
+            self._machines[sid] = machine
+            template = snapshot.template_path(self.templates_dir, config)
+            restored = self.templates and template.is_file()
+            async with machine.lock:
+                machine.listen()
+                proc = machine.launch(prefix=self._jail(sid).prefix(config), incoming=restored)
+                facts.pid, facts.pid_start = proc.pid, proc.start_time
+                if net is not None:
+                    net.close()
+                    net = None
+                if restored:
+                    await machine.restore(template, wait_until(deadline))
+                channel = await machine.connect_channel(wait_until(deadline))
+                await channel.wait_template(wait_until(deadline))
+                await channel.go(self._boot_params(sid, len(inp.image.layers), facts))
+                await channel.wait_ready(wait_until(deadline))
+            await self.check_init_user(sid, spec.init_user)
+            if self.templates and not restored and config.net is None:
+                # A shape with a NIC needs a template booted with one (the NIC is part
+                # of the migrated state): such VMs boot cold for now.
+                self._build_template_later(config)
+        except BaseException as exc:
+            tail = await machine.console_tail() if machine is not None else ""
+            if net is not None:
+                net.close()
+            with contextlib.suppress(Exception):
+                await self._teardown(sid, facts)
+            if isinstance(exc, BackendError) and tail:
+                raise BackendError(f"{exc.message}; the guest console said: {tail}") from exc
+            raise
+        self.audit.record(sid, AuditKind.LIFECYCLE, "microvm_started", accel=facts.accel)
+        return facts
+
+    def _build_template_later(self, config: VMConfig) -> None:
+        """Save a template of ``config``'s machine shape from a second boot with
+        placeholder drives (the guest never reads them: it waits before it probes
+        drives), so the next create of this shape restores instead of booting."""
+        key = config.machine_key()
+        if key in self._template_builds:
+            return
+        task = asyncio.create_task(self._build_template(config), name=f"vm-template-{key}")
+        self._template_builds[key] = task
+
+    async def _build_template(self, config: VMConfig) -> None:
+        work = self.templates_dir / f".build-{config.machine_key()}"
+        proc: QemuProcess | None = None
+        machine: Machine | None = None
+        try:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            (work / "q").mkdir(parents=True, mode=0o700)
+            drives = []
+            for d in config.drives:
+                placeholder = work / f"{d.serial}.img"
+                await asyncio.to_thread(_placeholder, placeholder)
+                drives.append(Drive(placeholder, d.serial, readonly=d.readonly))
+            tconfig = dataclasses.replace(
+                config,
+                agent_socket=work / "q" / "chardev.sock",
+                qmp_socket=work / "q" / "qmp.sock",
+                log_path=work / "qemu.log",
+                drives=tuple(drives),
+            )
+            machine = Machine(work, tconfig)
+            proc = machine.launch(prefix=self._jail(None).prefix(tconfig))
+            channel = await machine.connect_channel(120)
+            await channel.wait_template(120)
+            await machine.close_channel()
+            qmp = await machine.connect_qmp()
+            machine.qmp = None
+            await snapshot.save_template(proc, qmp, tconfig, self.templates_dir)
+            # The key was computed from the sandbox's config: same shape, same file.
+            built = snapshot.template_path(self.templates_dir, tconfig)
+            target = snapshot.template_path(self.templates_dir, config)
+            if built != target:
+                os.replace(built, target)
+            log.info("microvm template saved for machine %s", config.machine_key())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("microvm template for %s not saved: %s", config.machine_key(), exc)
+        finally:
+            if machine is not None:
+                await machine.kill()
+                machine.close_listener()
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        await self._teardown(rec.id, self.facts(rec))
+
+    async def _teardown(self, sid: str, facts: MicroVMFacts) -> None:
+        """Kill QEMU, remove its cgroup, files and sockets, release layers; idempotent."""
+        errors: list[str] = []
+        machine = self._machines.pop(sid, None)
+        if machine is not None:
+            if machine.restoring is not None and not machine.restoring.done():
+                machine.restoring.cancel()
+                with contextlib.suppress(BaseException):
+                    await machine.restoring
+            await machine.kill()
+            machine.close_listener()
+        elif facts.pid is not None and facts.pid_start is not None:
+            with contextlib.suppress(BackendError):
+                proc = QemuProcess.adopt(facts.pid, facts.pid_start, Path("/"), Path("/"))
+                await asyncio.to_thread(proc.kill)
+        facts.pid = None
+        if not await asyncio.to_thread(
+            self.cgroups.kill_and_remove, self.cgroup_of(sid), timeout=5
+        ):
+            errors.append(f"cgroup {self.cgroup_of(sid)} not removed")
+        for digest in facts.layers_held:
+            self.layers.release(digest)
+        facts.layers_held = []
+        await asyncio.to_thread(shutil.rmtree, self.vm_dir(sid), True)
+        if self.vm_dir(sid).exists():
+            errors.append(f"{self.vm_dir(sid)} not removed")
+        if errors:
+            raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
+
+    # -- recovery -----------------------------------------------------------------------
+    def _adopt_process(self, rec: SandboxRecord) -> QemuProcess | None:
+        facts = self.facts(rec)
+        if facts.pid is None or facts.pid_start is None:
+            return None
+        q = self.vm_dir(rec.id) / "q"
+        try:
+            return QemuProcess.adopt(
+                facts.pid, facts.pid_start, q / "qmp.sock", self.vm_dir(rec.id) / "qemu.log"
+            )
+        except BackendError:
+            return None
+
+    async def _machine_for(self, rec: SandboxRecord) -> Machine:
+        """The Machine of an adopted VM, rebuilt from its facts and the guest files."""
+        machine = self._machines.get(rec.id)
+        if machine is not None:
+            return machine
+        kernel, initrd, _accel = await self._guest()
+        facts = self.facts(rec)
+        drives = [
+            Drive(self.layers.blob(d), f"dsec-l{i}", readonly=True)
+            for i, d in enumerate(reversed(rec.image.layers))
+        ]
+        drives.append(Drive(self.vm_dir(rec.id) / "disk.img", "dsec-rw", readonly=False))
+        tap = NetAttachment(-1, facts.mac) if facts.mac is not None else None
+        config = VMConfig(
+            kernel=kernel,
+            initrd=initrd,
+            agent_socket=self.vm_dir(rec.id) / "q" / "chardev.sock",
+            qmp_socket=self.vm_dir(rec.id) / "q" / "qmp.sock",
+            log_path=self.vm_dir(rec.id) / "qemu.log",
+            params={"dsec.wait": "1"},
+            vcpus=facts.vcpus,
+            memory_mb=facts.memory_mb,
+            drives=tuple(drives),
+            net=tap,
+            accel="kvm" if facts.accel == "kvm" else "tcg",
+        )
+        machine = Machine(self.vm_dir(rec.id), config)
+        self._machines[rec.id] = machine
+        return machine
+
+    def _hold_layers(self, rec: SandboxRecord) -> None:
+        facts = self.facts(rec)
+        held = []
+        for digest in rec.image.layers:
+            self.layers.acquire(digest)
+            held.append(digest)
+        facts.layers_held = held
+
+    async def is_alive(self, rec: SandboxRecord) -> bool:
+        proc = self._adopt_process(rec)
+        if proc is None:
+            return False
+        await self.layers.prepare(rec.image.layers, LAYER_LOADING)
+        machine = await self._machine_for(rec)
+        machine.proc = proc
+        try:
+            channel = await machine.connect_channel(10)
+            await channel.wait_ready(20)
+            await self.agent(rec).ping(timeout=10)
+        except Exception as exc:
+            log.warning("microvm %s: agent did not answer after the restart (%s)", rec.id, exc)
+            await machine.close()
+            self._machines.pop(rec.id, None)
+            return False
+        return True
+
+    async def adopt(self, rec: SandboxRecord) -> None:
+        self._hold_layers(rec)
+
+    async def adopt_paused(self, rec: SandboxRecord) -> bool:
+        facts = self.facts(rec)
+        await self.layers.prepare(rec.image.layers, LAYER_LOADING)
+        machine = await self._machine_for(rec)
+        if machine.snapshot.is_file():
+            facts.pid = None
+            facts.snapshot = True
+            self._hold_layers(rec)
+            machine.listen()
+            return True
+        proc = self._adopt_process(rec)
+        if proc is None:
+            return False
+        machine.proc = proc  # paused (SIGSTOPped) but never reclaimed: still there
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGSTOP)
+        self._hold_layers(rec)
+        return True
+
+    async def sweep(self, known_ids: set[str]) -> list[str]:
+        removed: list[str] = []
+        for proc in await asyncio.to_thread(find_running, self.vms_dir):
+            sid = proc.qmp_socket.parent.parent.name
+            if sid not in known_ids:
+                await asyncio.to_thread(proc.kill)
+        leftovers: set[str] = set()
+        if self.vms_dir.is_dir():
+            leftovers.update(e.name for e in os.scandir(self.vms_dir) if e.is_dir())
+        leftovers.update(self.cgroups.children(f"/{self.cgroup_parent}"))
+        for sid in sorted(leftovers - known_ids):
+            try:
+                await self._teardown(sid, MicroVMFacts())
+                removed.append(sid)
+            except BackendError as exc:
+                log.warning("sweep of %s incomplete: %s", sid, exc)
+        if self.templates_dir.is_dir():  # half-built templates of a crashed edge
+            for entry in os.scandir(self.templates_dir):
+                if entry.name.startswith(".build-"):
+                    await asyncio.to_thread(shutil.rmtree, entry.path, True)
+        return removed
+
+    # -- guest end ------------------------------------------------------------------------
+    def loops(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        return [("microvm-guest-ends", self._watch_guest_ends)]
+
+    async def _watch_guest_ends(self) -> None:
+        """A guest that shut down or panicked leaves its QEMU paused (for the console):
+        kill it, so that the edge's init watch fails the sandbox at once."""
+        while True:
+            await asyncio.sleep(GUEST_END_POLL)
+            for sid, machine in list(self._machines.items()):
+                if await machine.guest_ended():
+                    tail = await machine.console_tail(300)
+                    log.warning("microvm %s: the guest ended; console: %s", sid, tail[-300:])
+                    self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail[-300:])
+                    await machine.kill()
+
+    # -- pause ----------------------------------------------------------------------------
+    def pause(self, rec: SandboxRecord) -> None:
+        """SIGSTOP QEMU: every vCPU stops at once, synchronously (reclaim then saves the
+        state to a file and ends the process)."""
+        machine = self._machines.get(rec.id)
+        pid = machine.proc.pid if machine is not None and machine.proc is not None else None
+        if pid is None:
+            raise BackendError(f"microvm {rec.id} has no running VMM to pause")
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError as exc:
+            raise BackendError(f"microvm {rec.id}: its VMM is gone") from exc
+
+    async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
+        """Save the paused VM's memory and device state to ``state.snap`` and end QEMU:
+        all of its memory goes back to the host."""
+        machine = self._machines.get(rec.id)
+        if machine is None or machine.proc is None:
+            return ReclaimFigures(None, None, None, None, None)
+        facts = self.facts(rec)
+        async with machine.lock:
+            proc = machine.proc
+            if proc is None:
+                return ReclaimFigures(None, None, None, None, None)
+            before = self.cgroups.memory_usage(self.cgroup_of(rec.id)) or rss_bytes(proc.pid)
+            anon = rss_bytes(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
+            qmp = await machine.connect_qmp()
+            await machine.close_channel()
+            facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
+            try:
+                await snapshot.pause_to_file(proc, qmp, machine.snapshot)
+            except BaseException:
+                facts.pid = proc.pid
+                with contextlib.suppress(Exception):
+                    await machine.connect_channel(10)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGSTOP)
+                raise
+            machine.proc, machine.qmp = None, None
+            facts.snapshot = True
+        after = self.cgroups.memory_usage(self.cgroup_of(rec.id))
+        return ReclaimFigures(before, after or 0, anon, 0, None)
+
+    def resume(self, rec: SandboxRecord) -> None:
+        """Continue a stopped QEMU, or start the restore of a VM paused to its file:
+        the new QEMU is spawned here (synchronously, so the edge watches its pid) and
+        restored in the background; requests wait in the agent socket's backlog."""
+        machine = self._machines.get(rec.id)
+        if machine is None:
+            return
+        facts = self.facts(rec)
+        if machine.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(machine.proc.pid, signal.SIGCONT)
+            return
+        if not machine.snapshot.is_file():
+            return
+        config = machine.config
+        net = attach_vm(self._net_record(rec)) if facts.mac is not None else None
+        try:
+            if net is not None:
+                config = dataclasses.replace(config, net=NetAttachment(net.tap_fd, net.mac))
+                machine.config = config
+            proc = machine.launch(prefix=self._jail(rec.id).prefix(config), incoming=True)
+        finally:
+            if net is not None:
+                net.close()
+        facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
+        machine.listen()
+        machine.restoring = asyncio.get_running_loop().create_task(
+            self._finish_resume(rec.id, machine), name=f"vm-resume-{rec.id}"
+        )
+
+    def _net_record(self, rec: SandboxRecord) -> dict[str, Any]:
+        if rec.net is None:
+            raise BackendError(f"microvm {rec.id} has a NIC but no network record")
+        return dict(rec.net)
+
+    async def _finish_resume(self, sid: str, machine: Machine) -> None:
+        try:
+            async with machine.lock:
+                await machine.restore(machine.snapshot, 120)
+                channel = await machine.connect_channel(30)
+                await channel.wait_ready(60)
+                machine.snapshot.unlink(missing_ok=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("microvm %s: resume failed: %s", sid, exc)
+            self.audit.record(sid, AuditKind.LIFECYCLE, "resume_failed", error=str(exc))
+            machine.close_listener()
+            await machine.kill()  # the edge's init watch fails the sandbox
+
+    # -- data path ----------------------------------------------------------------------
+    def limit_counters(self, rec: SandboxRecord) -> LimitReading:
+        oom, pids = read_cgroup_counters(self.cgroups, self.cgroup_of(rec.id))
+        return LimitReading(oom_kills=oom, pids_refused=pids, disk=None)
+
+    async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
+        return {
+            "memory_bytes": self.cgroups.memory_usage(self.cgroup_of(rec.id)),
+            "disk_bytes": disk_usage(self.vm_dir(rec.id) / "disk.img"),
+            "accelerator": self.facts(rec).accel,
+        }
