@@ -86,7 +86,7 @@ class _Channel:
         self.credit = WINDOW  # bytes we may still send the guest
         self.credit_changed = asyncio.Event()
         self.queue: deque[bytes] = deque()  # from the guest, not yet written to the client
-        self.queued = 0
+        self.unacked = 0  # received from the guest, not yet granted back by a CREDIT
         self.queue_changed = asyncio.Event()
         self.guest_eof = False
         self.guest_closed = False
@@ -184,11 +184,16 @@ class GuestChannel:
             self._server.close()
             self._server = None
         self._lose("closed", quiet=True)
-        for task in [*self._client_tasks] + ([self._read_task] if self._read_task else []):
-            task.cancel()
-        for task in [*self._client_tasks] + ([self._read_task] if self._read_task else []):
+        # Losing the link woke every client task (closed writers, set events): let them
+        # end by themselves, so asyncio's server never sees a cancelled callback.
+        if self._client_tasks:
+            _, late = await asyncio.wait(list(self._client_tasks), timeout=5)
+            for task in late:
+                task.cancel()
+        if self._read_task is not None:
+            self._read_task.cancel()
             with contextlib.suppress(BaseException):
-                await task
+                await self._read_task
         with contextlib.suppress(FileNotFoundError):
             self.listen.unlink()
 
@@ -197,9 +202,11 @@ class GuestChannel:
     async def _wait_state(self, want: int, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._state != want:
+        while True:
             if self._lost is not None:
                 raise BackendError(f"the VM's agent channel was lost: {self._lost}")
+            if self._state == want:
+                return
             left = deadline - loop.time()
             if left <= 0:
                 raise BackendError(
@@ -315,10 +322,12 @@ class GuestChannel:
                 raise ProtocolViolation("empty DATA")
             if ch is None:
                 return  # closed meanwhile: its bytes go nowhere
-            if ch.guest_eof or ch.queued + n > WINDOW:
+            if ch.guest_eof:
+                raise ProtocolViolation(f"DATA after EOF on channel {cid}")
+            if ch.unacked + n > WINDOW:
                 raise ProtocolViolation(f"DATA past the window on channel {cid}")
             ch.queue.append(payload)
-            ch.queued += n
+            ch.unacked += n
             ch.queue_changed.set()
         elif type_ == T_CREDIT:
             if n != 4:
@@ -378,6 +387,8 @@ class GuestChannel:
                 self._forget(ch, tell=True)
         except (ConnectionError, OSError):
             pass
+        except asyncio.CancelledError:
+            pass  # close() gave up waiting; asyncio would log a cancelled callback task
         finally:
             writer.close()
             with contextlib.suppress(BaseException):
@@ -411,9 +422,9 @@ class GuestChannel:
         while True:
             while ch.queue:
                 data = ch.queue.popleft()
-                ch.queued -= len(data)
                 ch.writer.write(data)
                 await ch.writer.drain()
+                ch.unacked -= len(data)
                 if not ch.gone:
                     self._send(frame(T_CREDIT, ch.id, struct.pack("<I", len(data))))
             if ch.gone:
