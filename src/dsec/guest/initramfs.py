@@ -180,20 +180,34 @@ def build_entries(vminit: bytes, agent: bytes, kernel: GuestKernel) -> list[Entr
     return entries
 
 
+_built: dict[tuple[Path, Path, Path], Path] = {}
+
+
 def guest_initramfs() -> Path:
     """Path of the initramfs for the current agent, vminit and kernel, building it if
-    needed (blocking; compiles the two binaries and fetches the kernel on first use)."""
+    needed (blocking; compiles the two binaries and fetches the kernel on first use;
+    afterwards a few stats: the answer is remembered per set of input files, whose
+    cached names already carry their content hashes)."""
     kernel = guest_kernel()
-    vminit = vminit_binary().read_bytes()
-    agent = agent_binary().read_bytes()
+    vminit_path, agent_path = vminit_binary(), agent_binary()
+    key = (vminit_path, agent_path, kernel.modules)
+    known = _built.get(key)
+    if known is not None and known.is_file():
+        return known
+    vminit, agent = vminit_path.read_bytes(), agent_path.read_bytes()
     entries = build_entries(vminit, agent, kernel)
     digest = hashlib.sha256(FORMAT_VERSION.encode())
     for entry in entries:
         digest.update(b"%s\0%o\0%d\0" % (entry.name.encode(), entry.mode, len(entry.data)))
         digest.update(entry.data)
     target = cache_dir() / "initramfs" / f"initramfs-{digest.hexdigest()[:16]}.cpio"
-    if target.is_file():
-        return target
+    if not target.is_file():
+        _write(target, entries)
+    _built[key] = target
+    return target
+
+
+def _write(target: Path, entries: list[Entry]) -> None:
     with _lock:
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.parent / ".lock", "a+b") as lock_file:
@@ -205,4 +219,3 @@ def guest_initramfs() -> Path:
                     os.replace(tmp, target)
                 finally:
                     tmp.unlink(missing_ok=True)
-    return target

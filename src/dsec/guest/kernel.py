@@ -80,9 +80,23 @@ def _find(root: Path) -> GuestKernel | None:
     return GuestKernel(vmlinuz=images[0], modules=modules, release=release)
 
 
+_resolved: dict[Path, GuestKernel] = {}
+
+
 def guest_kernel() -> GuestKernel:
     """The unpacked guest kernel, fetching it the first time (blocking: seconds to a
-    minute on a first call; a dictionary lookup and two stats afterwards)."""
+    minute on a first call). The answer is kept for the process's life per cache dir:
+    asking apt which kernel to use costs ~0.9 s, too much for every create, and a
+    kernel upgrade is picked up by the next process."""
+    known = _resolved.get(cache_dir())
+    if known is not None and known.vmlinuz.is_file():
+        return known
+    found = _guest_kernel()
+    _resolved[cache_dir()] = found
+    return found
+
+
+def _guest_kernel() -> GuestKernel:
     package = resolve_package()
     final = cache_dir() / "kernel" / package
     found = _find(final)
