@@ -209,6 +209,25 @@ async def test_unprivileged_user_cannot_reach_the_agent(vm: Vm) -> None:
     assert b"Uid:\t0" in out, out
 
 
+async def test_pty(vm: Vm) -> None:
+    agent = AgentClient(vm.channel.listen)
+    stream = await agent.start(
+        ["/bin/sh", "-c", "tty; stty size"],
+        env={},
+        cwd="",
+        user="user",
+        timeout=30,
+        max_output=1 << 20,
+        with_stdin=False,
+        pty=(33, 101),
+    )
+    out = bytearray()
+    async with stream:
+        async for _, data in stream.chunks():
+            out += data
+    assert b"/dev/pts/" in out and b"33 101" in out, out
+
+
 async def test_files(vm: Vm) -> None:
     agent = AgentClient(vm.channel.listen)
     data = os.urandom(300_000)
@@ -330,7 +349,8 @@ async def fake_guest(path: Path, garbage: bytes) -> tuple[asyncio.Server, asynci
             + wire.frame(wire.T_HELLO, 0, wire.HELLO_MAGIC + nonce + bytes([wire.ST_READY]))
         )
         await writer.drain()
-        await asyncio.sleep(0.1)
+        opened = await reader.readexactly(wire.HDR.size)  # the test's client
+        assert opened == wire.frame(wire.T_OPEN, 1)
         writer.write(garbage)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
@@ -351,8 +371,19 @@ async def fake_guest(path: Path, garbage: bytes) -> tuple[asyncio.Server, asynci
         wire.frame(wire.T_CREDIT, 1, b"\xff\xff\xff\xff"),  # credit past the window
         wire.frame(wire.T_EOF, 1) + wire.frame(wire.T_DATA, 1, b"y"),  # data after EOF
         wire.frame(wire.T_HELLO, 0, wire.HELLO_MAGIC + bytes(9)),  # HELLO of another link
+        # 1 MiB without waiting for CREDIT, to a client that reads nothing: at most the
+        # socket buffers' worth is passed on, the rest overruns the 256 KiB window
+        wire.frame(wire.T_DATA, 1, b"w" * 65536) * 16,
     ],
-    ids=["oversized", "unknown-channel", "unknown-type", "credit", "data-after-eof", "hello"],
+    ids=[
+        "oversized",
+        "unknown-channel",
+        "unknown-type",
+        "credit",
+        "data-after-eof",
+        "hello",
+        "window",
+    ],
 )
 async def test_hostile_guest_frames_close_the_link(
     tmp_path: Path, garbage: bytes, caplog: pytest.LogCaptureFixture
@@ -367,7 +398,8 @@ async def test_hostile_guest_frames_close_the_link(
         reader, writer = await asyncio.open_unix_connection(str(listen))
         await asyncio.wait_for(done.wait(), 5)
         assert not channel.connected
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # the client was closed
+        received = await asyncio.wait_for(reader.read(), 5)  # ends: the client was closed
+        assert len(received) <= 2 * wire.WINDOW
         writer.close()
         with pytest.raises(Exception, match="lost"):
             await channel.wait_ready(1)

@@ -246,6 +246,7 @@ class GuestChannel:
         self._synced.set()  # nobody waits for a sync that will never come
         for ch in list(self._channels.values()):
             self._forget(ch, tell=False)
+            ch.queue.clear()  # what a broken link delivered is not passed on
             ch.writer.close()
         if self._writer is not None:
             self._writer.close()
@@ -420,7 +421,7 @@ class GuestChannel:
     async def _guest_to_client(self, ch: _Channel) -> None:
         eof_written = False
         while True:
-            while ch.queue:
+            while ch.queue and not ch.writer.is_closing():
                 data = ch.queue.popleft()
                 ch.writer.write(data)
                 await ch.writer.drain()
