@@ -281,6 +281,8 @@ async def test_reconnect_with_a_new_channel(vm: Vm) -> None:
     # channels and waits for the next RESET.
     _, writer = await asyncio.open_unix_connection(str(vm.chardev))
     reset = wire.frame(wire.T_RESET, 0, wire.RESET_MAGIC + bytes(8))
+    writer.write(reset + wire.frame(wire.T_OPEN, 0))  # bad OPEN
+    writer.write(reset + wire.frame(wire.T_CREDIT, 9, bytes(4)))  # never opened
     writer.write(reset + wire.frame(wire.T_OPEN, 5) + struct.pack("<BII", ord("D"), 5, 1 << 30))
     writer.write(reset + wire.frame(wire.T_OPEN, 5) + wire.frame(wire.T_DATA, 5, b"x" * 100)[:50])
     await writer.drain()
@@ -288,10 +290,15 @@ async def test_reconnect_with_a_new_channel(vm: Vm) -> None:
     await writer.wait_closed()
     vm.channel = GuestChannel(vm.chardev, vm.listen)
     await vm.channel.start()
-    await vm.channel.wait_ready(30)
+    try:
+        await vm.channel.wait_ready(30)
+    except BackendError:
+        raise AssertionError(vm.console_tail()) from None
     code, out = await sh(vm, "echo again")
     assert (code, out) == (0, b"again\n")
-    assert "agent channel: protocol violation (frame longer" in vm.console_tail()
+    console = vm.console_tail()
+    for why in ("bad OPEN", "frame for a channel never opened", "frame longer than the maximum"):
+        assert f"agent channel: protocol violation ({why})" in console, console
 
 
 async def test_a_rebooted_disk_keeps_its_upper(vm: Vm) -> None:
@@ -342,8 +349,9 @@ async def fake_guest(path: Path, garbage: bytes) -> tuple[asyncio.Server, asynci
     done = asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readexactly(wire.HDR.size + 16)
-        nonce = head[wire.HDR.size + 8 :]
+        head = await reader.readexactly(len(wire.PREAMBLE) + wire.HDR.size + 16)
+        assert not any(head[: len(wire.PREAMBLE)])
+        nonce = head[-8:]
         writer.write(
             b"stale bytes of an older link"
             + wire.frame(wire.T_HELLO, 0, wire.HELLO_MAGIC + nonce + bytes([wire.ST_READY]))

@@ -508,21 +508,24 @@ static void drop_all_channels(void)
 		chan_close(&g_ch[0], 0);
 }
 
-/* The link restarts: a new host process, a disconnect, or a protocol violation. */
-static void link_restart(int clear_out)
+/* The host process went away: a clean slate for the next one. */
+static void link_restart(void)
 {
 	drop_all_channels();
 	g_synced = 0;
 	g_inlen = 0;
 	g_last_id = 0;
-	if (clear_out)
-		g_out.len = 0;
+	g_out.len = 0;
 }
 
+/* The host broke the protocol: drop every channel, keep parsing (parse_input hunts for
+ * the next RESET in what follows). */
 static void violation(const char *what)
 {
 	warn_line("agent channel: protocol violation (%s); waiting for the host's RESET", what);
-	link_restart(0);
+	drop_all_channels();
+	g_synced = 0;
+	g_last_id = 0;
 }
 
 static void chan_open(uint32_t id)
@@ -666,39 +669,45 @@ static void on_frame(int type, uint32_t id, const unsigned char *p, uint32_t n)
 	}
 }
 
+/* Frames in g_in; a violation (g_synced drops to 0) hunts for the next RESET in the
+ * bytes that follow it, so the buffer is walked once and never reset under our feet. */
 static void parse_input(void)
 {
+	static const unsigned char pat[HDR + 8] = {T_RESET, 0, 0, 0, 0, 16, 0, 0, 0,
+						  'D', 'S', 'E', 'C', 'R', 'S', 'E', 'T'};
 	size_t off = 0;
-	if (!g_synced) {
-		/* Hunt for RESET: whatever came before it is an older host's. */
-		static const unsigned char pat[HDR + 8] = {T_RESET, 0, 0, 0, 0, 16, 0, 0, 0,
-							  'D', 'S', 'E', 'C', 'R', 'S', 'E', 'T'};
-		unsigned char *hit = memmem(g_in, g_inlen, pat, sizeof pat);
-		if (!hit) {
-			size_t keep = g_inlen < sizeof pat - 1 ? g_inlen : sizeof pat - 1;
-			memmove(g_in, g_in + g_inlen - keep, keep);
-			g_inlen = keep;
-			return;
+	for (;;) {
+		if (!g_synced) { /* whatever came before RESET is an older host's */
+			unsigned char *hit = memmem(g_in + off, g_inlen - off, pat, sizeof pat);
+			if (!hit) {
+				size_t left = g_inlen - off, keep = sizeof pat - 1;
+				off += left > keep ? left - keep : 0;
+				break;
+			}
+			off = (size_t)(hit - g_in);
+			g_synced = 1;
 		}
-		off = (size_t)(hit - g_in);
-		g_synced = 1;
-	}
-	while (g_synced && g_inlen - off >= HDR) {
-		unsigned char *h = g_in + off;
+		if (off < g_inlen && g_in[off] == 0) {
+			/* The host's connect preamble: a new host process, whose RESET follows.
+			 * We may not have seen the old one go (a quick reconnect), so this is
+			 * where the old link ends. */
+			drop_all_channels();
+			g_synced = 0;
+			g_last_id = 0;
+			continue;
+		}
+		if (g_inlen - off < HDR)
+			break;
+		const unsigned char *h = g_in + off;
 		uint32_t id = get_le32(h + 1), n = get_le32(h + 5);
 		if (n > MAX_PAYLOAD) {
 			violation("frame longer than the maximum");
-			return;
+			continue;
 		}
 		if (g_inlen - off < HDR + n)
 			break;
 		off += HDR + n;
 		on_frame(h[0], id, h + HDR, n);
-	}
-	if (!g_synced) { /* a violation: hunt in what is left */
-		memmove(g_in, g_in + off, g_inlen - off);
-		g_inlen -= off;
-		return parse_input();
 	}
 	memmove(g_in, g_in + off, g_inlen - off);
 	g_inlen -= off;
@@ -764,7 +773,7 @@ static void mux_main(const char *port, int exec_fd, int go_fd)
 				g_inlen += (size_t)n;
 				parse_input();
 			} else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-				link_restart(1); /* the host process went away: a clean slate */
+				link_restart();
 				host_up = 0;
 				continue;
 			}

@@ -12,6 +12,11 @@ Every frame is ``u8 type | u32 channel | u32 length | payload[length]``, integer
 little-endian, ``length <= 65536``. Types (host->guest ``h>g``, guest->host ``g>h``):
 
 =====  =====  =========================================================================
+``\0``  h>g    PREAMBLE: a host connects by sending 65545 zero bytes (a maximal frame)
+              and then RESET. The guest may not have noticed the old host go and be
+              in the middle of one of its frames; the zeros complete that frame, and a
+              zero byte where a frame starts makes the guest drop the old link's
+              channels and look for RESET.
 ``R``  h>g    RESET, channel 0, payload ``b"DSECRSET" + nonce[8]``: forget every channel
               (the guest closes its agent connections) and answer HELLO. The first
               frame of every link; the guest ignores all bytes before it.
@@ -64,6 +69,7 @@ HELLO_MAGIC = b"DSECHELO"
 T_RESET, T_HELLO, T_GO, T_OPEN = b"R"[0], b"H"[0], b"G"[0], b"O"[0]
 T_DATA, T_CREDIT, T_EOF, T_CLOSE = b"D"[0], b"C"[0], b"E"[0], b"X"[0]
 ST_WAITING, ST_READY, ST_BOOTING = 1, 2, 3
+PREAMBLE = bytes(HDR.size + MAX_PAYLOAD)
 HUNT_LIMIT = 64 << 20
 """Bytes of an older link's output the host skips while looking for its HELLO."""
 
@@ -146,7 +152,7 @@ class GuestChannel:
                         f"the VM's agent channel {self.chardev} does not accept: {exc}"
                     ) from exc
                 await asyncio.sleep(0.02)
-        self._writer.write(frame(T_RESET, 0, RESET_MAGIC + self._nonce))
+        self._writer.write(PREAMBLE + frame(T_RESET, 0, RESET_MAGIC + self._nonce))
         self._read_task = asyncio.create_task(self._read_loop(), name="guest-channel-read")
         with contextlib.suppress(FileNotFoundError):
             self.listen.unlink()
