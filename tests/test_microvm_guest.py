@@ -184,6 +184,8 @@ async def test_boots_to_ready_and_runs_commands(vm: Vm) -> None:
     assert (code, out) == (0, b"hi\n0\nguest1\ndsec-init\n")
     code, out = await sh(vm, "id -u", user="user")
     assert (code, out.strip()) == (0, b"1000")
+    _, out = await sh(vm, "date +%s")
+    assert abs(int(out) - time.time()) < 120, out  # the guest's clock comes from the RTC
 
 
 async def test_root_is_overlay_on_the_disk(vm: Vm) -> None:
