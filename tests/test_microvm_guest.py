@@ -89,9 +89,17 @@ def start_qemu(argv: list[str], console: Path) -> subprocess.Popen[bytes]:
 
 
 def make_disks(work: Path) -> tuple[Path, Path]:
+    """The busybox image as the bottom layer and a one-file layer on top of it (both
+    have /etc/layer: the guest must see the top one), and an empty ext4 disk."""
     tree = work / "tree"
     tree.mkdir()
     busybox_tree(tree)
+    (tree / "etc/layer").write_text("bottom\n")
+    subprocess.run(["mkfs.erofs", "--quiet", str(work / "l1.erofs"), str(tree)], check=True)
+    shutil.rmtree(tree)
+    (tree / "etc").mkdir(parents=True)  # tree was removed: a fresh one
+    (tree / "etc/layer").write_text("top\n")
+    (tree / "etc/top-only").write_text("")
     layer = work / "l0.erofs"
     subprocess.run(["mkfs.erofs", "--quiet", str(layer), str(tree)], check=True)
     shutil.rmtree(tree)
@@ -100,6 +108,15 @@ def make_disks(work: Path) -> tuple[Path, Path]:
         f.truncate(64 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(rw)], check=True)
     return layer, rw
+
+
+def layer_drives(work: Path, rw: Path) -> list[tuple[Path, str, bool]]:
+    """Attached bottom layer first, so the guest must go by serial, not by order."""
+    return [
+        (work / "l1.erofs", "dsec-l1", True),
+        (work / "l0.erofs", "dsec-l0", True),
+        (rw, "dsec-rw", False),
+    ]
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
@@ -120,7 +137,7 @@ def disks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
 
 @pytest.fixture(scope="module")
 async def vm(disks: tuple[Path, Path, Path]) -> AsyncIterator[Vm]:
-    work, layer, rw = disks
+    work, _, rw = disks
     kernel = await asyncio.to_thread(guest_kernel)
     initrd = await asyncio.to_thread(guest_initramfs)
     chardev, listen, console = work / "agent.chardev", work / "agent.sock", work / "console"
@@ -130,8 +147,8 @@ async def vm(disks: tuple[Path, Path, Path]) -> AsyncIterator[Vm]:
         kernel.vmlinuz,
         initrd,
         chardev,
-        [(layer, "dsec-l0", True), (rw, "dsec-rw", False)],
-        "dsec.wait=1 dsec.layers=1",
+        layer_drives(work, rw),
+        "dsec.wait=1 dsec.layers=2",
         net=True,
     )
     t0 = time.monotonic()
@@ -191,6 +208,8 @@ async def test_boots_to_ready_and_runs_commands(vm: Vm) -> None:
 async def test_root_is_overlay_on_the_disk(vm: Vm) -> None:
     _, out = await sh(vm, "grep ' / ' /proc/mounts; ls /.dsec-agent.sock 2>&1")
     assert b"overlay / overlay" in out and b"No such file" in out, out
+    _, out = await sh(vm, "cat /etc/layer; ls /etc/top-only /bin/busybox")
+    assert out == b"top\n/bin/busybox\n/etc/top-only\n", out
     _, out = await sh(vm, "ls /dev/pts/ptmx /dev/shm /proc/self/fd/0 && ls /init /modules 2>&1")
     assert b"/dev/pts/ptmx" in out and out.count(b"No such file") == 2, out
 
@@ -310,13 +329,13 @@ async def test_a_rebooted_disk_keeps_its_upper(vm: Vm) -> None:
     assert code == 0, out
     await vm.channel.close()
     kill(vm.proc)
-    layer, rw = vm.dir / "l0.erofs", vm.dir / "rw.img"
+    rw = vm.dir / "rw.img"
     argv = qemu_argv(
         guest_kernel().vmlinuz,
         guest_initramfs(),
         vm.chardev,
-        [(layer, "dsec-l0", True), (rw, "dsec-rw", False)],
-        "dsec.layers=1 dsec.rw=1 dsec.hostname=again",
+        layer_drives(vm.dir, rw),
+        "dsec.layers=2 dsec.rw=1 dsec.hostname=again",
     )
     vm.proc = await asyncio.to_thread(start_qemu, argv, vm.console)
     vm.channel = GuestChannel(vm.chardev, vm.listen)
