@@ -462,3 +462,16 @@ def test_module_dependencies_come_first() -> None:
     names = [name for _, name, _ in load_order([["virtio_console"], ["virtio_net"]], index)]
     assert names.index("virtio_ring") < names.index("virtio") < names.index("virtio_console")
     assert names.index("failover") < names.index("net_failover") < names.index("virtio_net")
+
+
+def test_kernel_fetch_failure_is_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-0.0.0-0-cloud-amd64")
+    with pytest.raises(BackendError, match=r"cannot download linux-image-0\.0\.0-0-cloud-amd64"):
+        guest_kernel()
+    assert [p.name for p in (tmp_path / "kernel").iterdir()] == [".lock"]  # nothing half-made
+    monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "../../etc")
+    with pytest.raises(BackendError, match="not a cloud kernel"):
+        guest_kernel()
