@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dsec.errors import BackendError
+from dsec.errors import BackendError, InvalidArgument
 from dsec.guest import channel as wire
+from dsec.guest.bootparams import BASE_ARGS, BootParams, template_cmdline
 from dsec.guest.channel import GuestChannel
 from dsec.guest.initramfs import Entry, guest_initramfs, load_order, modinfo, newc_archive
 from dsec.guest.kernel import guest_kernel
@@ -38,8 +39,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils"),
 ]
 
-GO = {"rw": "1", "hostname": "guest1", "ip": "10.0.2.15/24", "gw": "10.0.2.2"}
-BOOT_ARGS = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off"
+BOOT = BootParams(layers=2, rw=True, ip="10.0.2.15/24", gw="10.0.2.2", hostname="guest1")
 
 
 @dataclass
@@ -61,7 +61,7 @@ def qemu_argv(
     initrd: Path,
     chardev: Path,
     drives: list[tuple[Path, str, bool]],
-    extra: str,
+    cmdline: str,
     *,
     net: bool = False,
 ) -> list[str]:
@@ -69,7 +69,7 @@ def qemu_argv(
     argv = [
         QEMU, "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-m", "256", "-smp", "1",
         "-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot",
-        "-kernel", str(kernel), "-initrd", str(initrd), "-append", f"{BOOT_ARGS} {extra}",
+        "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline,
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={chardev},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
@@ -141,14 +141,14 @@ async def vm(disks: tuple[Path, Path, Path]) -> AsyncIterator[Vm]:
     kernel = await asyncio.to_thread(guest_kernel)
     initrd = await asyncio.to_thread(guest_initramfs)
     chardev, listen, console = work / "agent.chardev", work / "agent.sock", work / "console"
-    # Template mode: the command line names the layers, GO brings the rest (what a
-    # restored template snapshot gets), so one boot covers both ways of passing them.
+    # Template mode: every parameter comes with GO, as for a restored template snapshot
+    # (test_a_rebooted_disk_keeps_its_upper boots with them on the command line).
     argv = qemu_argv(
         kernel.vmlinuz,
         initrd,
         chardev,
         layer_drives(work, rw),
-        "dsec.wait=1 dsec.layers=2",
+        template_cmdline(),
         net=True,
     )
     t0 = time.monotonic()
@@ -159,7 +159,7 @@ async def vm(disks: tuple[Path, Path, Path]) -> AsyncIterator[Vm]:
         try:
             await channel.wait_template(60)
             waiting = time.monotonic() - t0
-            await channel.go(GO)
+            await channel.go(BOOT.params())
             await channel.wait_ready(60)
         except Exception:
             kill(proc)
@@ -335,7 +335,7 @@ async def test_a_rebooted_disk_keeps_its_upper(vm: Vm) -> None:
         guest_initramfs(),
         vm.chardev,
         layer_drives(vm.dir, rw),
-        "dsec.layers=2 dsec.rw=1 dsec.hostname=again",
+        BootParams(layers=2, rw=True, hostname="again").cmdline(),
     )
     vm.proc = await asyncio.to_thread(start_qemu, argv, vm.console)
     vm.channel = GuestChannel(vm.chardev, vm.listen)
@@ -351,7 +351,11 @@ async def test_a_rebooted_disk_keeps_its_upper(vm: Vm) -> None:
 async def test_a_boot_failure_prints_one_line_and_ends_qemu(tmp_path: Path) -> None:
     console = tmp_path / "console"
     argv = qemu_argv(
-        guest_kernel().vmlinuz, guest_initramfs(), tmp_path / "chardev", [], "dsec.layers=x"
+        guest_kernel().vmlinuz,
+        guest_initramfs(),
+        tmp_path / "chardev",
+        [],
+        f"{BASE_ARGS} dsec.layers=x",
     )
     proc = await asyncio.to_thread(start_qemu, argv, console)
     try:
@@ -475,3 +479,19 @@ def test_kernel_fetch_failure_is_a_typed_error(
     monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "../../etc")
     with pytest.raises(BackendError, match="not a cloud kernel"):
         guest_kernel()
+
+
+def test_boot_params_are_checked_on_the_host() -> None:
+    assert BOOT.cmdline() == (
+        f"{BASE_ARGS} dsec.layers=2 dsec.rw=1 dsec.ip=10.0.2.15/24 dsec.gw=10.0.2.2 "
+        "dsec.hostname=guest1"
+    )
+    for bad in (
+        {"layers": 0},
+        {"ip": "10.0.2.15"},
+        {"ip": "10.0.2.300/24"},
+        {"gw": "10.0.2.2"},
+        {"hostname": "a b"},
+    ):
+        with pytest.raises(InvalidArgument):
+            BootParams(**{"layers": 1, "rw": False, **bad})  # type: ignore[arg-type]
