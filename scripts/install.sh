@@ -19,7 +19,7 @@ APT_PACKAGES=(
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
   libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
   postgresql      # cluster mode's control database (the tests start a real server)
-  qemu-system-x86 # the microVM backend's VMM (qemu-system-x86_64, -M microvm)
+  qemu-system-x86 # the microVM backend's VMM (TCG here, KVM where it boots a guest)
   ca-certificates
 )
 
@@ -61,3 +61,6 @@ fi
 # Compile the in-sandbox agent now rather than on the first sandbox.
 .venv/bin/python -c 'from dsec.agent.build import agent_binary, untrusted_binary; agent_binary(); untrusted_binary()'
 .venv/bin/python -c 'from dsec.images.lazy.build import lazyfs_binary; lazyfs_binary()'
+# The microVM guest: Debian's cloud kernel (fetched with apt-get download, unpacked into
+# the cache, never installed) and the initramfs with dsec-vminit and the agent.
+.venv/bin/python -c 'from dsec.guest.initramfs import guest_initramfs; guest_initramfs()'

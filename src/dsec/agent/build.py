@@ -11,7 +11,15 @@ from dsec.native import cache_dir
 SOURCE = Path(__file__).with_name("dsec-init.c")
 CFLAGS = ["-std=c11", "-static", "-Os", "-s", "-Wall", "-Wextra", "-Werror"]
 
-__all__ = ["CFLAGS", "SOURCE", "agent_binary", "cache_dir", "source_digest", "untrusted_binary"]
+__all__ = [
+    "CFLAGS",
+    "SOURCE",
+    "agent_binary",
+    "cache_dir",
+    "source_digest",
+    "untrusted_binary",
+    "vminit_binary",
+]
 
 
 def source_digest() -> str:
@@ -37,4 +45,15 @@ def untrusted_binary() -> Path:
         subdir="agent",
         cflags=CFLAGS,
         what="the verifier's untrusted-code runner",
+    )
+
+
+VMINIT_SOURCE = Path(__file__).with_name("dsec-vminit.c")
+
+
+def vminit_binary() -> Path:
+    """The microVM guest's pid 1 (dsec-vminit.c): mounts the sandbox's root from its
+    drives, runs the agent channel's guest end and execs the agent."""
+    return native.binary(
+        VMINIT_SOURCE, name="dsec-vminit", subdir="agent", cflags=CFLAGS, what="the microVM init"
     )

@@ -1,0 +1,959 @@
+/*
+ * dsec-vminit: pid 1 of a DSec microVM guest, /init of the initramfs dsec.guest.initramfs
+ * builds.
+ *
+ * Why a separate program and not dsec-init itself: the agent must stay the unchanged
+ * container agent (one protocol, one implementation), while a VM first has to build the
+ * sandbox's root from its drives and bridge the agent's unix socket to the host over the
+ * single virtio-serial port. So this program does the boot, forks the bridge ("mux"), and
+ * then becomes the agent:
+ *
+ *   1. mount devtmpfs/proc/sysfs, load the phase-0 modules of /modules.list (virtio,
+ *      virtio_mmio, virtio_console) with finit_module;
+ *   2. create the agent's LISTENING socket at /.dsec-agent.sock in the initramfs root and
+ *      fork the mux, which stays in that root (after the root switch the path is
+ *      unreachable to every guest process but the mux; no abstract socket, so an
+ *      unprivileged guest user cannot connect to the agent);
+ *   3. with dsec.wait=1 (template mode) wait for the host's GO, which carries the boot
+ *      parameters, BEFORE any drive or network card is probed, so a snapshot taken while
+ *      waiting can be restored with other drives attached;
+ *   4. load the phase-1 modules (virtio_blk, virtio_net, erofs, overlay), find drives by
+ *      /sys/block/vd* /serial (dsec-l0 = top layer ... dsec-rw), mount the layers (erofs,
+ *      read-only), the writable ext4 disk (upper/ and work/ on it, created on first boot,
+ *      kept across reboots and resumes) or a tmpfs, and the overlay on /newroot;
+ *   5. loopback up, eth0 address and default route when dsec.ip is given, hostname;
+ *   6. switch_root semantics: MS_MOVE /newroot onto /, chroot; the initramfs's files are
+ *      deleted first (only the socket stays, held by the mux's root);
+ *   7. exec the agent from an fd opened before the switch (execveat AT_EMPTY_PATH), with
+ *      fd 3 the listening socket, env PATH and DSEC_AGENT_FD=3, as the container
+ *      backend starts it. The agent binary never needs to exist in the image.
+ *
+ * Any failure prints one "dsec-vminit: ..." line on the console (ttyS0) and restarts the
+ * machine, which QEMU (-no-reboot) turns into its exit: the host sees QEMU end and reports
+ * the console tail.
+ *
+ * The mux: guest end of the agent channel. The wire format is documented in one place,
+ * src/dsec/guest/channel.py; the constants below mirror it. Everything from the host is
+ * parsed with bounds; a violation drops every channel and waits for the next RESET.
+ * Hardening as in dsec-init: the mux is not dumpable and every fd it owns is O_CLOEXEC.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/reboot.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_SOCK "/.dsec-agent.sock"
+#define PORT_NAME "dsec.agent"
+#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define MAX_LAYERS 32
+#define DEVICE_WAIT_MS 10000
+
+/* wire format: see src/dsec/guest/channel.py */
+#define HDR 9u
+#define MAX_PAYLOAD 65536u
+#define WINDOW (256u * 1024u)
+#define MAX_GO 4096u
+#define MAX_CHANNELS 1024
+#define OUT_HIGH (1u << 20) /* stop reading agent sockets above this backlog to the host */
+#define T_RESET 'R'
+#define T_HELLO 'H'
+#define T_GO 'G'
+#define T_OPEN 'O'
+#define T_DATA 'D'
+#define T_CREDIT 'C'
+#define T_EOF 'E'
+#define T_CLOSE 'X'
+#define RESET_MAGIC "DSECRSET"
+#define HELLO_MAGIC "DSECHELO"
+#define ST_WAITING 1
+#define ST_READY 2
+#define ST_BOOTING 3
+
+/* ------------------------------------------------------------------------------------ */
+/* failure                                                                              */
+
+static void __attribute__((noreturn, format(printf, 1, 2))) die(const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	dprintf(2, "dsec-vminit: %s\n", msg);
+	sync();
+	reboot(RB_AUTOBOOT); /* QEMU runs with -no-reboot: this ends it */
+	_exit(1);
+}
+
+static void warn_line(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void warn_line(const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	dprintf(2, "dsec-vminit: %s\n", msg);
+}
+
+static void sleep_ms(int ms)
+{
+	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+	nanosleep(&ts, NULL);
+}
+
+static void mkdir_p(const char *path, mode_t mode)
+{
+	char buf[256];
+	snprintf(buf, sizeof buf, "%s", path);
+	for (char *p = buf + 1; *p; p++) {
+		if (*p == '/') {
+			*p = 0;
+			mkdir(buf, 0755);
+			*p = '/';
+		}
+	}
+	if (mkdir(buf, mode) < 0 && errno != EEXIST)
+		die("mkdir %s: %s", path, strerror(errno));
+}
+
+static void do_mount(const char *src, const char *dst, const char *type, unsigned long flags,
+		     const char *data)
+{
+	if (mount(src, dst, type, flags, data) < 0)
+		die("mount %s (%s) on %s: %s", src, type, dst, strerror(errno));
+}
+
+static ssize_t read_small(const char *path, char *buf, size_t size)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ssize_t n = read(fd, buf, size - 1);
+	close(fd);
+	if (n < 0)
+		return -1;
+	buf[n] = 0;
+	while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == ' '))
+		buf[--n] = 0;
+	return n;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* boot parameters (kernel command line, or the host's GO in template mode)            */
+
+struct params {
+	int layers;
+	int rw;
+	int wait;
+	char ip[20];
+	int prefix;
+	char gw[20];
+	char hostname[65];
+};
+
+static int valid_hostname(const char *s)
+{
+	if (!*s || strlen(s) > 64)
+		return 0;
+	for (; *s; s++)
+		if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') ||
+		      *s == '-' || *s == '.'))
+			return 0;
+	return 1;
+}
+
+static int valid_ipv4(const char *s)
+{
+	struct in_addr a;
+	return strlen(s) < 16 && inet_pton(AF_INET, s, &a) == 1;
+}
+
+/* Parse "key=value ..." (only dsec.* keys; others are the kernel's). 0, or -1 with why. */
+static int parse_params(const char *text, struct params *p, char *why, size_t whylen)
+{
+	char buf[MAX_GO + 1];
+	snprintf(buf, sizeof buf, "%s", text);
+	char *save = NULL;
+	for (char *tok = strtok_r(buf, " \t\n", &save); tok; tok = strtok_r(NULL, " \t\n", &save)) {
+		if (strncmp(tok, "dsec.", 5))
+			continue;
+		char *key = tok + 5, *val = strchr(key, '=');
+		if (!val) {
+			snprintf(why, whylen, "boot parameter %.40s has no value", tok);
+			return -1;
+		}
+		*val++ = 0;
+		char *end = NULL;
+		if (!strcmp(key, "layers")) {
+			long n = strtol(val, &end, 10);
+			if (*end || end == val || n < 0 || n > MAX_LAYERS)
+				goto bad;
+			p->layers = (int)n;
+		} else if (!strcmp(key, "rw") || !strcmp(key, "wait")) {
+			if (strcmp(val, "0") && strcmp(val, "1"))
+				goto bad;
+			*(!strcmp(key, "rw") ? &p->rw : &p->wait) = val[0] == '1';
+		} else if (!strcmp(key, "ip")) {
+			char *slash = strchr(val, '/');
+			if (!slash)
+				goto bad;
+			*slash = 0;
+			long n = strtol(slash + 1, &end, 10);
+			if (*end || end == slash + 1 || n < 1 || n > 32 || !valid_ipv4(val))
+				goto bad;
+			snprintf(p->ip, sizeof p->ip, "%s", val);
+			p->prefix = (int)n;
+		} else if (!strcmp(key, "gw")) {
+			if (!valid_ipv4(val))
+				goto bad;
+			snprintf(p->gw, sizeof p->gw, "%s", val);
+		} else if (!strcmp(key, "hostname")) {
+			if (!valid_hostname(val))
+				goto bad;
+			snprintf(p->hostname, sizeof p->hostname, "%s", val);
+		} else {
+			snprintf(why, whylen, "unknown boot parameter dsec.%.40s", key);
+			return -1;
+		}
+		continue;
+	bad:
+		snprintf(why, whylen, "bad value for dsec.%.20s: %.60s", key, val);
+		return -1;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* modules and devices                                                                  */
+
+static void load_modules(int phase)
+{
+	FILE *f = fopen("/modules.list", "re");
+	if (!f)
+		die("cannot open /modules.list: %s", strerror(errno));
+	char line[256];
+	while (fgets(line, sizeof line, f)) {
+		int ph;
+		char name[200], path[256];
+		if (sscanf(line, "%d %199s", &ph, name) != 2 || strchr(name, '/'))
+			die("bad line in /modules.list: %.80s", line);
+		if (ph != phase)
+			continue;
+		snprintf(path, sizeof path, "/modules/%s", name);
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			die("open %s: %s", path, strerror(errno));
+		if (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST)
+			die("load module %s: %s", name, strerror(errno));
+		close(fd);
+		unlink(path); /* initramfs memory is freed as we go */
+	}
+	fclose(f);
+}
+
+/* /dev/vportNpM whose sysfs name is PORT_NAME, waiting for it to appear. */
+static void find_port(char *dev, size_t len)
+{
+	for (int waited = 0; waited < DEVICE_WAIT_MS; waited += 5) {
+		DIR *d = opendir("/sys/class/virtio-ports");
+		struct dirent *e;
+		while (d && (e = readdir(d))) {
+			char path[300], name[64];
+			if (e->d_name[0] == '.')
+				continue;
+			snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", e->d_name);
+			if (read_small(path, name, sizeof name) >= 0 && !strcmp(name, PORT_NAME)) {
+				snprintf(dev, len, "/dev/%s", e->d_name);
+				closedir(d);
+				if (access(dev, F_OK) == 0)
+					return;
+				d = NULL;
+				break;
+			}
+		}
+		if (d)
+			closedir(d);
+		sleep_ms(5);
+	}
+	die("no virtio-serial port named %s (is -device virtserialport,name=%s there?)", PORT_NAME,
+	    PORT_NAME);
+}
+
+/* /dev/vdX whose /sys/block/vdX/serial is `serial`, or "" while it is missing. */
+static void drive_by_serial(const char *serial, char *dev, size_t len)
+{
+	dev[0] = 0;
+	DIR *d = opendir("/sys/block");
+	struct dirent *e;
+	while (d && (e = readdir(d))) {
+		char path[300], got[64];
+		if (strncmp(e->d_name, "vd", 2))
+			continue;
+		snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+		if (strlen(e->d_name) < 32 && read_small(path, got, sizeof got) >= 0 &&
+		    !strcmp(got, serial)) {
+			snprintf(dev, len, "/dev/%.32s", e->d_name);
+			break;
+		}
+	}
+	if (d)
+		closedir(d);
+}
+
+static void wait_drive(const char *serial, char *dev, size_t len)
+{
+	for (int waited = 0; waited < DEVICE_WAIT_MS; waited += 5) {
+		drive_by_serial(serial, dev, len);
+		if (dev[0] && access(dev, F_OK) == 0)
+			return;
+		sleep_ms(5);
+	}
+	die("no drive with serial %s (virtio-blk-device,serial=%s)", serial, serial);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* network                                                                              */
+
+static void set_addr(struct sockaddr *sa, const char *ip)
+{
+	struct sockaddr_in *in = (struct sockaddr_in *)sa;
+	memset(in, 0, sizeof *in);
+	in->sin_family = AF_INET;
+	inet_pton(AF_INET, ip, &in->sin_addr);
+}
+
+static void if_up(int s, const char *name)
+{
+	struct ifreq ifr;
+	memset(&ifr, 0, sizeof ifr);
+	snprintf(ifr.ifr_name, IFNAMSIZ, "%s", name);
+	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+		die("%s: SIOCGIFFLAGS: %s", name, strerror(errno));
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+		die("%s: bring up: %s", name, strerror(errno));
+}
+
+static void setup_network(const struct params *p)
+{
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (s < 0)
+		die("socket: %s", strerror(errno));
+	if_up(s, "lo"); /* the kernel gives lo 127.0.0.1/8 when it comes up */
+	if (p->ip[0]) {
+		for (int waited = 0; access("/sys/class/net/eth0", F_OK); waited += 5) {
+			if (waited >= DEVICE_WAIT_MS)
+				die("dsec.ip is set but there is no eth0 (virtio-net-device)");
+			sleep_ms(5);
+		}
+		struct ifreq ifr;
+		memset(&ifr, 0, sizeof ifr);
+		snprintf(ifr.ifr_name, IFNAMSIZ, "eth0");
+		set_addr(&ifr.ifr_addr, p->ip);
+		if (ioctl(s, SIOCSIFADDR, &ifr) < 0)
+			die("eth0: set address %s: %s", p->ip, strerror(errno));
+		uint32_t mask = p->prefix == 32 ? 0xffffffffu : ~(0xffffffffu >> p->prefix);
+		struct sockaddr_in *m = (struct sockaddr_in *)&ifr.ifr_netmask;
+		memset(m, 0, sizeof *m);
+		m->sin_family = AF_INET;
+		m->sin_addr.s_addr = htonl(mask);
+		if (ioctl(s, SIOCSIFNETMASK, &ifr) < 0)
+			die("eth0: set netmask /%d: %s", p->prefix, strerror(errno));
+		if_up(s, "eth0");
+		if (p->gw[0]) {
+			struct rtentry rt;
+			memset(&rt, 0, sizeof rt);
+			set_addr(&rt.rt_dst, "0.0.0.0");
+			set_addr(&rt.rt_genmask, "0.0.0.0");
+			set_addr(&rt.rt_gateway, p->gw);
+			rt.rt_flags = RTF_UP | RTF_GATEWAY;
+			rt.rt_dev = (char *)"eth0";
+			if (ioctl(s, SIOCADDRT, &rt) < 0)
+				die("eth0: default route via %s: %s", p->gw, strerror(errno));
+		}
+	}
+	close(s);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the mux (guest end of the agent channel)                                            */
+
+struct buf {
+	unsigned char *p;
+	size_t len, cap;
+};
+
+static void buf_put(struct buf *b, const void *data, size_t n)
+{
+	if (b->len + n > b->cap) {
+		size_t cap = b->cap ? b->cap : 65536;
+		while (cap < b->len + n)
+			cap *= 2;
+		unsigned char *np = realloc(b->p, cap);
+		if (!np)
+			die("mux: out of memory");
+		b->p = np;
+		b->cap = cap;
+	}
+	memcpy(b->p + b->len, data, n);
+	b->len += n;
+}
+
+static void buf_drop(struct buf *b, size_t n)
+{
+	memmove(b->p, b->p + n, b->len - n);
+	b->len -= n;
+	if (b->len == 0 && b->cap > 4 * 65536) {
+		free(b->p);
+		b->p = NULL;
+		b->cap = 0;
+	}
+}
+
+struct chan {
+	uint32_t id;
+	int fd;
+	uint32_t credit;    /* bytes we may still send the host on this channel */
+	struct buf to_agent; /* received from the host, not yet written to the agent */
+	int host_eof, agent_eof, shut_wr;
+};
+
+static struct chan g_ch[MAX_CHANNELS];
+static int g_nch;
+static int g_vfd = -1;
+static struct buf g_out;   /* frames to the host */
+static unsigned char g_in[HDR + MAX_PAYLOAD];
+static size_t g_inlen;
+static int g_synced;       /* a RESET was seen since the link (re)started */
+static unsigned char g_nonce[8];
+static uint32_t g_last_id; /* highest channel id the host opened since its RESET */
+static int g_state = ST_BOOTING;
+static int g_go_fd = -1;   /* template mode: where the GO parameters go to pid 1 */
+
+static void put_le32(unsigned char *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get_le32(const unsigned char *p)
+{
+	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void send_frame(int type, uint32_t id, const void *data, uint32_t n)
+{
+	unsigned char h[HDR];
+	h[0] = (unsigned char)type;
+	put_le32(h + 1, id);
+	put_le32(h + 5, n);
+	buf_put(&g_out, h, HDR);
+	if (n)
+		buf_put(&g_out, data, n);
+}
+
+static void send_hello(void)
+{
+	unsigned char p[17];
+	memcpy(p, HELLO_MAGIC, 8);
+	memcpy(p + 8, g_nonce, 8);
+	p[16] = (unsigned char)g_state;
+	send_frame(T_HELLO, 0, p, sizeof p);
+}
+
+static struct chan *chan_find(uint32_t id)
+{
+	for (int i = 0; i < g_nch; i++)
+		if (g_ch[i].id == id)
+			return &g_ch[i];
+	return NULL;
+}
+
+/* Forget a channel; tell the host unless it told us. */
+static void chan_close(struct chan *c, int tell)
+{
+	if (tell)
+		send_frame(T_CLOSE, c->id, NULL, 0);
+	close(c->fd);
+	free(c->to_agent.p);
+	*c = g_ch[--g_nch];
+	memset(&g_ch[g_nch], 0, sizeof g_ch[g_nch]);
+}
+
+static void drop_all_channels(void)
+{
+	while (g_nch)
+		chan_close(&g_ch[0], 0);
+}
+
+/* The host process went away: a clean slate for the next one. */
+static void link_restart(void)
+{
+	drop_all_channels();
+	g_synced = 0;
+	g_inlen = 0;
+	g_last_id = 0;
+	g_out.len = 0;
+}
+
+/* The host broke the protocol: drop every channel, keep parsing (parse_input hunts for
+ * the next RESET in what follows). */
+static void violation(const char *what)
+{
+	warn_line("agent channel: protocol violation (%s); waiting for the host's RESET", what);
+	drop_all_channels();
+	g_synced = 0;
+	g_last_id = 0;
+}
+
+static void chan_open(uint32_t id)
+{
+	if (g_nch == MAX_CHANNELS) {
+		send_frame(T_CLOSE, id, NULL, 0);
+		return;
+	}
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	struct sockaddr_un sun = {.sun_family = AF_UNIX, .sun_path = AGENT_SOCK};
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0) {
+		warn_line("agent channel: connect to the agent: %s", strerror(errno));
+		if (fd >= 0)
+			close(fd);
+		send_frame(T_CLOSE, id, NULL, 0);
+		return;
+	}
+	struct chan *c = &g_ch[g_nch++];
+	memset(c, 0, sizeof *c);
+	c->id = id;
+	c->fd = fd;
+	c->credit = WINDOW;
+}
+
+/* Write what we hold for the agent; returns 0, or -1 when the channel was closed. */
+static int chan_flush(struct chan *c)
+{
+	if (c->to_agent.len) {
+		ssize_t n = write(c->fd, c->to_agent.p, c->to_agent.len);
+		if (n < 0 && (errno == EAGAIN || errno == EINTR))
+			return 0;
+		if (n < 0) {
+			chan_close(c, 1);
+			return -1;
+		}
+		unsigned char cr[4];
+		put_le32(cr, (uint32_t)n);
+		send_frame(T_CREDIT, c->id, cr, 4);
+		buf_drop(&c->to_agent, (size_t)n);
+	}
+	if (!c->to_agent.len && c->host_eof && !c->shut_wr) {
+		shutdown(c->fd, SHUT_WR);
+		c->shut_wr = 1;
+	}
+	if (c->shut_wr && c->agent_eof) {
+		chan_close(c, 1);
+		return -1;
+	}
+	return 0;
+}
+
+static void chan_read(struct chan *c)
+{
+	static unsigned char tmp[MAX_PAYLOAD];
+	size_t want = c->credit < MAX_PAYLOAD ? c->credit : MAX_PAYLOAD;
+	ssize_t n = read(c->fd, tmp, want);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return;
+	if (n < 0) {
+		chan_close(c, 1);
+		return;
+	}
+	if (n == 0) {
+		c->agent_eof = 1;
+		send_frame(T_EOF, c->id, NULL, 0);
+		chan_flush(c);
+		return;
+	}
+	send_frame(T_DATA, c->id, tmp, (uint32_t)n);
+	c->credit -= (uint32_t)n;
+}
+
+/* One complete frame from the host (after RESET). */
+static void on_frame(int type, uint32_t id, const unsigned char *p, uint32_t n)
+{
+	struct chan *c;
+	switch (type) {
+	case T_RESET:
+		if (id || n != 16 || memcmp(p, RESET_MAGIC, 8))
+			return violation("bad RESET");
+		drop_all_channels();
+		g_last_id = 0;
+		memcpy(g_nonce, p + 8, 8);
+		send_hello();
+		return;
+	case T_GO:
+		if (id || n > MAX_GO)
+			return violation("bad GO");
+		if (g_go_fd >= 0) {
+			char text[MAX_GO + 1];
+			memcpy(text, p, n);
+			text[n] = 0;
+			if (strlen(text) != n)
+				return violation("GO has a NUL byte");
+			if (write(g_go_fd, text, n + 1) < 0)
+				warn_line("GO: %s", strerror(errno));
+			close(g_go_fd);
+			g_go_fd = -1;
+			g_state = ST_BOOTING;
+			send_hello();
+		}
+		return;
+	case T_OPEN:
+		if (!id || id <= g_last_id || n)
+			return violation("bad OPEN");
+		g_last_id = id;
+		chan_open(id);
+		return;
+	case T_DATA:
+	case T_CREDIT:
+	case T_EOF:
+	case T_CLOSE:
+		if (!id || id > g_last_id)
+			return violation("frame for a channel never opened");
+		c = chan_find(id);
+		if (type == T_DATA && (n == 0 || (c && (c->host_eof || c->to_agent.len + n > WINDOW))))
+			return violation("DATA past the window or after EOF");
+		if ((type == T_CREDIT && n != 4) || ((type == T_EOF || type == T_CLOSE) && n))
+			return violation("bad frame length");
+		if (!c)
+			return; /* a channel we closed meanwhile */
+		if (type == T_DATA) {
+			buf_put(&c->to_agent, p, n);
+			chan_flush(c);
+		} else if (type == T_CREDIT) {
+			uint32_t v = get_le32(p);
+			if (v > WINDOW || c->credit + v > WINDOW)
+				return violation("CREDIT past the window");
+			c->credit += v;
+		} else if (type == T_EOF) {
+			if (c->host_eof)
+				return violation("second EOF");
+			c->host_eof = 1;
+			chan_flush(c);
+		} else {
+			chan_close(c, 0);
+		}
+		return;
+	default:
+		return violation("unknown frame type");
+	}
+}
+
+/* Frames in g_in; a violation (g_synced drops to 0) hunts for the next RESET in the
+ * bytes that follow it, so the buffer is walked once and never reset under our feet. */
+static void parse_input(void)
+{
+	static const unsigned char pat[HDR + 8] = {T_RESET, 0, 0, 0, 0, 16, 0, 0, 0,
+						  'D', 'S', 'E', 'C', 'R', 'S', 'E', 'T'};
+	size_t off = 0;
+	for (;;) {
+		if (!g_synced) { /* whatever came before RESET is an older host's */
+			unsigned char *hit = memmem(g_in + off, g_inlen - off, pat, sizeof pat);
+			if (!hit) {
+				size_t left = g_inlen - off, keep = sizeof pat - 1;
+				off += left > keep ? left - keep : 0;
+				break;
+			}
+			off = (size_t)(hit - g_in);
+			g_synced = 1;
+		}
+		if (off < g_inlen && g_in[off] == 0) {
+			/* The host's connect preamble: a new host process, whose RESET follows.
+			 * We may not have seen the old one go (a quick reconnect), so this is
+			 * where the old link ends. */
+			drop_all_channels();
+			g_synced = 0;
+			g_last_id = 0;
+			continue;
+		}
+		if (g_inlen - off < HDR)
+			break;
+		const unsigned char *h = g_in + off;
+		uint32_t id = get_le32(h + 1), n = get_le32(h + 5);
+		if (n > MAX_PAYLOAD) {
+			violation("frame longer than the maximum");
+			continue;
+		}
+		if (g_inlen - off < HDR + n)
+			break;
+		off += HDR + n;
+		on_frame(h[0], id, h + HDR, n);
+	}
+	memmove(g_in, g_in + off, g_inlen - off);
+	g_inlen -= off;
+}
+
+static void mux_main(const char *port, int exec_fd, int go_fd)
+{
+	prctl(PR_SET_DUMPABLE, 0);
+	prctl(PR_SET_NAME, "dsec-vmmux");
+	signal(SIGPIPE, SIG_IGN);
+	g_go_fd = go_fd;
+	g_state = go_fd >= 0 ? ST_WAITING : ST_BOOTING;
+	g_vfd = open(port, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+	if (g_vfd < 0)
+		die("open %s: %s", port, strerror(errno));
+	int host_up = 1;
+	struct pollfd pfd[MAX_CHANNELS + 2];
+	uint32_t ids[MAX_CHANNELS];
+	for (;;) {
+		int np = 0;
+		pfd[np++] = (struct pollfd){.fd = exec_fd, .events = POLLIN};
+		pfd[np++] = (struct pollfd){.fd = host_up ? g_vfd : -1,
+					    .events = (short)(POLLIN | (g_out.len ? POLLOUT : 0))};
+		for (int i = 0; i < g_nch; i++) {
+			struct chan *c = &g_ch[i];
+			short ev = 0;
+			if (!c->agent_eof && c->credit && g_out.len < OUT_HIGH)
+				ev |= POLLIN;
+			if (c->to_agent.len)
+				ev |= POLLOUT;
+			ids[i] = c->id;
+			pfd[np++] = (struct pollfd){.fd = ev ? c->fd : -1, .events = ev};
+		}
+		if (poll(pfd, (nfds_t)np, host_up ? -1 : 50) < 0) {
+			if (errno != EINTR)
+				die("mux: poll: %s", strerror(errno));
+			continue;
+		}
+		if (pfd[0].revents) {
+			int err = 0;
+			ssize_t n = read(exec_fd, &err, sizeof err);
+			if (n <= 0) { /* closed by a successful exec: the agent runs */
+				close(exec_fd);
+				exec_fd = -1;
+				g_state = ST_READY;
+				if (g_synced)
+					send_hello();
+			}
+		}
+		if (!host_up) {
+			/* The host end was closed; POLLHUP would be reported without pause, so look
+			 * again every 50 ms until a host process connects. */
+			struct pollfd v = {.fd = g_vfd, .events = POLLIN};
+			if (poll(&v, 1, 0) == 1 && (v.revents & POLLHUP) && !(v.revents & POLLIN))
+				continue;
+			host_up = 1;
+			continue;
+		}
+		short vre = pfd[1].revents;
+		if (vre & (POLLIN | POLLHUP | POLLERR)) {
+			ssize_t n = read(g_vfd, g_in + g_inlen, sizeof g_in - g_inlen);
+			if (n > 0) {
+				g_inlen += (size_t)n;
+				parse_input();
+			} else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+				link_restart();
+				host_up = 0;
+				continue;
+			}
+		}
+		if (g_out.len) {
+			ssize_t n = write(g_vfd, g_out.p, g_out.len);
+			if (n > 0)
+				buf_drop(&g_out, (size_t)n);
+		}
+		for (int i = 2; i < np; i++) {
+			short re = pfd[i].revents;
+			if (!re)
+				continue;
+			struct chan *c = chan_find(ids[i - 2]);
+			if (!c)
+				continue;
+			if (re & POLLOUT) {
+				if (chan_flush(c) < 0)
+					continue;
+			}
+			if (re & (POLLIN | POLLHUP | POLLERR)) {
+				if (pfd[i].events & POLLIN)
+					chan_read(c);
+				else if (!(re & POLLOUT))
+					chan_close(c, 1);
+			}
+		}
+	}
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* pid 1                                                                                */
+
+static void mount_root(const struct params *p)
+{
+	char dev[64], serial[32], dir[32], lower[MAX_LAYERS * 12 + 16];
+	if (p->layers < 1)
+		die("dsec.layers must be at least 1 (the image's layers), not %d", p->layers);
+	lower[0] = 0;
+	for (int i = 0; i < p->layers; i++) {
+		snprintf(serial, sizeof serial, "dsec-l%d", i);
+		snprintf(dir, sizeof dir, "/mnt/l%d", i);
+		wait_drive(serial, dev, sizeof dev);
+		mkdir_p(dir, 0755);
+		do_mount(dev, dir, "erofs", MS_RDONLY, NULL);
+		snprintf(lower + strlen(lower), sizeof lower - strlen(lower), "%s%s", i ? ":" : "", dir);
+	}
+	mkdir_p("/mnt/rw", 0755);
+	if (p->rw) {
+		wait_drive("dsec-rw", dev, sizeof dev);
+		do_mount(dev, "/mnt/rw", "ext4", MS_NOATIME, NULL);
+	} else {
+		do_mount("tmpfs", "/mnt/rw", "tmpfs", 0, "mode=0755");
+	}
+	mkdir_p("/mnt/rw/upper", 0755); /* a rebooted or resumed disk keeps its upper */
+	mkdir_p("/mnt/rw/work", 0700);
+	char opts[sizeof lower + 80];
+	snprintf(opts, sizeof opts, "lowerdir=%s,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work", lower);
+	mkdir_p("/newroot", 0755);
+	do_mount("overlay", "/newroot", "overlay", 0, opts);
+
+	const unsigned long nse = MS_NOSUID | MS_NOEXEC | MS_NODEV;
+	mkdir_p("/newroot/proc", 0555);
+	mkdir_p("/newroot/sys", 0555);
+	mkdir_p("/newroot/dev", 0755);
+	do_mount("proc", "/newroot/proc", "proc", nse, NULL);
+	do_mount("sysfs", "/newroot/sys", "sysfs", nse, NULL);
+	do_mount("devtmpfs", "/newroot/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+	mkdir_p("/newroot/dev/pts", 0755);
+	do_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+		 "newinstance,ptmxmode=0666,mode=0620,gid=5");
+	unlink("/newroot/dev/ptmx");
+	if (symlink("pts/ptmx", "/newroot/dev/ptmx") < 0)
+		die("symlink /dev/ptmx: %s", strerror(errno));
+	mkdir_p("/newroot/dev/shm", 01777);
+	do_mount("shm", "/newroot/dev/shm", "tmpfs", nse, "mode=1777");
+}
+
+static void remove_initramfs_files(void)
+{
+	unlink("/modules.list");
+	rmdir("/modules");
+	unlink("/init");
+}
+
+int main(void)
+{
+	if (getpid() != 1)
+		die("must run as pid 1 of a microVM (it mounts, loads modules and switches root)");
+	umask(022);
+	mkdir_p("/dev", 0755);
+	mkdir_p("/proc", 0555);
+	mkdir_p("/sys", 0555);
+	do_mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+	do_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	do_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+
+	struct params p = {.layers = 0};
+	char cmdline[MAX_GO + 1], why[160];
+	if (read_small("/proc/cmdline", cmdline, sizeof cmdline) < 0)
+		die("read /proc/cmdline: %s", strerror(errno));
+	if (parse_params(cmdline, &p, why, sizeof why) < 0)
+		die("%s", why);
+
+	load_modules(0);
+	char port[300];
+	find_port(port, sizeof port);
+
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sun = {.sun_family = AF_UNIX, .sun_path = AGENT_SOCK};
+	unlink(AGENT_SOCK);
+	if (lfd < 0 || bind(lfd, (struct sockaddr *)&sun, sizeof sun) < 0 ||
+	    chmod(AGENT_SOCK, 0600) < 0 || listen(lfd, 4096) < 0)
+		die("agent socket %s: %s", AGENT_SOCK, strerror(errno));
+	int exec_pipe[2], go_pipe[2] = {-1, -1};
+	if (pipe2(exec_pipe, O_CLOEXEC) < 0 || (p.wait && pipe2(go_pipe, O_CLOEXEC) < 0))
+		die("pipe: %s", strerror(errno));
+	if (chdir("/") < 0)
+		die("chdir /: %s", strerror(errno));
+	pid_t mux = fork();
+	if (mux < 0)
+		die("fork: %s", strerror(errno));
+	if (mux == 0) {
+		close(lfd);
+		close(exec_pipe[1]);
+		if (go_pipe[0] >= 0)
+			close(go_pipe[0]);
+		mux_main(port, exec_pipe[0], go_pipe[1]);
+		_exit(1);
+	}
+	close(exec_pipe[0]);
+	if (p.wait) {
+		close(go_pipe[1]);
+		char go[MAX_GO + 2];
+		ssize_t n, got = 0;
+		while ((n = read(go_pipe[0], go + got, sizeof go - 1 - (size_t)got)) > 0)
+			got += n;
+		close(go_pipe[0]);
+		if (got <= 0)
+			die("the agent channel ended before the host's GO");
+		go[got] = 0;
+		struct params q = p;
+		if (parse_params(go, &q, why, sizeof why) < 0)
+			die("GO: %s", why);
+		p = q;
+	}
+
+	load_modules(1);
+	mount_root(&p);
+	setup_network(&p);
+	if (p.hostname[0] && sethostname(p.hostname, strlen(p.hostname)) < 0)
+		die("sethostname: %s", strerror(errno));
+
+	int agent = open("/dsec-init", O_RDONLY | O_CLOEXEC);
+	if (agent < 0)
+		die("open /dsec-init: %s", strerror(errno));
+	unlink("/dsec-init");
+	remove_initramfs_files();
+	if (chdir("/newroot") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 ||
+	    chdir("/") < 0)
+		die("switch root: %s", strerror(errno));
+
+	if (lfd == 3) {
+		if (fcntl(3, F_SETFD, 0) < 0)
+			die("fcntl: %s", strerror(errno));
+	} else {
+		if (agent == 3) {
+			agent = fcntl(3, F_DUPFD_CLOEXEC, 4);
+			if (agent < 0)
+				die("fcntl: %s", strerror(errno));
+		}
+		if (dup2(lfd, 3) < 0)
+			die("dup2: %s", strerror(errno));
+		close(lfd);
+	}
+	char *argv[] = {(char *)"dsec-init", NULL};
+	char *envp[] = {(char *)"PATH=" DEFAULT_PATH, (char *)"DSEC_AGENT_FD=3", NULL};
+	syscall(SYS_execveat, agent, "", argv, envp, AT_EMPTY_PATH);
+	int err = errno;
+	if (write(exec_pipe[1], &err, sizeof err) < 0) {
+	}
+	die("exec the agent: %s", strerror(err));
+}
