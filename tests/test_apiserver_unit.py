@@ -29,7 +29,7 @@ from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerRef
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
+from dsec.api.spec import BackendKind, LayeredRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.apiserver import ApiLimits, ApiServices, create_app
 from dsec.apiserver.errors import validation_message
@@ -88,8 +88,8 @@ class FakeImages:
         except KeyError:
             raise ImageNotFound(f"no image {ref!r}; known: {sorted(self.images)}") from None
 
-    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
-        return await self.resolve(spec.container_image)
+    async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
+        return await self.resolve(spec.image_ref)
 
     async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
         raise ImageNotFound(f"no layer {ref} in the fake image service")

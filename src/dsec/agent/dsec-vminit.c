@@ -58,6 +58,7 @@
 #include <sys/reboot.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
@@ -171,6 +172,7 @@ struct params {
 	int prefix;
 	char gw[20];
 	char hostname[65];
+	long long time_us; /* the host's clock at GO (0: keep the guest's) */
 };
 
 static int valid_hostname(const char *s)
@@ -233,6 +235,13 @@ static int parse_params(const char *text, struct params *p, char *why, size_t wh
 			if (!valid_hostname(val))
 				goto bad;
 			snprintf(p->hostname, sizeof p->hostname, "%s", val);
+		} else if (!strcmp(key, "time")) {
+			/* microseconds since the epoch: a guest restored from a snapshot would
+			 * otherwise run on the time the snapshot was taken */
+			long long t = strtoll(val, &end, 10);
+			if (*end || end == val || t <= 0)
+				goto bad;
+			p->time_us = t;
 		} else {
 			snprintf(why, whylen, "unknown boot parameter dsec.%.40s", key);
 			return -1;
@@ -926,6 +935,11 @@ int main(void)
 	setup_network(&p);
 	if (p.hostname[0] && sethostname(p.hostname, strlen(p.hostname)) < 0)
 		die("sethostname: %s", strerror(errno));
+	if (p.time_us > 0) {
+		struct timeval tv = {.tv_sec = (time_t)(p.time_us / 1000000), .tv_usec = (suseconds_t)(p.time_us % 1000000)};
+		if (settimeofday(&tv, NULL) < 0)
+			die("settimeofday: %s", strerror(errno));
+	}
 
 	int agent = open("/dsec-init", O_RDONLY | O_CLOEXEC);
 	if (agent < 0)

@@ -181,6 +181,11 @@ class DSecMicroVMRunArgs(DSecRunArgs):
         return self.image
 
 
+#: The specs whose sandbox starts from the platform's layered EROFS images (base +
+#: workspace + toolkit): containers and microVMs share images, layers and their cache.
+LayeredRunArgs = DSecContainerRunArgs | DSecMicroVMRunArgs
+
+
 class DSecFullVMRunArgs(DSecRunArgs):
     """A full VM (QEMU) booted from a VM image of its own kernel and disk."""
 

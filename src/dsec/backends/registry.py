@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # kind -> "module:Class". A new backend is one line here plus its package.
 BACKENDS: Mapping[BackendKind, str] = {
     BackendKind.CONTAINER: "dsec.backends.container.backend:ContainerBackend",
+    BackendKind.MICROVM: "dsec.backends.microvm.backend:MicroVMBackend",
     BackendKind.MEMORY: "dsec.backends.memory.backend:MemoryBackend",
 }
 

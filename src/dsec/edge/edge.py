@@ -26,7 +26,7 @@ from dsec.api.health import Degradation, HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
+from dsec.api.spec import BackendKind, DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, Capability, CreateInput, SandboxRecord
 from dsec.backends.kinds import require_backend
@@ -398,9 +398,10 @@ class Edge:
         return rec.info()
 
     async def _image_of(self, spec: RunArgs) -> ImageInfo:
-        """What a sandbox starts from: a container's layered image (base + workspace +
-        toolkit, resolved to digests now); a kind without layers is named only."""
-        if isinstance(spec, DSecContainerRunArgs):
+        """What a sandbox starts from: a container's or microVM's layered image (base +
+        workspace + toolkit, resolved to digests now); a kind without layers is named
+        only."""
+        if isinstance(spec, DSecContainerRunArgs | DSecMicroVMRunArgs):
             return await self.images.compose(spec)
         return ImageInfo(
             name=spec.image_ref, tag="", digest="", layers=[], size_bytes=0, created_at=_now()

@@ -43,6 +43,9 @@ class BootParams:
     """``A.B.C.D/P`` for eth0 (virtio-net), or None for no network configuration."""
     gw: str | None = None
     hostname: str | None = None
+    time_us: int | None = None
+    """The host's clock (microseconds since the epoch) for the guest to set: a guest
+    restored from a template or a pause otherwise runs on the snapshot's time."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.layers <= MAX_LAYERS:
@@ -63,6 +66,8 @@ class BootParams:
                 raise InvalidArgument(f"bad guest gateway {self.gw!r}: {exc}") from None
         if self.hostname is not None and not _HOSTNAME.match(self.hostname):
             raise InvalidArgument(f"bad guest hostname {self.hostname!r}")
+        if self.time_us is not None and self.time_us <= 0:
+            raise InvalidArgument(f"bad guest clock {self.time_us!r}")
 
     def params(self) -> dict[str, str]:
         """The ``dsec.*`` keys without their prefix, as GuestChannel.go takes them."""
@@ -73,6 +78,8 @@ class BootParams:
             out["gw"] = self.gw
         if self.hostname is not None:
             out["hostname"] = self.hostname
+        if self.time_us is not None:
+            out["time"] = str(self.time_us)
         return out
 
     def cmdline(self) -> str:

@@ -51,6 +51,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import struct
 from collections import deque
 from collections.abc import Mapping
@@ -106,9 +107,21 @@ class GuestChannel:
     ``chardev`` is QEMU's ``-chardev socket,server=on`` path; ``listen`` the socket
     AgentClient connects to (created mode 0600, removed by ``close``)."""
 
-    def __init__(self, chardev: Path, listen: Path, *, connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        chardev: Path,
+        listen: Path,
+        *,
+        connect_timeout: float = 30.0,
+        sock: socket.socket | None = None,
+    ) -> None:
         self.chardev = chardev
         self.listen = listen
+        # A listening socket the caller owns at ``listen`` (kept across channels: a VM
+        # restored into a new QEMU gets a new channel, and requests that arrived
+        # meanwhile wait in its backlog). The channel serves a dup of it and never
+        # unlinks ``listen``.
+        self._sock = sock
         self.connect_timeout = connect_timeout
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -154,6 +167,10 @@ class GuestChannel:
                 await asyncio.sleep(0.02)
         self._writer.write(PREAMBLE + frame(T_RESET, 0, RESET_MAGIC + self._nonce))
         self._read_task = asyncio.create_task(self._read_loop(), name="guest-channel-read")
+        if self._sock is not None:
+            served = socket.socket(fileno=os.dup(self._sock.fileno()))
+            self._server = await asyncio.start_unix_server(self._on_client, sock=served)
+            return
         with contextlib.suppress(FileNotFoundError):
             self.listen.unlink()
         old = os.umask(0o177)
@@ -200,8 +217,9 @@ class GuestChannel:
             self._read_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._read_task
-        with contextlib.suppress(FileNotFoundError):
-            self.listen.unlink()
+        if self._sock is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.listen.unlink()
 
     # -- link -----------------------------------------------------------------------
 

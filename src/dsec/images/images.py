@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from dsec.api.fields import parse_image_ref
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import LayeredRunArgs
 from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument
 from dsec.images import builders
 from dsec.images.extract import default_config, unpack_archive
@@ -179,7 +179,7 @@ class Images:
                 raise await self._not_found(name, tag)
         return info.model_copy(deep=True)
 
-    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
+    async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
         """The image a sandbox starts from: base layers, then workspace, then toolkit.
 
         The base is an image tag or, failing that, a layer of the layer registry (local,
@@ -187,10 +187,10 @@ class Images:
         keeps exactly the layers it started with when a tag moves on.
         """
         try:
-            base = await self.resolve(spec.container_image)
+            base = await self.resolve(spec.image_ref)
         except ImageNotFound as exc:
             try:
-                as_layer = LayerRef.parse(spec.container_image)
+                as_layer = LayerRef.parse(spec.image_ref)
             except ValueError:
                 raise exc from None
             layer = await self.find_layer(as_layer)

@@ -10,7 +10,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import LayeredRunArgs
 
 # Called with (step description, done units, total units or None) during long work.
 Progress = Callable[[str, int, int | None], None]
@@ -23,7 +23,7 @@ class ImageService(Protocol):
         """``name[:tag]`` -> image; raises ImageNotFound with the known names."""
         ...
 
-    async def compose(self, spec: DSecContainerRunArgs) -> ImageInfo:
+    async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
         """The base image of ``spec`` with its workspace and toolkit layers on top."""
         ...
 

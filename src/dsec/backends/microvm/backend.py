@@ -53,6 +53,7 @@ from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.machine import Machine, rss_bytes, wait_until
 from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConfig, find_running
 from dsec.errors import BackendError, LimitExceeded
+from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.images.mounts import LayerMounts
 from dsec.net.vmtap import VMNetAttachment, attach_vm
 from dsec.resources.cgroups import CgroupHost
@@ -263,20 +264,18 @@ class MicroVMBackend(AgentDataPath, Backend):
         return Jail(cgroup_dirs=dirs)
 
     @staticmethod
-    def _boot_params(sid: str, layers: int, facts: MicroVMFacts) -> dict[str, str]:
-        """What GO tells the guest (the boot contract of dsec.guest): its drives, its
-        name, its address when it has a NIC, and the host's clock (a guest restored
-        from a template or a pause would otherwise run on the snapshot's time)."""
-        params = {
-            "layers": str(layers),
-            "rw": "1",
-            "hostname": sid[:63],
-            "time": str(time.time_ns() // 1000),
-        }
-        if facts.guest_ip is not None and facts.gateway is not None:
-            params["ip"] = facts.guest_ip
-            params["gw"] = facts.gateway
-        return params
+    def _boot_params(sid: str, layers: int, facts: MicroVMFacts) -> BootParams:
+        """What GO tells the guest: its drives, name, address when it has a NIC, and
+        the host's clock (a guest restored from a template would run on the
+        snapshot's time)."""
+        return BootParams(
+            layers=layers,
+            rw=True,
+            ip=facts.guest_ip,
+            gw=facts.gateway,
+            hostname=sid[:63],
+            time_us=time.time_ns() // 1000,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, inp: CreateInput) -> MicroVMFacts:
@@ -295,11 +294,11 @@ class MicroVMBackend(AgentDataPath, Backend):
             for i, digest in enumerate(reversed(inp.image.layers)):  # top layer first
                 self.layers.acquire(digest)
                 facts.layers_held.append(digest)
-                drives.append(Drive(self.layers.blob(digest), f"dsec-l{i}", readonly=True))
+                drives.append(Drive(self.layers.blob(digest), layer_serial(i), readonly=True))
             facts.disk_bytes = await asyncio.to_thread(
                 create_disk, root / "disk.img", spec.disk_limit_mb
             )
-            drives.append(Drive(root / "disk.img", "dsec-rw", readonly=False))
+            drives.append(Drive(root / "disk.img", RW_SERIAL, readonly=False))
             await asyncio.to_thread(
                 self.cgroups.create_limited,
                 self.cgroup_of(sid),
@@ -328,7 +327,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                     await machine.restore(template, wait_until(deadline))
                 channel = await machine.connect_channel(wait_until(deadline))
                 await channel.wait_template(wait_until(deadline))
-                await channel.go(self._boot_params(sid, len(inp.image.layers), facts))
+                await channel.go(self._boot_params(sid, len(inp.image.layers), facts).params())
                 await channel.wait_ready(wait_until(deadline))
             await self.check_init_user(sid, spec.init_user)
             if self.templates and not restored and config.net is None:
@@ -453,10 +452,10 @@ class MicroVMBackend(AgentDataPath, Backend):
         kernel, initrd, _accel = await self._guest()
         facts = self.facts(rec)
         drives = [
-            Drive(self.layers.blob(d), f"dsec-l{i}", readonly=True)
+            Drive(self.layers.blob(d), layer_serial(i), readonly=True)
             for i, d in enumerate(reversed(rec.image.layers))
         ]
-        drives.append(Drive(self.vm_dir(rec.id) / "disk.img", "dsec-rw", readonly=False))
+        drives.append(Drive(self.vm_dir(rec.id) / "disk.img", RW_SERIAL, readonly=False))
         tap = NetAttachment(-1, facts.mac) if facts.mac is not None else None
         config = VMConfig(
             kernel=kernel,
