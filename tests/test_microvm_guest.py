@@ -286,6 +286,38 @@ async def test_large_stdout_does_not_stall_a_second_channel(vm: Vm) -> None:
     assert quick < total / 2
 
 
+async def test_a_slow_stdin_reader_does_not_stall_a_second_channel(vm: Vm) -> None:
+    """Host to guest: a command that reads its 8 MiB of stdin only after 3 s fills its
+    channel's window; other channels go on."""
+    agent = AgentClient(vm.channel.listen)
+    size = 8 << 20
+    slow = asyncio.create_task(
+        agent.exec(
+            ["/bin/sh", "-c", "sleep 3; wc -c"],
+            env={},
+            cwd="",
+            user="root",
+            timeout=60,
+            max_output=1 << 10,
+            stdin=bytes(size),
+        )
+    )
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    assert await sh(vm, "echo quick") == (0, b"quick\n")
+    quick = time.monotonic() - t0
+    assert not slow.done()
+    result = await slow
+    print(f"quick exec {quick:.2f}s while a stdin reader slept")
+    assert result.exit_code == 0 and result.stdout.strip() == str(size).encode()
+    assert quick < 1.5
+
+
+async def test_many_channels_at_once(vm: Vm) -> None:
+    results = await asyncio.gather(*(sh(vm, f"echo {i}") for i in range(60)))
+    assert results == [(0, f"{i}\n".encode()) for i in range(60)]
+
+
 async def test_reconnect_with_a_new_channel(vm: Vm) -> None:
     """A new host process gets a clean link, even after an old one left garbage and a
     half-sent frame in the stream, and while a command of the old link still runs."""
