@@ -394,8 +394,10 @@ async def test_a_boot_failure_prints_one_line_and_ends_qemu(tmp_path: Path) -> N
         await asyncio.wait_for(asyncio.to_thread(proc.wait), 60)
     finally:
         kill(proc)
-    lines = [ln for ln in console.read_text().splitlines() if "dsec-vminit:" in ln]
-    assert lines == ["dsec-vminit: bad value for dsec.layers: x"], console.read_text()
+        text = console.read_text()
+        console.unlink()
+    lines = [ln for ln in text.splitlines() if "dsec-vminit:" in ln]
+    assert lines == ["dsec-vminit: bad value for dsec.layers: x"], text
 
 
 # ------------------------------------------------------------------------------------
@@ -472,6 +474,7 @@ async def test_hostile_guest_frames_close_the_link(
         await channel.close()
         server.close()
         await server.wait_closed()
+        chardev.unlink(missing_ok=True)
     assert not listen.exists()
     assert "protocol violation" in caplog.text
     assert "Traceback" not in caplog.text
