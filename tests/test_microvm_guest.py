@@ -514,6 +514,7 @@ def test_kernel_fetch_failure_is_a_typed_error(
     monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "../../etc")
     with pytest.raises(BackendError, match="not a cloud kernel"):
         guest_kernel()
+    shutil.rmtree(tmp_path / "kernel")
 
 
 def test_boot_params_are_checked_on_the_host() -> None:
