@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from dsec.errors import BackendError, InvalidArgument
+from dsec.errors import BackendError
 from dsec.guest import channel as wire
 from dsec.guest.bootparams import BASE_ARGS, BootParams, template_cmdline
 from dsec.guest.channel import GuestChannel
-from dsec.guest.initramfs import Entry, guest_initramfs, load_order, modinfo, newc_archive
+from dsec.guest.initramfs import guest_initramfs
 from dsec.guest.kernel import guest_kernel
 from dsec.images.builders import busybox_tree
 from dsec.sessions.agent_client import AgentClient
@@ -478,56 +478,3 @@ async def test_hostile_guest_frames_close_the_link(
     assert not listen.exists()
     assert "protocol violation" in caplog.text
     assert "Traceback" not in caplog.text
-
-
-# ------------------------------------------------------------------------------------
-# pure parts
-
-
-def test_newc_archive_layout() -> None:
-    blob = newc_archive([Entry("a", 0o100644, b"xyz"), Entry("dev/console", 0o20600, rdev=(5, 1))])
-    assert blob.startswith(b"070701")
-    assert b"TRAILER!!!\0" in blob and len(blob) % 4 == 0
-    with pytest.raises(ValueError):
-        newc_archive([Entry("../x", 0o100644)])
-
-
-def test_module_dependencies_come_first() -> None:
-    kernel = guest_kernel()
-    from dsec.guest.initramfs import module_index
-
-    index = module_index(kernel.modules)
-    assert "net_failover" in modinfo(index["virtio_net"].read_bytes())["depends"].split(",")
-    names = [name for _, name, _ in load_order([["virtio_console"], ["virtio_net"]], index)]
-    assert names.index("virtio_ring") < names.index("virtio") < names.index("virtio_console")
-    assert names.index("failover") < names.index("net_failover") < names.index("virtio_net")
-
-
-def test_kernel_fetch_failure_is_a_typed_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("DSEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-0.0.0-0-cloud-amd64")
-    with pytest.raises(BackendError, match=r"cannot download linux-image-0\.0\.0-0-cloud-amd64"):
-        guest_kernel()
-    assert [p.name for p in (tmp_path / "kernel").iterdir()] == [".lock"]  # nothing half-made
-    monkeypatch.setenv("DSEC_GUEST_KERNEL_PACKAGE", "../../etc")
-    with pytest.raises(BackendError, match="not a cloud kernel"):
-        guest_kernel()
-    shutil.rmtree(tmp_path / "kernel")
-
-
-def test_boot_params_are_checked_on_the_host() -> None:
-    assert BOOT.cmdline() == (
-        f"{BASE_ARGS} dsec.layers=2 dsec.rw=1 dsec.ip=10.0.2.15/24 dsec.gw=10.0.2.2 "
-        "dsec.hostname=guest1"
-    )
-    for bad in (
-        {"layers": 0},
-        {"ip": "10.0.2.15"},
-        {"ip": "10.0.2.300/24"},
-        {"gw": "10.0.2.2"},
-        {"hostname": "a b"},
-    ):
-        with pytest.raises(InvalidArgument):
-            BootParams(**{"layers": 1, "rw": False, **bad})  # type: ignore[arg-type]
