@@ -63,4 +63,5 @@ fi
 .venv/bin/python -c 'from dsec.images.lazy.build import lazyfs_binary; lazyfs_binary()'
 # The microVM guest: Debian's cloud kernel (fetched with apt-get download, unpacked into
 # the cache, never installed) and the initramfs with dsec-vminit and the agent.
+apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt-get update -qq
 .venv/bin/python -c 'from dsec.guest.initramfs import guest_initramfs; guest_initramfs()'
