@@ -13,6 +13,7 @@ import pytest
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, SessionArgs
 from dsec.api.sandbox import SandboxState
+from dsec.api.spec import BackendKind
 from dsec.api.verify import VerifyRequest
 from dsec.backends.base import Capability
 from dsec.edge.dataplane import DataPlane
@@ -31,6 +32,14 @@ async def test_create_and_exec(harness: Harness) -> None:
     assert (await edge.exec(info.id, ExecRequest(command="exit 7"))).exit_code == 7
     missing = await edge.exec(info.id, ExecRequest(command="no-such-tool"))
     assert missing.exit_code == 127 and "not found" in missing.stderr
+    # What runs a VM is said where a caller and an operator look: the sandbox and health.
+    health = await edge.health()
+    if harness.kind is BackendKind.MICROVM:
+        assert info.accelerator in ("kvm", "tcg")
+        assert health.backend_details["microvm"]["accelerator"] == info.accelerator
+        assert health.backend_details["microvm"]["accelerator_reason"]
+    else:
+        assert info.accelerator is None
 
 
 async def test_files_round_trip_and_are_seen_by_commands(harness: Harness) -> None:
