@@ -194,6 +194,18 @@ def attach_vm(net: dict[str, Any]) -> VMNetAttachment:
     )
 
 
+def scratch_tap() -> int:
+    """An fd on a fresh, non-persistent, unconfigured tap (down, no address): the NIC
+    backend of a VM whose template is being saved, which never sends a frame (its guest
+    waits before it loads the NIC driver). The device vanishes with the fd's last copy,
+    so nothing is left however the template build ends."""
+    name = "dsect" + os.urandom(5).hex()
+    try:
+        return _open(name, FLAGS | IFF_TUN_EXCL)
+    except OSError as exc:
+        raise BackendError(f"cannot create a scratch tap: {exc.strerror}") from exc
+
+
 def detach_vm(host: IPRoute, net: dict[str, Any]) -> None:
     """Remove the tap of a network record (idempotent; blocking, ~15-20 ms: the kernel
     unregisters the device synchronously, so the manager runs it in its netlink

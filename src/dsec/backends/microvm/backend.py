@@ -55,9 +55,10 @@ from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConf
 from dsec.errors import BackendError, LimitExceeded
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.images.mounts import LayerMounts
-from dsec.net.vmtap import VMNetAttachment, attach_vm
+from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
+from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 
 log = logging.getLogger(__name__)
@@ -153,9 +154,13 @@ class MicroVMBackend(AgentDataPath, Backend):
         self._ready: asyncio.Task[None] | None = None
         self._template_builds: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # pid 1's reports of signals sent to it from inside the guest: the same agent,
+        # the same reports as containers (dsec.security.init_signals).
+        self.init_signals = InitSignalWatcher(audit)
 
     # -- host -----------------------------------------------------------------------
     async def start(self) -> None:
+        self.init_signals.start()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.vms_dir, 0o700)
         # The guest image and the accelerator probe take seconds the first time on a
@@ -195,6 +200,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             self._ready.cancel()
             with contextlib.suppress(BaseException):
                 await self._ready
+        self.init_signals.close()
         for machine in list(self._machines.values()):
             await machine.close()
         self._machines.clear()
@@ -329,10 +335,9 @@ class MicroVMBackend(AgentDataPath, Backend):
                 await channel.wait_template(wait_until(deadline))
                 await channel.go(self._boot_params(sid, len(inp.image.layers), facts).params())
                 await channel.wait_ready(wait_until(deadline))
+            self.init_signals.watch(sid, self.agent_socket(sid))
             await self.check_init_user(sid, spec.init_user)
-            if self.templates and not restored and config.net is None:
-                # A shape with a NIC needs a template booted with one (the NIC is part
-                # of the migrated state): such VMs boot cold for now.
+            if self.templates and not restored:
                 self._build_template_later(config)
         except BaseException as exc:
             tail = await machine.console_tail() if machine is not None else ""
@@ -360,6 +365,8 @@ class MicroVMBackend(AgentDataPath, Backend):
         work = self.templates_dir / f".build-{config.machine_key()}"
         proc: QemuProcess | None = None
         machine: Machine | None = None
+        scratch: int | None = None
+        net: NetAttachment | None = None
         try:
             await asyncio.to_thread(shutil.rmtree, work, True)
             (work / "q").mkdir(parents=True, mode=0o700)
@@ -368,15 +375,24 @@ class MicroVMBackend(AgentDataPath, Backend):
                 placeholder = work / f"{d.serial}.img"
                 await asyncio.to_thread(_placeholder, placeholder)
                 drives.append(Drive(placeholder, d.serial, readonly=d.readonly))
+            if config.net is not None:
+                # The NIC is part of the saved machine: the template has one too, on a
+                # throwaway tap (its guest never loads the NIC driver before GO).
+                scratch = scratch_tap()
+                net = NetAttachment(scratch, config.net.mac)
             tconfig = dataclasses.replace(
                 config,
                 agent_socket=work / "q" / "chardev.sock",
                 qmp_socket=work / "q" / "qmp.sock",
                 log_path=work / "qemu.log",
                 drives=tuple(drives),
+                net=net,
             )
             machine = Machine(work, tconfig)
             proc = machine.launch(prefix=self._jail(None).prefix(tconfig))
+            if scratch is not None:
+                os.close(scratch)  # QEMU holds its own copy: the tap goes with QEMU
+                scratch = None
             channel = await machine.connect_channel(120)
             await channel.wait_template(120)
             await machine.close_channel()
@@ -394,6 +410,8 @@ class MicroVMBackend(AgentDataPath, Backend):
         except Exception as exc:
             log.warning("microvm template for %s not saved: %s", config.machine_key(), exc)
         finally:
+            if scratch is not None:
+                os.close(scratch)
             if machine is not None:
                 await machine.kill()
                 machine.close_listener()
@@ -405,6 +423,7 @@ class MicroVMBackend(AgentDataPath, Backend):
     async def _teardown(self, sid: str, facts: MicroVMFacts) -> None:
         """Kill QEMU, remove its cgroup, files and sockets, release layers; idempotent."""
         errors: list[str] = []
+        self.init_signals.unwatch(sid)
         machine = self._machines.pop(sid, None)
         if machine is not None:
             if machine.restoring is not None and not machine.restoring.done():
@@ -502,6 +521,7 @@ class MicroVMBackend(AgentDataPath, Backend):
 
     async def adopt(self, rec: SandboxRecord) -> None:
         self._hold_layers(rec)
+        self.init_signals.watch(rec.id, self.agent_socket(rec.id))  # and what pid 1 kept
 
     async def adopt_paused(self, rec: SandboxRecord) -> bool:
         facts = self.facts(rec)
@@ -589,6 +609,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
             qmp = await machine.connect_qmp()
+            self.init_signals.unwatch(rec.id)
             await machine.close_channel()
             facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
             try:
@@ -597,6 +618,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                 facts.pid = proc.pid
                 with contextlib.suppress(Exception):
                     await machine.connect_channel(10)
+                    self.init_signals.watch(rec.id, machine.agent_socket)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGSTOP)
                 raise
@@ -647,6 +669,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                 channel = await machine.connect_channel(30)
                 await channel.wait_ready(60)
                 machine.snapshot.unlink(missing_ok=True)
+            self.init_signals.watch(sid, machine.agent_socket)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
