@@ -1,99 +1,43 @@
-"""A throwaway guest for the VMM tests: Debian's cloud kernel plus a busybox initramfs.
+"""A throwaway guest for VMM and network tests: the platform's guest kernel plus a
+busybox initramfs whose /init is a shell script.
 
-The VMM layer (``dsec.backends.microvm``) must be testable without the real guest
-(``dsec.guest``), so this builds the smallest guest that exercises what the VMM cares
-about: it boots under TCG on ``-M microvm``, loads the virtio-mmio and virtio-serial
-modules, and runs a shell script as pid 1. The kernel is fetched with ``apt-get
-download`` once and unpacked under the cache dir; the lead later swaps this for
-``dsec.guest.kernel.guest_kernel()``.
+The VMM layer (``dsec.backends.microvm``) and the VM network (``dsec.net.vmtap``) must be
+testable without the real guest's pid 1 (``dsec-vminit``), so this builds the smallest
+guest that exercises what they care about. The kernel, the cpio writer and the module
+dependency order are the platform's own (``dsec.guest.kernel``, ``dsec.guest.initramfs``):
+one fetch, one format.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import io
 import os
-import re
 import shutil
-import subprocess
-import tempfile
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.native import cache_dir
+from dsec.guest import kernel as platform_kernel
+from dsec.guest.initramfs import Entry, load_order, module_index, newc_archive
 
-KERNEL_META = "linux-image-cloud-amd64"
 # Load order matters: each module's dependencies come first. The late ones are
 # loaded by the script's `late` call: after the GO of a template restore, as in the
 # real guest, so a restored VM probes the drives and NIC it was restored with.
 EARLY_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
 LATE_MODULES = ("virtio_blk", "failover", "net_failover", "virtio_net")
-MODULES = EARLY_MODULES + LATE_MODULES
 
 
 @dataclass(frozen=True)
 class GuestKernel:
     vmlinuz: Path
-    modules: dict[str, Path]  # module name -> .ko
+    modules: Path  # <release> module tree (module_index reads it)
     release: str
 
 
-def _versioned_package() -> str:
-    out = subprocess.run(
-        ["apt-cache", "depends", KERNEL_META], capture_output=True, text=True, check=True
-    ).stdout
-    match = re.search(r"Depends: (linux-image-[0-9][^\s]*)", out)
-    if match is None:
-        raise RuntimeError(f"apt-cache depends {KERNEL_META}: no versioned kernel in {out!r}")
-    return match.group(1)
-
-
 def guest_kernel() -> GuestKernel:
-    """Fetch and unpack the cloud kernel once (file lock: parallel test runs share it)."""
-    root = cache_dir() / "test-guest"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = sorted(root.glob("linux-image-*/boot/vmlinuz-*"))
-        if not done:
-            pkg = _versioned_package()
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                subprocess.run(
-                    ["apt-get", "download", "-qq", pkg], cwd=tmp, check=True, capture_output=True
-                )
-                (deb,) = Path(tmp).glob("*.deb")
-                staging = Path(tmp) / "x"
-                subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
-                os.replace(staging, root / pkg)
-            done = sorted(root.glob("linux-image-*/boot/vmlinuz-*"))
-    vmlinuz = done[-1]
-    release = vmlinuz.name.removeprefix("vmlinuz-")
-    kroot = vmlinuz.parent.parent / "lib" / "modules" / release / "kernel"
-    modules = {p.stem: p for p in kroot.rglob("*.ko") if p.stem in MODULES}
-    missing = set(MODULES) - set(modules)
-    if missing:
-        raise RuntimeError(f"kernel {release} lacks modules {sorted(missing)}")
-    return GuestKernel(vmlinuz=vmlinuz, modules=modules, release=release)
-
-
-def _newc_entry(out: io.BytesIO, name: str, mode: int, data: bytes, ino: int) -> None:
-    namez = name.encode() + b"\0"
-    fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(namez), 0]
-    out.write(b"070701" + b"".join(b"%08X" % f for f in fields))
-    out.write(namez)
-    out.write(b"\0" * (-(110 + len(namez)) % 4))
-    out.write(data)
-    out.write(b"\0" * (-len(data) % 4))
-
-
-def newc(entries: list[tuple[str, int, bytes]]) -> bytes:
-    """A cpio "newc" archive (what the kernel unpacks as an initramfs)."""
-    out = io.BytesIO()
-    for ino, (name, mode, data) in enumerate(entries, start=1):
-        _newc_entry(out, name, mode, data, ino)
-    _newc_entry(out, "TRAILER!!!", 0, b"", 0)
-    return out.getvalue()
+    """The platform's guest kernel (fetched and unpacked once, cached)."""
+    k = platform_kernel.guest_kernel()
+    return GuestKernel(vmlinuz=k.vmlinuz, modules=k.modules, release=k.release)
 
 
 INIT_PROLOGUE = """#!/bin/busybox sh
@@ -108,22 +52,24 @@ late() {{ for m in {late}; do insmod /lib/$m.ko; done; }}
 
 def initramfs(kernel: GuestKernel, script: str, where: Path) -> Path:
     """An initramfs whose /init runs the prologue (busybox, devtmpfs, the early
-    modules, a shell function ``late`` that loads the rest) then ``script``; cached
-    by content under ``where``."""
-    init = INIT_PROLOGUE.format(early=" ".join(EARLY_MODULES), late=" ".join(LATE_MODULES))
-    init += script
+    modules, a shell function ``late`` that loads the rest, dependencies resolved)
+    then ``script``; cached by content under ``where``."""
+    order = load_order([EARLY_MODULES, LATE_MODULES], module_index(kernel.modules))
+    early = [name for phase, name, _ in order if phase == 0]
+    late = [name for phase, name, _ in order if phase == 1]
+    init = INIT_PROLOGUE.format(early=" ".join(early), late=" ".join(late)) + script
     busybox = shutil.which("busybox") or "/bin/busybox"
-    entries: list[tuple[str, int, bytes]] = [
-        ("bin", 0o040755, b""),
-        ("dev", 0o040755, b""),
-        ("proc", 0o040755, b""),
-        ("sys", 0o040755, b""),
-        ("lib", 0o040755, b""),
-        ("bin/busybox", 0o100755, Path(busybox).read_bytes()),
-        ("init", 0o100755, init.encode()),
+    entries = [
+        *(
+            Entry(d, stat.S_IFDIR | 0o755)
+            for d in ("bin", "dev", "proc", "sys", "etc", "tmp", "lib")
+        ),
+        Entry("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1)),
+        Entry("bin/busybox", stat.S_IFREG | 0o755, Path(busybox).read_bytes()),
+        Entry("init", stat.S_IFREG | 0o755, init.encode()),
+        *(Entry(f"lib/{name}.ko", stat.S_IFREG | 0o644, data) for _, name, data in order),
     ]
-    entries += [(f"lib/{m}.ko", 0o100644, kernel.modules[m].read_bytes()) for m in MODULES]
-    blob = newc(entries)
+    blob = newc_archive(entries)
     target = where / f"initrd-{hashlib.sha256(blob).hexdigest()[:16]}.cpio"
     if not target.exists():
         tmp = target.with_suffix(".tmp")

@@ -31,6 +31,7 @@ from dsec.net import vmtap
 from dsec.net.catalog import load_catalog
 from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
 from dsec.net.vmtap import VMNetAttachment, attach_vm
+from tests import microvm_guest
 from tests.fakenet import FakeService, RecordingAudit, fake_service
 
 pytestmark = [
@@ -468,12 +469,8 @@ async def test_attach_cost(vmnet: VmNet) -> None:
 
 # ---- a real guest: QEMU (TCG) on the tap, busybox initramfs --------------------------------
 
-KERNEL_PACKAGE = "linux-image-6.1.0-57-cloud-amd64"
-GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "failover", "net_failover", "virtio_net")
-GUEST_INIT = r"""#!/bin/busybox sh
-/bin/busybox --install -s /bin
-mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in $MODULES; do insmod /lib/$m.ko || echo "@@ insmod $m FAIL"; done
+# After tests.microvm_guest's prologue (busybox, /proc, /sys, /dev, the early modules):
+GUEST_INIT = r"""late
 for kv in $(cat /proc/cmdline); do
   case $kv in
     dsec.ip=*) IP=${kv#*=};; dsec.gw=*) GW=${kv#*=};;
@@ -509,52 +506,12 @@ reboot -f
 """
 
 
-def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
-    """A cpio "newc" archive of (name, mode, data, rdev) entries (the kernel's format
-    for an initramfs; there is no cpio on the host)."""
-    out = bytearray()
-
-    def pad() -> None:
-        out.extend(b"\0" * (-len(out) % 4))
-
-    for ino, (name, mode, data, rdev) in enumerate([*entries, ("TRAILER!!!", 0, b"", 0)], 1):
-        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, rdev >> 8, rdev & 0xFF, len(name) + 1, 0]
-        out.extend(b"070701" + b"".join(b"%08x" % f for f in fields))
-        out.extend(name.encode() + b"\0")
-        pad()
-        out.extend(data)
-        pad()
-    return bytes(out)
-
-
 @pytest.fixture(scope="module")
-def guest_kernel() -> Iterator[Path]:
-    """The Debian cloud kernel, unpacked: the cached copy under $DSEC_CACHE_DIR, else
-    downloaded with apt into a temporary directory (removed afterwards)."""
+def guest_kernel() -> Path:
+    """The platform's guest kernel (dsec.guest.kernel: fetched once, cached)."""
     if not Path("/usr/bin/qemu-system-x86_64").exists():
         pytest.skip("qemu-system-x86 is not installed")
-    cache = Path(os.environ.get("DSEC_CACHE_DIR", "/var/cache/dsec")) / "kernel" / KERNEL_PACKAGE
-    if (cache / "boot").is_dir():
-        yield cache
-        return
-    with tempfile.TemporaryDirectory(prefix="dsec-vmnet-kernel-") as tmp:
-        subprocess.run(["apt-get", "download", KERNEL_PACKAGE], cwd=tmp, check=True)
-        deb = next(Path(tmp).glob("*.deb"))
-        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/root"], check=True)
-        yield Path(tmp) / "root"
-
-
-def build_initramfs(kernel: Path, dest: Path) -> None:
-    modules = {p.stem: p for p in (kernel / "lib" / "modules").rglob("*.ko")}
-    init = GUEST_INIT.replace("$MODULES", " ".join(GUEST_MODULES))
-    entries: list[tuple[str, int, bytes, int]] = [
-        *((d, 0o040755, b"", 0) for d in ("bin", "dev", "proc", "sys", "etc", "tmp", "lib")),
-        ("dev/console", 0o020600, b"", (5 << 8) | 1),
-        ("bin/busybox", 0o100755, Path("/usr/bin/busybox").read_bytes(), 0),
-        ("init", 0o100755, init.encode(), 0),
-        *((f"lib/{m}.ko", 0o100644, modules[m].read_bytes(), 0) for m in GUEST_MODULES),
-    ]
-    dest.write_bytes(_newc(entries))
+    return microvm_guest.guest_kernel().vmlinuz
 
 
 BOOT_ARGS = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off"
@@ -571,7 +528,7 @@ async def run_guest(
     under its seccomp sandbox, given the tap fd only when ``att``; the ``@@ key value``
     lines /init printed, and the whole console. QEMU is killed on the way out, whatever
     happened."""
-    vmlinuz = next((kernel / "boot").glob("vmlinuz-*"))
+    vmlinuz = kernel
     lines: list[str] = []
     found: dict[str, str] = {}
     proc = None
@@ -620,8 +577,8 @@ async def run_guest(
 @pytest.fixture(scope="module")
 def initrd(guest_kernel: Path) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="dsec-vmnet-initrd-") as tmp:
-        build_initramfs(guest_kernel, Path(tmp) / "initrd")
-        yield Path(tmp) / "initrd"
+        kernel = microvm_guest.guest_kernel()
+        yield microvm_guest.initramfs(kernel, GUEST_INIT, Path(tmp))
 
 
 async def test_a_qemu_guest_gets_the_containers_network(
