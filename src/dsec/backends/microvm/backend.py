@@ -539,6 +539,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         machine.proc = proc  # paused (SIGSTOPped) but never reclaimed: still there
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGSTOP)
+        machine.stopped = True
         self._hold_layers(rec)
         return True
 
@@ -592,6 +593,8 @@ class MicroVMBackend(AgentDataPath, Backend):
             os.kill(pid, signal.SIGSTOP)
         except ProcessLookupError as exc:
             raise BackendError(f"microvm {rec.id}: its VMM is gone") from exc
+        assert machine is not None
+        machine.stopped = True
 
     async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
         """Save the paused VM's memory and device state to ``state.snap`` and end QEMU:
@@ -608,6 +611,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             anon = rss_bytes(proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
+            machine.stopped = False
             qmp = await machine.connect_qmp()
             self.init_signals.unwatch(rec.id)
             await machine.close_channel()
@@ -621,6 +625,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                     self.init_signals.watch(rec.id, machine.agent_socket)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGSTOP)
+                machine.stopped = True
                 raise
             machine.proc, machine.qmp = None, None
             facts.snapshot = True
@@ -638,6 +643,12 @@ class MicroVMBackend(AgentDataPath, Backend):
         if machine.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(machine.proc.pid, signal.SIGCONT)
+            machine.stopped = False
+            if machine.channel is None:  # adopted paused after an edge restart
+                machine.listen()
+                machine.restoring = asyncio.get_running_loop().create_task(
+                    self._reconnect(rec.id, machine), name=f"vm-reconnect-{rec.id}"
+                )
             return
         if not machine.snapshot.is_file():
             return
@@ -661,6 +672,20 @@ class MicroVMBackend(AgentDataPath, Backend):
         if rec.net is None:
             raise BackendError(f"microvm {rec.id} has a NIC but no network record")
         return dict(rec.net)
+
+    async def _reconnect(self, sid: str, machine: Machine) -> None:
+        """The channel of a VM adopted while paused, once it runs again."""
+        try:
+            async with machine.lock:
+                channel = await machine.connect_channel(30)
+                await channel.wait_ready(60)
+            self.init_signals.watch(sid, machine.agent_socket)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("microvm %s: no agent channel after the resume: %s", sid, exc)
+            machine.close_listener()
+            await machine.kill()  # the edge's init watch fails the sandbox
 
     async def _finish_resume(self, sid: str, machine: Machine) -> None:
         try:

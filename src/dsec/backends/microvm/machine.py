@@ -68,6 +68,7 @@ class Machine:
         self.listener: socket.socket | None = None
         self.restoring: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # one of boot / pause / restore at a time
+        self.stopped = False  # SIGSTOPped by a pause: QMP would not answer
 
     @property
     def agent_socket(self) -> Path:
@@ -167,7 +168,9 @@ class Machine:
     async def guest_ended(self) -> bool:
         """Whether the guest is over while QEMU still runs (it pauses on a guest
         shutdown or panic, keeping its console readable: see qemu.py)."""
-        if self.proc is None or (self.restoring is not None and not self.restoring.done()):
+        if self.proc is None or self.stopped:
+            return False
+        if self.restoring is not None and not self.restoring.done():
             return False
         try:
             qmp = await self.connect_qmp()
