@@ -629,6 +629,9 @@ class MicroVMBackend(AgentDataPath, Backend):
                 raise
             machine.proc, machine.qmp = None, None
             facts.snapshot = True
+        # No process is left in the cgroup, but the page cache QEMU filled (its writes
+        # of the snapshot and the disk, its reads of layers) is still charged to it.
+        await asyncio.to_thread(self.cgroups.drop_charges, self.cgroup_of(rec.id))
         after = self.cgroups.memory_usage(self.cgroup_of(rec.id))
         return ReclaimFigures(before, after or 0, anon, 0, None)
 
@@ -690,10 +693,18 @@ class MicroVMBackend(AgentDataPath, Backend):
     async def _finish_resume(self, sid: str, machine: Machine) -> None:
         try:
             async with machine.lock:
+                t0 = time.monotonic()
                 await machine.restore(machine.snapshot, 120)
+                t1 = time.monotonic()
                 channel = await machine.connect_channel(30)
                 await channel.wait_ready(60)
                 machine.snapshot.unlink(missing_ok=True)
+                log.info(
+                    "microvm %s resumed: restore %.3fs, agent %.3fs",
+                    sid,
+                    t1 - t0,
+                    time.monotonic() - t1,
+                )
             self.init_signals.watch(sid, machine.agent_socket)
         except asyncio.CancelledError:
             raise
