@@ -172,6 +172,32 @@ def other_qemus(ours: Path) -> int:
     return n
 
 
+def other_qemu_rss(ours: Path) -> int:
+    """RSS of the QEMU processes on this host that are not this run's: another user of
+    the host starting or stopping VMs moves MemAvailable by this much."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system-x86_64\0" in argv[:200] and str(ours).encode() not in argv:
+            total += rss(int(entry)) or 0
+    return total
+
+
+def failed_vm_logs(b: Bench) -> dict[str, str]:
+    """The end of qemu.log of every VM directory left (for a failed step's report)."""
+    out = {}
+    if b.vm.vms_dir.is_dir():
+        for log_path in b.vm.vms_dir.glob("*/qemu.log"):
+            with contextlib.suppress(OSError):
+                out[log_path.parent.name] = log_path.read_text(errors="replace")[-600:]
+    return out
+
+
 def mib(n: float | None) -> float | None:
     return None if n is None else n / MiB
 
@@ -186,6 +212,7 @@ class Bench:
         assert isinstance(vm, MicroVMBackend)
         self.vm = vm
         self.live: set[str] = set()
+        self.failures: list[str] = []  # creates that failed (and were retried)
 
     def vm_spec(self, **kw: Any) -> DSecMicroVMRunArgs:
         args: dict[str, Any] = {
@@ -208,7 +235,22 @@ class Bench:
         args.update(kw)
         return DSecContainerRunArgs(**args)
 
-    async def create(self, spec: Any, *, template: bool = True) -> str:
+    async def create(self, spec: Any, *, template: bool = True, retry: bool = True) -> str:
+        """Create; a failure is recorded in ``failures`` and, with ``retry``, the
+        create is tried once more (a failure is a finding, not a reason to lose a run)."""
+        t = time.perf_counter()
+        try:
+            return await self._create(spec, template=template)
+        except Exception as exc:
+            self.failures.append(
+                f"{spec.backend} create ({'template' if template else 'cold'}) failed after "
+                f"{time.perf_counter() - t:.1f} s: {type(exc).__name__}: {str(exc)[:300]}"
+            )
+            if not retry:
+                raise
+            return await self._create(spec, template=template)
+
+    async def _create(self, spec: Any, *, template: bool) -> str:
         old = self.vm.templates
         self.vm.templates = template
         try:
@@ -261,10 +303,11 @@ class Bench:
 # -- 1. create to first command -------------------------------------------------------------
 async def bench_create(b: Bench, rounds: int) -> dict[str, Any]:
     sides: dict[str, Callable[[], Awaitable[str]]] = {
-        "microvm_cold": lambda: b.create(b.vm_spec(), template=False),
-        "microvm_template": lambda: b.create(b.vm_spec(), template=True),
-        "container": lambda: b.create(b.ct_spec()),
+        "microvm_cold": lambda: b.create(b.vm_spec(), template=False, retry=False),
+        "microvm_template": lambda: b.create(b.vm_spec(), template=True, retry=False),
+        "container": lambda: b.create(b.ct_spec(), retry=False),
     }
+    failed: dict[str, list[str]] = {n: [] for n in sides}
     names = list(sides)
     out: dict[str, dict[str, list[float]]] = {
         n: {"create": [], "first_cmd": [], "total": [], "stop": []} for n in names
@@ -273,7 +316,11 @@ async def bench_create(b: Bench, rounds: int) -> dict[str, Any]:
         order = names[r % 3 :] + names[: r % 3]
         for name in order:
             t0 = time.perf_counter()
-            sid = await sides[name]()
+            try:
+                sid = await sides[name]()
+            except Exception as exc:
+                failed[name].append(f"round {r + 1}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
             t1 = time.perf_counter()
             await b.sh(sid, "true")
             t2 = time.perf_counter()
@@ -286,6 +333,8 @@ async def bench_create(b: Bench, rounds: int) -> dict[str, Any]:
             s["stop"].append(t3 - t2)
         print(f"  create round {r + 1}/{rounds} done", file=sys.stderr)
     res: dict[str, Any] = {n: {k: summary(v) for k, v in s.items()} for n, s in out.items()}
+    for n in names:
+        res[n]["failures"] = failed[n]
     ct = res["container"]["total"]["p50_ms"]
     res["ratio_p50_total_over_container"] = {
         n: res[n]["total"]["p50_ms"] / ct for n in ("microvm_cold", "microvm_template")
@@ -468,6 +517,7 @@ async def idle_vms(b: Bench, images: list[str], settle: float) -> dict[str, Any]
     await asyncio.to_thread(drop_cache, blobs)
     await asyncio.sleep(1)
     before = mem_available()
+    others = other_qemu_rss(b.base)
     sids = []
     try:
         for ref in images:
@@ -482,7 +532,7 @@ async def idle_vms(b: Bench, images: list[str], settle: float) -> dict[str, Any]
         rss_v = [rss(p) or 0 for p in pids]
         cg = [b.vm_cgroup_bytes(s) or 0 for s in sids]
         cache = cached_bytes(uniq)
-        after = mem_available()
+        after = mem_available() + (other_qemu_rss(b.base) - others)
         n = len(sids)
         return {
             "n": n,
@@ -541,18 +591,33 @@ async def bench_density(b: Bench, n: int, settle: float) -> dict[str, Any]:
 async def bench_batch(b: Bench, n: int, per_vm_mib: float, window: float) -> dict[str, Any]:
     total = meminfo()
     before = mem_available()
+    others_before = other_qemu_rss(b.base)
     sids: list[str] = []
-    res: dict[str, Any] = {"n": n}
+    res: dict[str, Any] = {"asked": n, "create_errors": []}
+    create_s: list[float] = []
     try:
         t = time.perf_counter()
-        for _ in range(n):
-            sids.append(await b.create(b.vm_spec()))
+        for i in range(n):
+            t1 = time.perf_counter()
+            try:
+                sids.append(await b.create(b.vm_spec(), retry=False))
+                create_s.append(time.perf_counter() - t1)
+            except Exception as exc:  # counted and reported: a failure is a finding here
+                res["create_errors"].append(
+                    f"VM {i + 1} after {time.perf_counter() - t1:.1f} s: {exc}"
+                )
         res["create_all_s"] = time.perf_counter() - t
+        res["create"] = summary(create_s)
+        n = len(sids)
+        res["n"] = n
+        if n == 0:
+            raise RuntimeError(f"no VM of the batch started: {res['create_errors'][:2]}")
         await asyncio.sleep(5)
         for sid in sids:
             await b.sh(sid, "true")
         await asyncio.sleep(2)
         after = mem_available()
+        others_after = other_qemu_rss(b.base)
         pids = [p for p in (b.qemu_pid(s) for s in sids) if p is not None]
         pss_sum = sum(pss(p) or 0 for p in pids)
         cg_sum = sum(b.vm_cgroup_bytes(s) or 0 for s in sids)
@@ -567,8 +632,11 @@ async def bench_batch(b: Bench, n: int, per_vm_mib: float, window: float) -> dic
         cores = (c1 - c0) / hz / wall
         lat = await exec_batch(b, sids[0], 50)
         res.update(
-            memavail_drop_mib=(before - after) / MiB,
-            memavail_drop_per_vm_mib=(before - after) / n / MiB,
+            memavail_drop_raw_mib=(before - after) / MiB,
+            other_qemu_rss_change_mib=(others_after - others_before) / MiB,
+            # corrected for other users' VMs started or stopped meanwhile
+            memavail_drop_mib=(before - after - (others_after - others_before)) / MiB,
+            memavail_drop_per_vm_mib=(before - after - (others_after - others_before)) / n / MiB,
             predicted_drop_mib=per_vm_mib * n,
             pss_sum_mib=pss_sum / MiB,
             pss_cache_per_vm_mib=(pss_sum + cache) / n / MiB,
@@ -581,7 +649,7 @@ async def bench_batch(b: Bench, n: int, per_vm_mib: float, window: float) -> dic
         )
         per_vm_real = res["memavail_drop_per_vm_mib"]
         cpus = os.cpu_count() or 1
-        res["fit_by_memory_extrapolated"] = int(before / MiB / per_vm_mib)
+        res["fit_by_memory_extrapolated"] = int(before / MiB / per_vm_mib) if per_vm_mib else None
         res["fit_by_memory_batch"] = int(before / MiB / per_vm_real) if per_vm_real > 0 else None
         res["fit_by_cpu_idle"] = int(cpus / res["idle_cpu_cores_per_vm"]) if cores > 0 else None
         # What admission would let in at the VMs' limits (memory_limit + QEMU overhead).
@@ -622,18 +690,32 @@ async def run(opts: argparse.Namespace, base: Path, config: PlatformConfig) -> d
                 res["template_wait_s"] = await b.wait_template(have + 1)
             await b.stop(await b.create(b.vm_spec()))  # first restore: template into cache
 
-            print("[1/5] create to first command", file=sys.stderr)
-            res["create"] = await bench_create(b, opts.rounds)
-            print("[2/5] exec round trip", file=sys.stderr)
-            res["exec"] = await bench_exec(b, opts.execs)
-            print("[3/5] pause/resume", file=sys.stderr)
-            res["pause"] = await bench_pause(b, opts.hold_mb, opts.pause_cycles)
-            print("[4/5] memory per idle VM", file=sys.stderr)
-            res["density"] = await bench_density(b, opts.density, opts.settle)
-            print("[5/5] batch", file=sys.stderr)
-            per_vm = res["density"]["shared"]["per_vm_mib"]
-            res["batch"] = await bench_batch(b, opts.batch, per_vm, opts.cpu_window)
+            steps: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+                ("create", lambda: bench_create(b, opts.rounds)),
+                ("exec", lambda: bench_exec(b, opts.execs)),
+                ("pause", lambda: bench_pause(b, opts.hold_mb, opts.pause_cycles)),
+                ("density", lambda: bench_density(b, opts.density, opts.settle)),
+                (
+                    "batch",
+                    lambda: bench_batch(
+                        b,
+                        opts.batch,
+                        res.get("density", {}).get("shared", {}).get("per_vm_mib", 0.0),
+                        opts.cpu_window,
+                    ),
+                ),
+            ]
+            for i, (name, step) in enumerate(steps):
+                print(f"[{i + 1}/{len(steps)}] {name}", file=sys.stderr, flush=True)
+                try:
+                    res[name] = await step()
+                except Exception as exc:  # one failed step does not lose the others
+                    log_tail = failed_vm_logs(b)
+                    res[name] = {"error": f"{type(exc).__name__}: {exc}", "qemu_logs": log_tail}
+                    print(f"  {name} failed: {exc}", file=sys.stderr)
+                    await b.stop_all()
         finally:
+            res["create_failures"] = b.failures
             await b.stop_all()
     return res
 
@@ -658,14 +740,7 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_summary(res: dict[str, Any]) -> None:
-    acc = res["accelerator"].get("accelerator")
-    print(f"\n== microVM ({acc}) vs container, busybox, {VM_MB} MiB, 1 vCPU ==")
-    print(
-        f"guest kernel {res.get('guest_kernel')}; guest ready (kernel, initramfs, probe) "
-        f"{res['guest_ready_s']:.2f} s; first VM create {res['first_vm_create_s']:.2f} s; "
-        f"template saved {res.get('template_wait_s', 0):.1f} s after"
-    )
+def print_create(res: dict[str, Any]) -> None:
     c = res["create"]
     print(
         f"\n{'create to first command':40} {'n':>4} {'p50 ms':>10} {'p99 ms':>10}"
@@ -682,18 +757,26 @@ def print_summary(res: dict[str, Any]) -> None:
             f"{label:40} {s['total']['n']:>4} {s['total']['p50_ms']:>10.1f} "
             f"{s['total']['p99_ms']:>10.1f} {s['create']['p50_ms']:>11.1f} "
             f"{s['first_cmd']['p50_ms']:>12.1f} {s['stop']['p50_ms']:>9.1f}"
+            + (f"  ({len(s['failures'])} creates FAILED)" if s["failures"] else "")
         )
+        for f in s["failures"]:
+            print(f"    failed: {f}")
     r = c["ratio_p50_total_over_container"]
     print(
         f"  ratios (p50): cold/container {r['microvm_cold']:.1f}x, template/container "
         f"{r['microvm_template']:.1f}x, cold/template {c['ratio_p50_cold_over_template']:.2f}x"
     )
+
+
+def print_exec(res: dict[str, Any]) -> None:
     e = res["exec"]
     print(f"\n{'exec round trip (true)':40} {'n':>4} {'p50 ms':>10} {'p99 ms':>10}")
     for key, label in (("microvm", "microVM"), ("container", "container (baseline)")):
         print(f"{label:40} {e[key]['n']:>4} {e[key]['p50_ms']:>10.2f} {e[key]['p99_ms']:>10.2f}")
     print(f"  ratio (p50) microVM/container {e['ratio_p50_microvm_over_container']:.1f}x")
 
+
+def print_pause(res: dict[str, Any]) -> None:
     p = res["pause"]
     print(
         f"\npause/resume, microVM ({p['vm_memory_mb']} MiB RAM) holding {p['hold_mib']} MiB "
@@ -731,6 +814,8 @@ def print_summary(res: dict[str, Any]) -> None:
         f"{fmt(mib(cc['report_before']))} MiB (swap available: {cc['swap_available']})"
     )
 
+
+def print_density(res: dict[str, Any]) -> None:
     d = res["density"]
     print(f"\nhost memory per idle microVM ({d['shared']['n']} VMs each, after settling):")
     print(
@@ -751,12 +836,25 @@ def print_summary(res: dict[str, Any]) -> None:
         f"  container baseline ({cb['n']} idle): cgroup {cb['cgroup_per_sandbox_mib']:.2f} MiB, "
         f"MemAvailable drop {cb['memavail_drop_per_sandbox_mib']:.2f} MiB per container"
     )
+
+
+def print_batch(res: dict[str, Any]) -> None:
     bt = res["batch"]
+    shared_n = res.get("density", {}).get("shared", {}).get("n", "?")
+    alone = res.get("exec", {}).get("microvm", {}).get("p50_ms", float("nan"))
     print(f"\nhow many idle microVMs fit ({VM_MB} MiB guests):")
     print(
-        f"  batch of {bt['n']}: created in {bt['create_all_s']:.1f} s, MemAvailable drop "
-        f"{bt['memavail_drop_mib']:.0f} MiB ({bt['memavail_drop_per_vm_mib']:.1f}/VM) vs predicted "
-        f"{bt['predicted_drop_mib']:.0f} MiB from the {d['shared']['n']}-VM PSS+cache figure; "
+        f"  batch of {bt['n']} (of {bt['asked']} asked): created in {bt['create_all_s']:.1f} s "
+        f"(create p50 {bt['create']['p50_ms']:.0f} ms, p99 {bt['create']['p99_ms']:.0f} ms)"
+    )
+    for err in bt["create_errors"]:
+        print(f"  create FAILED: {err[:400]}")
+    print(
+        f"  MemAvailable drop {bt['memavail_drop_mib']:.0f} MiB (raw "
+        f"{bt['memavail_drop_raw_mib']:.0f}, other users' QEMU RSS changed by "
+        f"{bt['other_qemu_rss_change_mib']:+.0f} MiB meanwhile), "
+        f"{bt['memavail_drop_per_vm_mib']:.1f}/VM, vs predicted "
+        f"{bt['predicted_drop_mib']:.0f} MiB from the {shared_n}-VM PSS+cache figure; "
         f"measured in the batch: PSS+cache {bt['pss_cache_per_vm_mib']:.1f} MiB/VM, cgroups "
         f"{bt['cgroup_sum_mib']:.0f} MiB in all; stop all {bt.get('stop_all_s', 0):.1f} s"
     )
@@ -764,7 +862,7 @@ def print_summary(res: dict[str, Any]) -> None:
         f"  idle CPU: {bt['idle_cpu_cores_total']:.3f} cores for {bt['n']} VMs "
         f"({bt['idle_cpu_cores_per_vm'] * 1000:.1f} millicores/VM); exec with the batch "
         f"p50 {bt['exec_with_batch']['p50_ms']:.1f} ms p99 {bt['exec_with_batch']['p99_ms']:.1f} ms"
-        f" (vs {e['microvm']['p50_ms']:.1f} ms alone)"
+        f" (vs {alone:.1f} ms alone)"
     )
     print(
         f"  fit by memory: {bt['fit_by_memory_extrapolated']} (extrapolated from PSS+cache) / "
@@ -784,6 +882,36 @@ def print_summary(res: dict[str, Any]) -> None:
     if limits:
         first = min(limits, key=lambda k: limits[k])
         print(f"  the first limit to bite: {first} ({limits[first]} VMs)")
+
+
+SECTIONS = {
+    "create": print_create,
+    "exec": print_exec,
+    "pause": print_pause,
+    "density": print_density,
+    "batch": print_batch,
+}
+
+
+def print_summary(res: dict[str, Any]) -> None:
+    acc = res.get("accelerator", {}).get("accelerator")
+    print(f"\n== microVM ({acc}) vs container, busybox, {VM_MB} MiB, 1 vCPU ==")
+    if "guest_ready_s" in res:
+        print(
+            f"guest kernel {res.get('guest_kernel')}; guest ready (kernel, initramfs, probe) "
+            f"{res['guest_ready_s']:.2f} s; first VM create {res.get('first_vm_create_s', 0):.2f}"
+            f" s; template saved {res.get('template_wait_s', 0):.1f} s after"
+        )
+    for name, show in SECTIONS.items():
+        sec = res.get(name)
+        if sec is None:
+            print(f"\n[{name}] not run")
+        elif "error" in sec:
+            print(f"\n[{name}] FAILED: {sec['error']}")
+        else:
+            show(res)
+    for err in res.get("create_failures", []):
+        print(f"create failure (retried where a step needed the sandbox): {err}")
     print(
         f"\nload {res['host']['loadavg_start']} -> {res['host']['loadavg_end']}; "
         f"other QEMUs on the host at start: {res['host']['other_qemus_start']}"
