@@ -19,8 +19,9 @@ builds busybox, then measures through the Edge (the same calls the API makes):
 4. host memory per idle microVM: QEMU PSS (/proc/PID/smaps_rollup) plus the host page
    cache of its layer blobs (fincore), ``--density`` VMs on one shared image vs
    ``--density`` VMs each on its own copy of the layer (the busybox tree imported under
-   N names with a marker file, so the blobs and their page cache differ); idle
-   containers in the same step as the baseline;
+   N names with a marker file, so the blobs and their page cache differ), QEMU's RSS
+   split into guest RAM, TCG's code buffer and QEMU's own; idle containers in the same
+   step as the baseline;
 5. how many idle microVMs fit: the per-VM figure against MemAvailable, checked with a
    real batch of ``--batch`` VMs (MemAvailable before/after), and the CPU idle VMs burn
    under the accelerator (QEMU utime+stime over a window), exec latency with the batch.
@@ -120,6 +121,34 @@ def rss(pid: int | None) -> int | None:
 
 def pss(pid: int | None) -> int | None:
     return proc_field(pid, "Pss", "smaps_rollup")
+
+
+def rss_split(pid: int | None, guest_mb: int) -> dict[str, int]:
+    """QEMU's resident memory by kind (/proc/PID/smaps): the guest's RAM (the anonymous
+    mapping of exactly the guest's size), TCG's translated-code buffer (the anonymous
+    rwx mapping), and the rest (QEMU's heap, libraries, device state)."""
+    out = {"guest_ram": 0, "tcg_code": 0, "other": 0}
+    if pid is None:
+        return out
+    kind = "other"
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            anon = len(head) < 6
+            if anon and head[1].startswith("rw-") and hi - lo == guest_mb * MiB:
+                kind = "guest_ram"
+            elif anon and head[1].startswith("rwx"):
+                kind = "tcg_code"
+            else:
+                kind = "other"
+        elif head and head[0] == "Rss:":
+            out[kind] += int(head[1]) * 1024
+    return out
 
 
 def cpu_ticks(pid: int) -> int:
@@ -531,6 +560,7 @@ async def idle_vms(b: Bench, images: list[str], settle: float) -> dict[str, Any]
         pss_v = [pss(p) or 0 for p in pids]
         rss_v = [rss(p) or 0 for p in pids]
         cg = [b.vm_cgroup_bytes(s) or 0 for s in sids]
+        split = [rss_split(p, VM_MB) for p in pids]
         cache = cached_bytes(uniq)
         after = mem_available() + (other_qemu_rss(b.base) - others)
         n = len(sids)
@@ -541,6 +571,9 @@ async def idle_vms(b: Bench, images: list[str], settle: float) -> dict[str, Any]
             "pss_per_vm_mib": statistics.fmean(pss_v) / MiB,
             "rss_per_vm_mib": statistics.fmean(rss_v) / MiB,
             "cgroup_per_vm_mib": statistics.fmean(cg) / MiB,
+            "rss_split_per_vm_mib": {
+                k: statistics.fmean(x[k] for x in split) / MiB for k in split[0]
+            },
             "layer_cache_total_mib": cache / MiB,
             "layer_cache_per_vm_mib": cache / n / MiB,
             "per_vm_mib": (sum(pss_v) + cache) / n / MiB,
@@ -831,6 +864,11 @@ def print_density(res: dict[str, Any]) -> None:
             f" {s['layer_cache_total_mib']:>9.2f} {s['layer_cache_per_vm_mib']:>8.2f}"
             f" {s['per_vm_mib']:>9.1f} {s['memavail_drop_per_vm_mib']:>12.1f}"
         )
+    sp = d["shared"]["rss_split_per_vm_mib"]
+    print(
+        f"  QEMU RSS per VM by kind: guest RAM {sp['guest_ram']:.1f} MiB (of {VM_MB}), TCG "
+        f"translated code {sp['tcg_code']:.1f} MiB, QEMU's own {sp['other']:.1f} MiB"
+    )
     cb = d["container_baseline"]
     print(
         f"  container baseline ({cb['n']} idle): cgroup {cb['cgroup_per_sandbox_mib']:.2f} MiB, "
