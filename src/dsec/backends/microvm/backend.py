@@ -575,11 +575,15 @@ class MicroVMBackend(AgentDataPath, Backend):
         while True:
             await asyncio.sleep(GUEST_END_POLL)
             for sid, machine in list(self._machines.items()):
-                if await machine.guest_ended():
+                try:
+                    if not await machine.guest_ended():
+                        continue
                     tail = await machine.console_tail(300)
-                    log.warning("microvm %s: the guest ended; console: %s", sid, tail[-300:])
-                    self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail[-300:])
+                    log.warning("microvm %s: the guest ended; console: %r", sid, tail)
+                    self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
                     await machine.kill()
+                except Exception as exc:  # a VM torn down under us: not the loop's end
+                    log.debug("microvm %s: guest state unknown: %s", sid, exc)
 
     # -- pause ----------------------------------------------------------------------------
     def pause(self, rec: SandboxRecord) -> None:

@@ -69,6 +69,7 @@ class Machine:
         self.restoring: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # one of boot / pause / restore at a time
         self.stopped = False  # SIGSTOPped by a pause: QMP would not answer
+        self._qmp_lock = asyncio.Lock()
 
     @property
     def agent_socket(self) -> Path:
@@ -105,10 +106,13 @@ class Machine:
             await channel.close()
 
     async def connect_qmp(self) -> Qmp:
-        assert self.proc is not None
-        if self.qmp is None:
-            self.qmp = await Qmp.connect(self.config.qmp_socket, alive=self.proc.is_alive)
-        return self.qmp
+        """The QMP link, opened once: QEMU serves one QMP client at a time, so two
+        callers connecting at once would leave one without a greeting."""
+        async with self._qmp_lock:
+            assert self.proc is not None
+            if self.qmp is None:
+                self.qmp = await Qmp.connect(self.config.qmp_socket, alive=self.proc.is_alive)
+            return self.qmp
 
     async def close_qmp(self) -> None:
         if self.qmp is not None:
@@ -168,8 +172,8 @@ class Machine:
     async def guest_ended(self) -> bool:
         """Whether the guest is over while QEMU still runs (it pauses on a guest
         shutdown or panic, keeping its console readable: see qemu.py)."""
-        if self.proc is None or self.stopped:
-            return False
+        if self.proc is None or self.stopped or self.lock.locked():
+            return False  # a create, pause or restore is using QMP: not now
         if self.restoring is not None and not self.restoring.done():
             return False
         try:
