@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, RunArgs
+from dsec.api.spec import BackendKind, DSecRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.errors import Unsupported
 from dsec.sessions.agent_client import AgentClient
@@ -187,6 +187,13 @@ class Backend(ABC):
     # cgroup tasks ignore SIGKILL until thawed; a VM paused to a file has nothing to
     # thaw, and resuming it would restore a whole VM only to kill it).
     destroy_needs_resume: ClassVar[bool] = True
+
+    def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
+        """What admitting ``spec`` commits of the host's memory budget (host memory
+        times ``overcommit``). A container uses a fraction of its limit, so its limit
+        counts; a backend whose sandboxes hold their memory once touched (a VM's guest
+        RAM, with its VMM's own) counts that at full weight."""
+        return spec.memory_limit_mb
 
     @classmethod
     def probe(cls) -> str | None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from dsec.api.spec import DSecRunArgs
+from dsec.api.spec import DSecRunArgs, RunArgs
 from dsec.errors import AdmissionRejected, LimitExceeded
 
 
@@ -24,7 +24,11 @@ class Admission:
         self.max_sandboxes = max_sandboxes
         self.host_cpus = os.cpu_count() or 1
         self.host_memory_mb = host_memory_mb()
+        self.memory_overcommit = memory_overcommit
         self.memory_budget_mb = int(self.host_memory_mb * memory_overcommit)
+        # What a sandbox's memory commits: its limit by default (a container uses a
+        # fraction of it, hence the overcommit); the edge sets it per backend.
+        self.cost_mb: Callable[[RunArgs], int] = lambda spec: spec.memory_limit_mb
         self.count = 0
         self.memory_mb = 0
         # CPU committed (limits of the sandboxes admitted): reported, not admitted by.
@@ -49,14 +53,15 @@ class Admission:
                 host_cpus=self.host_cpus,
             )
 
-    def admit(self, spec: DSecRunArgs) -> None:
+    def admit(self, spec: RunArgs) -> None:
         if self.count >= self.max_sandboxes:
             raise AdmissionRejected(
                 f"host is full: {self.count} of {self.max_sandboxes} sandboxes; retry later",
                 running=self.count,
                 capacity=self.max_sandboxes,
             )
-        if self.memory_mb + spec.memory_limit_mb > self.memory_budget_mb:
+        cost = self.cost_mb(spec)
+        if self.memory_mb + cost > self.memory_budget_mb:
             raise AdmissionRejected(
                 f"host memory is fully committed ({self.memory_mb} of "
                 f"{self.memory_budget_mb} MiB); retry later",
@@ -64,22 +69,22 @@ class Admission:
                 budget_mb=self.memory_budget_mb,
             )
         self.count += 1
-        self.memory_mb += spec.memory_limit_mb
+        self.memory_mb += cost
         self.cpu_cores += spec.cpu_cores_limit
         self.seq += 1
 
-    def release(self, spec: DSecRunArgs) -> None:
+    def release(self, spec: RunArgs) -> None:
         self.count = max(0, self.count - 1)
-        self.memory_mb = max(0, self.memory_mb - spec.memory_limit_mb)
+        self.memory_mb = max(0, self.memory_mb - self.cost_mb(spec))
         self.cpu_cores = max(0.0, self.cpu_cores - spec.cpu_cores_limit)
         self.seq += 1
 
-    def reset(self, live: Iterable[DSecRunArgs]) -> None:
+    def reset(self, live: Iterable[RunArgs]) -> None:
         self.count = 0
         self.memory_mb = 0
         self.cpu_cores = 0.0
         self.seq += 1
         for spec in live:
             self.count += 1
-            self.memory_mb += spec.memory_limit_mb
+            self.memory_mb += self.cost_mb(spec)
             self.cpu_cores += spec.cpu_cores_limit

@@ -26,7 +26,12 @@ from dsec.api.health import Degradation, HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
-from dsec.api.spec import BackendKind, DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
+from dsec.api.spec import (
+    BackendKind,
+    DSecContainerRunArgs,
+    DSecMicroVMRunArgs,
+    RunArgs,
+)
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.base import Backend, Capability, CreateInput, SandboxRecord
 from dsec.backends.kinds import require_backend
@@ -133,6 +138,7 @@ class Edge:
         self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
         # A resumed sandbox may have a new init (a microVM restored into a new VMM).
         self.thaw_listeners.append(self._rewatch_init)
+        admission.cost_mb = self._committed_memory_mb
         self._death_tasks: set[asyncio.Task[None]] = set()
         self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
         self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
@@ -445,6 +451,13 @@ class Edge:
         pid = rec.facts.init_pid
         if pid is not None:
             self.deaths.watch(rec.id, pid)
+
+    def _committed_memory_mb(self, spec: RunArgs) -> int:
+        """Admission's charge for ``spec``: what its backend says it commits."""
+        backend = self.backends.get(BackendKind(spec.backend))
+        if backend is None:
+            return spec.memory_limit_mb
+        return backend.committed_memory_mb(spec, self.admission.memory_overcommit)
 
     def _rewatch_init(self, sandbox_id: str) -> None:
         rec = self._records.get(sandbox_id)
