@@ -704,7 +704,7 @@ async def run(opts: argparse.Namespace, base: Path, config: PlatformConfig) -> d
         try:
             await plat.images.build("busybox")
             t = time.perf_counter()
-            await b.vm._guest()  # the guest kernel, initramfs and the accelerator probe
+            await b.vm.guest_ready()  # the guest kernel, initramfs and the accelerator probe
             res["guest_ready_s"] = time.perf_counter() - t
             details = dict(b.vm.details())
             res["accelerator"] = details
