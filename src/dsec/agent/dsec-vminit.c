@@ -21,7 +21,8 @@
  *      /sys/block/vd* /serial (dsec-l0 = top layer ... dsec-rw), mount the layers (erofs,
  *      read-only), the writable ext4 disk (upper/ and work/ on it, created on first boot,
  *      kept across reboots and resumes) or a tmpfs, and the overlay on /newroot;
- *   5. loopback up, eth0 address and default route when dsec.ip is given, hostname;
+ *   5. loopback up, eth0 address and default route when dsec.ip is given (and
+ *      /etc/resolv.conf naming the gateway, bound read-only), hostname;
  *   6. switch_root semantics: MS_MOVE /newroot onto /, chroot; the initramfs's files are
  *      deleted first (only the socket stays, held by the mux's root);
  *   7. exec the agent from an fd opened before the switch (execveat AT_EMPTY_PATH), with
@@ -404,6 +405,32 @@ static void setup_network(const struct params *p)
 		}
 	}
 	close(s);
+}
+
+/* /etc/resolv.conf naming the gateway, where the edge's DNS responder answers (as the
+ * container backend bind-mounts it): without it the image's resolver asks 127.0.0.1 and
+ * a guest with network rules resolves nothing. A read-only bind of a file kept in the
+ * initramfs root, so the image's own file is untouched and pack_diff does not see it. */
+static void setup_resolv(const struct params *p)
+{
+	static const char *target = "/newroot/etc/resolv.conf";
+	if (!p->gw[0])
+		return;
+	int fd = open("/resolv.conf", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd < 0 || dprintf(fd, "nameserver %s\n", p->gw) < 0)
+		die("write /resolv.conf: %s", strerror(errno));
+	close(fd);
+	mkdir_p("/newroot/etc", 0755);
+	struct stat st;
+	if (lstat(target, &st) == 0 && !S_ISREG(st.st_mode) && unlink(target) < 0)
+		die("replace %s: %s", target, strerror(errno));
+	fd = open(target, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+	if (fd < 0)
+		die("create %s: %s", target, strerror(errno));
+	close(fd);
+	do_mount("/resolv.conf", target, NULL, MS_BIND, NULL);
+	do_mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		 NULL);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -933,6 +960,7 @@ int main(void)
 	load_modules(1);
 	mount_root(&p);
 	setup_network(&p);
+	setup_resolv(&p);
 	if (p.hostname[0] && sethostname(p.hostname, strlen(p.hostname)) < 0)
 		die("sethostname: %s", strerror(errno));
 	if (p.time_us > 0) {
