@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -107,10 +109,28 @@ class Qmp:
         """Hand QEMU one of our fds under ``name`` (getfd + SCM_RIGHTS): how QEMU gets
         a snapshot file it may not open itself (jailed, spawn denied)."""
         try:
-            self._client.send_fd_scm(fd)
-        except (QMPError, OSError) as exc:
+            self._send_scm(fd)
+        except (QMPError, OSError, AttributeError) as exc:
             raise QmpError(f"cannot pass an fd to QEMU: {exc}") from exc
         await self.execute("getfd", {"fdname": name}, timeout=timeout)
+
+    def _send_scm(self, fd: int) -> None:
+        """One byte carrying ``fd`` (SCM_RIGHTS) on the QMP socket, as QEMU wants it.
+
+        Not ``QMPClient.send_fd_scm``: it reaches for the private ``_sock`` of
+        asyncio's TransportSocket, which uvloop's transports (what `dsec up` runs on)
+        do not have, so every pause, restore and template save failed there. A dup of
+        the socket's fd works on any loop; between commands nothing else is queued on
+        the transport, so the byte cannot interleave with a command."""
+        writer = self._client._writer
+        if writer is None:
+            raise QmpError("QMP is not connected")
+        raw = writer.transport.get_extra_info("socket")
+        if raw is None or raw.family != socket.AF_UNIX:
+            raise QmpError("passing an fd to QEMU needs its unix QMP socket")
+        with socket.socket(fileno=os.dup(raw.fileno())) as sock:
+            if socket.send_fds(sock, [b" "], [fd]) != 1:
+                raise QmpError("short write passing an fd to QEMU")
 
     async def console(self, timeout: float = DEFAULT_TIMEOUT) -> str:
         """Everything the guest wrote to its serial console that we have read so far
