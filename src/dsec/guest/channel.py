@@ -146,6 +146,12 @@ class GuestChannel:
         return self._writer is not None and self._lost is None
 
     @property
+    def lost(self) -> str | None:
+        """Why the link ended (a protocol violation, QEMU closed it, ``close``), or None
+        while it is up."""
+        return self._lost
+
+    @property
     def state(self) -> int:
         """The guest's last HELLO state (0 before the first)."""
         return self._state

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -54,6 +55,7 @@ from dsec.backends.microvm.machine import Machine, rss_bytes, wait_until
 from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConfig, find_running
 from dsec.errors import BackendError, LimitExceeded
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
+from dsec.guest.channel import GuestChannel
 from dsec.images.mounts import LayerMounts
 from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
 from dsec.resources.cgroups import CgroupHost
@@ -70,6 +72,7 @@ VMM_OVERHEAD_MB = 160
 MIN_MEMORY_MB = 128  # the guest kernel and initramfs need this much to boot
 QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
+RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
 # Layers are fetched whole before a VM starts: the jailed QEMU (another uid) cannot read
 # a lazily loaded layer's FUSE file, which only its mounter (root) may open.
 LAYER_LOADING = "eager"
@@ -79,6 +82,10 @@ def _placeholder(path: Path) -> None:
     """A 1 MiB sparse file standing in for a drive a template guest never reads."""
     with open(path, "wb") as f:
         f.truncate(1 * MiB)
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], key: str, _done: object) -> None:
+    tasks.pop(key, None)
 
 
 def microvm_spec(rec: SandboxRecord | CreateInput) -> DSecMicroVMRunArgs:
@@ -582,19 +589,57 @@ class MicroVMBackend(AgentDataPath, Backend):
 
     async def _watch_guest_ends(self) -> None:
         """A guest that shut down or panicked leaves its QEMU paused (for the console):
-        kill it, so that the edge's init watch fails the sandbox at once."""
-        while True:
-            await asyncio.sleep(GUEST_END_POLL)
-            for sid, machine in list(self._machines.items()):
-                try:
-                    if not await machine.guest_ended():
+        kill it, so that the edge's init watch fails the sandbox at once. An agent
+        channel the guest broke (garbage on its port, its mux killed) is linked anew
+        once; if the guest does not answer, the VM is killed the same way: requests
+        waiting for it fail instead of hanging in the agent socket's backlog."""
+        relinks: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(GUEST_END_POLL)
+                for sid, machine in list(self._machines.items()):
+                    try:
+                        if await machine.guest_ended():
+                            tail = await machine.console_tail(300)
+                            log.warning("microvm %s: the guest ended; console: %r", sid, tail)
+                            self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
+                            await machine.kill()
+                            continue
+                    except Exception as exc:  # a VM torn down under us: not the loop's end
+                        log.debug("microvm %s: guest state unknown: %s", sid, exc)
                         continue
-                    tail = await machine.console_tail(300)
-                    log.warning("microvm %s: the guest ended; console: %r", sid, tail)
-                    self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
-                    await machine.kill()
-                except Exception as exc:  # a VM torn down under us: not the loop's end
-                    log.debug("microvm %s: guest state unknown: %s", sid, exc)
+                    channel = machine.channel
+                    busy = machine.lock.locked() or machine.stopped or sid in relinks
+                    if channel is not None and channel.lost is not None and not busy:
+                        task = asyncio.create_task(
+                            self._relink(sid, machine, channel), name=f"vm-relink-{sid}"
+                        )
+                        relinks[sid] = task
+                        task.add_done_callback(functools.partial(_forget, relinks, sid))
+        finally:
+            for task in list(relinks.values()):
+                task.cancel()
+
+    async def _relink(self, sid: str, machine: Machine, lost: GuestChannel) -> None:
+        async with machine.lock:
+            if machine.channel is not lost or machine.proc is None or machine.stopped:
+                return  # paused, resumed or ended meanwhile: that path owns the channel
+            why = lost.lost or "lost"
+            try:
+                channel = await machine.connect_channel(RELINK_TIMEOUT)
+                await channel.wait_ready(RELINK_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("microvm %s: agent channel lost (%s), no answer: %s", sid, why, exc)
+                self.audit.record(
+                    sid, AuditKind.LIFECYCLE, "agent_channel_lost", why=why, error=str(exc)
+                )
+                machine.close_listener()  # requests waiting for it fail now
+                await machine.kill()  # the edge's init watch fails the sandbox
+                return
+            log.warning("microvm %s: agent channel linked again after: %s", sid, why)
+            self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_relinked", why=why)
 
     # -- pause ----------------------------------------------------------------------------
     def pause(self, rec: SandboxRecord) -> None:
