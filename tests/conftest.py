@@ -145,8 +145,45 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     if crun_root.is_dir():
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
     leaks.extend(f"loop device {dev}" for dev in leaked_loops(data_dir))
-    leaks.extend(net_leftovers(edge_id))  # nft table, veths (dsec.net)
+    leaks.extend(net_leftovers(edge_id))  # nft table, veths and VM taps (dsec.net)
     leaks.extend(fncall_leftovers(data_dir, edge_id))
+    leaks.extend(microvm_leftovers(data_dir, edge_id))
+    return leaks
+
+
+def qemus(data_dir: Path) -> list[int]:
+    """QEMU processes (microVMs, template builds) naming a path below ``data_dir``
+    anywhere in an argument (``socket,id=qmp,path=...``, ``file=...``)."""
+    needle = os.fsencode(str(data_dir)) + b"/"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"qemu-system-x86_64") and any(needle in a for a in argv):
+            found.append(int(entry))
+    return found
+
+
+def microvm_leftovers(data_dir: Path, edge_id: str) -> list[str]:
+    """The microVM backend's QEMUs, VM directories, half-built templates and its
+    cgroup tree (dsec/<edge>-vm); its taps share the edge's prefix (net_leftovers)."""
+    host = cgroups.detect()
+    rel = f"/dsec/{edge_id}-vm"
+    leaks = [f"qemu {pid}" for pid in qemus(data_dir)]
+    vms = data_dir / "vms"
+    if vms.is_dir():
+        leaks.extend(f"vm dir {p}" for p in vms.iterdir())
+    templates = data_dir / "vm-templates"
+    if templates.is_dir():
+        leaks.extend(f"template build {p}" for p in templates.glob(".build-*"))
+    leaks.extend(f"cgroup {rel[1:]}/{name}" for name in sorted(host.children(rel)))
+    leaks.extend(f"process {pid} in {rel}" for pid in host.pids(rel))
+    leaks.extend(f"cgroup {rel}" for d in host.dirs(rel) if d.is_dir())
     return leaks
 
 
@@ -260,7 +297,10 @@ def clean_leftovers(data_dir: Path, edge_id: str) -> None:
     remove_net_leftovers(edge_id)
     for dev in loop_devices_backed_by(data_dir):
         subprocess.run(["losetup", "-d", dev], check=False)
-    for pid in [*lazyfs_daemons(data_dir), *spawners(data_dir), *zygotes(data_dir)]:
+    for pid in [*qemus(data_dir), *lazyfs_daemons(data_dir), *spawners(data_dir)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in zygotes(data_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -269,6 +309,7 @@ def remove_edge_cgroup(edge_id: str) -> None:
     host = cgroups.detect()
     host.kill_and_remove(f"/dsec/{edge_id}", timeout=2)
     host.kill_and_remove(f"/dsec/{edge_id}.fncall", timeout=2)
+    host.kill_and_remove(f"/dsec/{edge_id}-vm", timeout=2)
 
 
 @contextlib.contextmanager
