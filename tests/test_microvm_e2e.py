@@ -384,10 +384,13 @@ def _stray_qemu(vmp: VMPlatform) -> subprocess.Popen[bytes]:
 
 
 async def test_edge_crash_readopts_vm_and_kills_unknown_qemu(vmp: VMPlatform) -> None:
+    """SIGKILL the platform (a crash), start it again leaving sandboxes running on exit,
+    stop it cleanly (live restore), start it once more: the running VM is the same QEMU
+    with its memory and session each time, the paused one stays paused and resumes on a
+    request, and a QEMU no record knows is killed by the sweep."""
     plat = vmp.plat
     c = DSecClient(plat.url, plat.api_key)
     await c.open()
-    stray = None
     try:
         sb = await c.run_microvm(vm_args(), timeout=BOOT)
         sess = await sb.session()
@@ -395,37 +398,55 @@ async def test_edge_crash_readopts_vm_and_kills_unknown_qemu(vmp: VMPlatform) ->
         await sb.run_shell("echo mem > /dev/shm/kept")
         (pid,) = qemu_of(vmp, sb.id)
         boot_id = (await sb.run_shell("cat /proc/sys/kernel/random/boot_id")).stdout
+        job = "vmcrash-" + secrets.token_hex(4)
+        paused = await c.run_microvm(vm_args(job_id=job), timeout=BOOT)
+        await paused.run_shell("echo before-crash > /dev/shm/p")
+        assert (await c.pause_job(job)).paused == 1
     finally:
         await c.close()
+
+    async def same_vm(c: DSecClient) -> None:
+        again = await c.get(sb.id)
+        assert again.state is SandboxState.RUNNING
+        assert qemu_of(vmp, sb.id) == [pid]  # the same QEMU, re-adopted
+        r = await again.run_shell("cat /proc/sys/kernel/random/boot_id /dev/shm/kept")
+        assert r.stdout == boot_id + "mem\n"
+        s = await again.get_session(sess.id)
+        assert (await s.run("pwd; echo $KEPT")).stdout == "/tmp\nyes\n"
+        p = await c.get(paused.id)
+        assert p.state is SandboxState.PAUSED and qemu_of(vmp, paused.id) == []
+
     plat.kill()  # SIGKILL: the edge gets no chance to do anything
     assert qemu_of(vmp, sb.id) == [pid], "QEMU must outlive its edge"
     stray = _stray_qemu(vmp)
+    plat.extra_env["DSEC_STOP_SANDBOXES_ON_EXIT"] = "0"
     try:
         await asyncio.sleep(0.3)
         assert stray.poll() is None
         plat.start()
-        c = DSecClient(plat.url, plat.api_key)
-        await c.open()
-        try:
-            again = await c.get(sb.id)
-            assert again.state is SandboxState.RUNNING
-            assert qemu_of(vmp, sb.id) == [pid]  # the same QEMU, re-adopted
-            r = await again.run_shell("cat /proc/sys/kernel/random/boot_id /dev/shm/kept")
-            assert r.stdout == boot_id + "mem\n"
-            sess = await again.get_session(sess.id)
-            assert (await sess.run("pwd; echo $KEPT")).stdout == "/tmp\nyes\n"
-            # the sweep killed the QEMU nobody knows, and removed its directory
-            await asyncio.to_thread(stray.wait, 10)
-            assert not (vmp.vms / "vm-stray").exists()
-            await again.stop()
-            assert nothing_left(vmp, sb.id) == []
-        finally:
-            await c.close()
+        # the sweep killed the QEMU nobody knows, and removed its directory
+        await asyncio.to_thread(stray.wait, 10)
+        assert not (vmp.vms / "vm-stray").exists()
+        async with DSecClient(plat.url, plat.api_key) as c:
+            await same_vm(c)
+        plat.stop()  # SIGTERM, sandboxes left running
+        assert qemu_of(vmp, sb.id) == [pid], "a clean stop must leave the VM running"
     finally:
+        plat.extra_env["DSEC_STOP_SANDBOXES_ON_EXIT"] = "1"
         if stray.poll() is None:
             stray.kill()
         stray.wait()
         shutil.rmtree(vmp.vms / "vm-stray", ignore_errors=True)
+        if plat.proc is None:
+            plat.start()
+    async with DSecClient(plat.url, plat.api_key) as c:
+        await same_vm(c)
+        p = await c.get(paused.id)
+        assert (await p.run_shell("cat /dev/shm/p")).stdout == "before-crash\n"
+        assert (await p.refresh()).state is SandboxState.RUNNING
+        for box in (p, await c.get(sb.id)):
+            await box.stop()
+            assert nothing_left(vmp, box.id) == []
 
 
 # ---- 6. guest death ----------------------------------------------------------------------
