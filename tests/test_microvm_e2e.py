@@ -5,6 +5,12 @@ processes, cgroups, disk images, taps. Nothing is mocked.
 One platform for the module (a VM boot costs seconds under TCG); every test stops what
 it made, and the module's end checks that the platform left nothing behind (QEMUs,
 VM directories, taps, the ``-vm`` cgroups: tests/conftest.py ``host_leaks``).
+
+Known gap, asserted around rather than hidden: a pause ends the VM's agent channel, so
+the edge's follower of a background process (``Sandbox.start``) ends with it and the
+edge reports that process failed, while the process itself runs on in the guest and
+is checked by pid here. Re-attaching followers after a resume is the data plane's job
+(``DataPlane._thawed`` does it for sandboxes paused across an edge restart).
 """
 
 from __future__ import annotations
@@ -260,7 +266,10 @@ async def test_memory_and_cpu_limits(vmp: VMPlatform, client: DSecClient) -> Non
         assert 64 * 1024 < total_kb <= 128 * 1024
         # an allocation past the guest's RAM is killed (guest OOM) or refused (ENOMEM)
         r = await sb.run_shell("awk 'BEGIN { s = \"x\"; while (1) s = s s }'", timeout=120)
-        assert r.exit_code != 0
+        assert r.exit_code == 137 or "memory" in r.stderr.lower(), r
+        if r.exit_code == 137:
+            dmesg = (await sb.run_shell("dmesg | grep -ci 'out of memory'")).stdout
+            assert int(dmesg or 0) >= 1
         r = await sb.run_shell("echo still-alive")
         assert r.stdout == "still-alive\n"
         host = cgroups.detect()
@@ -276,7 +285,18 @@ async def test_memory_and_cpu_limits(vmp: VMPlatform, client: DSecClient) -> Non
 
 
 async def test_network_rules_and_update(vmp: VMPlatform, client: DSecClient) -> None:
-    async with vm(client, network_rules={"pypi": True, "npm": False}) as sb:
+    async with (
+        vm(client, network_rules={"pypi": True, "npm": False}) as sb,
+        vm(client, network_rules={"pypi": False}) as other,
+    ):
+        other_ip = (
+            await other.run_shell(
+                "ip -4 addr show eth0 | awk '/inet / {split($2,a,\"/\"); print a[1]}'"
+            )
+        ).stdout.strip()
+        assert other_ip
+        await other.run_shell("mkdir -p /w && echo o > /w/index.html && httpd -p 8080 -h /w")
+        assert (await fetch(sb, f"http://{other_ip}:8080/index.html"))[0] != 0
         links = (await sb.run_shell("ls /sys/class/net")).stdout.split()
         assert sorted(links) == ["eth0", "lo"]
         assert await fetch(sb, "http://pypi.org/") == (0, "fake-pypi")
