@@ -279,14 +279,24 @@ async def test_memory_and_cpu_limits(vmp: VMPlatform, client: DSecClient) -> Non
         rss = vm_rss_kb(pid)
         assert rss * 1024 <= (128 + 160) * MiB
         assert "-smp" in (argv := argv_of(pid)) and argv[argv.index("-smp") + 1] == "2"
+        quotas = []
+        for d in host.dirs(vmp.cgroup(sb.id)):
+            if (d / "cpu.max").is_file():
+                quota, period = (d / "cpu.max").read_text().split()
+                quotas.append(int(quota) / int(period))
+            elif (d / "cpu.cfs_quota_us").is_file():
+                quota = (d / "cpu.cfs_quota_us").read_text()
+                quotas.append(int(quota) / int((d / "cpu.cfs_period_us").read_text()))
+        assert quotas and all(abs(q - 2) < 0.01 for q in quotas), quotas
 
 
 # ---- 3. network --------------------------------------------------------------------------
 
 
 async def test_network_rules_and_update(vmp: VMPlatform, client: DSecClient) -> None:
+    job = "vmnet-" + secrets.token_hex(4)
     async with (
-        vm(client, network_rules={"pypi": True, "npm": False}) as sb,
+        vm(client, network_rules={"pypi": True, "npm": False}, job_id=job) as sb,
         vm(client, network_rules={"pypi": False}) as other,
     ):
         other_ip = (
@@ -311,6 +321,12 @@ async def test_network_rules_and_update(vmp: VMPlatform, client: DSecClient) -> 
         assert await sb.update_network({}) == {}
         assert (await fetch(sb, "http://pypi.org/"))[0] != 0
         assert await sb.update_network({"npm": True}) == {"npm": True}
+        assert await fetch(sb, "http://registry.npmjs.org/") == (0, "fake-npm")
+        assert (await fetch(sb, f"http://{vmp.pypi.ip}/"))[0] != 0
+        # paused to its snapshot and resumed into a new QEMU: the tap is handed over
+        # again, with the rules as they were last set
+        assert (await client.pause_job(job)).paused == 1
+        assert qemu_of(vmp, sb.id) == []
         assert await fetch(sb, "http://registry.npmjs.org/") == (0, "fake-npm")
         assert (await fetch(sb, f"http://{vmp.pypi.ip}/"))[0] != 0
 
