@@ -6,11 +6,10 @@ One platform for the module (a VM boot costs seconds under TCG); every test stop
 it made, and the module's end checks that the platform left nothing behind (QEMUs,
 VM directories, taps, the ``-vm`` cgroups: tests/conftest.py ``host_leaks``).
 
-Known gap, asserted around rather than hidden: a pause ends the VM's agent channel, so
-the edge's follower of a background process (``Sandbox.start``) ends with it and the
-edge reports that process failed, while the process itself runs on in the guest and
-is checked by pid here. Re-attaching followers after a resume is the data plane's job
-(``DataPlane._thawed`` does it for sandboxes paused across an edge restart).
+A pause ends the VM's agent channel (QEMU ends): the data plane stops following the
+VM's background processes first and follows them again once it runs
+(``Backend.reclaim_drops_agent_links``), so a ``Sandbox.start`` process is still
+running, with its output, after a resume.
 """
 
 from __future__ import annotations
@@ -376,9 +375,14 @@ async def test_pause_to_snapshot_and_transparent_resume(
         assert not (vmp.vms / sb.id / "state.snap").exists()
         await asyncio.sleep(0.5)
         assert await _count(sb) > n1  # still counting
-        # the same guest process (the edge's follower of its output does not survive
-        # the channel's end at pause: see the module doc)
+        # the same guest process, and the edge follows it again (not "failed")
         assert (await sb.run_shell(f"kill -0 {counter.pid} && echo alive")).stdout == "alive\n"
+
+        async def followed() -> bool:
+            info = await counter.refresh()
+            return info.state == "running"
+
+        await eventually(followed, "the background process followed again after the resume", 15)
         assert (await sb.run_shell("pidof httpd")).stdout == before_pids
         r = await sb.run_shell("printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc 127.0.0.1 8080")
         assert r.stdout.endswith("served\n")

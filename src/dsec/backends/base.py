@@ -187,6 +187,10 @@ class Backend(ABC):
     # cgroup tasks ignore SIGKILL until thawed; a VM paused to a file has nothing to
     # thaw, and resuming it would restore a whole VM only to kill it).
     destroy_needs_resume: ClassVar[bool] = True
+    # Whether ``reclaim`` ends every connection to the agent (a VM paused to a file has
+    # no VMM and so no channel): the data plane then stops following the sandbox's
+    # background processes before the reclaim and follows them again once resumed.
+    reclaim_drops_agent_links: ClassVar[bool] = False
 
     def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
         """What admitting ``spec`` commits of the host's memory budget (host memory

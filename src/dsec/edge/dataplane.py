@@ -133,6 +133,7 @@ class DataPlane:
         self._restores: set[asyncio.Task[None]] = set()
         edge.add_stop_listener(self._forget)
         edge.thaw_listeners.append(self._thawed)
+        edge.pause_listeners.append(self._paused)
 
     # -- tokens ---------------------------------------------------------------------------
     async def data_path(self, sandbox_id: str) -> DataPathInfo:
@@ -463,7 +464,8 @@ class DataPlane:
             return
         box = self._box(sandbox_id)
         for k in sorted(kept, key=lambda k: k.started_ns):
-            if k.key in box.processes or k.started_ns >= before_ns:
+            known = box.processes.get(k.key)
+            if (known is not None and not known.suspended) or k.started_ns >= before_ns:
                 continue
             if rec.state is not SandboxState.RUNNING:  # it ended meanwhile
                 return
@@ -491,6 +493,21 @@ class DataPlane:
                 ended_before=k.delivered,
             )
             counts["running" if k.running else "exited"] += 1
+
+    async def _paused(self, sandbox_id: str) -> None:
+        """A sandbox was paused: if its backend's reclaim ends every agent connection
+        (a microVM saved to a file), stop following its background processes now, so
+        that none is reported failed, and follow them again once it runs (``_thawed``,
+        as after an edge restart: same ids, output from the oldest chunk held)."""
+        rec = self.edge.find(sandbox_id)
+        if rec is None or not self.edge.backend_of(rec).reclaim_drops_agent_links:
+            return
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            return
+        procs = [p for p in box.processes.values() if p.kept and p.running]
+        await asyncio.gather(*(p.suspend() for p in procs), return_exceptions=True)
+        self._pending.add(sandbox_id)
 
     def _thawed(self, sandbox_id: str) -> None:
         if sandbox_id not in self._pending:

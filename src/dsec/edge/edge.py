@@ -135,6 +135,9 @@ class Edge:
         self._stop_listeners: builtins.list[Callable[[str, str], None]] = []
         # called with the sandbox id when a paused sandbox runs again (dsec.rl.jobs.thaw)
         self.thaw_listeners: builtins.list[Callable[[str], None]] = []
+        # awaited with the sandbox id once a sandbox is paused, before its memory is
+        # reclaimed (dsec.rl.jobs), e.g. the data plane suspending its followers
+        self.pause_listeners: builtins.list[Callable[[str], Awaitable[None]]] = []
         self.deaths = InitWatcher(self._init_died)  # a killed init fails its sandbox at once
         # A resumed sandbox may have a new init (a microVM restored into a new VMM).
         self.thaw_listeners.append(self._rewatch_init)

@@ -144,6 +144,8 @@ class JobControl:
                 )
             self.edge.transition(rec, SandboxState.PAUSED)
             freeze = time.perf_counter() - t0
+        for listener in self.edge.pause_listeners:
+            await listener(rec.id)
         async with self._reclaims:
             t1 = time.perf_counter()
             try:

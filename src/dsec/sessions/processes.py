@@ -194,6 +194,11 @@ class ManagedProcess:
             self._detached = reason
             self._pump.cancel()
 
+    @property
+    def suspended(self) -> bool:
+        """Not followed any more, though it runs on in its sandbox (see ``suspend``)."""
+        return self._suspended
+
     async def suspend(self) -> None:
         """Stop following a kept process without ending it or reporting an end (the edge
         shuts down; the agent keeps the process, its output and its status)."""

@@ -110,6 +110,7 @@ class MicroVMBackend(AgentDataPath, Backend):
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
     destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
+    reclaim_drops_agent_links = True  # QEMU ends with its agent channel
 
     @classmethod
     def probe(cls) -> str | None:
