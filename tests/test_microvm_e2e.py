@@ -511,7 +511,7 @@ async def test_guest_death_fails_the_sandbox_and_leaves_nothing(
                 return (await sb.refresh()).state is SandboxState.FAILED
 
             await eventually(failed, f"{sb.id} FAILED after the guest ended", 20)
-            assert sb.info.reason, sb.info
+            assert sb.info.reason and "the guest shut down" in sb.info.reason, sb.info
             rows = await client.audit(sandbox=sb.id, kinds=[AuditKind.LIFECYCLE])
             ended = [r for r in rows if r.action == "guest_ended"]
             assert ended and ended[0].detail.get("console"), rows  # why, from the console

@@ -289,6 +289,12 @@ class Backend(ABC):
     def check_limits(self, spec: RunArgs) -> None:
         """Refuse (LimitExceeded) limits this backend could never honour on this host."""
 
+    def death_reason(self, rec: SandboxRecord) -> str | None:
+        """Why the sandbox's init ended, when the backend knows better than its exit
+        status (a VM whose guest shut down, panicked or broke its agent channel, whose
+        VMM the backend then ended); None: the edge says how the init died."""
+        return None
+
     def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:
         """Thread-backed parts the edge's supervisor watches (dsec.supervise): each as
         (name, healthy() -> None or why not, restart())."""

@@ -485,7 +485,8 @@ class Edge:
                     # Not its init any more: the backend ended it on purpose (a microVM
                     # paused to a snapshot) or replaced it (resumed into a new VMM).
                     return
-                reason = f"the sandbox's init process died: {describe(status)}"
+                known = self.backend_of(rec).death_reason(rec)
+                reason = known or f"the sandbox's init process died: {describe(status)}"
                 log.warning("sandbox %s: %s", sandbox_id, reason)
                 await self._finish(rec, SandboxState.FAILED, reason)
         except Exception:

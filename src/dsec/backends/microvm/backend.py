@@ -604,6 +604,9 @@ class MicroVMBackend(AgentDataPath, Backend):
                             tail = await machine.console_tail(300)
                             log.warning("microvm %s: the guest ended; console: %r", sid, tail)
                             self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
+                            machine.ended = "the guest shut down, rebooted or panicked" + (
+                                f" (its console's last line: {last_line(tail)!r})" if tail else ""
+                            )
                             await machine.kill()
                             continue
                     except Exception as exc:  # a VM torn down under us: not the loop's end
@@ -637,10 +640,15 @@ class MicroVMBackend(AgentDataPath, Backend):
                     sid, AuditKind.LIFECYCLE, "agent_channel_lost", why=why, error=str(exc)
                 )
                 machine.close_listener()  # requests waiting for it fail now
+                machine.ended = f"the guest broke its agent channel ({why}) and did not answer"
                 await machine.kill()  # the edge's init watch fails the sandbox
                 return
             log.warning("microvm %s: agent channel linked again after: %s", sid, why)
             self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_relinked", why=why)
+
+    def death_reason(self, rec: SandboxRecord) -> str | None:
+        machine = self._machines.get(rec.id)
+        return machine.ended if machine is not None else None
 
     # -- pause ----------------------------------------------------------------------------
     def pause(self, rec: SandboxRecord) -> None:
@@ -771,6 +779,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             raise
         except Exception as exc:
             log.error("microvm %s: resume failed: %s", sid, exc)
+            machine.ended = f"the resume from its snapshot failed: {exc}"
             self.audit.record(sid, AuditKind.LIFECYCLE, "resume_failed", error=str(exc))
             machine.close_listener()
             await machine.kill()  # the edge's init watch fails the sandbox
@@ -786,3 +795,10 @@ class MicroVMBackend(AgentDataPath, Backend):
             "disk_bytes": disk_usage(self.vm_dir(rec.id) / "disk.img"),
             "accelerator": self.facts(rec).accel,
         }
+
+
+def last_line(console: str, limit: int = 160) -> str:
+    """The guest's last console line, cut short: guest-written text for a reason an
+    operator reads (quoted with repr by the caller, so no control character passes)."""
+    lines = [line.strip() for line in console.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""

@@ -69,6 +69,7 @@ class Machine:
         self.restoring: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # one of boot / pause / restore at a time
         self.stopped = False  # SIGSTOPped by a pause: QMP would not answer
+        self.ended: str | None = None  # why the backend ended this VM (death_reason)
         self._qmp_lock = asyncio.Lock()
 
     @property
