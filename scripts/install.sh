@@ -20,6 +20,7 @@ APT_PACKAGES=(
   libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
   postgresql      # cluster mode's control database (the tests start a real server)
   qemu-system-x86 # the microVM backend's VMM (TCG here, KVM where it boots a guest)
+  qemu-utils      # qemu-img: a throwaway copy-on-write view of a microVM disk for verify steps
   ca-certificates
 )
 

@@ -29,6 +29,27 @@
  *      fd 3 the listening socket, env PATH and DSEC_AGENT_FD=3, as the container
  *      backend starts it. The agent binary never needs to exist in the image.
  *
+ * Verifier mode (dsec.verify=1, the trusted verify step: src/dsec/backends/microvm/
+ * verify.py): the layers are the sandbox's PRISTINE ones over a tmpfs upper (dsec.rw=0),
+ * and between steps 4 and 5 (see setup_verifier):
+ *   - a tmpfs at /.dsec: untrusted (copied from /dsec-untrusted), verify/hidden (the
+ *     protected paths, for dsec-untrusted's Landlock rules), verify/refused (what of the
+ *     graded trees is not shown, and why), verify/error (why the agent's disk could not
+ *     be read: the host then fails the step closed), result/ and home/ (0700);
+ *   - drive dsec-p<i> (EROFS) read-only at the i-th path of dsec.protected=/a,/b;
+ *   - drive dsec-agent (a copy-on-write view of the agent's ext4 disk: its journal may
+ *     be replayed, the real disk is never written) mounted read-only in the INITRAMFS
+ *     root (/mnt/agent: unreachable after the root switch); for each path of
+ *     dsec.graded=/a,/b its upper/<path> is walked component by component without
+ *     following anything (a symlink, file or device where a directory should be is
+ *     refused and the path shown empty; a whiteout shows it empty: the agent deleted
+ *     it; an opaque directory hides the pristine content below it), then shown at
+ *     /<path> as a READ-ONLY overlay over the pristine content there, with
+ *     redirect_dir=nofollow,metacopy=off,index=off (no trusted.overlay.* xattr the agent
+ *     crafted redirects a lookup, except whiteout/opaque, which are its deletions) and
+ *     nosuid,nodev,nosymfollow: no symlink the agent planted in a graded tree is ever
+ *     followed (readlink still shows it).
+ *
  * Any failure prints one "dsec-vminit: ..." line on the console (ttyS0) and restarts the
  * machine, which QEMU (-no-reboot) turns into its exit: the host sees QEMU end and reports
  * the console tail.
@@ -62,6 +83,8 @@
 #include <sys/time.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/xattr.h>
+#include <linux/openat2.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,6 +92,11 @@
 #define PORT_NAME "dsec.agent"
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define MAX_LAYERS 32
+#define MAX_PATHS_TEXT 1024 /* one dsec.graded= or dsec.protected= value */
+#define MAX_PROTECTED 8
+#ifndef MS_NOSYMFOLLOW
+#define MS_NOSYMFOLLOW 256
+#endif
 #define DEVICE_WAIT_MS 10000
 
 /* wire format: see src/dsec/guest/channel.py */
@@ -174,7 +202,37 @@ struct params {
 	char gw[20];
 	char hostname[65];
 	long long time_us; /* the host's clock at GO (0: keep the guest's) */
+	int verify;        /* a verifier VM (see the header) */
+	char graded[MAX_PATHS_TEXT + 1];
+	char protected[MAX_PATHS_TEXT + 1];
 };
+
+/* "/a,/b": absolute, normalised, printable, no ':' or '\\' (overlay options). */
+static int valid_path_list(const char *s)
+{
+	if (!*s || strlen(s) > MAX_PATHS_TEXT)
+		return 0;
+	const char *item = s;
+	for (;;) {
+		const char *end = strchr(item, ',');
+		size_t n = end ? (size_t)(end - item) : strlen(item);
+		if (n < 2 || item[0] != '/' || item[n - 1] == '/')
+			return 0;
+		for (size_t i = 0; i < n; i++) {
+			char c = item[i];
+			if (c <= ' ' || c > '~' || c == ':' || c == '\\')
+				return 0;
+			if (c == '/' && (item[i + 1] == '/' ||
+					 (item[i + 1] == '.' && (i + 2 >= n || item[i + 2] == '/')) ||
+					 (item[i + 1] == '.' && item[i + 2] == '.' &&
+					  (i + 3 >= n || item[i + 3] == '/'))))
+				return 0;
+		}
+		if (!end)
+			return 1;
+		item = end + 1;
+	}
+}
 
 static int valid_hostname(const char *s)
 {
@@ -214,10 +272,16 @@ static int parse_params(const char *text, struct params *p, char *why, size_t wh
 			if (*end || end == val || n < 0 || n > MAX_LAYERS)
 				goto bad;
 			p->layers = (int)n;
-		} else if (!strcmp(key, "rw") || !strcmp(key, "wait")) {
+		} else if (!strcmp(key, "rw") || !strcmp(key, "wait") || !strcmp(key, "verify")) {
 			if (strcmp(val, "0") && strcmp(val, "1"))
 				goto bad;
-			*(!strcmp(key, "rw") ? &p->rw : &p->wait) = val[0] == '1';
+			*(!strcmp(key, "rw") ? &p->rw : !strcmp(key, "wait") ? &p->wait : &p->verify) =
+				val[0] == '1';
+		} else if (!strcmp(key, "graded") || !strcmp(key, "protected")) {
+			if (!valid_path_list(val))
+				goto bad;
+			snprintf(!strcmp(key, "graded") ? p->graded : p->protected, MAX_PATHS_TEXT + 1,
+				 "%s", val);
 		} else if (!strcmp(key, "ip")) {
 			char *slash = strchr(val, '/');
 			if (!slash)
@@ -843,11 +907,17 @@ static void mux_main(const char *port, int exec_fd, int go_fd)
 /* ------------------------------------------------------------------------------------ */
 /* pid 1                                                                                */
 
+static void setup_verifier(const struct params *p);
+
 static void mount_root(const struct params *p)
 {
 	char dev[64], serial[32], dir[32], lower[MAX_LAYERS * 12 + 16];
 	if (p->layers < 1)
 		die("dsec.layers must be at least 1 (the image's layers), not %d", p->layers);
+	if (p->verify && p->rw)
+		die("a verifier has no writable disk of its own (dsec.verify=1 needs dsec.rw=0)");
+	if (!p->verify && (p->graded[0] || p->protected[0]))
+		die("dsec.graded and dsec.protected need dsec.verify=1");
 	lower[0] = 0;
 	for (int i = 0; i < p->layers; i++) {
 		snprintf(serial, sizeof serial, "dsec-l%d", i);
@@ -881,6 +951,8 @@ static void mount_root(const struct params *p)
 	mkdir_p("/newroot/dev/pts", 0755);
 	do_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
 		 "newinstance,ptmxmode=0666,mode=0620,gid=5");
+	if (p->verify)
+		setup_verifier(p);
 	unlink("/newroot/dev/ptmx");
 	if (symlink("pts/ptmx", "/newroot/dev/ptmx") < 0)
 		die("symlink /dev/ptmx: %s", strerror(errno));
@@ -888,10 +960,238 @@ static void mount_root(const struct params *p)
 	do_mount("shm", "/newroot/dev/shm", "tmpfs", nse, "mode=1777");
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* verifier mode (see the header)                                                       */
+
+#define VERIFY_DIR "/newroot/.dsec"
+#define AGENT_MNT "/mnt/agent"
+#define EMPTY_DIR "/mnt/empty"
+
+static int g_report = -1; /* /.dsec/verify/refused */
+
+static void write_file(const char *path, mode_t mode, const void *data, size_t n)
+{
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, mode);
+	if (fd < 0 || (n && write(fd, data, n) != (ssize_t)n))
+		die("write %s: %s", path, strerror(errno));
+	close(fd);
+}
+
+static void copy_file(const char *from, const char *to, mode_t mode)
+{
+	int in = open(from, O_RDONLY | O_CLOEXEC);
+	if (in < 0)
+		die("open %s: %s", from, strerror(errno));
+	int out = open(to, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, mode);
+	if (out < 0)
+		die("create %s: %s", to, strerror(errno));
+	char buf[65536];
+	ssize_t n;
+	while ((n = read(in, buf, sizeof buf)) > 0)
+		if (write(out, buf, (size_t)n) != n)
+			die("write %s: %s", to, strerror(errno));
+	if (n < 0)
+		die("read %s: %s", from, strerror(errno));
+	close(in);
+	close(out);
+}
+
+static void refuse(const char *path, const char *why)
+{
+	warn_line("verify: graded %s not shown: %s", path, why);
+	if (g_report >= 0)
+		dprintf(g_report, "%s\t%s\n", path, why);
+}
+
+/* The i-th item of "/a,/b" into out (1), or 0 past the end. */
+static int nth_path(const char *list, int i, char *out, size_t len)
+{
+	const char *item = list;
+	for (int k = 0; *item; k++) {
+		const char *end = strchr(item, ',');
+		size_t n = end ? (size_t)(end - item) : strlen(item);
+		if (k == i) {
+			if (n >= len)
+				die("path too long in %.60s", list);
+			memcpy(out, item, n);
+			out[n] = 0;
+			return 1;
+		}
+		if (!end)
+			break;
+		item = end + 1;
+	}
+	return 0;
+}
+
+/* A directory at /newroot<path> in the verifier's own (pristine + tmpfs) tree, reached
+ * without following a symlink (the pristine image is trusted, but a link there would
+ * put the mount somewhere else): an fd, or -1. */
+static int newroot_dir(const char *path)
+{
+	int root = open("/newroot", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (root < 0)
+		die("open /newroot: %s", strerror(errno));
+	char buf[MAX_PATHS_TEXT + 1];
+	snprintf(buf, sizeof buf, "%s", path + 1);
+	int cur = root;
+	char *save = NULL;
+	for (char *c = strtok_r(buf, "/", &save); c; c = strtok_r(NULL, "/", &save)) {
+		if (mkdirat(cur, c, 0755) < 0 && errno != EEXIST)
+			break;
+		int next = openat(cur, c, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+		close(cur);
+		cur = next;
+		if (cur < 0)
+			return -1;
+	}
+	return cur;
+}
+
+static void mount_empty(const char *path, const char *why)
+{
+	refuse(path, why);
+	char dst[MAX_PATHS_TEXT + 16];
+	snprintf(dst, sizeof dst, "/newroot%s", path);
+	int fd = newroot_dir(path);
+	if (fd < 0)
+		die("verify: cannot make %s", dst);
+	close(fd);
+	do_mount("tmpfs", dst, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755");
+}
+
+/* Walk upper/<path> of the agent's disk without following anything (see the header)
+ * and show it read-only over the pristine content at <path>. */
+static void mount_graded(int upper, const char *path)
+{
+	char buf[MAX_PATHS_TEXT + 1];
+	snprintf(buf, sizeof buf, "%s", path + 1);
+	int cur = fcntl(upper, F_DUPFD_CLOEXEC, 3), over = 1;
+	if (cur < 0)
+		die("dup: %s", strerror(errno));
+	char *save = NULL;
+	for (char *c = strtok_r(buf, "/", &save); c; c = strtok_r(NULL, "/", &save)) {
+		struct stat st;
+		if (fstatat(cur, c, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+			close(cur);
+			if (errno != ENOENT)
+				return mount_empty(path, "unreadable in the agent's disk");
+			if (over)
+				return; /* the agent changed nothing there: the pristine content stays */
+			return mount_empty(path, "deleted by the agent");
+		}
+		if (S_ISCHR(st.st_mode) && st.st_rdev == 0) {
+			close(cur);
+			return mount_empty(path, "deleted by the agent");
+		}
+		if (S_ISLNK(st.st_mode)) {
+			close(cur);
+			return mount_empty(path, "a symbolic link in the agent's disk (not followed)");
+		}
+		if (!S_ISDIR(st.st_mode)) {
+			close(cur);
+			return mount_empty(path, "not a directory in the agent's disk");
+		}
+		struct open_how how = {.flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC,
+				       .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH |
+						  RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV};
+		int next = (int)syscall(SYS_openat2, cur, c, &how, sizeof how);
+		close(cur);
+		if (next < 0)
+			return mount_empty(path, "changed while it was opened (not followed)");
+		cur = next;
+		char v[4];
+		ssize_t n = fgetxattr(cur, "trusted.overlay.opaque", v, sizeof v);
+		if (n == 1 && v[0] == 'y')
+			over = 0; /* the agent re-made this directory: nothing pristine below */
+	}
+	char dst[MAX_PATHS_TEXT + 16], opts[MAX_PATHS_TEXT + 200];
+	snprintf(dst, sizeof dst, "/newroot%s", path);
+	int target = newroot_dir(path);
+	if (target < 0) {
+		close(cur);
+		return mount_empty(path, "no directory can be made there in the pristine image");
+	}
+	close(target);
+	snprintf(opts, sizeof opts,
+		 "lowerdir=/proc/self/fd/%d:%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off",
+		 cur, over ? dst : EMPTY_DIR);
+	if (mount("overlay", dst, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOSYMFOLLOW,
+		  opts) < 0) {
+		int err = errno;
+		close(cur);
+		char why[120];
+		snprintf(why, sizeof why, "cannot be shown (overlay: %s)", strerror(err));
+		return mount_empty(path, why);
+	}
+	close(cur);
+}
+
+static void setup_verifier(const struct params *p)
+{
+	char path[MAX_PATHS_TEXT + 1], dst[MAX_PATHS_TEXT + 16], dev[64], serial[32];
+	const unsigned long ns = MS_NOSUID | MS_NODEV;
+	/* The platform's directory, owned by root, never from an image or the agent. */
+	mkdir_p(VERIFY_DIR, 0755);
+	do_mount("tmpfs", VERIFY_DIR, "tmpfs", ns, "mode=0755,size=16m");
+	mkdir_p(VERIFY_DIR "/verify", 0755);
+	mkdir_p(VERIFY_DIR "/result", 0700);
+	mkdir_p(VERIFY_DIR "/home", 0700);
+	copy_file("/dsec-untrusted", VERIFY_DIR "/untrusted", 0755);
+	char hidden[MAX_PATHS_TEXT + 2];
+	size_t hn = 0;
+	for (int i = 0; nth_path(p->protected, i, path, sizeof path); i++)
+		hn += (size_t)snprintf(hidden + hn, sizeof hidden - hn, "%s\n", path);
+	write_file(VERIFY_DIR "/verify/hidden", 0644, hidden, hn);
+	g_report = open(VERIFY_DIR "/verify/refused", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (g_report < 0)
+		die("create refused list: %s", strerror(errno));
+
+	for (int i = 0; nth_path(p->protected, i, path, sizeof path); i++) {
+		if (i >= MAX_PROTECTED)
+			die("more than %d protected paths", MAX_PROTECTED);
+		snprintf(serial, sizeof serial, "dsec-p%d", i);
+		snprintf(dst, sizeof dst, "/newroot%s", path);
+		wait_drive(serial, dev, sizeof dev);
+		int fd = newroot_dir(path);
+		if (fd < 0)
+			die("verify: cannot make the protected path %s", path);
+		close(fd);
+		do_mount(dev, dst, "erofs", MS_RDONLY | ns, NULL);
+	}
+
+	/* The agent's disk: data only, in the initramfs root. A file system that cannot be
+	 * mounted (corrupt, garbage) fails the step closed: the host reads verify/error. */
+	wait_drive("dsec-agent", dev, sizeof dev);
+	mkdir_p(AGENT_MNT, 0700);
+	mkdir_p(EMPTY_DIR, 0755);
+	if (mount(dev, AGENT_MNT, "ext4", MS_RDONLY | MS_NOATIME | ns, "errors=remount-ro") < 0) {
+		char msg[200];
+		int n = snprintf(msg, sizeof msg, "the agent's disk cannot be mounted: %s\n",
+				 strerror(errno));
+		warn_line("verify: %s", msg);
+		write_file(VERIFY_DIR "/verify/error", 0644, msg, (size_t)n);
+		close(g_report);
+		g_report = -1;
+		return;
+	}
+	int upper = open(AGENT_MNT "/upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	for (int i = 0; nth_path(p->graded, i, path, sizeof path); i++) {
+		if (upper < 0)
+			break; /* a disk that never booted: nothing changed anywhere */
+		mount_graded(upper, path);
+	}
+	if (upper >= 0)
+		close(upper);
+	close(g_report);
+	g_report = -1;
+}
+
 static void remove_initramfs_files(void)
 {
 	unlink("/modules.list");
 	rmdir("/modules");
+	unlink("/dsec-untrusted");
 	unlink("/init");
 }
 

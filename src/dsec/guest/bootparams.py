@@ -8,9 +8,12 @@ host checks the same rules first and raises InvalidArgument instead.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 from dataclasses import dataclass
 
+from dsec.api.protected import MAX_PROTECTED_MOUNTS
+from dsec.api.verify import MAX_GRADED_PATHS, check_graded_path
 from dsec.errors import InvalidArgument
 
 BASE_ARGS = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 lpj=4000000 pci=off"
@@ -22,7 +25,14 @@ PORT_NAME = "dsec.agent"
 """Name of the virtio-serial port (``-device virtserialport,name=...``)."""
 RW_SERIAL = "dsec-rw"
 """virtio-blk serial of the writable ext4 disk."""
+AGENT_DISK_SERIAL = "dsec-agent"
+"""virtio-blk serial, in a verifier VM, of the copy-on-write view of the agent's disk
+(only data for the graded paths: never the verifier's root)."""
 MAX_LAYERS = 32
+MAX_PATH_PARAM = 1024
+"""Bytes of one graded= or protected= value (dsec-vminit.c's buffers)."""
+MAX_PARAMS_TEXT = 4000
+"""All boot parameters together must fit the guest's GO frame (MAX_GO = 4096)."""
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9.-]{1,64}$")
 
@@ -31,6 +41,27 @@ def layer_serial(index: int) -> str:
     """virtio-blk serial of read-only layer ``index``; 0 is the TOP layer (overlayfs
     lowerdir order). The guest finds drives by serial, never by attachment order."""
     return f"dsec-l{index}"
+
+
+def protected_serial(index: int) -> str:
+    """virtio-blk serial of protected drive ``index`` (verifier VMs only): an EROFS
+    image whose root is shown read-only at ``BootParams.protected[index]``."""
+    return f"dsec-p{index}"
+
+
+def _check_protected_path(path: str) -> str:
+    norm = posixpath.normpath(path)
+    if (
+        not path.startswith("/")
+        or norm != path
+        or norm == "/"
+        or norm.startswith("//")
+        or len(path) > 255
+        or any(c in path for c in ",:\\=")
+        or any(not c.isprintable() or c.isspace() for c in path)
+    ):
+        raise InvalidArgument(f"bad protected path for a microVM: {path!r}")
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +77,13 @@ class BootParams:
     time_us: int | None = None
     """The host's clock (microseconds since the epoch) for the guest to set: a guest
     restored from a template or a pause otherwise runs on the snapshot's time."""
+    verify: bool = False
+    """A verifier VM: the layers are the sandbox's pristine ones, ``rw`` must be False
+    (a tmpfs upper), the agent's disk view is drive ``dsec-agent``."""
+    graded: tuple[str, ...] = ()
+    """Verifier only: the agent's changes under these paths are shown read-only."""
+    protected: tuple[str, ...] = ()
+    """Verifier only: drive ``dsec-p<i>`` is shown read-only at ``protected[i]``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.layers <= MAX_LAYERS:
@@ -68,6 +106,27 @@ class BootParams:
             raise InvalidArgument(f"bad guest hostname {self.hostname!r}")
         if self.time_us is not None and self.time_us <= 0:
             raise InvalidArgument(f"bad guest clock {self.time_us!r}")
+        if not self.verify and (self.graded or self.protected):
+            raise InvalidArgument("graded and protected paths exist only in a verifier VM")
+        if self.verify and self.rw:
+            raise InvalidArgument("a verifier VM has no writable disk of its own (rw=False)")
+        if len(self.graded) > MAX_GRADED_PATHS:
+            raise InvalidArgument(f"at most {MAX_GRADED_PATHS} graded paths")
+        if len(self.protected) > MAX_PROTECTED_MOUNTS:
+            raise InvalidArgument(f"at most {MAX_PROTECTED_MOUNTS} protected paths")
+        for path in self.graded:
+            try:
+                if check_graded_path(path) != path:
+                    raise ValueError(f"graded path {path!r} is not normalised")
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        for path in self.protected:
+            _check_protected_path(path)
+        for key in ("graded", "protected"):
+            if len(",".join(getattr(self, key))) > MAX_PATH_PARAM:
+                raise InvalidArgument(f"the {key} paths are longer than {MAX_PATH_PARAM} bytes")
+        if len(" ".join(f"dsec.{k}={v}" for k, v in self.params().items())) > MAX_PARAMS_TEXT:
+            raise InvalidArgument("the boot parameters are too long for the guest")
 
     def params(self) -> dict[str, str]:
         """The ``dsec.*`` keys without their prefix, as GuestChannel.go takes them."""
@@ -80,6 +139,12 @@ class BootParams:
             out["hostname"] = self.hostname
         if self.time_us is not None:
             out["time"] = str(self.time_us)
+        if self.verify:
+            out["verify"] = "1"
+        if self.graded:
+            out["graded"] = ",".join(self.graded)
+        if self.protected:
+            out["protected"] = ",".join(self.protected)
         return out
 
     def cmdline(self) -> str:

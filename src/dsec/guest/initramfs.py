@@ -10,6 +10,8 @@ Layout of the image::
 
     /init              dsec-vminit (src/dsec/agent/dsec-vminit.c), the guest's pid 1
     /dsec-init         the unchanged sandbox agent, exec'd by /init after the root switch
+    /dsec-untrusted    the verify step's $DSEC_UNTRUSTED helper (dsec-untrusted.c), which a
+                       verifier VM's /init copies to /.dsec/untrusted (others delete it)
     /dev/console       so the kernel can give /init the serial console as fds 0-2
     /modules/NAME.ko   every module below, dependencies included
     /modules.list      load order, one "PHASE NAME.ko" per line; phase 0 is loaded
@@ -35,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.agent.build import agent_binary, vminit_binary
+from dsec.agent.build import agent_binary, untrusted_binary, vminit_binary
 from dsec.errors import BackendError
 from dsec.guest.kernel import GuestKernel, guest_kernel
 from dsec.native import cache_dir
@@ -165,12 +167,15 @@ def load_order(
 # the image
 
 
-def build_entries(vminit: bytes, agent: bytes, kernel: GuestKernel) -> list[Entry]:
+def build_entries(
+    vminit: bytes, agent: bytes, kernel: GuestKernel, untrusted: bytes = b""
+) -> list[Entry]:
     order = load_order([CHANNEL_MODULES, DEVICE_MODULES], module_index(kernel.modules))
     listing = "".join(f"{phase} {name}.ko\n" for phase, name, _ in order)
     entries = [
         Entry("init", stat.S_IFREG | 0o755, vminit),
         Entry("dsec-init", stat.S_IFREG | 0o755, agent),
+        *([Entry("dsec-untrusted", stat.S_IFREG | 0o755, untrusted)] if untrusted else []),
         Entry("dev", stat.S_IFDIR | 0o755),
         Entry("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1)),
         Entry("modules", stat.S_IFDIR | 0o700),
@@ -180,7 +185,7 @@ def build_entries(vminit: bytes, agent: bytes, kernel: GuestKernel) -> list[Entr
     return entries
 
 
-_built: dict[tuple[Path, Path, Path], Path] = {}
+_built: dict[tuple[Path, Path, Path, Path], Path] = {}
 
 
 def guest_initramfs() -> Path:
@@ -189,13 +194,13 @@ def guest_initramfs() -> Path:
     afterwards a few stats: the answer is remembered per set of input files, whose
     cached names already carry their content hashes)."""
     kernel = guest_kernel()
-    vminit_path, agent_path = vminit_binary(), agent_binary()
-    key = (vminit_path, agent_path, kernel.modules)
+    vminit_path, agent_path, untrusted_path = vminit_binary(), agent_binary(), untrusted_binary()
+    key = (vminit_path, agent_path, untrusted_path, kernel.modules)
     known = _built.get(key)
     if known is not None and known.is_file():
         return known
     vminit, agent = vminit_path.read_bytes(), agent_path.read_bytes()
-    entries = build_entries(vminit, agent, kernel)
+    entries = build_entries(vminit, agent, kernel, untrusted_path.read_bytes())
     digest = hashlib.sha256(FORMAT_VERSION.encode())
     for entry in entries:
         digest.update(b"%s\0%o\0%d\0" % (entry.name.encode(), entry.mode, len(entry.data)))
