@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from dsec.api.events import AuditKind
 from dsec.api.spec import BackendKind, DSecMicroVMRunArgs, DSecRunArgs
+from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.backends.agentpath import AgentDataPath
 from dsec.backends.base import (
     Backend,
@@ -88,6 +90,33 @@ def _forget(tasks: dict[str, asyncio.Task[None]], key: str, _done: object) -> No
     tasks.pop(key, None)
 
 
+def inline_image(image: Path, files: Mapping[str, str], staging: Path) -> None:
+    """An EROFS image (root 0600) holding ``files`` (relative names, checked by the
+    API), built from a staging tree that is removed afterwards."""
+    try:
+        staging.mkdir(mode=0o700)
+        for name, content in files.items():
+            target = staging / name
+            target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(content.encode())
+        os.chmod(staging, 0o755)
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        done = subprocess.run(
+            ["mkfs.erofs", "--quiet", "--all-root", str(image), str(staging)],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise BackendError(f"mkfs.erofs: {done.stderr.decode(errors='replace')[:300]}")
+        os.chmod(image, 0o600)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def microvm_spec(rec: SandboxRecord | CreateInput) -> DSecMicroVMRunArgs:
     """``rec``'s spec as the microVM spec it is (another kind here is a platform bug)."""
     if not isinstance(rec.spec, DSecMicroVMRunArgs):
@@ -106,6 +135,8 @@ class MicroVMBackend(AgentDataPath, Backend):
             Capability.PAUSE,
             Capability.NETWORK_RULES,
             Capability.DISK_LIMIT,
+            Capability.VERIFY,
+            Capability.PROTECTED_PATHS,
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
@@ -165,6 +196,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         # pid 1's reports of signals sent to it from inside the guest: the same agent,
         # the same reports as containers (dsec.security.init_signals).
         self.init_signals = InitSignalWatcher(audit)
+        self.verifying: set[str] = set()  # sandboxes with a verify step in flight
 
     # -- host -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -324,6 +356,8 @@ class MicroVMBackend(AgentDataPath, Backend):
                 create_disk, root / "disk.img", spec.disk_limit_mb
             )
             drives.append(Drive(root / "disk.img", RW_SERIAL, readonly=False))
+            if spec.protected:  # for verifier VMs only: nothing of it is attached here
+                await self._prepare_protected(inp, root, facts)
             await asyncio.to_thread(
                 self.cgroups.create_limited,
                 self.cgroup_of(sid),
@@ -369,6 +403,39 @@ class MicroVMBackend(AgentDataPath, Backend):
             raise
         self.audit.record(sid, AuditKind.LIFECYCLE, "microvm_started", accel=facts.accel)
         return facts
+
+    async def _prepare_protected(self, inp: CreateInput, root: Path, facts: MicroVMFacts) -> None:
+        """Each protected path as an EROFS image a verifier VM shows read-only: a layer
+        (resolved by the edge) is held and its blob used; inline files are written
+        into ``protected-<i>.erofs`` in the VM's directory (root 0600)."""
+        spec = microvm_spec(inp)
+        if len(inp.protected_layers) != len(spec.protected):
+            raise BackendError("protected layers were not resolved before create")
+        contents = [dict(f) for f in inp.protected_files] or [dict(m.files) for m in spec.protected]
+        for i, (m, digest) in enumerate(zip(spec.protected, inp.protected_layers, strict=True)):
+            if digest is not None:
+                await self.layers.prepare([digest], LAYER_LOADING)
+                self.layers.acquire(digest)
+                facts.layers_held.append(digest)
+                facts.protected.append((m.path, str(self.layers.blob(digest))))
+                continue
+            image = root / f"protected-{i}.erofs"
+            await asyncio.to_thread(inline_image, image, contents[i], root / f".protected-{i}")
+            facts.protected.append((m.path, str(image)))
+
+    async def verify(self, rec: SandboxRecord, req: VerifyRequest) -> VerifyResult:
+        """The grader in a fresh verifier VM from the pristine layers; the agent's disk
+        only as data (dsec.backends.microvm.verify)."""
+        from dsec.backends.microvm.verify import run_verify
+
+        return await run_verify(self, rec, req)
+
+    def running_machine(self, rec: SandboxRecord) -> Machine:
+        """The live Machine of a running VM (BackendError if it has no QEMU)."""
+        machine = self._machines.get(rec.id)
+        if machine is None or machine.proc is None or not machine.proc.is_alive():
+            raise BackendError(f"microvm {rec.id} has no running VMM")
+        return machine
 
     def _build_template_later(self, config: VMConfig) -> None:
         """Save a template of ``config``'s machine shape from a second boot with

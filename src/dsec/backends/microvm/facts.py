@@ -34,6 +34,10 @@ class MicroVMFacts(BackendFacts):
     guest_ip: str | None = None
     gateway: str | None = None
     snapshot: bool = False  # paused to <dir>/state.snap
+    # (path, host file) per spec.protected mount: the EROFS image a verifier VM shows
+    # read-only at path (a held layer's blob, or the VM dir's image of inline files).
+    # Never attached to the agent's own VM.
+    protected: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def init_pid(self) -> int | None:
@@ -53,6 +57,8 @@ class MicroVMFacts(BackendFacts):
             "disk_bytes": self.disk_bytes,
             "snapshot": self.snapshot,
         }
+        if self.protected:
+            out["protected"] = [list(x) for x in self.protected]
         for key in ("pid", "pid_start", "mac", "guest_ip", "gateway"):
             value = getattr(self, key)
             if value is not None:
@@ -88,6 +94,11 @@ class MicroVMFacts(BackendFacts):
             guest_ip=text("guest_ip"),
             gateway=text("gateway"),
             snapshot=data.get("snapshot") is True,
+            protected=[
+                (str(x[0]), str(x[1]))
+                for x in data.get("protected") or []
+                if isinstance(x, list) and len(x) == 2
+            ],
         )
 
     @classmethod

@@ -56,6 +56,9 @@ class Jail:
     netns: bool = True
     uid_base: int = UID_BASE
     extra_ro: tuple[Path, ...] = ()
+    own_ro: tuple[Path, ...] = ()
+    """Read-only files chowned to this QEMU's uid (a verifier's private protected
+    images, root 0600 otherwise)."""
 
     def prefix(self, config: VMConfig) -> list[str]:
         """The launcher argv to put before QEMU's (``QemuProcess.launch(prefix=)``).
@@ -74,6 +77,8 @@ class Jail:
         socket_dirs = sorted({config.qmp_socket.parent, config.agent_socket.parent})
         for path in ro:
             argv += ["--ro", os.path.realpath(path)]
+        for path in self.own_ro:
+            argv += ["--own", os.path.realpath(path)]
         for path in [*rw_files, *socket_dirs]:
             real = os.path.realpath(path)
             argv += ["--rw", real, "--own", real]

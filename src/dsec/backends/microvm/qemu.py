@@ -52,6 +52,9 @@ class Drive:
     path: Path
     serial: str
     readonly: bool = True
+    format: Literal["raw", "qcow2"] = "raw"
+    """qcow2 only for a verifier's throwaway view of an agent disk (backed by a
+    passed fd: ``VMConfig.fdsets``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class VMConfig:
     accel: Accel = "tcg"
     incoming: Path | None = None
     console_ring_bytes: int = CONSOLE_RING_BYTES
+    fdsets: tuple[tuple[int, int], ...] = ()
+    """(fd, set): fds QEMU inherits as ``/dev/fdset/<set>`` (``-add-fd``), e.g. the
+    read-only backing file of a qcow2 view; not part of the machine's shape."""
 
     def cmdline(self) -> str:
         parts = list(BASE_CMDLINE)
@@ -188,9 +194,11 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
             raise BackendError(f"drive path or serial contains a comma: {drive}")
         ro = "on" if drive.readonly else "off"
         argv += [
-            "-drive", f"id=d{i},file={drive.path},format=raw,if=none,readonly={ro}",
+            "-drive", f"id=d{i},file={drive.path},format={drive.format},if=none,readonly={ro}",
             "-device", f"virtio-blk-device,drive=d{i},serial={drive.serial}",
         ]  # fmt: skip
+    for fd, fdset in config.fdsets:
+        argv += ["-add-fd", f"fd={fd},set={fdset}"]
     if config.net is not None:
         argv += [
             "-netdev", f"tap,id=n0,fd={config.net.tap_fd}",
@@ -250,6 +258,7 @@ class QemuProcess:
             stale.unlink(missing_ok=True)
         argv = [*prefix, *build_argv(config)]
         inherit = list(pass_fds) + ([config.net.tap_fd] if config.net else [])
+        inherit += [fd for fd, _ in config.fdsets]
         log_fd = os.open(
             config.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
         )
