@@ -55,6 +55,9 @@ class Drive:
     format: Literal["raw", "qcow2"] = "raw"
     """qcow2 only for a verifier's throwaway view of an agent disk (backed by a
     passed fd: ``VMConfig.fdsets``)."""
+    options: str = ""
+    """Extra ``-drive`` options (``backing.file.locking=off`` for that view: the
+    agent's stopped QEMU still holds its disk's write lock)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,9 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
             raise BackendError(f"drive path or serial contains a comma: {drive}")
         ro = "on" if drive.readonly else "off"
         argv += [
-            "-drive", f"id=d{i},file={drive.path},format={drive.format},if=none,readonly={ro}",
+            "-drive",
+            f"id=d{i},file={drive.path},format={drive.format},if=none,readonly={ro}"
+            + (f",{drive.options}" if drive.options else ""),
             "-device", f"virtio-blk-device,drive=d{i},serial={drive.serial}",
         ]  # fmt: skip
     for fd, fdset in config.fdsets:

@@ -205,7 +205,16 @@ async def _in_verifier(
             Drive(Path(source), protected_serial(i), readonly=True)
             for i, (_path, source) in enumerate(facts.protected)
         ]
-        drives.append(Drive(root / VIEW, AGENT_DISK_SERIAL, readonly=False, format="qcow2"))
+        # No lock on the backing disk: its own QEMU holds one and is stopped meanwhile.
+        drives.append(
+            Drive(
+                root / VIEW,
+                AGENT_DISK_SERIAL,
+                readonly=False,
+                format="qcow2",
+                options="backing.file.locking=off",
+            )
+        )
         params = BootParams(
             layers=len(rec.image.layers),
             rw=False,
@@ -354,6 +363,8 @@ async def boot_verifier(
             await channel.wait_ready(wait_until(deadline))
     except BaseException as exc:
         tail = await machine.console_tail(300)
+        if not tail and machine.proc is not None:
+            tail = machine.proc.log_tail(300)  # QEMU's own words when it ended
         if isinstance(exc, BackendError) and tail:
             raise BackendError(f"{exc.message}; the verifier's console said: {tail}") from exc
         raise

@@ -1,0 +1,203 @@
+"""The trusted verify step and protected paths for microVMs, for real: QEMU under TCG,
+one platform for the module (``dsec up --backends microvm``), leak-checked at its end.
+
+Every attack is first shown to forge a PASS in the agent's own world (the grader run
+there, as an untrusted platform would), then the verify step's verdict must be FAIL:
+the grader runs in a fresh verifier VM from the pristine layers, the agent's disk only
+as data under the graded paths (dsec.backends.microvm.verify).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from dsec import DSecClient, DSecMicroVMRunArgs
+from dsec.api.events import EventKind
+from dsec.api.sandbox import SandboxState
+from tests.conftest import PlatformProcess, platform_process
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
+    pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-utils"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+]
+
+SECRET = "ANSWER-5b1e07c4"
+# The honest grader: the agent's answer compared with the hidden one.
+GRADER = "cmp -s /work/out.txt /grader/expected.txt"
+
+
+@pytest.fixture(scope="module")
+def vmplatform() -> Iterator[PlatformProcess]:
+    with platform_process(DSEC_BACKENDS="microvm") as plat:
+        from dsec import DSecSyncClient
+
+        with DSecSyncClient(plat.url, plat.api_key) as c:
+            c.build_image("busybox")
+        yield plat
+
+
+@pytest.fixture
+async def client(vmplatform: PlatformProcess) -> AsyncIterator[DSecClient]:
+    c = DSecClient(vmplatform.url, vmplatform.api_key)
+    await c.open()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def spec(**kw: object) -> DSecMicroVMRunArgs:
+    kw.setdefault("memory_limit_mb", 256)
+    kw.setdefault("disk_limit_mb", 64)
+    kw.setdefault("protected", [{"path": "/grader", "files": {"expected.txt": SECRET}}])
+    return DSecMicroVMRunArgs.model_validate({"image": "busybox:latest", **kw})
+
+
+async def sh(sb: object, cmd: str) -> tuple[int, str]:
+    r = await sb.run_shell(cmd, timeout=60)  # type: ignore[attr-defined]
+    return r.exit_code, r.stdout + r.stderr
+
+
+async def test_honest_grader_protected_paths_and_modes(client: DSecClient) -> None:
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        # The answers are on no device of the agent's VM, nor anywhere in its tree.
+        code, out = await sh(sb, "ls /grader; cat /sys/block/*/serial; echo")
+        assert "dsec-p" not in out and "expected" not in out, out
+        code, out = await sh(sb, "for f in /sys/block/vd*/serial; do cat $f; echo; done")
+        assert sorted(out.split()) == ["dsec-l0", "dsec-rw"], out  # no protected drive
+        # A wrong answer fails, a right one passes; isolated: the agent goes on.
+        await sh(sb, "mkdir -p /work && echo wrong > /work/out.txt")
+        t0 = time.monotonic()
+        r = await sb.verify(GRADER, graded=["/work"], mode="isolated")
+        first = time.monotonic() - t0
+        assert not r.passed and r.error is None, r
+        await sh(sb, f"printf %s {SECRET} > /work/out.txt")
+        t0 = time.monotonic()
+        r = await sb.verify(
+            f"{GRADER} && echo ok > $DSEC_RESULT_DIR/verdict", graded=["/work"], mode="isolated"
+        )
+        second = time.monotonic() - t0
+        assert r.passed, r
+        assert r.results == {"verdict": "ok\n"}
+        print(f"verify isolated: first {first:.2f}s, second {second:.2f}s")
+        code, out = await sh(sb, "cat /work/out.txt")
+        assert code == 0 and out == SECRET  # the agent continues, its work intact
+        # The grader's world is the pristine image: the agent's other files are not there.
+        await sh(sb, "echo agent > /etc/agent-was-here")
+        r = await sb.verify("test ! -e /etc/agent-was-here", graded=["/work"], mode="isolated")
+        assert r.passed, r
+        # fresh (the default): the sandbox ends stopped.
+        t0 = time.monotonic()
+        r = await sb.verify(GRADER, graded=["/work"])
+        print(f"verify fresh: {time.monotonic() - t0:.2f}s")
+        assert r.passed, r
+        info = await sb.refresh()
+        assert info.state == SandboxState.STOPPED
+    finally:
+        await sb.stop()
+
+
+async def forged_then_failed(
+    client: DSecClient, attack: str, grader: str = GRADER, *, forge: bool = True
+) -> object:
+    """Run ``attack`` as the agent, show ``grader`` passes in the agent's own world
+    (when ``forge``), then verify: the verdict must be FAIL."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        code, out = await sh(sb, "mkdir -p /work && echo wrong > /work/out.txt && " + attack)
+        assert code == 0, out
+        if forge:
+            code, out = await sh(sb, grader)
+            assert code == 0, f"the attack does not forge a PASS in the agent's world: {out}"
+        r = await sb.verify(grader, graded=["/work"], mode="isolated")
+        assert not r.passed, r
+        return r
+    finally:
+        await sb.stop()
+
+
+async def test_replaced_shell_and_busybox(client: DSecClient) -> None:
+    await forged_then_failed(
+        client,
+        "cp /bin/busybox /bin/real-bb && rm /bin/sh && "
+        "printf '#!/bin/real-bb sh\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh && "
+        "rm /bin/busybox && printf '#!/bin/real-bb sh\\nexit 0\\n' > /bin/busybox && "
+        "/bin/real-bb chmod 755 /bin/busybox",
+    )
+
+
+async def test_shadow_in_usr_local_bin(client: DSecClient) -> None:
+    await forged_then_failed(
+        client,
+        "mkdir -p /usr/local/bin && printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/cmp && "
+        "chmod 755 /usr/local/bin/cmp",
+    )
+
+
+async def test_symlink_to_a_protected_path(client: DSecClient) -> None:
+    # In the verifier the link would resolve to the answer itself: it is never followed.
+    r = await forged_then_failed(
+        client, "rm /work/out.txt && ln -s /grader/expected.txt /work/out.txt", forge=False
+    )
+    assert "Too many" in r.stderr or r.exit_code != 0  # type: ignore[attr-defined]
+
+
+async def test_graded_root_replaced_by_a_symlink(client: DSecClient) -> None:
+    r = await forged_then_failed(
+        client,
+        "rm -rf /work && ln -s /grader /work",
+        grader="cmp -s /work/expected.txt /grader/expected.txt",
+        forge=False,
+    )
+    assert [x.path for x in r.refused] == ["/work"], r  # type: ignore[attr-defined]
+    events = await client.events(kinds=[EventKind.GRADED_LINK_ESCAPE])
+    assert events
+
+
+async def test_crafted_overlay_redirect_xattr(client: DSecClient) -> None:
+    """The agent mounts its own disk a second time (root in its guest) and plants a
+    trusted.overlay.redirect on its graded directory pointing at the answers."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        dev = "$(for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = dsec-rw ] && echo ${d##*/}; done)"
+        code, out = await sh(
+            sb,
+            f"mkdir -p /work/sub /mnt2 && sync && mount /dev/{dev} /mnt2 && "
+            "setfattr -n trusted.overlay.redirect -v /grader /mnt2/upper/work/sub && "
+            "getfattr -n trusted.overlay.redirect /mnt2/upper/work/sub; umount /mnt2",
+        )
+        print("agent's attempt:", code, out)
+        r = await sb.verify(
+            "test ! -e /work/sub/expected.txt && ! grep -rq ANSWER /work",
+            graded=["/work"],
+            mode="isolated",
+        )
+        assert r.passed, r  # the redirect was not followed: no answer under /work
+    finally:
+        await sb.stop()
+
+
+async def test_corrupt_agent_disk_fails_closed(
+    client: DSecClient, vmplatform: PlatformProcess
+) -> None:
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        dev = "$(for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = dsec-rw ] && echo ${d##*/}; done)"
+        await sh(sb, f"dd if=/dev/urandom of=/dev/{dev} bs=64k count=64 conv=fsync 2>&1")
+        r = await sb.verify("true", graded=["/work"], mode="isolated")
+        assert not r.passed and r.error, r
+        print("corrupt disk:", r.error)
+        assert "Traceback" not in r.error
+        health = httpx.get(f"{vmplatform.url}/v1/health", timeout=5)
+        assert health.status_code == 200
+    finally:
+        await sb.stop()
