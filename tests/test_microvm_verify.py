@@ -128,18 +128,22 @@ async def forged_then_failed(
 async def test_replaced_shell_and_busybox(client: DSecClient) -> None:
     await forged_then_failed(
         client,
-        "cp /bin/busybox /bin/real-bb && rm /bin/sh && "
-        "printf '#!/bin/real-bb sh\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh && "
-        "rm /bin/busybox && printf '#!/bin/real-bb sh\\nexit 0\\n' > /bin/busybox && "
-        "/bin/real-bb chmod 755 /bin/busybox",
+        "mkdir -p /opt && cp /bin/busybox /opt/busybox && rm /bin/sh && "
+        "printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh && "
+        "rm /bin/busybox && printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/busybox && "
+        "/opt/busybox chmod 755 /bin/busybox",
     )
 
 
 async def test_shadow_in_usr_local_bin(client: DSecClient) -> None:
+    # busybox runs its own applets before a PATH search, so the forge is shown by
+    # calling the PATH's cmp; in the verifier PATH finds no shadow (pristine image).
+    grader = 'c=$(which cmp) && "$c" -s /work/out.txt /grader/expected.txt'
     await forged_then_failed(
         client,
         "mkdir -p /usr/local/bin && printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/cmp && "
         "chmod 755 /usr/local/bin/cmp",
+        grader=grader,
     )
 
 
@@ -168,7 +172,9 @@ async def test_crafted_overlay_redirect_xattr(client: DSecClient) -> None:
     trusted.overlay.redirect on its graded directory pointing at the answers."""
     sb = await client.run_microvm(spec(), timeout=300)
     try:
-        dev = "$(for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = dsec-rw ] && echo ${d##*/}; done)"
+        dev = (
+            '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
+        )
         code, out = await sh(
             sb,
             f"mkdir -p /work/sub /mnt2 && sync && mount /dev/{dev} /mnt2 && "
@@ -191,13 +197,19 @@ async def test_corrupt_agent_disk_fails_closed(
 ) -> None:
     sb = await client.run_microvm(spec(), timeout=300)
     try:
-        dev = "$(for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = dsec-rw ] && echo ${d##*/}; done)"
+        dev = (
+            '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
+        )
         await sh(sb, f"dd if=/dev/urandom of=/dev/{dev} bs=64k count=64 conv=fsync 2>&1")
         r = await sb.verify("true", graded=["/work"], mode="isolated")
         assert not r.passed and r.error, r
         print("corrupt disk:", r.error)
         assert "Traceback" not in r.error
-        health = httpx.get(f"{vmplatform.url}/v1/health", timeout=5)
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"{vmplatform.url}/v1/health", timeout=5)
         assert health.status_code == 200
+        # The edge goes on: the same sandbox still runs commands.
+        code, out = await sh(sb, "echo alive")
+        assert out.strip() == "alive"
     finally:
         await sb.stop()
