@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -167,21 +169,40 @@ async def test_graded_root_replaced_by_a_symlink(client: DSecClient) -> None:
     assert events
 
 
-async def test_crafted_overlay_redirect_xattr(client: DSecClient) -> None:
+SETXATTR_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/xattr.h>
+int main(int argc, char **argv) {
+    if (argc != 4) return 2;
+    if (setxattr(argv[1], argv[2], argv[3], strlen(argv[3]), 0)) { perror("setxattr"); return 1; }
+    return 0;
+}
+"""
+
+
+def setxattr_binary(tmp: Path) -> bytes:
+    (tmp / "s.c").write_text(SETXATTR_C)
+    subprocess.run(["gcc", "-static", "-O1", "-o", str(tmp / "s"), str(tmp / "s.c")], check=True)
+    return (tmp / "s").read_bytes()
+
+
+async def test_crafted_overlay_redirect_xattr(client: DSecClient, tmp_path: Path) -> None:
     """The agent mounts its own disk a second time (root in its guest) and plants a
     trusted.overlay.redirect on its graded directory pointing at the answers."""
     sb = await client.run_microvm(spec(), timeout=300)
     try:
+        await sb.write_file("/setxattr", setxattr_binary(tmp_path), mode=0o755)
         dev = (
             '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
         )
         code, out = await sh(
             sb,
             f"mkdir -p /work/sub /mnt2 && sync && mount /dev/{dev} /mnt2 && "
-            "setfattr -n trusted.overlay.redirect -v /grader /mnt2/upper/work/sub && "
-            "getfattr -n trusted.overlay.redirect /mnt2/upper/work/sub; umount /mnt2",
+            "/setxattr /mnt2/upper/work/sub trusted.overlay.redirect /grader && "
+            "/setxattr /mnt2/upper/work/sub trusted.overlay.metacopy y; sync; umount /mnt2",
         )
-        print("agent's attempt:", code, out)
+        assert code == 0, f"the agent could not plant the xattr: {out}"
         r = await sb.verify(
             "test ! -e /work/sub/expected.txt && ! grep -rq ANSWER /work",
             graded=["/work"],
@@ -209,7 +230,7 @@ async def test_corrupt_agent_disk_fails_closed(
             health = await http.get(f"{vmplatform.url}/v1/health", timeout=5)
         assert health.status_code == 200
         # The edge goes on: the same sandbox still runs commands.
-        code, out = await sh(sb, "echo alive")
+        _, out = await sh(sb, "echo alive")
         assert out.strip() == "alive"
     finally:
         await sb.stop()
