@@ -9,6 +9,7 @@ as data under the graded paths (dsec.backends.microvm.verify).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -68,7 +69,33 @@ async def sh(sb: object, cmd: str) -> tuple[int, str]:
     return r.exit_code, r.stdout + r.stderr
 
 
-async def test_honest_grader_protected_paths_and_modes(client: DSecClient) -> None:
+def verifier_leftovers(platform: PlatformProcess, sandbox_id: str) -> list[str]:
+    vid = sandbox_id + ".v"
+    found = []
+    if (platform.data_dir / "vms" / vid).exists():
+        found.append("dir")
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and vid.encode() in (proc / "cmdline").read_bytes():
+                found.append(f"process {proc.name}")
+    return found
+
+
+# The agent's code run the recommended way: as nobody, kept out of the answers and the
+# result directory by Landlock (dsec-untrusted), in the verifier VM's kernel.
+UNTRUSTED_GRADER = """
+out=$($DSEC_UNTRUSTED sh /work/solution.sh) || exit 2
+[ "$out" = "$(cat /grader/expected.txt)" ] || exit 3
+$DSEC_UNTRUSTED cat /grader/expected.txt && exit 4
+$DSEC_UNTRUSTED sh -c 'echo forged > /.dsec/result/verdict' && exit 5
+[ "$($DSEC_UNTRUSTED id -u)" = 65534 ] || exit 6
+exit 0
+"""
+
+
+async def test_honest_grader_protected_paths_and_modes(
+    client: DSecClient, vmplatform: PlatformProcess
+) -> None:
     sb = await client.run_microvm(spec(), timeout=300)
     try:
         # The answers are on no device of the agent's VM, nor anywhere in its tree.
@@ -93,6 +120,12 @@ async def test_honest_grader_protected_paths_and_modes(client: DSecClient) -> No
         print(f"verify isolated: first {first:.2f}s, second {second:.2f}s")
         code, out = await sh(sb, "cat /work/out.txt")
         assert code == 0 and out == SECRET  # the agent continues, its work intact
+        assert verifier_leftovers(vmplatform, sb.id) == []
+        # Running the agent's code through $DSEC_UNTRUSTED: its output is graded, the
+        # answers and the result directory are out of its reach.
+        await sh(sb, f"printf 'printf %s {SECRET}\\n' > /work/solution.sh")
+        r = await sb.verify(UNTRUSTED_GRADER, graded=["/work"], mode="isolated")
+        assert r.passed, r
         # The grader's world is the pristine image: the agent's other files are not there.
         await sh(sb, "echo agent > /etc/agent-was-here")
         r = await sb.verify("test ! -e /etc/agent-was-here", graded=["/work"], mode="isolated")
@@ -226,6 +259,9 @@ async def test_corrupt_agent_disk_fails_closed(
         assert not r.passed and r.error, r
         print("corrupt disk:", r.error)
         assert "Traceback" not in r.error
+        events = await client.events(sandbox=sb.id, kinds=[EventKind.SCAN_INCOMPLETE])
+        assert events, "no scan_incomplete event"
+        assert verifier_leftovers(vmplatform, sb.id) == []
         async with httpx.AsyncClient() as http:
             health = await http.get(f"{vmplatform.url}/v1/health", timeout=5)
         assert health.status_code == 200
