@@ -44,7 +44,12 @@ def vmplatform() -> Iterator[PlatformProcess]:
 
         with DSecSyncClient(plat.url, plat.api_key) as c:
             c.build_image("busybox")
-        yield plat
+        try:
+            yield plat
+        finally:  # where the steps' time went (the log goes with the data dir)
+            for line in plat.log_path.read_text(errors="replace").splitlines():
+                if ": verify (" in line or "template" in line:
+                    print(line[-200:])
 
 
 @pytest.fixture

@@ -91,6 +91,19 @@ ERROR_IN_VERIFIER = "/.dsec/verify/error"
 MAX_REFUSED_BYTES = 64 * 1024
 
 
+class _Phases:
+    """Where a step's time goes (logged at INFO once per step)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.marks: list[str] = []
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.marks.append(f"{name} {1000 * (now - self.last):.0f}ms")
+        self.last = now
+
+
 def verifier_id(sandbox_id: str) -> str:
     return sandbox_id + SUFFIX
 
@@ -147,6 +160,7 @@ async def _verify(
     machine = backend.running_machine(rec)
     assert machine.proc is not None
     agent_pid = machine.proc.pid
+    phases = _Phases()
     # 1. sync, then stop the agent's VM for the whole step.
     with contextlib.suppress(Exception):
         await asyncio.wait_for(
@@ -161,6 +175,7 @@ async def _verify(
             ),
             SYNC_TIMEOUT + 2,
         )
+    phases.mark("sync")
     try:
         os.kill(agent_pid, signal.SIGSTOP)
     except ProcessLookupError as exc:
@@ -168,9 +183,11 @@ async def _verify(
     vid = verifier_id(rec.id)
     try:
         try:
-            return await _in_verifier(backend, rec, req, graded, vid)
+            return await _in_verifier(backend, rec, req, graded, vid, phases)
         finally:
             await asyncio.shield(remove_verifier(backend, vid))
+            phases.mark("cleanup")
+            log.warning("microvm %s: verify (%s): %s", rec.id, req.mode, ", ".join(phases.marks))
     finally:
         if req.mode == "fresh":
             await asyncio.shield(machine.kill())  # the edge then ends the sandbox stopped
@@ -185,6 +202,7 @@ async def _in_verifier(
     req: VerifyRequest,
     graded: list[str],
     vid: str,
+    phases: _Phases,
 ) -> VerifyResult:
     facts = backend.facts(rec)
     root = backend.vm_dir(vid)
@@ -195,6 +213,7 @@ async def _in_verifier(
         (root / "q").mkdir(mode=0o700)
         disk = backend.vm_dir(rec.id) / "disk.img"
         await asyncio.to_thread(create_view, disk, root / VIEW)
+        phases.mark("view")
         # Read-only: whatever the verifier's QEMU does, the agent's disk is not written.
         disk_fd = os.open(disk, os.O_RDONLY | os.O_CLOEXEC)
         drives = [
@@ -225,7 +244,7 @@ async def _in_verifier(
             protected=tuple(path for path, _source in facts.protected),
         )
         machine = await boot_verifier(
-            backend, rec, vid, tuple(drives), ((disk_fd, AGENT_FDSET),), params, deadline
+            backend, rec, vid, tuple(drives), ((disk_fd, AGENT_FDSET),), params, deadline, phases
         )
     except DSecError as exc:
         log.warning("microvm %s: the verifier did not start: %s", rec.id, exc)
@@ -233,6 +252,7 @@ async def _in_verifier(
     finally:
         if disk_fd >= 0:
             os.close(disk_fd)  # QEMU holds its own copy
+    phases.mark("boot")
     client = AgentClient(machine.agent_socket)
     try:
         error = await _read_small(client, ERROR_IN_VERIFIER, 4096)
@@ -251,6 +271,7 @@ async def _in_verifier(
                 count=len(refused),
                 refused=[f"{path}: {why}" for path, why in refused[:20]],
             )
+        phases.mark("checks")
         res = await client.exec(
             ["/bin/sh", "-c", req.command] if isinstance(req.command, str) else req.command,
             env=grader_env(rec, req),
@@ -260,7 +281,9 @@ async def _in_verifier(
             max_output=req.max_output_bytes,
             stdin=req.stdin.encode() if req.stdin is not None else None,
         )
+        phases.mark("grader")
         results = await _read_results(client)
+        phases.mark("results")
     except DSecError as exc:
         alive = machine.proc is not None and machine.proc.is_alive()
         why = "the verifier died" if not alive else "the verifier failed"
@@ -327,6 +350,7 @@ async def boot_verifier(
     fdsets: tuple[tuple[int, int], ...],
     params: BootParams,
     deadline: float,
+    phases: _Phases | None = None,
 ) -> Machine:
     """Start the verifier VM (restored from a template of its shape when one exists,
     else booted cold, a template then saved in the background), in a cgroup of its
@@ -357,10 +381,14 @@ async def boot_verifier(
             machine.launch(prefix=jail.prefix(config), incoming=restored)
             if restored:
                 await machine.restore(template, wait_until(deadline))
+            mark = phases.mark if phases is not None else (lambda _name: None)
+            mark("restore" if restored else "launch")
             channel = await machine.connect_channel(wait_until(deadline))
             await channel.wait_template(wait_until(deadline))
+            mark("waiting")
             await channel.go(params.params())
             await channel.wait_ready(wait_until(deadline))
+            mark("guest")
     except BaseException as exc:
         tail = await machine.console_tail(300)
         if not tail and machine.proc is not None:
@@ -371,7 +399,10 @@ async def boot_verifier(
     # Signals sent to the verifier's pid 1 are the graded sandbox's attempts.
     backend.init_signals.watch(vid, machine.agent_socket, report_as=rec.id)
     if backend.templates and not restored:
-        backend._build_template_later(config)
+        # The template boots on placeholder drives: no view, no fd set (neither is part
+        # of the machine's shape, so the key is this config's).
+        plain = tuple(dataclasses.replace(d, format="raw", options="") for d in config.drives)
+        backend._build_template_later(dataclasses.replace(config, drives=plain, fdsets=()))
     return machine
 
 
