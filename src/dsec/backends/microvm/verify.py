@@ -180,6 +180,7 @@ async def _verify(
         os.kill(agent_pid, signal.SIGSTOP)
     except ProcessLookupError as exc:
         raise BackendError(f"microvm {rec.id}: its VMM is gone") from exc
+    machine.stopped = True  # not polled over QMP meanwhile
     vid = verifier_id(rec.id)
     try:
         try:
@@ -194,6 +195,7 @@ async def _verify(
         else:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(agent_pid, signal.SIGCONT)
+            machine.stopped = False
 
 
 async def _in_verifier(
