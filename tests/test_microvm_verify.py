@@ -9,6 +9,7 @@ as data under the graded paths (dsec.backends.microvm.verify).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -275,3 +276,35 @@ async def test_corrupt_agent_disk_fails_closed(
         assert out.strip() == "alive"
     finally:
         await sb.stop()
+
+
+async def test_edge_crash_mid_verify(vmplatform: PlatformProcess) -> None:
+    """The edge dies (SIGKILL) while a grader runs: the restarted edge ends the
+    verifier and continues the agent's stopped VM, which answers again."""
+    c = DSecClient(vmplatform.url, vmplatform.api_key)
+    await c.open()
+    sb = await c.run_microvm(spec(), timeout=300)
+    sid = sb.id
+    step = asyncio.create_task(sb.verify("sleep 120", graded=["/work"], mode="isolated"))
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.startswith("process") for p in verifier_leftovers(vmplatform, sid)):
+            assert time.monotonic() < deadline, "no verifier started"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        vmplatform.kill()
+        with contextlib.suppress(Exception):
+            await step
+    finally:
+        await c.close()
+    vmplatform.start()
+    c = DSecClient(vmplatform.url, vmplatform.api_key)
+    await c.open()
+    try:
+        sb = await c.get(sid)
+        _, out = await sh(sb, "echo alive")
+        assert out.strip() == "alive"
+        assert verifier_leftovers(vmplatform, sid) == []
+        await sb.stop()
+    finally:
+        await c.close()

@@ -591,6 +591,9 @@ class MicroVMBackend(AgentDataPath, Backend):
         proc = self._adopt_process(rec)
         if proc is None:
             return False
+        from dsec.backends.microvm.verify import recover
+
+        await recover(self, rec.id, proc.pid)  # a verify step a crashed edge left behind
         await self.layers.prepare(rec.image.layers, LAYER_LOADING)
         machine = await self._machine_for(rec)
         machine.proc = proc

@@ -68,7 +68,7 @@ from dsec.backends.microvm.backend import (
     microvm_spec,
 )
 from dsec.backends.microvm.machine import Machine, wait_until
-from dsec.backends.microvm.qemu import Drive
+from dsec.backends.microvm.qemu import Drive, find_running
 from dsec.errors import BackendError, Conflict, DSecError
 from dsec.guest.bootparams import AGENT_DISK_SERIAL, BootParams, layer_serial, protected_serial
 from dsec.security.graded_paths import resolve_graded
@@ -406,6 +406,32 @@ async def boot_verifier(
         plain = tuple(dataclasses.replace(d, format="raw", options="") for d in config.drives)
         backend._build_template_later(dataclasses.replace(config, drives=plain, fdsets=()))
     return machine
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2 :].split()[0] in ("T", "t")
+
+
+async def recover(backend: MicroVMBackend, sandbox_id: str, agent_pid: int) -> None:
+    """After an edge crash during a verify of a RUNNING sandbox: end the verifier first
+    (its QEMU, cgroup and files: it reads the agent's disk), then continue the agent's
+    stopped QEMU, as the container verifier's recovery thaws. A few stat calls when
+    there is nothing to do."""
+    vid = verifier_id(sandbox_id)
+    for proc in await asyncio.to_thread(find_running, backend.vms_dir):
+        if proc.qmp_socket.parent.parent.name == vid:
+            await asyncio.to_thread(proc.kill)
+    parent = backend.cgroup_of(vid).rpartition("/")[0]
+    if backend.vm_dir(vid).exists() or vid in backend.cgroups.children(parent):
+        await remove_verifier(backend, vid)
+    if _stopped(agent_pid):
+        log.warning("microvm %s: stopped by an unfinished verify step; continued", sandbox_id)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent_pid, signal.SIGCONT)
 
 
 async def remove_verifier(backend: MicroVMBackend, vid: str) -> None:
