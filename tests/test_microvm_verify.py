@@ -189,11 +189,47 @@ async def test_shadow_in_usr_local_bin(client: DSecClient) -> None:
 
 
 async def test_symlink_to_a_protected_path(client: DSecClient) -> None:
-    # In the verifier the link would resolve to the answer itself: it is never followed.
-    r = await forged_then_failed(
-        client, "rm /work/out.txt && ln -s /grader/expected.txt /work/out.txt", forge=False
-    )
-    assert "Too many" in r.stderr or r.exit_code != 0  # type: ignore[attr-defined]
+    """In the verifier the link would resolve to the answer itself (the forge a
+    verifier that follows links would give): it is shown, never followed."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        await sh(sb, "mkdir -p /work && ln -s /grader/expected.txt /work/out.txt")
+        r = await sb.verify(GRADER, graded=["/work"], mode="isolated")
+        assert not r.passed, r
+        r = await sb.verify(
+            '[ "$(readlink /work/out.txt)" = /grader/expected.txt ] && ! cat /work/out.txt',
+            graded=["/work"],
+            mode="isolated",
+        )
+        assert r.passed, r  # the link is there as data, and the kernel refuses to follow it
+    finally:
+        await sb.stop()
+
+
+async def test_layer_backed_protected_path(client: DSecClient, tmp_path: Path) -> None:
+    src = tmp_path / "suite"
+    (src / "tests").mkdir(parents=True)
+    (src / "tests" / "answer.txt").write_text(SECRET)
+    layer = await client.build_layer("mvm-grader-suite:v1", "dir", str(src), prefix="/")
+    protected = [
+        {"path": "/opt/grader", "layer": layer.ref},
+        {"path": "/grader", "files": {"expected.txt": SECRET}},
+    ]
+    sb = await client.run_microvm(spec(protected=protected), timeout=300)
+    try:
+        code, out = await sh(sb, "ls -R /opt/grader /grader")
+        assert code != 0 and "answer" not in out, out
+        r = await sb.verify(
+            "cmp -s /opt/grader/tests/answer.txt /grader/expected.txt",
+            graded=["/work"],
+            mode="isolated",
+        )
+        assert r.passed, r
+        # Nothing of it can be written by the grader either (read-only EROFS).
+        r = await sb.verify("echo x > /opt/grader/tests/answer.txt", graded=["/work"])
+        assert not r.passed, r
+    finally:
+        await sb.stop()
 
 
 async def test_graded_root_replaced_by_a_symlink(client: DSecClient) -> None:

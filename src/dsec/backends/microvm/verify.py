@@ -188,7 +188,7 @@ async def _verify(
         finally:
             await asyncio.shield(remove_verifier(backend, vid))
             phases.mark("cleanup")
-            log.warning("microvm %s: verify (%s): %s", rec.id, req.mode, ", ".join(phases.marks))
+            log.info("microvm %s: verify (%s): %s", rec.id, req.mode, ", ".join(phases.marks))
     finally:
         if req.mode == "fresh":
             await asyncio.shield(machine.kill())  # the edge then ends the sandbox stopped
