@@ -36,6 +36,8 @@ pytestmark = [
 SECRET = "ANSWER-5b1e07c4"
 # The honest grader: the agent's answer compared with the hidden one.
 GRADER = "cmp -s /work/out.txt /grader/expected.txt"
+# The agent's own writable disk, as its guest sees it (root there may open it raw).
+RW_DEV = '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +270,9 @@ async def test_crafted_overlay_redirect_xattr(client: DSecClient, tmp_path: Path
     sb = await client.run_microvm(spec(), timeout=300)
     try:
         await sb.write_file("/setxattr", setxattr_binary(tmp_path), mode=0o755)
-        dev = (
-            '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
-        )
         code, out = await sh(
             sb,
-            f"mkdir -p /work/sub /mnt2 && sync && mount /dev/{dev} /mnt2 && "
+            f"mkdir -p /work/sub /mnt2 && sync && mount /dev/{RW_DEV} /mnt2 && "
             "/setxattr /mnt2/upper/work/sub trusted.overlay.redirect /grader && "
             "/setxattr /mnt2/upper/work/sub trusted.overlay.metacopy y; sync; umount /mnt2",
         )
@@ -293,10 +292,7 @@ async def test_corrupt_agent_disk_fails_closed(
 ) -> None:
     sb = await client.run_microvm(spec(), timeout=300)
     try:
-        dev = (
-            '$(for d in /sys/block/vd*; do [ "$(cat $d/serial)" = dsec-rw ] && echo ${d##*/}; done)'
-        )
-        await sh(sb, f"dd if=/dev/urandom of=/dev/{dev} bs=64k count=64 conv=fsync 2>&1")
+        await sh(sb, f"dd if=/dev/urandom of=/dev/{RW_DEV} bs=64k count=64 conv=fsync 2>&1")
         r = await sb.verify("true", graded=["/work"], mode="isolated")
         assert not r.passed and r.error, r
         print("corrupt disk:", r.error)
@@ -344,3 +340,20 @@ async def test_edge_crash_mid_verify(vmplatform: PlatformProcess) -> None:
         await sb.stop()
     finally:
         await c.close()
+
+
+async def test_upper_replaced_by_a_link_fails_closed(client: DSecClient) -> None:
+    """The agent swaps its disk's upper/ for a link: showing the pristine content in
+    place of its work could pass a grader it never satisfied, so the step fails closed."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        code, out = await sh(
+            sb,
+            f"mkdir -p /mnt2 && sync && mount /dev/{RW_DEV} /mnt2 && mv /mnt2/upper /mnt2/u2 && "
+            "ln -s u2 /mnt2/upper && sync && umount /mnt2",
+        )
+        assert code == 0, out
+        r = await sb.verify("true", graded=["/work"], mode="isolated")
+        assert not r.passed and r.error and "upper" in r.error, r
+    finally:
+        await sb.stop()

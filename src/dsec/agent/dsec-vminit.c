@@ -1175,14 +1175,23 @@ static void setup_verifier(const struct params *p)
 		g_report = -1;
 		return;
 	}
+	/* Every agent disk has upper/ (made at its first boot): without it (a link, a file,
+	 * gone) the agent's work cannot be shown, and showing the pristine content in its
+	 * place could pass a grader the agent never satisfied: fail closed. */
 	int upper = open(AGENT_MNT "/upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-	for (int i = 0; nth_path(p->graded, i, path, sizeof path); i++) {
-		if (upper < 0)
-			break; /* a disk that never booted: nothing changed anywhere */
-		mount_graded(upper, path);
+	if (upper < 0) {
+		char msg[200];
+		int n = snprintf(msg, sizeof msg, "the agent's disk has no upper directory: %s\n",
+				 strerror(errno));
+		warn_line("verify: %s", msg);
+		write_file(VERIFY_DIR "/verify/error", 0644, msg, (size_t)n);
+		close(g_report);
+		g_report = -1;
+		return;
 	}
-	if (upper >= 0)
-		close(upper);
+	for (int i = 0; nth_path(p->graded, i, path, sizeof path); i++)
+		mount_graded(upper, path);
+	close(upper);
 	close(g_report);
 	g_report = -1;
 }
