@@ -357,3 +357,53 @@ async def test_upper_replaced_by_a_link_fails_closed(client: DSecClient) -> None
         assert not r.passed and r.error and "upper" in r.error, r
     finally:
         await sb.stop()
+
+
+async def test_deletions_stay_deleted(client: DSecClient) -> None:
+    """What the agent deleted under a graded path is not brought back from the
+    pristine image: a whiteout shows the path empty (listed in ``refused``), a
+    directory it re-made (opaque) hides the pristine content below it."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        code, out = await sh(sb, "rm -rf /home && mkdir -p /home/new && echo x > /home/new/f")
+        assert code == 0, out
+        r = await sb.verify(
+            "[ -f /home/new/f ] && [ ! -e /home/user ]", graded=["/home"], mode="isolated"
+        )
+        assert r.passed and r.refused == [], r
+        r = await sb.verify('[ -z "$(ls -A /home/user)" ]', graded=["/home/user"], mode="isolated")
+        assert r.passed, r
+        assert [(x.path, x.reason) for x in r.refused] == [("/home/user", "deleted by the agent")]
+    finally:
+        await sb.stop()
+
+
+def test_boot_parameters_of_a_verifier_are_checked() -> None:
+    """The host refuses what dsec-vminit would power the verifier off for."""
+    from dsec.errors import InvalidArgument
+    from dsec.guest.bootparams import BootParams
+
+    ok = BootParams(
+        layers=2, rw=False, verify=True, graded=("/work", "/root"), protected=("/grader",)
+    )
+    assert ok.params()["graded"] == "/work,/root" and ok.params()["verify"] == "1"
+    for bad in (
+        {"graded": ("/etc",)},  # a system directory
+        {"graded": ("/w,x",)},  # splits the list
+        {"graded": ("/a/../b",)},
+        {"graded": tuple(f"/w{i}" for i in range(17))},
+        {"protected": ("/a b",)},
+        {"protected": ("/a:b",)},
+        {"protected": ("relative",)},
+        {"rw": True},  # a verifier has no disk of its own
+        {"verify": False},  # graded paths outside a verifier
+    ):
+        args: dict[str, object] = {
+            "layers": 1,
+            "rw": False,
+            "verify": True,
+            "graded": ("/work",),
+            **bad,
+        }
+        with pytest.raises(InvalidArgument):
+            BootParams(**args)  # type: ignore[arg-type]
