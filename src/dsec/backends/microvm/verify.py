@@ -32,8 +32,10 @@ a crash there is contained by that VM (the step fails closed):
    after the step, whatever happens.
 
 Fails closed, with ``passed=False`` and ``error``: an agent disk the verifier's kernel
-cannot mount (``scan_incomplete`` event), a verifier that does not boot or dies (e.g. a
-kernel crash on a hostile file system), any error before the grader ran.
+cannot mount or without a real ``upper/`` directory (``scan_incomplete`` event), a
+verifier that does not boot or dies (e.g. a kernel crash on a hostile file system), any
+error before the grader ran. After an edge crash mid-step, ``recover`` (called when the
+agent's VM is re-adopted) ends the verifier first, then continues the agent.
 """
 
 from __future__ import annotations
