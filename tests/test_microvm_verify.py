@@ -195,9 +195,18 @@ async def test_symlink_to_a_protected_path(client: DSecClient) -> None:
     verifier that follows links would give): it is shown, never followed."""
     sb = await client.run_microvm(spec(), timeout=300)
     try:
-        await sh(sb, "mkdir -p /work && ln -s /grader/expected.txt /work/out.txt")
+        await sh(
+            sb,
+            "mkdir -p /work/d && ln -s /grader/expected.txt /work/out.txt && "
+            "ln -s ../out.txt /work/d/inside && mkfifo /work/fifo",
+        )
         r = await sb.verify(GRADER, graded=["/work"], mode="isolated")
         assert not r.passed, r
+        # Reported as the container verifier reports what it leaves out: the link that
+        # leaves the tree and the FIFO, not the link that stays inside it.
+        assert sorted(x.path for x in r.refused) == ["/work/fifo", "/work/out.txt"], r.refused
+        events = await client.events(sandbox=sb.id, kinds=[EventKind.GRADED_LINK_ESCAPE])
+        assert events
         r = await sb.verify(
             '[ "$(readlink /work/out.txt)" = /grader/expected.txt ] && ! cat /work/out.txt',
             graded=["/work"],

@@ -48,7 +48,8 @@
  *     redirect_dir=nofollow,metacopy=off,index=off (no trusted.overlay.* xattr the agent
  *     crafted redirects a lookup, except whiteout/opaque, which are its deletions) and
  *     nosuid,nodev,nosymfollow: no symlink the agent planted in a graded tree is ever
- *     followed (readlink still shows it).
+ *     followed (readlink still shows it); a bounded walk lists in verify/refused the
+ *     links leaving the tree, FIFOs and sockets (walk_graded).
  *
  * Any failure prints one "dsec-vminit: ..." line on the console (ttyS0) and restarts the
  * machine, which QEMU (-no-reboot) turns into its exit: the host sees QEMU end and reports
@@ -64,6 +65,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <net/if.h>
 #include <net/route.h>
 #include <netinet/in.h>
@@ -1060,6 +1062,78 @@ static void mount_empty(const char *path, const char *why)
 	do_mount("tmpfs", dst, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755");
 }
 
+/* Report what of a graded tree the grader sees but cannot use as the container verifier
+ * would (that one leaves such entries out): symbolic links leaving the tree (shown,
+ * never followed: nosymfollow), FIFOs and sockets (an open of a FIFO blocks). Bounded:
+ * depth and entries; whiteouts are deletions, not reported. */
+#define WALK_MAX_ENTRIES 20000
+#define WALK_MAX_DEPTH 64
+static int g_walked;
+
+static int link_escapes(const char *target, int depth)
+{
+	if (target[0] == '/')
+		return 1;
+	int level = depth; /* directories below the graded root we are in */
+	char buf[PATH_MAX];
+	snprintf(buf, sizeof buf, "%s", target);
+	char *save = NULL;
+	for (char *c = strtok_r(buf, "/", &save); c; c = strtok_r(NULL, "/", &save)) {
+		if (!strcmp(c, ".."))
+			level--;
+		else if (strcmp(c, "."))
+			level++;
+		if (level < 0)
+			return 1;
+	}
+	return 0;
+}
+
+static void walk_graded(int fd, char *path, size_t len, int depth)
+{
+	DIR *d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return;
+	}
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+			continue;
+		if (++g_walked > WALK_MAX_ENTRIES)
+			break;
+		size_t n = strlen(e->d_name);
+		if (len + 1 + n >= PATH_MAX)
+			continue;
+		path[len] = '/';
+		memcpy(path + len + 1, e->d_name, n + 1);
+		struct stat st;
+		if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+			if (S_ISLNK(st.st_mode)) {
+				char target[PATH_MAX];
+				ssize_t t = readlinkat(dirfd(d), e->d_name, target, sizeof target - 1);
+				if (t >= 0) {
+					target[t] = 0;
+					if (link_escapes(target, depth))
+						refuse(path, "a symbolic link leaving the graded tree (shown, "
+							     "never followed)");
+				}
+			} else if (S_ISFIFO(st.st_mode)) {
+				refuse(path, "a FIFO (shown: opening it blocks)");
+			} else if (S_ISSOCK(st.st_mode)) {
+				refuse(path, "a socket (shown, not connectable)");
+			} else if (S_ISDIR(st.st_mode) && depth < WALK_MAX_DEPTH) {
+				int sub = openat(dirfd(d), e->d_name,
+						 O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+				if (sub >= 0)
+					walk_graded(sub, path, len + 1 + n, depth + 1);
+			}
+		}
+		path[len] = 0;
+	}
+	closedir(d);
+}
+
 /* Walk upper/<path> of the agent's disk without following anything (see the header)
  * and show it read-only over the pristine content at <path>. */
 static void mount_graded(int upper, const char *path)
@@ -1124,7 +1198,9 @@ static void mount_graded(int upper, const char *path)
 		snprintf(why, sizeof why, "cannot be shown (overlay: %s)", strerror(err));
 		return mount_empty(path, why);
 	}
-	close(cur);
+	char walked[PATH_MAX];
+	snprintf(walked, sizeof walked, "%s", path);
+	walk_graded(cur, walked, strlen(walked), 0); /* closes cur */
 }
 
 static void setup_verifier(const struct params *p)
