@@ -149,45 +149,39 @@ async def test_honest_grader_protected_paths_and_modes(
         await sb.stop()
 
 
-async def forged_then_failed(
-    client: DSecClient, attack: str, grader: str = GRADER, *, forge: bool = True
-) -> object:
-    """Run ``attack`` as the agent, show ``grader`` passes in the agent's own world
-    (when ``forge``), then verify: the verdict must be FAIL."""
+async def forged_then_failed(sb: object, attack: str, grader: str = GRADER) -> None:
+    """Run ``attack`` as the agent, show ``grader`` passes in the agent's own world,
+    then verify: the verdict must be FAIL."""
+    code, out = await sh(sb, "mkdir -p /work && echo wrong > /work/out.txt && " + attack)
+    assert code == 0, out
+    code, out = await sh(sb, grader)
+    assert code == 0, f"the attack does not forge a PASS in the agent's world: {out}"
+    r = await sb.verify(grader, graded=["/work"], mode="isolated")  # type: ignore[attr-defined]
+    assert not r.passed, r
+
+
+async def test_replaced_system_binaries(client: DSecClient) -> None:
+    """A PATH shadow in /usr/local/bin, then /bin/sh and busybox itself replaced (one
+    VM, the attacks one after the other: each verify must still say FAIL)."""
     sb = await client.run_microvm(spec(), timeout=300)
     try:
-        code, out = await sh(sb, "mkdir -p /work && echo wrong > /work/out.txt && " + attack)
-        assert code == 0, out
-        if forge:
-            code, out = await sh(sb, grader)
-            assert code == 0, f"the attack does not forge a PASS in the agent's world: {out}"
-        r = await sb.verify(grader, graded=["/work"], mode="isolated")
-        assert not r.passed, r
-        return r
+        # busybox runs its own applets before a PATH search, so the forge is shown by
+        # calling the PATH's cmp; in the verifier PATH finds no shadow (pristine image).
+        await forged_then_failed(
+            sb,
+            "mkdir -p /usr/local/bin && printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/cmp && "
+            "chmod 755 /usr/local/bin/cmp",
+            grader='c=$(which cmp) && "$c" -s /work/out.txt /grader/expected.txt',
+        )
+        await forged_then_failed(
+            sb,
+            "mkdir -p /opt && cp /bin/busybox /opt/busybox && rm /bin/sh && "
+            "printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh && "
+            "rm /bin/busybox && printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/busybox && "
+            "/opt/busybox chmod 755 /bin/busybox",
+        )
     finally:
         await sb.stop()
-
-
-async def test_replaced_shell_and_busybox(client: DSecClient) -> None:
-    await forged_then_failed(
-        client,
-        "mkdir -p /opt && cp /bin/busybox /opt/busybox && rm /bin/sh && "
-        "printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh && "
-        "rm /bin/busybox && printf '#!/opt/busybox sh\\nexit 0\\n' > /bin/busybox && "
-        "/opt/busybox chmod 755 /bin/busybox",
-    )
-
-
-async def test_shadow_in_usr_local_bin(client: DSecClient) -> None:
-    # busybox runs its own applets before a PATH search, so the forge is shown by
-    # calling the PATH's cmp; in the verifier PATH finds no shadow (pristine image).
-    grader = 'c=$(which cmp) && "$c" -s /work/out.txt /grader/expected.txt'
-    await forged_then_failed(
-        client,
-        "mkdir -p /usr/local/bin && printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/cmp && "
-        "chmod 755 /usr/local/bin/cmp",
-        grader=grader,
-    )
 
 
 async def test_symlink_to_a_protected_path(client: DSecClient) -> None:
@@ -213,6 +207,12 @@ async def test_symlink_to_a_protected_path(client: DSecClient) -> None:
             mode="isolated",
         )
         assert r.passed, r  # the link is there as data, and the kernel refuses to follow it
+        # The graded root itself replaced by a link to the answers: refused, shown empty.
+        grader = "cmp -s /work/expected.txt /grader/expected.txt"
+        await sh(sb, "rm -rf /work && ln -s /grader /work")
+        r = await sb.verify(grader, graded=["/work"], mode="isolated")
+        assert not r.passed, r
+        assert [x.path for x in r.refused] == ["/work"], r
     finally:
         await sb.stop()
 
@@ -241,18 +241,6 @@ async def test_layer_backed_protected_path(client: DSecClient, tmp_path: Path) -
         assert not r.passed, r
     finally:
         await sb.stop()
-
-
-async def test_graded_root_replaced_by_a_symlink(client: DSecClient) -> None:
-    r = await forged_then_failed(
-        client,
-        "rm -rf /work && ln -s /grader /work",
-        grader="cmp -s /work/expected.txt /grader/expected.txt",
-        forge=False,
-    )
-    assert [x.path for x in r.refused] == ["/work"], r  # type: ignore[attr-defined]
-    events = await client.events(kinds=[EventKind.GRADED_LINK_ESCAPE])
-    assert events
 
 
 SETXATTR_C = r"""
@@ -296,11 +284,22 @@ async def test_crafted_overlay_redirect_xattr(client: DSecClient, tmp_path: Path
         await sb.stop()
 
 
-async def test_corrupt_agent_disk_fails_closed(
+async def test_hostile_agent_disk_fails_closed(
     client: DSecClient, vmplatform: PlatformProcess
 ) -> None:
     sb = await client.run_microvm(spec(), timeout=300)
     try:
+        # First its upper/ swapped for a link: showing the pristine content in place of
+        # its work could pass a grader it never satisfied, so the step fails closed.
+        code, out = await sh(
+            sb,
+            f"mkdir -p /mnt2 && sync && mount /dev/{RW_DEV} /mnt2 && mv /mnt2/upper /mnt2/u2 && "
+            "ln -s u2 /mnt2/upper && sync && umount /mnt2",
+        )
+        assert code == 0, out
+        r = await sb.verify("true", graded=["/work"], mode="isolated")
+        assert not r.passed and r.error and "upper" in r.error, r
+        # Then garbage over its whole file system.
         await sh(sb, f"dd if=/dev/urandom of=/dev/{RW_DEV} bs=64k count=64 conv=fsync 2>&1")
         r = await sb.verify("true", graded=["/work"], mode="isolated")
         assert not r.passed and r.error, r
@@ -349,23 +348,6 @@ async def test_edge_crash_mid_verify(vmplatform: PlatformProcess) -> None:
         await sb.stop()
     finally:
         await c.close()
-
-
-async def test_upper_replaced_by_a_link_fails_closed(client: DSecClient) -> None:
-    """The agent swaps its disk's upper/ for a link: showing the pristine content in
-    place of its work could pass a grader it never satisfied, so the step fails closed."""
-    sb = await client.run_microvm(spec(), timeout=300)
-    try:
-        code, out = await sh(
-            sb,
-            f"mkdir -p /mnt2 && sync && mount /dev/{RW_DEV} /mnt2 && mv /mnt2/upper /mnt2/u2 && "
-            "ln -s u2 /mnt2/upper && sync && umount /mnt2",
-        )
-        assert code == 0, out
-        r = await sb.verify("true", graded=["/work"], mode="isolated")
-        assert not r.passed and r.error and "upper" in r.error, r
-    finally:
-        await sb.stop()
 
 
 async def test_deletions_stay_deleted(client: DSecClient) -> None:
