@@ -399,7 +399,11 @@ class MicroVMBackend(AgentDataPath, Backend):
             with contextlib.suppress(Exception):
                 await self._teardown(sid, facts)
             if isinstance(exc, BackendError) and tail:
-                raise BackendError(f"{exc.message}; the guest console said: {tail}") from exc
+                # Guest-written text: its last line only, quoted (no control characters).
+                said = last_line(tail)
+                raise BackendError(
+                    f"{exc.message}; the guest console's last line: {said!r}"
+                ) from exc
             raise
         self.audit.record(sid, AuditKind.LIFECYCLE, "microvm_started", accel=facts.accel)
         return facts
