@@ -203,9 +203,9 @@ class MicroVMBackend(AgentDataPath, Backend):
         self.init_signals.start()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.vms_dir, 0o700)
-        # The guest image and the accelerator probe take seconds the first time on a
-        # host (cached after): in the background, so an edge start does not wait.
-        self._ready = asyncio.create_task(self._prepare_guest(), name="microvm-guest")
+        # The guest image and the accelerator probe are prepared at the first microVM
+        # create, not here: an edge that runs no VM pays nothing for them (resolving
+        # the kernel alone asks apt, ~1 s of CPU per process).
 
     async def _prepare_guest(self) -> None:
         from dsec.guest.initramfs import guest_initramfs
@@ -216,9 +216,11 @@ class MicroVMBackend(AgentDataPath, Backend):
         self._kernel = kernel.vmlinuz
         self._accel = await probe_accelerator(kernel.vmlinuz)
 
-    async def _guest(self) -> tuple[Path, Path, AccelChoice]:
-        if self._ready is None:
-            raise BackendError("the microvm backend was not started")
+    async def guest(self) -> tuple[Path, Path, AccelChoice]:
+        """The guest kernel, initramfs and accelerator, prepared on first use."""
+        if self._ready is None or (self._ready.done() and self._ready.exception()):
+            # First use, or a failed attempt (e.g. apt could not fetch): try (again).
+            self._ready = asyncio.create_task(self._prepare_guest(), name="microvm-guest")
         await asyncio.shield(self._ready)
         assert self._kernel is not None and self._initrd is not None and self._accel is not None
         return self._kernel, self._initrd, self._accel
@@ -226,11 +228,13 @@ class MicroVMBackend(AgentDataPath, Backend):
     async def guest_ready(self) -> AccelChoice:
         """Wait until the guest kernel, initramfs and accelerator probe are ready (the
         first create waits for this anyway; a benchmark times it apart)."""
-        return (await self._guest())[2]
+        return (await self.guest())[2]
 
     def details(self) -> Mapping[str, str]:
         if self._accel is None:
-            if self._ready is not None and self._ready.done() and self._ready.exception():
+            if self._ready is None:
+                return {"accelerator": "not probed yet (at the first microVM create)"}
+            if self._ready.done() and self._ready.exception():
                 return {"accelerator": "unknown", "error": str(self._ready.exception())}
             return {"accelerator": "probing"}
         return {"accelerator": self._accel.accel, "accelerator_reason": self._accel.reason}
@@ -253,6 +257,14 @@ class MicroVMBackend(AgentDataPath, Backend):
             await asyncio.to_thread(
                 self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
             )
+
+    def track(self, vm_id: str, machine: Machine) -> None:
+        """Count ``machine`` among this backend's VMs (the guest-end watcher, close):
+        the verifier VMs of dsec.backends.microvm.verify are VMs too."""
+        self._machines[vm_id] = machine
+
+    def untrack(self, vm_id: str) -> Machine | None:
+        return self._machines.pop(vm_id, None)
 
     # -- paths --------------------------------------------------------------------------
     def vm_dir(self, sandbox_id: str) -> Path:
@@ -291,7 +303,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         return max(1, min(self.host_cpus, math.ceil(spec.cpu_cores_limit)))
 
     # -- configuration -------------------------------------------------------------------
-    def _config(
+    def vm_config(
         self,
         sid: str,
         spec: DSecMicroVMRunArgs,
@@ -316,7 +328,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             accel=accel.accel,
         )
 
-    def _jail(self, sid: str | None) -> Jail:
+    def jail_for(self, sid: str | None) -> Jail:
         dirs = tuple(self.cgroups.dirs(self.cgroup_of(sid))) if sid is not None else ()
         return Jail(cgroup_dirs=dirs)
 
@@ -343,7 +355,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         net: VMNetAttachment | None = None
         machine: Machine | None = None
         try:
-            kernel, initrd, accel = await self._guest()
+            kernel, initrd, accel = await self.guest()
             root.mkdir(mode=0o700)
             (root / "q").mkdir(mode=0o700)
             await self.layers.prepare(inp.image.layers, LAYER_LOADING)
@@ -369,7 +381,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                 net = attach_vm(dict(inp.net))
                 facts.mac, facts.guest_ip, facts.gateway = net.mac, net.guest_ip, net.gateway
             tap = NetAttachment(net.tap_fd, net.mac) if net is not None else None
-            config = self._config(sid, spec, kernel, initrd, accel, tuple(drives), tap)
+            config = self.vm_config(sid, spec, kernel, initrd, accel, tuple(drives), tap)
             facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
             machine = Machine(root, config)
             self._machines[sid] = machine
@@ -377,7 +389,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             restored = self.templates and template.is_file()
             async with machine.lock:
                 machine.listen()
-                proc = machine.launch(prefix=self._jail(sid).prefix(config), incoming=restored)
+                proc = machine.launch(prefix=self.jail_for(sid).prefix(config), incoming=restored)
                 facts.pid, facts.pid_start = proc.pid, proc.start_time
                 if net is not None:
                     net.close()
@@ -391,7 +403,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             self.init_signals.watch(sid, self.agent_socket(sid))
             await self.check_init_user(sid, spec.init_user)
             if self.templates and not restored:
-                self._build_template_later(config)
+                self.build_template_later(config)
         except BaseException as exc:
             tail = await machine.console_tail() if machine is not None else ""
             if net is not None:
@@ -441,7 +453,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             raise BackendError(f"microvm {rec.id} has no running VMM")
         return machine
 
-    def _build_template_later(self, config: VMConfig) -> None:
+    def build_template_later(self, config: VMConfig) -> None:
         """Save a template of ``config``'s machine shape from a second boot with
         placeholder drives (the guest never reads them: it waits before it probes
         drives), so the next create of this shape restores instead of booting."""
@@ -479,7 +491,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                 net=net,
             )
             machine = Machine(work, tconfig)
-            proc = machine.launch(prefix=self._jail(None).prefix(tconfig))
+            proc = machine.launch(prefix=self.jail_for(None).prefix(tconfig))
             if scratch is not None:
                 os.close(scratch)  # QEMU holds its own copy: the tap goes with QEMU
                 scratch = None
@@ -558,7 +570,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         machine = self._machines.get(rec.id)
         if machine is not None:
             return machine
-        kernel, initrd, _accel = await self._guest()
+        kernel, initrd, _accel = await self.guest()
         facts = self.facts(rec)
         drives = [
             Drive(self.layers.blob(d), layer_serial(i), readonly=True)
@@ -804,7 +816,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             if net is not None:
                 config = dataclasses.replace(config, net=NetAttachment(net.tap_fd, net.mac))
                 machine.config = config
-            proc = machine.launch(prefix=self._jail(rec.id).prefix(config), incoming=True)
+            proc = machine.launch(prefix=self.jail_for(rec.id).prefix(config), incoming=True)
         finally:
             if net is not None:
                 net.close()

@@ -359,9 +359,9 @@ async def boot_verifier(
     """Start the verifier VM (restored from a template of its shape when one exists,
     else booted cold, a template then saved in the background), in a cgroup of its
     own with the sandbox's limits, jailed like every QEMU, and wait for its agent."""
-    kernel, initrd, accel = await backend._guest()
+    kernel, initrd, accel = await backend.guest()
     spec = microvm_spec(rec)
-    base = backend._config(vid, spec, kernel, initrd, accel, drives, None)
+    base = backend.vm_config(vid, spec, kernel, initrd, accel, drives, None)
     config = dataclasses.replace(base, fdsets=fdsets)
     await asyncio.to_thread(
         backend.cgroups.create_limited,
@@ -374,9 +374,9 @@ async def boot_verifier(
     # this QEMU's uid; layer blobs are shared and readable as they are.
     private = backend.vm_dir(rec.id)
     own = tuple(d.path for d in drives if d.readonly and d.path.parent == private)
-    jail = dataclasses.replace(backend._jail(vid), own_ro=own)
+    jail = dataclasses.replace(backend.jail_for(vid), own_ro=own)
     machine = Machine(backend.vm_dir(vid), config)
-    backend._machines[vid] = machine
+    backend.track(vid, machine)
     template = snapshot.template_path(backend.templates_dir, config)
     restored = backend.templates and template.is_file()
     try:
@@ -406,7 +406,7 @@ async def boot_verifier(
         # The template boots on placeholder drives: no view, no fd set (neither is part
         # of the machine's shape, so the key is this config's).
         plain = tuple(dataclasses.replace(d, format="raw", options="") for d in config.drives)
-        backend._build_template_later(dataclasses.replace(config, drives=plain, fdsets=()))
+        backend.build_template_later(dataclasses.replace(config, drives=plain, fdsets=()))
     return machine
 
 
@@ -439,7 +439,7 @@ async def recover(backend: MicroVMBackend, sandbox_id: str, agent_pid: int) -> N
 async def remove_verifier(backend: MicroVMBackend, vid: str) -> None:
     """Kill the verifier's QEMU, remove its cgroup and every file (idempotent)."""
     backend.init_signals.unwatch(vid)
-    machine = backend._machines.pop(vid, None)
+    machine = backend.untrack(vid)
     if machine is not None:
         await machine.kill()
         machine.close_listener()
