@@ -580,7 +580,8 @@ async def test_zombies_are_reaped_as_pid1(ns_agent: Agent) -> None:
         int(line.split()[0]): line[line.rindex(")") + 2]
         for line in listing.stdout.decode().splitlines()
     }
-    assert states[1] == "S"
+    # alive and not a zombie; "R" when it is relaying this very listing as it is read
+    assert states[1] in ("S", "R")
     assert "Z" not in states.values()
     comm = await ns_agent.run("cat", "/proc/1/comm")
     assert comm.stdout.startswith(b"dsec-init")
