@@ -491,7 +491,8 @@ class MicroVMBackend(AgentDataPath, Backend):
                 net=net,
             )
             machine = Machine(work, tconfig)
-            proc = machine.launch(prefix=self.jail_for(None).prefix(tconfig))
+            jail = dataclasses.replace(self.jail_for(None), die_with_parent=True)
+            proc = machine.launch(prefix=jail.prefix(tconfig))
             if scratch is not None:
                 os.close(scratch)  # QEMU holds its own copy: the tap goes with QEMU
                 scratch = None
@@ -654,6 +655,9 @@ class MicroVMBackend(AgentDataPath, Backend):
             sid = proc.qmp_socket.parent.parent.name
             if sid not in known_ids:
                 await asyncio.to_thread(proc.kill)
+        # Template builds of a crashed edge (none of this process runs yet).
+        for proc in await asyncio.to_thread(find_running, self.templates_dir):
+            await asyncio.to_thread(proc.kill)
         leftovers: set[str] = set()
         if self.vms_dir.is_dir():
             leftovers.update(e.name for e in os.scandir(self.vms_dir) if e.is_dir())

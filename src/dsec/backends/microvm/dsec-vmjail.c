@@ -1,7 +1,7 @@
 /* dsec-vmjail: confine one QEMU process, then exec it in place (same pid).
  *
  * Usage: dsec-vmjail [--cgroup DIR]... [--own PATH]... [--ro PATH]... [--rw PATH]...
- *                    [--dev PATH]... --uid-base N [--group N]... [--netns]
+ *                    [--dev PATH]... --uid-base N [--group N]... [--netns] [--die-with-parent]
  *                    -- QEMU ARGV...
  *
  * Order matters and is the point of doing it in C before exec:
@@ -26,6 +26,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +109,8 @@ static long number(const char *s) {
 int main(int argc, char **argv) {
     const char *cgroups[MAX_ARGS], *own[MAX_ARGS], *ro[MAX_ARGS], *rw[MAX_ARGS], *dev[MAX_ARGS];
     int ncg = 0, nown = 0, nro = 0, nrw = 0, ndev = 0, netns = 0, ngroups = 0;
+    int die_with_parent = 0;  /* a VM that is not a sandbox (a template build) */
+    pid_t parent = getppid();
     long uid_base = -1;
     gid_t groups[8];
     int i = 1;
@@ -115,6 +118,7 @@ int main(int argc, char **argv) {
         const char *a = argv[i];
         if (!strcmp(a, "--")) { i++; break; }
         if (!strcmp(a, "--netns")) { netns = 1; continue; }
+        if (!strcmp(a, "--die-with-parent")) { die_with_parent = 1; continue; }
         if (i + 1 >= argc) { errno = EINVAL; die("missing value for", a); }
         const char *v = argv[++i];
         if (ncg >= MAX_ARGS || nown >= MAX_ARGS || nro >= MAX_ARGS || nrw >= MAX_ARGS || ndev >= MAX_ARGS) {
@@ -180,6 +184,11 @@ int main(int argc, char **argv) {
     if (setresgid(gid, gid, gid) < 0) die("setresgid", NULL);
     if (setresuid(uid, uid, uid) < 0) die("setresuid", NULL);  /* clears every capability */
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
+    if (die_with_parent) {
+        /* after setresuid, which clears it; then check the parent did not die first */
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) die("pdeathsig", NULL);
+        if (getppid() != parent) return 125;
+    }
     execv(argv[i], argv + i);
     die("exec", argv[i]);
     return 125;

@@ -59,6 +59,9 @@ class Jail:
     own_ro: tuple[Path, ...] = ()
     """Read-only files chowned to this QEMU's uid (a verifier's private protected
     images, root 0600 otherwise)."""
+    die_with_parent: bool = False
+    """SIGKILL QEMU when the edge process dies: for VMs that are not sandboxes (a
+    template being saved), which nothing would re-adopt."""
 
     def prefix(self, config: VMConfig) -> list[str]:
         """The launcher argv to put before QEMU's (``QemuProcess.launch(prefix=)``).
@@ -69,6 +72,8 @@ class Jail:
         argv = [str(jail_binary()), "--uid-base", str(self.uid_base)]
         if self.netns:
             argv.append("--netns")
+        if self.die_with_parent:
+            argv.append("--die-with-parent")
         for d in self.cgroup_dirs:
             argv += ["--cgroup", str(d)]
         ro = [config.kernel, *([config.initrd] if config.initrd else []), *self.extra_ro]
