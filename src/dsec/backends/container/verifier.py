@@ -272,7 +272,7 @@ async def _verify(
                 backend.audit.event(
                     rec.id, EventKind.SCAN_INCOMPLETE, what="graded snapshot", reason=str(exc)
                 )
-                return _not_run(req, graded, f"the graded tree cannot be snapshotted: {exc}")
+                return not_run(req, graded, f"the graded tree cannot be snapshotted: {exc}")
             _refusal_event(backend, rec, snap)
             await _start(backend, rec, vid, root, pristine, prepared, snap)
             res = await AgentClient(backend.agent_socket(vid)).exec(
@@ -313,7 +313,8 @@ async def _verify(
     )
 
 
-def _not_run(req: VerifyRequest, graded: list[str], why: str) -> VerifyResult:
+def not_run(req: VerifyRequest, graded: list[str], why: str) -> VerifyResult:
+    """The answer of a step whose grader did not run: failed, with why (fail closed)."""
     return VerifyResult(
         exit_code=-1,
         stdout="",

@@ -61,6 +61,7 @@ from dsec.backends.container.verifier import (
     MAX_RESULT_FILES,
     RESULT_DIR_IN_VERIFIER,
     grader_env,
+    not_run,
 )
 from dsec.backends.microvm import snapshot
 from dsec.backends.microvm.backend import (
@@ -128,19 +129,6 @@ def create_view(disk: Path, view: Path) -> None:
     except subprocess.CalledProcessError as exc:
         raise BackendError(f"qemu-img create: {exc.stderr.decode(errors='replace')}") from exc
     os.chmod(view, 0o600)
-
-
-def _not_run(req: VerifyRequest, graded: list[str], why: str) -> VerifyResult:
-    return VerifyResult(
-        exit_code=-1,
-        stdout="",
-        stderr=why,
-        duration=0.0,
-        passed=False,
-        mode=req.mode,
-        graded=graded,
-        error=why,
-    )
 
 
 async def run_verify(
@@ -252,7 +240,7 @@ async def _in_verifier(
         )
     except DSecError as exc:
         log.warning("microvm %s: the verifier did not start: %s", rec.id, exc)
-        return _not_run(req, graded, f"the verifier did not start: {exc}")
+        return not_run(req, graded, f"the verifier did not start: {exc}")
     finally:
         if disk_fd >= 0:
             os.close(disk_fd)  # QEMU holds its own copy
@@ -266,7 +254,7 @@ async def _in_verifier(
             backend.audit.event(
                 rec.id, EventKind.SCAN_INCOMPLETE, what="graded agent disk", reason=error[:300]
             )
-            return _not_run(req, graded, f"the graded tree cannot be read: {error.strip()}")
+            return not_run(req, graded, f"the graded tree cannot be read: {error.strip()}")
         refused = _parse_refused(await _read_small(client, REFUSED_IN_VERIFIER, MAX_REFUSED_BYTES))
         if refused:
             backend.audit.event(
@@ -292,7 +280,7 @@ async def _in_verifier(
         alive = machine.proc is not None and machine.proc.is_alive()
         why = "the verifier died" if not alive else "the verifier failed"
         log.warning("microvm %s: %s during the step: %s", rec.id, why, exc)
-        return _not_run(req, graded, f"{why}: {exc}")
+        return not_run(req, graded, f"{why}: {exc}")
     out = res.as_exec_result()
     return VerifyResult(
         **out.model_dump(),
