@@ -23,6 +23,6 @@ def install(app: FastAPI, services: ApiServices, creator: SandboxCreator) -> Non
     plane = services.dataplane
     if plane is None:
         return
-    access = Access(services.keys, services.edge, plane, services.iam)
+    access = Access(services.keys, services.edge, plane, services.iam, services.rl)
     app.include_router(control_router(access, creator, E2BConfig.from_env()))
     app.include_router(envd_router(Envd(access, services.limits)))

@@ -13,17 +13,32 @@ from __future__ import annotations
 from dsec.api.iam import Role
 from dsec.api.sandbox import SandboxInfo
 from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.rl import RLEdge
 from dsec.control.iam import IAM
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
-from dsec.errors import PermissionDenied, SandboxNotFound, Unauthenticated
+from dsec.errors import (
+    BackendError,
+    PermissionDenied,
+    SandboxNotFound,
+    Unauthenticated,
+    Unsupported,
+)
 
 TOKEN_TTL = 7 * 86400.0  # an E2B client keeps the token of its sandbox for its life
 
 
 class Access:
-    def __init__(self, keys: KeyVerifier, edge: EdgeAPI, plane: DataPlane, iam: IAM | None) -> None:
+    def __init__(
+        self,
+        keys: KeyVerifier,
+        edge: EdgeAPI,
+        plane: DataPlane,
+        iam: IAM | None,
+        rl: RLEdge | None = None,
+    ) -> None:
+        self.rl = rl
         self.keys = keys
         self.edge = edge
         self.plane = plane
@@ -50,6 +65,25 @@ class Access:
         if info.state.terminal or not await self.may_use(principal, info):
             raise SandboxNotFound(f"sandbox {sandbox_id} not found")
         return info
+
+    async def _jobs(self, principal: str, info: SandboxInfo) -> tuple[RLEdge, str]:
+        """Pause and resume are our job pause, which needs ``builder`` as in our API."""
+        if self.rl is None or not info.spec.job_id:
+            raise Unsupported("pause needs the RL job service (dsec up serves it)")
+        if self.iam is not None:
+            project = info.spec.project or self.iam.default
+            await self.iam.require(principal, Role.BUILDER, project, "pausing a sandbox")
+        return self.rl, info.spec.job_id
+
+    async def pause(self, principal: str, info: SandboxInfo) -> None:
+        rl, job = await self._jobs(principal, info)
+        report = await rl.pause_job(job)
+        if report.failed:
+            raise BackendError(f"pausing sandbox {info.id} failed")
+
+    async def resume(self, principal: str, info: SandboxInfo) -> None:
+        rl, job = await self._jobs(principal, info)
+        await rl.resume_job(job)
 
     def token(self, sandbox_id: str) -> str:
         return self.plane.signer.mint(sandbox_id, ttl=TOKEN_TTL).value

@@ -7,7 +7,9 @@ errors are E2B's ``{"code": <http status>, "message"}``. Every create goes throu
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
@@ -21,7 +23,7 @@ from dsec.apiserver.params import check_sandbox_id
 from dsec.compat.e2b.access import Access
 from dsec.compat.e2b.mapping import E2BConfig, create_spec, created, detail, listed
 from dsec.edge.idempotency import check_key
-from dsec.errors import DSecError, InvalidArgument, SandboxNotFound, Unsupported
+from dsec.errors import BackendError, Conflict, DSecError, InvalidArgument
 
 CREATE_TIMEOUT = 300.0
 MAX_PAGE = 1000
@@ -30,7 +32,9 @@ Handler = Callable[..., Awaitable[Response]]
 
 
 def e2b_error(exc: DSecError) -> JSONResponse:
-    return JSONResponse({"code": exc.status, "message": exc.message}, status_code=exc.status)
+    """E2B's error body; our 422 (invalid input) is E2B's 400."""
+    status = 400 if exc.status == 422 else exc.status
+    return JSONResponse({"code": status, "message": exc.message}, status_code=status)
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -59,8 +63,8 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
     @router.post("/sandboxes")
     async def create(request: Request) -> Response:
         async def work(principal: str) -> Response:
-            spec, _ = create_spec(await _json(request), config)
             key = request.headers.get("idempotency-key")
+            spec = create_spec(await _json(request), config, job_for(principal, key))
             if key is None:
                 info = await creator.create(principal, spec, timeout=CREATE_TIMEOUT)
             else:
@@ -94,6 +98,10 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
     async def connect(request: Request, sandbox_id: str) -> Response:
         async def work(principal: str) -> Response:
             info = await access.sandbox(principal, check_sandbox_id(sandbox_id))
+            if info.state is SandboxState.PAUSED:
+                await access.resume(principal, info)
+                info = await edge.get(info.id)
+                return JSONResponse(created(info, access.token(info.id)), status_code=201)
             return JSONResponse(created(info, access.token(info.id)))
 
         return await guarded(request, work)
@@ -101,19 +109,29 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
     @router.post("/sandboxes/{sandbox_id}/timeout")
     async def set_timeout(request: Request, sandbox_id: str) -> Response:
         async def work(principal: str) -> Response:
-            await access.sandbox(principal, check_sandbox_id(sandbox_id))
-            raise Unsupported(
-                "set_timeout: a sandbox's timeout is its idle TTL, fixed at create "
-                "(ttl_running_stop); any use of the sandbox restarts it"
-            )
+            info = await access.sandbox(principal, check_sandbox_id(sandbox_id))
+            timeout = (await _json(request)).get("timeout")
+            if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
+                raise InvalidArgument("timeout must be a non-negative integer of seconds")
+            ttl = info.spec.ttl_running_stop or 0
+            if timeout > ttl:
+                raise InvalidArgument(
+                    f"timeout {timeout}s is longer than this sandbox's idle TTL ({ttl}s, "
+                    "set by the create's timeout): create it with a longer timeout"
+                )
+            access.plane.edge.mark_active(info.id)  # its idle clock starts over
+            return Response(status_code=204)
 
         return await guarded(request, work)
 
     @router.post("/sandboxes/{sandbox_id}/pause")
     async def pause(request: Request, sandbox_id: str) -> Response:
         async def work(principal: str) -> Response:
-            await access.sandbox(principal, check_sandbox_id(sandbox_id))
-            raise Unsupported("pause of a single sandbox is not supported yet")
+            info = await access.sandbox(principal, check_sandbox_id(sandbox_id))
+            if info.state is SandboxState.PAUSED:
+                raise Conflict(f"sandbox {info.id} is already paused")
+            await access.pause(principal, info)
+            return Response(status_code=204)
 
         return await guarded(request, work)
 
@@ -153,6 +171,13 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
     return router
 
 
+def job_for(principal: str, key: str | None) -> str:
+    """The sandbox's own job id; the same for a replayed Idempotency-Key (same spec)."""
+    if key is None:
+        return "e2b-" + secrets.token_hex(10)
+    return "e2b-" + hashlib.sha256(f"{principal}\n{key}".encode()).hexdigest()[:20]
+
+
 def _order(info: SandboxInfo) -> str:
     return _cursor(info)
 
@@ -186,4 +211,4 @@ async def prepare_user(access: Access, info: SandboxInfo) -> None:
     )
     exit_info = await proc.wait()
     if exit_info.exit_code != 0:
-        raise SandboxNotFound("could not prepare the default user of the sandbox")
+        raise BackendError(f"could not prepare the default user (exit {exit_info.exit_code})")

@@ -34,8 +34,9 @@ from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.compat.e2b import connect as c
 from dsec.compat.e2b.access import Access
 from dsec.compat.e2b.mapping import HOME
+from dsec.compat.e2b.watch import POLL, Watcher, Watchers, snapshot
 from dsec.edge.dataplane import DataPlane
-from dsec.errors import DSecError, FileNotFound, InvalidArgument, ProcessNotFound
+from dsec.errors import DSecError, FileNotFound, ProcessNotFound
 from dsec.sessions.processes import ManagedProcess
 
 # sh runs bash when the image has it, else itself, with E2B's arguments.
@@ -116,6 +117,7 @@ class Envd:
         self.access = access
         self.plane: DataPlane = access.plane
         self.limits = limits
+        self.watchers = Watchers(self.plane)
 
     async def sandbox(self, request: Request) -> str:
         h = request.headers
@@ -270,6 +272,49 @@ class Envd:
             entries.append(entry(info, posixpath.join(path, rel)))
         return {"entries": entries}
 
+    async def watcher(self, request: Request, body: dict[str, Any]) -> Watcher:
+        sid = await self.sandbox(request)
+        w = Watcher(
+            sid,
+            resolve(body.get("path")),
+            bool(body.get("recursive")),
+            bool(body.get("includeEntry")),
+        )
+        info = await self.plane.stat(sid, w.path, follow=True)
+        if info.type != "directory":
+            raise c.ConnectError("invalid_argument", f"{w.path} is not a directory")
+        return w
+
+    async def create_watcher(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
+        return {"watcherId": await self.watchers.create(await self.watcher(request, body))}
+
+    async def watcher_events(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
+        w = self.watchers.get(await self.sandbox(request), str(body.get("watcherId", "")))
+        return {"events": await self.watchers.changes(w, entry)}
+
+    async def remove_watcher(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
+        self.watchers.remove(await self.sandbox(request), str(body.get("watcherId", "")))
+        return {}
+
+    async def watch_stream(self, w: Watcher) -> AsyncIterator[bytes]:
+        """Start, then each change as it is seen (and keepalives) until the client goes."""
+        w.seen = await snapshot(self.plane, w)
+        yield c.message_envelope({"start": {}})  # the oneof's members are fields here
+        quiet = 0.0
+        while True:
+            await asyncio.sleep(POLL)
+            try:
+                events = await self.watchers.changes(w, entry)
+            except DSecError as exc:
+                yield c.end_stream(c.as_connect_error(exc))
+                return
+            quiet = 0.0 if events else quiet + POLL
+            for ev in events:
+                yield c.message_envelope({"filesystem": ev})
+            if quiet >= KEEPALIVE:
+                quiet = 0.0
+                yield c.message_envelope({"keepalive": {}})
+
     # -- /files -----------------------------------------------------------------------
     async def read_file(self, request: Request) -> Response:
         sid = await self.sandbox(request)
@@ -326,6 +371,12 @@ def envd_error(exc: BaseException) -> Response:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def stream_error(exc: BaseException) -> Response:
+    """A stream that fails before its first message: only the end-of-stream error."""
+    err = c.as_connect_error(exc)
+    return Response(c.end_stream(err), media_type=c.STREAM_CONTENT_TYPE)
+
+
 Unary = Callable[[Request, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -353,19 +404,31 @@ def envd_router(envd: Envd) -> APIRouter:
         open_: Callable[[Request, dict[str, Any]], Awaitable[tuple[ManagedProcess, bool]]],
     ) -> None:
         async def handler(request: Request) -> Response:
-            async def body() -> AsyncIterator[bytes]:
-                try:
-                    msg = c.decode_stream_request(await request.body())
-                    proc, first = await open_(request, msg)
-                except (c.ConnectError, DSecError) as exc:
-                    yield c.end_stream(c.as_connect_error(exc))
-                    return
-                async for chunk in envd.events(proc, start=first):
-                    yield chunk
-
-            return StreamingResponse(body(), media_type=c.STREAM_CONTENT_TYPE)
+            # The request is read and the call made before the response starts: once
+            # it streams, Starlette's disconnect listener owns the receive channel.
+            try:
+                msg = c.decode_stream_request(await request.body())
+                proc, first = await open_(request, msg)
+            except (c.ConnectError, DSecError) as exc:
+                return stream_error(exc)
+            return StreamingResponse(
+                envd.events(proc, start=first), media_type=c.STREAM_CONTENT_TYPE
+            )
 
         router.add_api_route(path, handler, methods=["POST"])
+
+    async def watch_dir(request: Request) -> Response:
+        try:
+            msg = c.decode_stream_request(await request.body())
+            w = await envd.watcher(request, msg)
+        except (c.ConnectError, DSecError) as exc:
+            return stream_error(exc)
+        return StreamingResponse(envd.watch_stream(w), media_type=c.STREAM_CONTENT_TYPE)
+
+    router.add_api_route("/filesystem.Filesystem/WatchDir", watch_dir, methods=["POST"])
+    unary("/filesystem.Filesystem/CreateWatcher", envd.create_watcher)
+    unary("/filesystem.Filesystem/GetWatcherEvents", envd.watcher_events)
+    unary("/filesystem.Filesystem/RemoveWatcher", envd.remove_watcher)
 
     async def open_start(request: Request, msg: dict[str, Any]) -> tuple[ManagedProcess, bool]:
         return await envd.start(request, msg), True
@@ -404,5 +467,4 @@ def envd_router(envd: Envd) -> APIRouter:
         except (c.ConnectError, DSecError) as exc:
             return envd_error(exc)
 
-    _ = InvalidArgument
     return router

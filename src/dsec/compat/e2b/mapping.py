@@ -62,8 +62,9 @@ def _str_map(value: object, what: str) -> dict[str, str]:
     return dict(value)
 
 
-def create_spec(body: dict[str, Any], config: E2BConfig) -> tuple[RunArgs, str]:
-    """The spec of a ``POST /v2/sandboxes`` body, and its template id."""
+def create_spec(body: dict[str, Any], config: E2BConfig, job_id: str) -> RunArgs:
+    """The spec of a ``POST /v2/sandboxes`` body. ``job_id`` is the sandbox's own job:
+    E2B's pause of one sandbox is our job pause (dsec.rl.jobs) of a job of one."""
     template = body.get("templateID")
     if not isinstance(template, str) or not template or len(template) > 256:
         raise InvalidArgument("templateID must be a non-empty string")
@@ -84,6 +85,7 @@ def create_spec(body: dict[str, Any], config: E2BConfig) -> tuple[RunArgs, str]:
         "init_user": UID,
         "env": {"HOME": HOME, "USER": USER, **env},
         "labels": labels,
+        "job_id": job_id,
     }
     try:
         if backend == "microvm":
@@ -96,7 +98,7 @@ def create_spec(body: dict[str, Any], config: E2BConfig) -> tuple[RunArgs, str]:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidArgument(f"{where}: {first['msg']}") from None
-    return spec, template
+    return spec
 
 
 E2B_STATES = {SandboxState.PAUSED: "paused"}
