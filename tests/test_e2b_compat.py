@@ -225,7 +225,7 @@ async def test_async_sdk(asbx: AsyncSandbox) -> None:
     deadline = time.monotonic() + 10
     while "c.txt" not in seen and time.monotonic() < deadline:
         await asbx.commands.run("true")  # lets the stream's poll come round
-    await watch.stop()
+    await watch.stop()  # type: ignore[no-untyped-call]
     assert "c.txt" in seen
     assert await asbx.is_running()
     info = await asbx.get_info()
