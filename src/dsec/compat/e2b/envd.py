@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dsec.api.exec import CommandArgs
+from dsec.api.exec import MAX_OUTPUT_BYTES, CommandArgs
 from dsec.api.files import FileInfo
 from dsec.apiserver.filestreams import nonempty
 from dsec.apiserver.limits import ApiLimits, set_body_limit
@@ -156,12 +156,15 @@ class Envd:
                 user=_user(request),
                 keep_stdin=bool(body.get("stdin")),
                 timeout=86400,
+                max_output_bytes=MAX_OUTPUT_BYTES,
             )
         except ValueError as exc:
             raise c.ConnectError("invalid_argument", str(exc).splitlines()[0]) from None
         return await self.plane.start(sid, command, background=True)
 
-    async def events(self, proc: ManagedProcess, *, start: bool) -> AsyncIterator[bytes]:
+    async def events(
+        self, proc: ManagedProcess, *, start: bool, keepalive: float = KEEPALIVE
+    ) -> AsyncIterator[bytes]:
         """The process's events as envelopes: start, data as it comes (with
         keepalives), end; never cut while the process runs."""
         if start:
@@ -171,7 +174,7 @@ class Envd:
             nxt = asyncio.ensure_future(chunks.__anext__())
             try:
                 while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=KEEPALIVE)
+                    done, _ = await asyncio.wait({nxt}, timeout=keepalive)
                     if done:
                         break
                     yield c.message_envelope({"event": {"keepalive": {}}})
@@ -193,6 +196,8 @@ class Envd:
         end: dict[str, Any] = {"exitCode": code, "exited": code < 128, "status": status}
         if exit_info.timed_out:
             end["error"] = "the command timed out"
+        elif exit_info.truncated:
+            end["error"] = f"output beyond {MAX_OUTPUT_BYTES} bytes was dropped"
         yield c.message_envelope({"event": {"end": end}})
         yield c.end_stream()
 
@@ -371,6 +376,15 @@ def envd_error(exc: BaseException) -> Response:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def keepalive_of(request: Request) -> float:
+    """The client's ``Keepalive-Ping-Interval`` (seconds, 1..KEEPALIVE), else KEEPALIVE."""
+    try:
+        asked = float(request.headers.get("keepalive-ping-interval", KEEPALIVE))
+    except ValueError:
+        return KEEPALIVE
+    return min(max(asked, 1.0), KEEPALIVE)
+
+
 def stream_error(exc: BaseException) -> Response:
     """A stream that fails before its first message: only the end-of-stream error."""
     err = c.as_connect_error(exc)
@@ -411,9 +425,8 @@ def envd_router(envd: Envd) -> APIRouter:
                 proc, first = await open_(request, msg)
             except (c.ConnectError, DSecError) as exc:
                 return stream_error(exc)
-            return StreamingResponse(
-                envd.events(proc, start=first), media_type=c.STREAM_CONTENT_TYPE
-            )
+            events = envd.events(proc, start=first, keepalive=keepalive_of(request))
+            return StreamingResponse(events, media_type=c.STREAM_CONTENT_TYPE)
 
         router.add_api_route(path, handler, methods=["POST"])
 
