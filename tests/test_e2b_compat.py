@@ -230,3 +230,27 @@ async def test_async_sdk(asbx: AsyncSandbox) -> None:
     assert await asbx.is_running()
     info = await asbx.get_info()
     assert info.sandbox_id == asbx.sandbox_id
+
+
+def test_template_and_metadata_select_image_and_backend() -> None:
+    from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs
+    from dsec.compat.e2b.mapping import E2BConfig, create_spec
+
+    config = E2BConfig(default_image="debian-python:latest")
+    base = create_spec({"templateID": "base", "timeout": 60}, config, "e2b-j")
+    assert isinstance(base, DSecContainerRunArgs)
+    assert base.container_image == "debian-python:latest" and base.ttl_running_stop == 60
+    chosen = create_spec(
+        {"templateID": "base", "metadata": {"image": "busybox:1", "dsec.backend": "microvm"}},
+        config,
+        "e2b-j",
+    )
+    assert isinstance(chosen, DSecMicroVMRunArgs) and chosen.image == "busybox:1"
+    assert chosen.init_user == "1000:1000" and chosen.env["HOME"] == "/home/user"
+
+
+def test_bad_create_requests_are_4xx(e2b_env: PlatformProcess) -> None:
+    with pytest.raises(SandboxException, match=r"^400: "):
+        Sandbox.create("not a valid/../image")
+    with pytest.raises(SandboxException, match=r"^400: "):
+        Sandbox.create("busybox:latest", metadata={"dsec.backend": "mainframe"})
