@@ -198,6 +198,27 @@ def test_hostile_callers(e2b_env: PlatformProcess, sbx: Sandbox, busybox_image: 
     assert bad.status_code == 401 and bad.json()["code"] == "unauthenticated"
     anon = httpx.get(f"{e2b_env.url}/files", params={"path": "/etc/passwd"}, headers=headers)
     assert anon.status_code == 401 and "message" in anon.json()
+    api = {"X-API-KEY": e2b_env.api_key}
+    token = httpx.get(f"{e2b_env.url}/sandboxes/{sbx.sandbox_id}", headers=api).json()
+    other = Sandbox.create(busybox_image)
+    try:
+        crossed = httpx.get(
+            f"{e2b_env.url}/files",
+            params={"path": "/etc/hostname"},
+            headers={
+                "E2b-Sandbox-Id": other.sandbox_id,
+                "X-Access-Token": token["envdAccessToken"],
+            },
+        )
+        assert crossed.status_code == 403  # a token opens its own sandbox only
+    finally:
+        other.kill()
+    nul = httpx.get(
+        f"{e2b_env.url}/files",
+        params={"path": "/etc/\x00passwd"},
+        headers={**headers, "X-Access-Token": token["envdAccessToken"]},
+    )
+    assert nul.status_code == 400
 
 
 @pytest.fixture
