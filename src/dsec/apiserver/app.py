@@ -30,6 +30,7 @@ from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
+from dsec.compat import e2b
 
 API_VERSION = "0.1.0"
 
@@ -98,4 +99,5 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(rl_router(services.rl, auth, services.roles, charge=iam is not None))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
+    e2b.install(app, services, creator)  # the E2B SDK's API (dsec.compat.e2b)
     return app

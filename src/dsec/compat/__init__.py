@@ -1,0 +1,1 @@
+"""Drop-in compatibility layers for other sandbox APIs, built on our public interfaces."""

@@ -1,0 +1,99 @@
+"""Who may touch which sandbox through the E2B API: our keys, IAM and tokens.
+
+The control plane authenticates E2B's ``X-API-KEY`` with our key store (the same keys
+our SDK sends as a bearer token) and checks the ``runtime`` role on the sandbox's
+project, as our own stop does; a sandbox of a project the caller may not use answers
+as not found, so ids of other projects are not revealed. envd calls carry the
+per-sandbox data-path token we hand out as ``envdAccessToken`` (``X-Access-Token``),
+bound to the ``E2b-Sandbox-Id`` they name.
+"""
+
+from __future__ import annotations
+
+from dsec.api.iam import Role
+from dsec.api.sandbox import SandboxInfo
+from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.rl import RLEdge
+from dsec.control.iam import IAM
+from dsec.edge.api import EdgeAPI
+from dsec.edge.dataplane import DataPlane
+from dsec.edge.tokens import looks_like_token
+from dsec.errors import (
+    BackendError,
+    PermissionDenied,
+    SandboxNotFound,
+    Unauthenticated,
+    Unsupported,
+)
+
+TOKEN_TTL = 7 * 86400.0  # an E2B client keeps the token of its sandbox for its life
+
+
+class Access:
+    def __init__(
+        self,
+        keys: KeyVerifier,
+        edge: EdgeAPI,
+        plane: DataPlane,
+        iam: IAM | None,
+        rl: RLEdge | None = None,
+    ) -> None:
+        self.rl = rl
+        self.keys = keys
+        self.edge = edge
+        self.plane = plane
+        self.iam = iam
+
+    async def principal(self, api_key: str | None) -> str:
+        if not api_key:
+            raise Unauthenticated("missing API key: send it as X-API-KEY (E2B_API_KEY)")
+        return await self.keys.verify(api_key)
+
+    async def may_use(self, principal: str, info: SandboxInfo) -> bool:
+        if self.iam is None:
+            return True
+        try:
+            project = info.spec.project or self.iam.default
+            await self.iam.require(principal, Role.RUNTIME, project, "using a sandbox")
+        except PermissionDenied:
+            return False
+        return True
+
+    async def sandbox(self, principal: str, sandbox_id: str) -> SandboxInfo:
+        """A live sandbox the principal may use, else SandboxNotFound."""
+        info = await self.edge.get(sandbox_id)
+        if info.state.terminal or not await self.may_use(principal, info):
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found")
+        return info
+
+    async def _jobs(self, principal: str, info: SandboxInfo) -> tuple[RLEdge, str]:
+        """Pause and resume are our job pause, which needs ``builder`` as in our API."""
+        if self.rl is None or not info.spec.job_id:
+            raise Unsupported("pause needs the RL job service (dsec up serves it)")
+        if self.iam is not None:
+            project = info.spec.project or self.iam.default
+            await self.iam.require(principal, Role.BUILDER, project, "pausing a sandbox")
+        return self.rl, info.spec.job_id
+
+    async def pause(self, principal: str, info: SandboxInfo) -> None:
+        rl, job = await self._jobs(principal, info)
+        report = await rl.pause_job(job)
+        if report.failed:
+            raise BackendError(f"pausing sandbox {info.id} failed")
+
+    async def resume(self, principal: str, info: SandboxInfo) -> None:
+        rl, job = await self._jobs(principal, info)
+        await rl.resume_job(job)
+
+    def token(self, sandbox_id: str) -> str:
+        return self.plane.signer.mint(sandbox_id, ttl=TOKEN_TTL).value
+
+    async def envd(self, sandbox_id: str | None, token: str | None, api_key: str | None) -> str:
+        """The sandbox an envd request may act on."""
+        if not sandbox_id:
+            raise SandboxNotFound("missing E2b-Sandbox-Id header")
+        if token and looks_like_token(token):
+            self.plane.authorize(sandbox_id, token)
+            return sandbox_id
+        await self.sandbox(await self.principal(api_key), sandbox_id)
+        return sandbox_id
