@@ -31,6 +31,7 @@ from dsec.apiserver.security import security_router
 from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
 from dsec.compat import e2b
+from dsec.compat.sandboxfusion import sandboxfusion_router
 
 API_VERSION = "0.1.0"
 
@@ -93,6 +94,7 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(security_router(services.audit, auth))
     if services.fncall is not None:
         app.include_router(fncall_router(services.fncall, auth))
+        app.include_router(sandboxfusion_router(services.fncall, keys))
     if services.trajectory is not None:
         app.include_router(trajectory_router(services.trajectory, auth))
     if services.rl is not None and services.roles is not None:  # job pause, pack_diff, fork
