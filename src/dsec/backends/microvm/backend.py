@@ -78,6 +78,7 @@ RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
 # Layers are fetched whole before a VM starts: the jailed QEMU (another uid) cannot read
 # a lazily loaded layer's FUSE file, which only its mounter (root) may open.
 LAYER_LOADING = "eager"
+ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
 
 def _placeholder(path: Path) -> None:
@@ -614,16 +615,24 @@ class MicroVMBackend(AgentDataPath, Backend):
         await self.layers.prepare(rec.image.layers, LAYER_LOADING)
         machine = await self._machine_for(rec)
         machine.proc = proc
-        try:
-            channel = await machine.connect_channel(10)
-            await channel.wait_ready(20)
-            await self.agent(rec).ping(timeout=10)
-        except Exception as exc:
-            log.warning("microvm %s: agent did not answer after the restart (%s)", rec.id, exc)
-            await machine.close()
-            self._machines.pop(rec.id, None)
-            return False
-        return True
+        for attempt in range(1, ADOPT_LINK_ATTEMPTS + 1):
+            try:
+                channel = await machine.connect_channel(10)
+                await channel.wait_ready(20)
+                await self.agent(rec).ping(timeout=10)
+                return True
+            except Exception as exc:
+                # The guest's mux learns of a new host end from the port's open event;
+                # one seen while it was busy (a loaded TCG host) is linked anew once.
+                log.warning(
+                    "microvm %s: agent did not answer after the restart (attempt %d: %s)",
+                    rec.id,
+                    attempt,
+                    exc,
+                )
+        await machine.close()
+        self._machines.pop(rec.id, None)
+        return False
 
     async def adopt(self, rec: SandboxRecord) -> None:
         self._hold_layers(rec)
