@@ -746,8 +746,19 @@ class MicroVMBackend(AgentDataPath, Backend):
             self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_relinked", why=why)
 
     def death_reason(self, rec: SandboxRecord) -> str | None:
+        """Why the VM ended: what the backend recorded when it ended it, else what the
+        host saw of a QEMU that ended on its own (the OOM killer in its cgroup, QEMU's
+        own last words: its log, which the guest cannot write)."""
         machine = self._machines.get(rec.id)
-        return machine.ended if machine is not None else None
+        if machine is None:
+            return None
+        if machine.ended is not None:
+            return machine.ended
+        with contextlib.suppress(Exception):
+            if self.limit_counters(rec).oom_kills:
+                return "QEMU was killed by the OOM killer of its cgroup (guest + VMM memory)"
+        tail = machine.proc.log_tail(300) if machine.proc is not None else ""
+        return f"QEMU ended on its own: {last_line(tail)!r}" if tail else None
 
     # -- pause ----------------------------------------------------------------------------
     def pause(self, rec: SandboxRecord) -> None:

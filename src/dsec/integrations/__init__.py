@@ -1,0 +1,1 @@
+"""Plug-ins that let agent frameworks use DSec sandboxes unchanged (optional extras)."""
