@@ -38,6 +38,7 @@ QEMU = "qemu-system-x86_64"
 # The microvm machine has no PIT/HPET to calibrate the TSC against under TCG: without
 # these the guest hangs at boot (measured). Under KVM the kvm-clock replaces them.
 TCG_CMDLINE = ("tsc_early_khz=2000000", "lpj=4000000")
+TCG_TB_SIZE_MB = 64  # TCG translation cache (MiB)
 BASE_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "pci=off")
 # -sandbox: QEMU's own seccomp filter. spawn=deny also rules out `exec:` migration,
 # which is why snapshots go through a passed fd.
@@ -169,7 +170,9 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
     argv = [
         binary or qemu_binary(),
         "-M", "microvm",
-        "-accel", config.accel,
+        # TCG's translation cache defaults to 1 GiB, filled as code is translated, and
+        # charged to the sandbox's cgroup: bounded so that VMM_OVERHEAD_MB holds.
+        "-accel", "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MB}",
         "-cpu", "host" if config.accel == "kvm" else "max",
         "-m", str(config.memory_mb),
         "-smp", str(config.vcpus),
