@@ -76,6 +76,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -205,6 +206,7 @@ struct params {
 	char hostname[65];
 	long long time_us; /* the host's clock at GO (0: keep the guest's) */
 	int verify;        /* a verifier VM (see the header) */
+	int pack;          /* a packer VM: a verifier that writes the agent's changes (pack mode) */
 	char graded[MAX_PATHS_TEXT + 1];
 	char protected[MAX_PATHS_TEXT + 1];
 };
@@ -274,11 +276,14 @@ static int parse_params(const char *text, struct params *p, char *why, size_t wh
 			if (*end || end == val || n < 0 || n > MAX_LAYERS)
 				goto bad;
 			p->layers = (int)n;
-		} else if (!strcmp(key, "rw") || !strcmp(key, "wait") || !strcmp(key, "verify")) {
+		} else if (!strcmp(key, "rw") || !strcmp(key, "wait") || !strcmp(key, "verify") ||
+			   !strcmp(key, "pack")) {
 			if (strcmp(val, "0") && strcmp(val, "1"))
 				goto bad;
-			*(!strcmp(key, "rw") ? &p->rw : !strcmp(key, "wait") ? &p->wait : &p->verify) =
-				val[0] == '1';
+			*(!strcmp(key, "rw")     ? &p->rw
+			  : !strcmp(key, "wait") ? &p->wait
+			  : !strcmp(key, "pack") ? &p->pack
+						 : &p->verify) = val[0] == '1';
 		} else if (!strcmp(key, "graded") || !strcmp(key, "protected")) {
 			if (!valid_path_list(val))
 				goto bad;
@@ -918,8 +923,8 @@ static void mount_root(const struct params *p)
 		die("dsec.layers must be at least 1 (the image's layers), not %d", p->layers);
 	if (p->verify && p->rw)
 		die("a verifier has no writable disk of its own (dsec.verify=1 needs dsec.rw=0)");
-	if (!p->verify && (p->graded[0] || p->protected[0]))
-		die("dsec.graded and dsec.protected need dsec.verify=1");
+	if (!p->verify && (p->graded[0] || p->protected[0] || p->pack))
+		die("dsec.graded, dsec.protected and dsec.pack need dsec.verify=1");
 	lower[0] = 0;
 	for (int i = 0; i < p->layers; i++) {
 		snprintf(serial, sizeof serial, "dsec-l%d", i);
@@ -968,6 +973,7 @@ static void mount_root(const struct params *p)
 #define VERIFY_DIR "/newroot/.dsec"
 #define AGENT_MNT "/mnt/agent"
 #define EMPTY_DIR "/mnt/empty"
+
 
 static int g_report = -1; /* /.dsec/verify/refused */
 
@@ -1203,6 +1209,293 @@ static void mount_graded(int upper, const char *path)
 	walk_graded(cur, walked, strlen(walked), 0); /* closes cur */
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* pack mode (dsec.pack=1: src/dsec/backends/microvm/pack.py)                           */
+/*
+ * The agent's upper/ written as a tar (POSIX ustar, pax records for long names, big
+ * sizes and ids) to drive dsec-out, in the OCI layer convention: a whiteout (char 0/0)
+ * is an empty ".wh.<name>", an opaque directory (trusted.overlay.opaque=y) gets an
+ * empty ".wh..wh..opq". Hard links within the upper are kept (by inode), sockets and
+ * device nodes other than whiteouts are left out (counted), and no other xattr is
+ * carried: the host trusts none of this (it parses the stream as hostile, see
+ * dsec.images.difftar), the format only has to be what a correct upper looks like.
+ * Nothing is followed: every entry is opened relative to its directory, O_NOFOLLOW.
+ * The result is reported in verify/packed ("<entries> <bytes> <skipped>") or, when the
+ * tar does not fit the drive or a read fails, in verify/error.
+ */
+#define PACK_STATUS VERIFY_DIR "/verify/packed"
+#define PACK_MAX_DEPTH 512
+#define PACK_LINKS 65536
+
+static int g_pack_fd = -1;
+static unsigned long long g_pack_pos, g_pack_cap, g_entries, g_skipped;
+static int g_pack_failed;
+static char g_pack_why[200];
+static struct {
+	dev_t dev;
+	ino_t ino;
+	char *name;
+} g_links[PACK_LINKS];
+static size_t g_nlinks;
+
+static void pack_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void pack_fail(const char *fmt, ...)
+{
+	if (g_pack_failed++)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(g_pack_why, sizeof g_pack_why, fmt, ap);
+	va_end(ap);
+}
+
+static void out_write(const void *buf, size_t n)
+{
+	if (g_pack_failed)
+		return;
+	if (n > g_pack_cap - g_pack_pos) {
+		pack_fail("the changes do not fit the pack drive (%llu bytes)", g_pack_cap);
+		return;
+	}
+	const char *b = buf;
+	while (n) {
+		ssize_t w = write(g_pack_fd, b, n);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0) {
+			pack_fail("write the pack drive: %s", strerror(errno));
+			return;
+		}
+		b += w;
+		n -= (size_t)w;
+		g_pack_pos += (unsigned long long)w;
+	}
+}
+
+static void out_pad(unsigned long long size)
+{
+	static const char zero[512];
+	if (size % 512)
+		out_write(zero, 512 - size % 512);
+}
+
+/* One pax record "<len> key=value\n", its length counting its own digits. */
+static size_t pax_record(char *buf, size_t cap, size_t at, const char *key, const char *val)
+{
+	size_t body = 1 + strlen(key) + 1 + strlen(val) + 1, len = body + 1;
+	while ((size_t)snprintf(NULL, 0, "%zu", len) + body != len)
+		len++;
+	if (at + len >= cap)
+		return at; /* bounded by PATH_MAX names: cannot happen */
+	snprintf(buf + at, cap - at, "%zu %s=%s\n", len, key, val);
+	return at + len;
+}
+
+static void ustar(const char *name, char type, const struct stat *st, unsigned long long size,
+		  const char *link)
+{
+	char h[512] = {0};
+	snprintf(h, 100, "%s", name);
+	snprintf(h + 100, 8, "%07o", (unsigned)(st->st_mode & 07777));
+	snprintf(h + 108, 8, "%07o", (unsigned)(st->st_uid & 07777777));
+	snprintf(h + 116, 8, "%07o", (unsigned)(st->st_gid & 07777777));
+	snprintf(h + 124, 12, "%011llo", size & 077777777777ULL);
+	long long mt = st->st_mtim.tv_sec < 0 ? 0 : (long long)st->st_mtim.tv_sec;
+	snprintf(h + 136, 12, "%011llo", (unsigned long long)mt & 077777777777ULL);
+	h[156] = type;
+	if (link)
+		snprintf(h + 157, 100, "%s", link);
+	memcpy(h + 257, "ustar", 6);
+	memcpy(h + 263, "00", 2);
+	memset(h + 148, ' ', 8);
+	unsigned sum = 0;
+	for (int i = 0; i < 512; i++)
+		sum += (unsigned char)h[i];
+	snprintf(h + 148, 8, "%06o", sum);
+	h[155] = ' ';
+	out_write(h, 512);
+}
+
+static void entry(const char *name, char type, const struct stat *st, unsigned long long size,
+		  const char *link)
+{
+	char pax[3 * PATH_MAX], num[32];
+	size_t n = 0;
+	if (strlen(name) > 99)
+		n = pax_record(pax, sizeof pax, n, "path", name);
+	if (link && strlen(link) > 99)
+		n = pax_record(pax, sizeof pax, n, "linkpath", link);
+	if (size > 077777777777ULL) {
+		snprintf(num, sizeof num, "%llu", size);
+		n = pax_record(pax, sizeof pax, n, "size", num);
+	}
+	if (st->st_uid > 07777777) {
+		snprintf(num, sizeof num, "%u", (unsigned)st->st_uid);
+		n = pax_record(pax, sizeof pax, n, "uid", num);
+	}
+	if (st->st_gid > 07777777) {
+		snprintf(num, sizeof num, "%u", (unsigned)st->st_gid);
+		n = pax_record(pax, sizeof pax, n, "gid", num);
+	}
+	snprintf(num, sizeof num, "%lld.%09ld", (long long)st->st_mtim.tv_sec,
+		 (long)st->st_mtim.tv_nsec);
+	n = pax_record(pax, sizeof pax, n, "mtime", num);
+	struct stat pst = *st;
+	pst.st_mode = 0644;
+	ustar("PaxHeader", 'x', &pst, n, NULL);
+	out_write(pax, n);
+	out_pad(n);
+	ustar(name, type, st, size, link);
+	g_entries++;
+}
+
+static void pack_file(int dfd, const char *name, const char *rel, const struct stat *st)
+{
+	if (st->st_nlink > 1) {
+		for (size_t i = 0; i < g_nlinks; i++)
+			if (g_links[i].dev == st->st_dev && g_links[i].ino == st->st_ino) {
+				entry(rel, '1', st, 0, g_links[i].name);
+				return;
+			}
+		if (g_nlinks < PACK_LINKS && (g_links[g_nlinks].name = strdup(rel))) {
+			g_links[g_nlinks].dev = st->st_dev;
+			g_links[g_nlinks].ino = st->st_ino;
+			g_nlinks++;
+		}
+	}
+	int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+	if (fd < 0) {
+		pack_fail("open %.120s: %s", rel, strerror(errno));
+		return;
+	}
+	unsigned long long size = (unsigned long long)st->st_size, done = 0;
+	entry(rel, '0', st, size, NULL);
+	static char buf[1 << 16];
+	while (done < size && !g_pack_failed) {
+		size_t want = size - done < sizeof buf ? (size_t)(size - done) : sizeof buf;
+		ssize_t r = read(fd, buf, want);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0) {
+			pack_fail("read %.120s: %s", rel, strerror(errno));
+			break;
+		}
+		if (r == 0) { /* shorter than its size said: keep the stream well-formed */
+			memset(buf, 0, want);
+			r = (ssize_t)want;
+		}
+		out_write(buf, (size_t)r);
+		done += (unsigned long long)r;
+	}
+	close(fd);
+	out_pad(size);
+}
+
+static void pack_dir(int dfd, char *rel, size_t len, int depth)
+{
+	DIR *d = fdopendir(dfd);
+	if (!d) {
+		close(dfd);
+		pack_fail("read directory %.120s: %s", rel, strerror(errno));
+		return;
+	}
+	struct dirent *de;
+	while (!g_pack_failed && (de = readdir(d))) {
+		const char *name = de->d_name;
+		if (!strcmp(name, ".") || !strcmp(name, ".."))
+			continue;
+		size_t nl = strlen(name);
+		if (len + 1 + nl + 16 >= PATH_MAX) {
+			g_skipped++; /* a path too long for a tar (and for the host) */
+			continue;
+		}
+		char *at = rel + len;
+		snprintf(at, PATH_MAX - len, "%s%s", len ? "/" : "", name);
+		size_t sublen = len + (len ? 1 : 0) + nl;
+		struct stat st;
+		if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+			pack_fail("stat %.120s: %s", rel, strerror(errno));
+		} else if (S_ISDIR(st.st_mode)) {
+			if (depth >= PACK_MAX_DEPTH) {
+				g_skipped++;
+			} else {
+				int sub = openat(dirfd(d), name,
+						 O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+				if (sub < 0) {
+					pack_fail("open %.120s: %s", rel, strerror(errno));
+				} else {
+					rel[sublen] = '/';
+					rel[sublen + 1] = 0;
+					entry(rel, '5', &st, 0, NULL);
+					char v[4];
+					ssize_t vn = fgetxattr(sub, "trusted.overlay.opaque", v, sizeof v);
+					if (vn == 1 && v[0] == 'y') {
+						struct stat ost = st;
+						ost.st_mode = 0644;
+						snprintf(rel + sublen, PATH_MAX - sublen, "/.wh..wh..opq");
+						entry(rel, '0', &ost, 0, NULL);
+					}
+					rel[sublen] = 0;
+					pack_dir(sub, rel, sublen, depth + 1);
+				}
+			}
+		} else if (S_ISREG(st.st_mode)) {
+			pack_file(dirfd(d), name, rel, &st);
+		} else if (S_ISLNK(st.st_mode)) {
+			char target[PATH_MAX];
+			ssize_t tn = readlinkat(dirfd(d), name, target, sizeof target - 1);
+			if (tn < 0) {
+				pack_fail("readlink %.120s: %s", rel, strerror(errno));
+			} else {
+				target[tn] = 0;
+				entry(rel, '2', &st, 0, target);
+			}
+		} else if (S_ISCHR(st.st_mode) && st.st_rdev == 0) {
+			char wh[PATH_MAX + 8];
+			snprintf(wh, sizeof wh, "%.*s%s.wh.%s", (int)len, rel, len ? "/" : "", name);
+			struct stat wst = st;
+			wst.st_mode = 0644;
+			entry(wh, '0', &wst, 0, NULL);
+		} else if (S_ISFIFO(st.st_mode)) {
+			entry(rel, '6', &st, 0, NULL);
+		} else {
+			g_skipped++; /* sockets, device nodes: never part of a layer */
+		}
+		rel[len] = 0;
+	}
+	closedir(d);
+}
+
+static void pack_upper(int upper)
+{
+	char dev[64], rel[PATH_MAX + 32] = "";
+	wait_drive("dsec-out", dev, sizeof dev);
+	g_pack_fd = open(dev, O_WRONLY | O_CLOEXEC);
+	if (g_pack_fd < 0 || ioctl(g_pack_fd, BLKGETSIZE64, &g_pack_cap) < 0)
+		die("pack: open %s: %s", dev, strerror(errno));
+	g_pack_cap -= 1024; /* room for the end-of-archive blocks */
+	int fd = fcntl(upper, F_DUPFD_CLOEXEC, 0);
+	if (fd < 0)
+		die("pack: dup: %s", strerror(errno));
+	pack_dir(fd, rel, 0, 0);
+	g_pack_cap += 1024;
+	static const char zero[1024];
+	out_write(zero, sizeof zero);
+	if (!g_pack_failed && fsync(g_pack_fd) < 0)
+		pack_fail("sync the pack drive: %s", strerror(errno));
+	close(g_pack_fd);
+	char msg[240];
+	int n;
+	if (g_pack_failed) {
+		n = snprintf(msg, sizeof msg, "pack: %s\n", g_pack_why);
+		warn_line("%s", msg);
+		write_file(VERIFY_DIR "/verify/error", 0644, msg, (size_t)n);
+	} else {
+		n = snprintf(msg, sizeof msg, "%llu %llu %llu\n", g_entries, g_pack_pos, g_skipped);
+		write_file(PACK_STATUS, 0644, msg, (size_t)n);
+	}
+}
+
 static void setup_verifier(const struct params *p)
 {
 	char path[MAX_PATHS_TEXT + 1], dst[MAX_PATHS_TEXT + 16], dev[64], serial[32];
@@ -1265,8 +1558,11 @@ static void setup_verifier(const struct params *p)
 		g_report = -1;
 		return;
 	}
-	for (int i = 0; nth_path(p->graded, i, path, sizeof path); i++)
-		mount_graded(upper, path);
+	if (p->pack)
+		pack_upper(upper);
+	else
+		for (int i = 0; nth_path(p->graded, i, path, sizeof path); i++)
+			mount_graded(upper, path);
 	close(upper);
 	close(g_report);
 	g_report = -1;

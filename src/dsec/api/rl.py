@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from dsec.api.base import Reply, Strict
 from dsec.api.layers import LayerInfo, check_layer_name, check_layer_version
 from dsec.api.sandbox import SandboxInfo
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs
 
 JOB_ID_MAX = 128
 
@@ -116,6 +116,16 @@ class PackedEnv(Reply):
             base["toolkit"] = self.toolkit
         base.update(overrides)
         return DSecContainerRunArgs.model_validate(base)
+
+    def microvm_run_args(self, **overrides: object) -> DSecMicroVMRunArgs:
+        """The same environment booted as a microVM (the layers are the same blobs)."""
+        base: dict[str, object] = {"image": self.container_image}
+        if self.workspace is not None:
+            base["workspace"] = self.workspace
+        if self.toolkit is not None:
+            base["toolkit"] = self.toolkit
+        base.update(overrides)
+        return DSecMicroVMRunArgs.model_validate(base)
 
 
 class ForkRequest(Strict):

@@ -28,6 +28,8 @@ RW_SERIAL = "dsec-rw"
 AGENT_DISK_SERIAL = "dsec-agent"
 """virtio-blk serial, in a verifier VM, of the copy-on-write view of the agent's disk
 (only data for the graded paths: never the verifier's root)."""
+PACK_DISK_SERIAL = "dsec-out"
+"""virtio-blk serial, in a packer VM, of the drive the agent's changes go to, as a tar."""
 MAX_LAYERS = 32
 MAX_PATH_PARAM = 1024
 """Bytes of one graded= or protected= value (dsec-vminit.c's buffers)."""
@@ -84,6 +86,9 @@ class BootParams:
     """Verifier only: the agent's changes under these paths are shown read-only."""
     protected: tuple[str, ...] = ()
     """Verifier only: drive ``dsec-p<i>`` is shown read-only at ``protected[i]``."""
+    pack: bool = False
+    """A packer VM (a verifier without graded paths): the agent's upper is written as
+    a tar to drive ``dsec-out`` before the guest's agent starts (dsec.backends.microvm.pack)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.layers <= MAX_LAYERS:
@@ -106,8 +111,10 @@ class BootParams:
             raise InvalidArgument(f"bad guest hostname {self.hostname!r}")
         if self.time_us is not None and self.time_us <= 0:
             raise InvalidArgument(f"bad guest clock {self.time_us!r}")
-        if not self.verify and (self.graded or self.protected):
+        if not self.verify and (self.graded or self.protected or self.pack):
             raise InvalidArgument("graded and protected paths exist only in a verifier VM")
+        if self.pack and (self.graded or self.protected):
+            raise InvalidArgument("a packer VM shows no graded or protected paths")
         if self.verify and self.rw:
             raise InvalidArgument("a verifier VM has no writable disk of its own (rw=False)")
         if len(self.graded) > MAX_GRADED_PATHS:
@@ -141,6 +148,8 @@ class BootParams:
             out["time"] = str(self.time_us)
         if self.verify:
             out["verify"] = "1"
+        if self.pack:
+            out["pack"] = "1"
         if self.graded:
             out["graded"] = ",".join(self.graded)
         if self.protected:

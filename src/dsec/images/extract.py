@@ -68,7 +68,7 @@ def split_member_name(name: str, what: str = "archive member") -> list[str]:
     return parts
 
 
-def _forget_members(tf: tarfile.TarFile) -> None:
+def forget_members(tf: tarfile.TarFile) -> None:
     """Drop the headers tarfile keeps of every member read so far: we never look back,
     and a rootfs tar can hold hundreds of thousands of them."""
     tf.members.clear()  # type: ignore[attr-defined]
@@ -114,7 +114,7 @@ class TreeWriter:
         while (member := tf.next()) is not None:
             self._apply_member(tf, member, whiteouts=whiteouts)
             # Stream mode keeps every header it has read; we never look back.
-            _forget_members(tf)
+            forget_members(tf)
             self.entries += 1
             if on_entry is not None and self.entries % 1000 == 0:
                 on_entry(self.entries)
@@ -417,7 +417,7 @@ def _archive_index(tf: tarfile.TarFile) -> dict[str, tarfile.TarInfo]:
     thousands of members are scanned but not kept."""
     index: dict[str, tarfile.TarInfo] = {}
     while (m := tf.next()) is not None:
-        _forget_members(tf)
+        forget_members(tf)
         name = posixpath.normpath(m.name.lstrip("/"))
         depth = name.count("/")
         if (

@@ -31,7 +31,7 @@ from dsec.api.events import AuditKind
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.rl import ForkRequest, ForkResult, PackedEnv
 from dsec.api.sandbox import SandboxInfo, SandboxState
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.spec import LayeredRunArgs
 from dsec.backends.base import Capability
 from dsec.errors import BackendError, DSecError, SandboxNotRunning, Unsupported
 from dsec.images.service import LayerBuilder
@@ -41,18 +41,19 @@ if TYPE_CHECKING:
     from dsec.edge.edge import Edge
 
 
-def _packable(rec: SandboxRecord) -> DSecContainerRunArgs:
-    """The spec of a sandbox that can be packed: a packed environment is a container
-    image plus layers (``PackedEnv.run_args``), so other backends are refused."""
-    if not isinstance(rec.spec, DSecContainerRunArgs):
+def _packable(rec: SandboxRecord) -> LayeredRunArgs:
+    """The spec of a sandbox that can be packed: a packed environment is an image plus
+    layers (``PackedEnv.run_args``), which containers and microVMs share; other
+    backends are refused."""
+    if not isinstance(rec.spec, LayeredRunArgs):
         raise Unsupported(
             f"pack_diff of a {rec.spec.backend} sandbox is not supported: a packed "
-            "environment is a container image plus layers"
+            "environment is an image plus layers"
         )
     return rec.spec
 
 
-def _slot(rec: SandboxRecord, spec: DSecContainerRunArgs) -> tuple[str, dict[str, Any]]:
+def _slot(rec: SandboxRecord, spec: LayeredRunArgs) -> tuple[str, dict[str, Any]]:
     """Which slot the packed layer takes, and the other slots pinned by digest."""
     layers = list(rec.image.layers)
     if spec.toolkit is not None:
@@ -109,7 +110,7 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
         await images.gc()
     env = PackedEnv(
         layer=info,
-        container_image=spec.container_image,
+        container_image=spec.image_ref,
         workspace=(f"{name}:{version}" if slot == "workspace" else str(pinned["workspace"].digest)),
         toolkit=f"{name}:{version}" if slot == "toolkit" else None,
         source_sandbox=sandbox_id,

@@ -45,6 +45,7 @@ from dsec.backends.base import (
     BackendHost,
     Capability,
     CreateInput,
+    PackedWritable,
     ReclaimFigures,
     SandboxRecord,
 )
@@ -138,6 +139,8 @@ class MicroVMBackend(AgentDataPath, Backend):
             Capability.DISK_LIMIT,
             Capability.VERIFY,
             Capability.PROTECTED_PATHS,
+            Capability.PACK,
+            Capability.FORK,
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
@@ -446,6 +449,20 @@ class MicroVMBackend(AgentDataPath, Backend):
         from dsec.backends.microvm.verify import run_verify
 
         return await run_verify(self, rec, req)
+
+    def machine_of(self, sandbox_id: str) -> Machine | None:
+        """The Machine this backend tracks for ``sandbox_id`` (with or without a QEMU:
+        a VM paused to its file has none), None when it tracks none."""
+        return self._machines.get(sandbox_id)
+
+    async def pack_writable(
+        self, rec: SandboxRecord, out: Path, *, compression: str | None, paused: bool
+    ) -> PackedWritable:
+        """The agent's changes as an EROFS layer, its disk parsed by a packer VM
+        (dsec.backends.microvm.pack)."""
+        from dsec.backends.microvm.pack import pack_writable
+
+        return await pack_writable(self, rec, out, compression=compression, paused=paused)
 
     def running_machine(self, rec: SandboxRecord) -> Machine:
         """The live Machine of a running VM (BackendError if it has no QEMU)."""
@@ -791,6 +808,11 @@ class MicroVMBackend(AgentDataPath, Backend):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
             machine.stopped = False
+            # Its disk must hold what it wrote (pack_diff of a paused VM reads the
+            # disk, not the saved memory): the guest runs for this sync only.
+            from dsec.backends.microvm.verify import sync_guest
+
+            await sync_guest(self, rec)
             qmp = await machine.connect_qmp()
             self.init_signals.unwatch(rec.id)
             await machine.close_channel()

@@ -107,6 +107,32 @@ class _Phases:
         self.last = now
 
 
+async def sync_guest(backend: MicroVMBackend, rec: SandboxRecord) -> None:
+    """Ask the guest to write its page cache to its disk (bounded; failure ignored: a
+    hostile or hung agent only loses its own unsynced work)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(
+            backend.agent(rec).exec(
+                ["sync"],
+                env={},
+                cwd="/",
+                user="root",
+                timeout=SYNC_TIMEOUT,
+                max_output=4096,
+                stdin=None,
+            ),
+            SYNC_TIMEOUT + 2,
+        )
+
+
+def layer_drives(backend: MicroVMBackend, rec: SandboxRecord) -> list[Drive]:
+    """The sandbox's pristine read-only layers, top first (``dsec-l0`` is the top)."""
+    return [
+        Drive(backend.layers.blob(d), layer_serial(i), readonly=True)
+        for i, d in enumerate(reversed(rec.image.layers))
+    ]
+
+
 def verifier_id(sandbox_id: str) -> str:
     return sandbox_id + SUFFIX
 
@@ -152,19 +178,7 @@ async def _verify(
     agent_pid = machine.proc.pid
     phases = _Phases()
     # 1. sync, then stop the agent's VM for the whole step.
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(
-            backend.agent(rec).exec(
-                ["sync"],
-                env={},
-                cwd="/",
-                user="root",
-                timeout=SYNC_TIMEOUT,
-                max_output=4096,
-                stdin=None,
-            ),
-            SYNC_TIMEOUT + 2,
-        )
+    await sync_guest(backend, rec)
     phases.mark("sync")
     try:
         os.kill(agent_pid, signal.SIGSTOP)
@@ -208,10 +222,7 @@ async def _in_verifier(
         phases.mark("view")
         # Read-only: whatever the verifier's QEMU does, the agent's disk is not written.
         disk_fd = os.open(disk, os.O_RDONLY | os.O_CLOEXEC)
-        drives = [
-            Drive(backend.layers.blob(d), layer_serial(i), readonly=True)
-            for i, d in enumerate(reversed(rec.image.layers))
-        ]
+        drives = layer_drives(backend, rec)
         drives += [
             Drive(Path(source), protected_serial(i), readonly=True)
             for i, (_path, source) in enumerate(facts.protected)
@@ -247,15 +258,15 @@ async def _in_verifier(
     phases.mark("boot")
     client = AgentClient(machine.agent_socket)
     try:
-        error = await _read_small(client, ERROR_IN_VERIFIER, 4096)
-        if error is None and not await _exists(client, REFUSED_IN_VERIFIER):
+        error = await read_small(client, ERROR_IN_VERIFIER, 4096)
+        if error is None and not await file_exists(client, REFUSED_IN_VERIFIER):
             error = "the verifier did not prepare the graded paths"
         if error:
             backend.audit.event(
                 rec.id, EventKind.SCAN_INCOMPLETE, what="graded agent disk", reason=error[:300]
             )
             return not_run(req, graded, f"the graded tree cannot be read: {error.strip()}")
-        refused = _parse_refused(await _read_small(client, REFUSED_IN_VERIFIER, MAX_REFUSED_BYTES))
+        refused = _parse_refused(await read_small(client, REFUSED_IN_VERIFIER, MAX_REFUSED_BYTES))
         if refused:
             backend.audit.event(
                 rec.id,
@@ -301,7 +312,7 @@ def _parse_refused(text: str | None) -> list[tuple[str, str]]:
     return out
 
 
-async def _exists(client: AgentClient, path: str) -> bool:
+async def file_exists(client: AgentClient, path: str) -> bool:
     try:
         await client.fs(p.FS_STAT, path, user="root")
     except DSecError:
@@ -309,9 +320,9 @@ async def _exists(client: AgentClient, path: str) -> bool:
     return True
 
 
-async def _read_small(client: AgentClient, path: str, limit: int) -> str | None:
+async def read_small(client: AgentClient, path: str, limit: int) -> str | None:
     """A platform file of the verifier (never the agent's), or None if missing."""
-    if not await _exists(client, path):
+    if not await file_exists(client, path):
         return None
     data = await client.read_file(path, user="root", max_bytes=limit)
     return data.decode(errors="replace")
