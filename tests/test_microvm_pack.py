@@ -166,3 +166,31 @@ async def test_pack_of_a_paused_microvm_keeps_it_paused(
         assert (await sb.run_shell("cat /root/s")).stdout == "before-pause\n"
     finally:
         await sb.stop()
+
+
+def test_helper_vms_are_admitted_like_sandboxes() -> None:
+    """A verifier or packer VM holds memory like a sandbox: on a host with room for one
+    VM, verify and pack_diff are refused (503 ``admission_rejected``) before anything
+    starts, and the sandbox goes on untouched (a fresh verify has not stopped it)."""
+    from dsec import DSecSyncClient
+    from dsec.errors import AdmissionRejected
+
+    with (
+        platform_process(DSEC_BACKENDS="microvm", DSEC_MAX_SANDBOXES="1") as plat,
+        DSecSyncClient(plat.url, plat.api_key) as c,
+    ):
+        c.build_image("busybox")
+        sb = c.run_microvm(vm_spec(), timeout=180)
+        try:
+            sb.run_shell("echo work > /root/w")
+            with pytest.raises(AdmissionRejected, match="verifier VM") as err:
+                sb.verify("true")
+            assert err.value.status == 503
+            with pytest.raises(AdmissionRejected, match="packer VM"):
+                sb.pack_diff(name="pkvm-full")
+            assert sb.refresh().state is SandboxState.RUNNING
+            assert sb.run_shell("cat /root/w").stdout == "work\n"
+        finally:
+            sb.stop()
+        # Nothing of the refused holds stays committed: the one slot is free again.
+        c.run_microvm(vm_spec(), timeout=180).stop()

@@ -79,7 +79,11 @@ class PlatformConfig:
     max_sandboxes: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))
     )
-    memory_overcommit: float = 8.0
+    # Host memory times this is what admission commits (a container counts its limit;
+    # a VM, whose guest RAM stays resident, counts at full weight whatever this is).
+    memory_overcommit: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_MEMORY_OVERCOMMIT", "8.0"))
+    )
     # Host tuning for fast sandbox starts (cgroup2 favordynmods); DSEC_TUNE_HOST=0 skips.
     tune_host: bool = field(default_factory=lambda: os.environ.get("DSEC_TUNE_HOST", "1") != "0")
     # Lifetime of data-path tokens (seconds); the SDK renews them before they expire.

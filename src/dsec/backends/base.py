@@ -199,6 +199,12 @@ class Backend(ABC):
         RAM, with its VMM's own) counts that at full weight."""
         return spec.memory_limit_mb
 
+    def helper_vm_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int | None:
+        """What the helper VM of a verify or pack step of a sandbox with ``spec``
+        commits (admission holds it, and a slot, for the step's length); None when the
+        step runs in the platform's own processes and needs no VM."""
+        return None
+
     @classmethod
     def probe(cls) -> str | None:
         """Can this host run the backend? None when it can, else why not (shown by

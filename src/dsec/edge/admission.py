@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from dsec.api.spec import DSecRunArgs, RunArgs
 from dsec.errors import AdmissionRejected, LimitExceeded
@@ -72,6 +73,31 @@ class Admission:
         self.memory_mb += cost
         self.cpu_cores += spec.cpu_cores_limit
         self.seq += 1
+
+    @contextmanager
+    def hold(self, memory_mb: int, what: str) -> Iterator[None]:
+        """Admit a helper VM for the length of a step (a verifier or packer VM: it
+        holds its memory like a sandbox, and takes a sandbox's slot); AdmissionRejected
+        before anything starts when the host has no room, released at the end."""
+        if self.count >= self.max_sandboxes or self.memory_mb + memory_mb > self.memory_budget_mb:
+            raise AdmissionRejected(
+                f"no room for the {what} VM ({self.count} of {self.max_sandboxes} "
+                f"sandboxes, {self.memory_mb} of {self.memory_budget_mb} MiB committed, "
+                f"it needs {memory_mb} MiB); retry later",
+                running=self.count,
+                capacity=self.max_sandboxes,
+                committed_mb=self.memory_mb,
+                budget_mb=self.memory_budget_mb,
+            )
+        self.count += 1
+        self.memory_mb += memory_mb
+        self.seq += 1
+        try:
+            yield
+        finally:
+            self.count = max(0, self.count - 1)
+            self.memory_mb = max(0, self.memory_mb - memory_mb)
+            self.seq += 1
 
     def release(self, spec: RunArgs) -> None:
         self.count = max(0, self.count - 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import secrets
 import time
@@ -738,6 +739,16 @@ class Edge:
                 **outcome,
             )
 
+    def helper_vm(
+        self, backend: Backend, rec: SandboxRecord, what: str
+    ) -> contextlib.AbstractContextManager[None]:
+        """Admission of the helper VM a verify or pack step of ``rec`` starts, if its
+        backend starts one (Backend.helper_vm_memory_mb), for the step's length."""
+        memory = backend.helper_vm_memory_mb(rec.spec, self.admission.memory_overcommit)
+        if memory is None:
+            return contextlib.nullcontext()
+        return self.admission.hold(memory, what)
+
     async def verify(self, sandbox_id: str, req: VerifyRequest) -> VerifyResult:
         """Run a grader in a pristine verifier that sees snapshots of the graded paths
         and the protected paths. Holds the sandbox's lock, so a stop waits for the
@@ -754,14 +765,19 @@ class Edge:
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 self.command_finished(sandbox_id)
-                if req.mode == "fresh":
-                    self.deaths.forget(sandbox_id)  # the step ends its init: not a death
-                try:
-                    res = await backend.verify(rec, req)
-                finally:
-                    rec.last_activity = time.monotonic()
-                    if req.mode == "fresh" and not rec.state.terminal:
-                        await self._finish(rec, SandboxState.STOPPED, "stopped by a fresh verify")
+                # A verifier VM is admitted before the sandbox is touched: refused, the
+                # sandbox goes on as it was (a fresh step has not stopped it yet).
+                with self.helper_vm(backend, rec, "verifier"):
+                    if req.mode == "fresh":
+                        self.deaths.forget(sandbox_id)  # the step ends its init: not a death
+                    try:
+                        res = await backend.verify(rec, req)
+                    finally:
+                        rec.last_activity = time.monotonic()
+                        if req.mode == "fresh" and not rec.state.terminal:
+                            await self._finish(
+                                rec, SandboxState.STOPPED, "stopped by a fresh verify"
+                            )
             outcome = {**_outcome(res), "passed": res.passed, "graded": res.graded}
             if res.refused:
                 outcome["refused"] = len(res.refused)

@@ -83,12 +83,13 @@ async def pack_sandbox(edge: Edge, sandbox_id: str, name: str, version: str) -> 
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {rec.state.value}", state=rec.state)
         f0 = time.perf_counter()
         try:
-            packed = await backend.pack_writable(
-                rec,
-                out,
-                compression=images.layer_compression,
-                paused=rec.state is SandboxState.PAUSED,
-            )
+            with edge.helper_vm(backend, rec, "packer"):
+                packed = await backend.pack_writable(
+                    rec,
+                    out,
+                    compression=images.layer_compression,
+                    paused=rec.state is SandboxState.PAUSED,
+                )
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()

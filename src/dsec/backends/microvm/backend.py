@@ -303,6 +303,11 @@ class MicroVMBackend(AgentDataPath, Backend):
         256 MiB VM, and admission at the limit would have let 5x too many in)."""
         return math.ceil((spec.memory_limit_mb + VMM_OVERHEAD_MB) * overcommit)
 
+    def helper_vm_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int | None:
+        """A verifier or packer VM has the sandbox's shape (microvm_spec), so it
+        commits what the sandbox does, while the sandbox's own VM stays resident."""
+        return self.committed_memory_mb(spec, overcommit)
+
     def _vcpus(self, spec: DSecMicroVMRunArgs) -> int:
         return max(1, min(self.host_cpus, math.ceil(spec.cpu_cores_limit)))
 
