@@ -174,6 +174,11 @@ class DSecMicroVMRunArgs(DSecRunArgs):
     image: ImageName = Field(..., description="image reference name[:tag]")
     workspace: LayerRef | None = Field(None, description="layer name:version or digest")
     toolkit: LayerRef | None = Field(None, description="layer name:version or digest")
+    # The guest reads a lazily loaded layer through the host's chunk cache: its drive
+    # is the layer's dsec-lazyfs file, shared with containers.
+    image_loading: ImageLoading = Field(
+        "lazy", description="lazy: fetch chunks on first read; eager: whole layers first"
+    )
 
     @property
     def image_ref(self) -> str:

@@ -76,9 +76,6 @@ MIN_MEMORY_MB = 128  # the guest kernel and initramfs need this much to boot
 QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
 RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
-# Layers are fetched whole before a VM starts: the jailed QEMU (another uid) cannot read
-# a lazily loaded layer's FUSE file, which only its mounter (root) may open.
-LAYER_LOADING = "eager"
 ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
 
@@ -367,7 +364,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             kernel, initrd, accel = await self.guest()
             root.mkdir(mode=0o700)
             (root / "q").mkdir(mode=0o700)
-            await self.layers.prepare(inp.image.layers, LAYER_LOADING)
+            await self.layers.prepare(inp.image.layers, spec.image_loading)
             drives: list[Drive] = []
             for i, digest in enumerate(reversed(inp.image.layers)):  # top layer first
                 self.layers.acquire(digest)
@@ -439,7 +436,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         contents = [dict(f) for f in inp.protected_files] or [dict(m.files) for m in spec.protected]
         for i, (m, digest) in enumerate(zip(spec.protected, inp.protected_layers, strict=True)):
             if digest is not None:
-                await self.layers.prepare([digest], LAYER_LOADING)
+                await self.layers.prepare([digest], spec.image_loading)
                 self.layers.acquire(digest)
                 facts.layers_held.append(digest)
                 facts.protected.append((m.path, str(self.layers.blob(digest))))
@@ -634,7 +631,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         from dsec.backends.microvm.verify import recover
 
         await recover(self, rec.id, proc.pid)  # a verify step a crashed edge left behind
-        await self.layers.prepare(rec.image.layers, LAYER_LOADING)
+        await self.layers.prepare(rec.image.layers, microvm_spec(rec).image_loading)
         machine = await self._machine_for(rec)
         machine.proc = proc
         for attempt in range(1, ADOPT_LINK_ATTEMPTS + 1):
@@ -662,7 +659,7 @@ class MicroVMBackend(AgentDataPath, Backend):
 
     async def adopt_paused(self, rec: SandboxRecord) -> bool:
         facts = self.facts(rec)
-        await self.layers.prepare(rec.image.layers, LAYER_LOADING)
+        await self.layers.prepare(rec.image.layers, microvm_spec(rec).image_loading)
         machine = await self._machine_for(rec)
         if machine.snapshot.is_file():
             facts.pid = None
