@@ -109,23 +109,17 @@ class PackedEnv(Reply):
 
     def run_args(self, **overrides: object) -> DSecContainerRunArgs:
         """The spec of a sandbox that starts from this environment (plus ``overrides``)."""
-        base: dict[str, object] = {"container_image": self.container_image}
-        if self.workspace is not None:
-            base["workspace"] = self.workspace
-        if self.toolkit is not None:
-            base["toolkit"] = self.toolkit
-        base.update(overrides)
+        base = {"container_image": self.container_image, **self._layers(), **overrides}
         return DSecContainerRunArgs.model_validate(base)
 
     def microvm_run_args(self, **overrides: object) -> DSecMicroVMRunArgs:
         """The same environment booted as a microVM (the layers are the same blobs)."""
-        base: dict[str, object] = {"image": self.container_image}
-        if self.workspace is not None:
-            base["workspace"] = self.workspace
-        if self.toolkit is not None:
-            base["toolkit"] = self.toolkit
-        base.update(overrides)
+        base = {"image": self.container_image, **self._layers(), **overrides}
         return DSecMicroVMRunArgs.model_validate(base)
+
+    def _layers(self) -> dict[str, object]:
+        slots = {"workspace": self.workspace, "toolkit": self.toolkit}
+        return {k: v for k, v in slots.items() if v is not None}
 
 
 class ForkRequest(Strict):

@@ -48,9 +48,10 @@ from dsec.backends.microvm.verify import (
     read_small,
     remove_verifier,
     sync_guest,
+    view_drive,
 )
 from dsec.errors import BackendError, Conflict
-from dsec.guest.bootparams import AGENT_DISK_SERIAL, PACK_DISK_SERIAL, BootParams
+from dsec.guest.bootparams import PACK_DISK_SERIAL, BootParams
 from dsec.images.difftar import DiffTree, write_diff_tree
 from dsec.images.store import mkfs_erofs
 from dsec.sessions.agent_client import AgentClient
@@ -146,16 +147,7 @@ async def _pack(
         os.close(fd)
     disk_fd = os.open(disk, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        drives = layer_drives(backend, rec)
-        drives.append(
-            Drive(
-                root / VIEW,
-                AGENT_DISK_SERIAL,
-                readonly=False,
-                format="qcow2",
-                options="backing.file.locking=off",
-            )
-        )
+        drives = [*layer_drives(backend, rec), view_drive(root)]
         drives.append(Drive(tar, PACK_DISK_SERIAL, readonly=False))
         params = BootParams(
             layers=len(rec.image.layers),

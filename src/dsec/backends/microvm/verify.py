@@ -133,6 +133,18 @@ def layer_drives(backend: MicroVMBackend, rec: SandboxRecord) -> list[Drive]:
     ]
 
 
+def view_drive(root: Path) -> Drive:
+    """The agent's disk as a helper VM sees it: ``root/view.qcow2`` (create_view). No
+    lock on the backing disk: its own QEMU holds one and is stopped meanwhile."""
+    return Drive(
+        root / VIEW,
+        AGENT_DISK_SERIAL,
+        readonly=False,
+        format="qcow2",
+        options="backing.file.locking=off",
+    )
+
+
 def verifier_id(sandbox_id: str) -> str:
     return sandbox_id + SUFFIX
 
@@ -227,16 +239,7 @@ async def _in_verifier(
             Drive(Path(source), protected_serial(i), readonly=True)
             for i, (_path, source) in enumerate(facts.protected)
         ]
-        # No lock on the backing disk: its own QEMU holds one and is stopped meanwhile.
-        drives.append(
-            Drive(
-                root / VIEW,
-                AGENT_DISK_SERIAL,
-                readonly=False,
-                format="qcow2",
-                options="backing.file.locking=off",
-            )
-        )
+        drives.append(view_drive(root))
         params = BootParams(
             layers=len(rec.image.layers),
             rw=False,
