@@ -50,7 +50,7 @@ from dsec.backends.microvm.verify import (
     sync_guest,
     view_drive,
 )
-from dsec.errors import BackendError, Conflict
+from dsec.errors import BackendError, Conflict, LimitExceeded
 from dsec.guest.bootparams import PACK_DISK_SERIAL, BootParams
 from dsec.images.difftar import DiffTree, write_diff_tree
 from dsec.images.store import mkfs_erofs
@@ -64,6 +64,7 @@ SUFFIX = ".k"  # never a sandbox id: a sweep removes a leftover packer
 PACK_TIMEOUT = 600.0  # boot plus writing the tar of a whole disk, on a loaded TCG host
 PACKED_IN_VERIFIER = "/.dsec/verify/packed"
 OUT = "out.tar"
+TOO_MANY = "do not fit the pack drive"  # dsec-vminit.c's words when the tar outgrows it
 
 
 def _read_tar(tar: Path, tree: Path, excluded: list[str], max_bytes: int) -> DiffTree:
@@ -168,6 +169,8 @@ async def _pack(
     await machine.kill()  # the tar is complete and synced: nothing more of the guest
     if error or status is None:
         why = (error or "the packer reported nothing").strip()
+        if TOO_MANY in why:  # the agent's own doing (e.g. millions of hard links)
+            raise LimitExceeded(f"microvm {rec.id}: cannot pack its disk: {why}")
         raise BackendError(f"microvm {rec.id}: cannot pack its disk: {why}")
     excluded = excluded_paths(rec, None)
     tree = out.with_name(f".{out.name}.tree")
