@@ -10,8 +10,8 @@ exec at ~2 ms.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from starlette.responses import Response
+from fastapi import Depends, FastAPI
+from starlette.responses import PlainTextResponse, Response
 
 from dsec.api.health import HealthInfo
 from dsec.apiserver.auth import Authenticator
@@ -32,6 +32,7 @@ from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
 from dsec.compat import e2b
 from dsec.compat.sandboxfusion import sandboxfusion_router
+from dsec.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 API_VERSION = "0.1.0"
 
@@ -62,6 +63,22 @@ def create_app(services: ApiServices) -> FastAPI:
     async def health() -> Response:
         """Liveness and capacity; needs no API key."""
         return model_response(await edge.health())
+
+    if services.metrics is not None:
+        metrics = services.metrics
+
+        @app.get(
+            "/metrics",
+            tags=["platform"],
+            summary="Prometheus metrics",
+            dependencies=[Depends(auth)],
+            response_class=PlainTextResponse,
+        )
+        async def prometheus_metrics() -> Response:
+            """This process's metrics in Prometheus's text format (labels are bounded:
+            backend, state, error code, event kind; never a sandbox id). Scrape with
+            ``authorization: {type: Bearer, credentials: <API key>}``."""
+            return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     data_path = dataplane.data_path if dataplane is not None else None
     # One create path for sandboxes and batches.

@@ -27,6 +27,7 @@ from dsec.edge.dataplane import DataPlane
 from dsec.fncall.service import FnCallService
 from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
+from dsec.observe.metrics import Metrics
 from dsec.rl.trajectory import TrajectoryService
 from dsec.security.audit import AuditLog
 
@@ -72,3 +73,5 @@ class ApiServices:
     # whose usage. None on a single node and on apiservers.
     report_load: Admission | None = None
     batches: BatchLimits = field(default_factory=BatchLimits)
+    # Prometheus metrics served at /metrics (dsec.observe.metrics); None: not served.
+    metrics: Metrics | None = None

@@ -375,6 +375,7 @@ class DataPlane:
                 return
             self.edge.command_finished(rec.id)
             exit_info = proc.exit
+            self.edge.metrics.command_ended(str(rec.spec.backend), exit_info)
             audit.record(
                 rec.id,
                 AuditKind.COMMAND,

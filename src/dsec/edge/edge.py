@@ -14,7 +14,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,6 +54,7 @@ from dsec.errors import (
 from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
 from dsec.net.manager import NetworkManager
+from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
 from dsec.rl.jobs import JobControl
 from dsec.rl.pack import fork_sandbox, pack_sandbox
 from dsec.security.audit import AuditLog
@@ -108,6 +110,11 @@ class Edge:
         unavailable: Mapping[BackendKind, str] | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
+        # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics.
+        self.metrics = Metrics()
+        self.audit.on_event(lambda ev: self.metrics.events.labels(ev.kind.value).inc())
+        self.metrics.add(GaugeCollector(self._gauges))
+        self.metrics.add(GaugeCollector(host_gauges))
         # Disk, fds, memory, pids running out: typed errors and health (dsec.exhaustion).
         self.exhaustion = Exhaustion(data_dir)
         register(self.exhaustion)  # the HTTP layer's last resort notes into it too
@@ -307,10 +314,47 @@ class Edge:
     async def _build(
         self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
     ) -> SandboxInfo:
-        runnable = require_backend(spec)  # 501 for a kind without a backend, before any work
-        self.exhaustion.check_create()  # 507/503 before any work while the host is out
-        with self.exhaustion.mapped():
-            return await self._build_mapped(runnable, timeout=timeout, claim=claim)
+        started = time.perf_counter()
+        try:
+            runnable = require_backend(spec)  # 501 for a kind without a backend, first
+            self.exhaustion.check_create()  # 507/503 before any work while the host is out
+            with self.exhaustion.mapped():
+                info = await self._build_mapped(runnable, timeout=timeout, claim=claim)
+        except BaseException as exc:
+            code = (
+                exc.code
+                if isinstance(exc, DSecError)
+                else "cancelled"
+                if isinstance(exc, asyncio.CancelledError)
+                else "internal"
+            )
+            self.metrics.create_failed(str(spec.backend), code)
+            raise
+        self.metrics.created(str(spec.backend), time.perf_counter() - started)
+        return info
+
+    def _gauges(self) -> Iterator[Metric]:
+        """Sandboxes by state and backend, and what admission has committed."""
+        counts: Counter[tuple[str, str]] = Counter(
+            (rec.state.value, str(rec.spec.backend)) for rec in self._records.values()
+        )
+        yield gauge(
+            "dsec_sandboxes",
+            "Sandboxes this edge knows, by state and backend",
+            ["state", "backend"],
+            ((list(key), n) for key, n in sorted(counts.items())),
+        )
+        a = self.admission
+        yield gauge("dsec_admission_sandboxes", "Admitted sandboxes", [], [([], a.count)])
+        yield gauge(
+            "dsec_admission_capacity", "Sandboxes this edge admits", [], [([], a.max_sandboxes)]
+        )
+        yield gauge(
+            "dsec_admission_memory_committed_mb", "Memory committed", [], [([], a.memory_mb)]
+        )
+        yield gauge(
+            "dsec_admission_memory_budget_mb", "Memory budget", [], [([], a.memory_budget_mb)]
+        )
 
     async def _build_mapped(
         self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
@@ -442,6 +486,7 @@ class Edge:
             log.error("teardown of %s incomplete: %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
         self._set_best_effort(rec, final, reason)
+        self.metrics.ends.labels(str(rec.spec.backend), final.value).inc()
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         self.tamper.forget(rec.id)
         self.detectors.forget(rec.id)
@@ -712,9 +757,13 @@ class Edge:
                 raise Unsupported("this edge keeps no trajectory log")
             return await self.trajectory.exec(sandbox_id, req, req.trajectory)
         outcome: dict[str, object] = {"error": "did not finish"}
+        started = time.perf_counter()
         try:
             res = await self._on_running(
                 sandbox_id, lambda rec: self.backend_of(rec).exec(rec, req)
+            )
+            self.metrics.exec_seconds.labels(str(self._records[sandbox_id].spec.backend)).observe(
+                time.perf_counter() - started
             )
             outcome = _outcome(res)
             self.command_finished(sandbox_id)

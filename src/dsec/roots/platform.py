@@ -300,6 +300,7 @@ async def serve(
                 creator=SandboxCreator(platform.edge, iam=iam),
                 iam=iam,
                 report_load=platform.edge.admission if config.report_load else None,
+                metrics=platform.edge.metrics,
             )
         )
 
