@@ -1,0 +1,77 @@
+"""A scripted Harbor agent (no LLM) for tests/test_harbor_integration.py.
+
+Harbor loads it by import path (``--agent tests.harbor_agent:ScriptedAgent``) in the
+Python 3.12 venv, and it drives the environment only through Harbor's own calls: exec,
+upload/download of files, is_file/is_dir. ``--ak answer=right`` computes the answer
+from the task's uploaded question, ``--ak answer=wrong`` writes a wrong one.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from harbor.agents.base import BaseAgent
+from harbor.environments.base import BaseEnvironment
+from harbor.models.agent.context import AgentContext
+
+from tests.harbor_shell import FETCH_PYPI
+
+
+class ScriptedAgent(BaseAgent):
+    def __init__(self, *args: Any, answer: str = "right", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answer = answer
+
+    @staticmethod
+    def name() -> str:
+        return "dsec-scripted"
+
+    def version(self) -> str:
+        return "1.0"
+
+    async def setup(self, environment: BaseEnvironment) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tool = Path(tmp) / "multiply.sh"
+            tool.write_text('#!/bin/sh\nset -- $(cat "$1")\nexpr "$1" \\* "$2"\n')
+            await environment.upload_file(tool, "/opt/agent/bin/multiply.sh")
+        await _check(environment, "chmod +x /opt/agent/bin/multiply.sh")
+
+    async def run(
+        self, instruction: str, environment: BaseEnvironment, context: AgentContext
+    ) -> None:
+        # The task's environment/ directory was uploaded into the workdir at start.
+        if not await environment.is_file("/srv/task/question.txt"):
+            raise AssertionError("the environment dir was not uploaded")
+        if not await environment.is_dir("/opt/agent/bin") or await environment.is_dir(
+            "/srv/task/question.txt"
+        ):
+            raise AssertionError("is_dir is wrong")
+        # The agent phase's allowlist: pypi.org (a host_services entry) is reachable.
+        net = await environment.exec(FETCH_PYPI, timeout_sec=20)
+        if net.return_code != 0:
+            raise AssertionError(f"pypi.org not reachable in the agent phase: {net}")
+        if self.answer == "right":
+            command = "/opt/agent/bin/multiply.sh question.txt > answer.txt"
+        else:
+            command = "echo 41 > answer.txt"
+        await _check(environment, command)
+        await _check(environment, "echo 'stderr line' >&2; echo done", want_stderr=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            await environment.download_file("/srv/task/answer.txt", Path(tmp) / "a" / "answer")
+            written = (Path(tmp) / "a" / "answer").read_text().strip()
+        (self.logs_dir / "answer.txt").write_text(written)
+        # Left for Harbor to download from /logs/agent after the run (download_dir).
+        await _check(
+            environment, f"mkdir -p /logs/agent/deep && echo {written} > /logs/agent/deep/seen"
+        )
+        context.metadata = {"answer": written}
+
+
+async def _check(environment: BaseEnvironment, command: str, *, want_stderr: bool = False) -> None:
+    result = await environment.exec(command)
+    if result.return_code != 0:
+        raise AssertionError(f"{command!r} failed: {result}")
+    if want_stderr and (result.stderr or "").strip() != "stderr line":
+        raise AssertionError(f"stderr not kept apart: {result}")

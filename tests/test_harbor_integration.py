@@ -1,0 +1,120 @@
+"""The Harbor plug-in (dsec.integrations.harbor) in real Harbor trials, on a real platform.
+
+Harbor needs Python >= 3.12 and the project's venv is 3.11, so each trial runs as
+``.venv-harbor/bin/harbor run`` (scripts/install.sh makes that venv): Harbor's own job
+and trial loop, our environment and a scripted agent (tests/harbor_agent.py, no LLM)
+loaded by import path, the task's verifier script computing the reward. The task also
+switches network policies between phases (agent: an allowlist, verifier: no network),
+which Harbor applies through the environment's ``update_network``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsec import DSecSyncClient
+from tests.conftest import PlatformProcess
+from tests.harbor_shell import FETCH_PYPI
+
+pytestmark = [pytest.mark.root]
+
+ROOT = Path(__file__).resolve().parent.parent
+HARBOR = ROOT / ".venv-harbor" / "bin" / "harbor"
+
+TASK_TOML = """\
+schema_version = "1.4"
+
+[agent]
+timeout_sec = 60.0
+
+[verifier]
+timeout_sec = 60.0
+network_mode = "no-network"
+
+[environment]
+docker_image = "{image}"
+workdir = "/srv/task"
+network_mode = "allowlist"
+allowed_hosts = ["pypi.org"]
+"""
+
+# Reward 1 only for the right answer, and only if the verifier phase really has no
+# network (the agent phase could reach pypi.org).
+TEST_SH = """\
+#!/bin/sh
+if {fetch}; then
+  echo "network still open in the verifier phase"; echo 0 > /logs/verifier/reward.txt; exit 0
+fi
+if [ "$(cat /srv/task/answer.txt)" = "42" ]; then r=1; else r=0; fi
+echo "answer: $(cat /srv/task/answer.txt)"
+echo $r > /logs/verifier/reward.txt
+"""
+
+
+def _task(tmp: Path, image: str) -> Path:
+    task = tmp / "multiply"
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "task.toml").write_text(TASK_TOML.format(image=image))
+    (task / "instruction.md").write_text("Multiply the numbers in question.txt.\n")
+    (task / "environment" / "question.txt").write_text("6 7\n")
+    (task / "tests" / "test.sh").write_text(TEST_SH.replace("{fetch}", FETCH_PYPI))
+    (task / "tests" / "test.sh").chmod(0o755)
+    return task
+
+
+def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict[str, object]:
+    env = os.environ | {
+        "DSEC_URL": platform.url,  # the plug-in's config, as a user's shell would set it
+        "DSEC_API_KEY": platform.api_key,
+        "HARBOR_TELEMETRY": "0",
+        "PYTHONPATH": str(ROOT),  # where the scripted agent's module (tests.harbor_agent) is
+    }
+    cmd = [
+        str(HARBOR), "run", "-p", str(task), "-o", str(jobs), "-y",
+        "--agent", "tests.harbor_agent:ScriptedAgent", "--ak", f"answer={answer}",
+        "--env", "dsec.integrations.harbor:DSecEnvironment",
+        "--ek", 'host_services={"pypi.org": "pypi"}', "--ek", "memory_limit_mb=256",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    results = [
+        json.loads(p.read_text())
+        for p in jobs.glob("*/*/result.json")  # <job>/<trial>/result.json
+    ]
+    assert len(results) == 1, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    result: dict[str, object] = results[0]
+    return result
+
+
+@pytest.mark.skipif(
+    not HARBOR.exists(),
+    reason="no .venv-harbor: Harbor needs Python 3.12, which scripts/install.sh did not find",
+)
+def test_a_harbor_trial_runs_on_dsec_and_gets_its_reward(
+    platform: PlatformProcess, busybox_image: str, tmp_path: Path
+) -> None:
+    task = _task(tmp_path, busybox_image)
+    with DSecSyncClient(platform.url, platform.api_key) as client:
+        before = {s.id for s in client.list_sandboxes()}
+        try:
+            for answer, reward in (("right", 1.0), ("wrong", 0.0)):
+                jobs = tmp_path / f"jobs-{answer}"
+                result = _run(platform, task, jobs, answer)
+                assert result.get("exception_info") is None, result.get("exception_info")
+                verifier = result["verifier_result"]
+                assert isinstance(verifier, dict)
+                assert verifier["rewards"] == {"reward": reward}, result
+                trial = next(jobs.glob("*/*/"))
+                # What the agent left in /logs/agent came back through download_dir.
+                assert (trial / "agent" / "deep" / "seen").read_text().strip() in ("42", "41")
+                assert "answer:" in (trial / "verifier" / "test-stdout.txt").read_text()
+        finally:
+            left = [s for s in client.list_sandboxes() if s.id not in before]
+            for s in left:
+                s.stop()
+        assert left == [], f"sandboxes left running: {[s.id for s in left]}"
