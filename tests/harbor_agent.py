@@ -16,6 +16,7 @@ from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
+from dsec.errors import Timeout
 from tests.harbor_shell import FETCH_PYPI
 
 
@@ -58,6 +59,17 @@ class ScriptedAgent(BaseAgent):
             command = "echo 41 > answer.txt"
         await _check(environment, command)
         await _check(environment, "echo 'stderr line' >&2; echo done", want_stderr=True)
+        probe = await environment.exec(
+            'pwd; echo "$PROBE"; id -u', cwd="/opt", env={"PROBE": "p 1"}, user="65534"
+        )
+        if (probe.stdout or "").split("\n")[:3] != ["/opt", "p 1", "65534"]:
+            raise AssertionError(f"cwd/env/user not applied: {probe}")
+        try:
+            await environment.exec("sleep 30", timeout_sec=1)
+        except Timeout:
+            pass
+        else:
+            raise AssertionError("a command past its timeout_sec did not raise")
         with tempfile.TemporaryDirectory() as tmp:
             await environment.download_file("/srv/task/answer.txt", Path(tmp) / "a" / "answer")
             written = (Path(tmp) / "a" / "answer").read_text().strip()

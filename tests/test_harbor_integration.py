@@ -68,12 +68,15 @@ def _task(tmp: Path, image: str) -> Path:
     return task
 
 
-def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict[str, object]:
+def _harbor(
+    platform: PlatformProcess, task: Path, jobs: Path, answer: str
+) -> subprocess.CompletedProcess[str]:
     env = os.environ | {
         "DSEC_URL": platform.url,  # the plug-in's config, as a user's shell would set it
         "DSEC_API_KEY": platform.api_key,
         "HARBOR_TELEMETRY": "0",
         "PYTHONPATH": str(ROOT),  # where the scripted agent's module (tests.harbor_agent) is
+        "COLUMNS": "400",  # Harbor's rich console wraps a long error message otherwise
     }
     cmd = [
         str(HARBOR), "run", "-p", str(task), "-o", str(jobs), "-y",
@@ -81,7 +84,12 @@ def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict
         "--env", "dsec.integrations.harbor:DSecEnvironment",
         "--ek", 'host_services={"pypi.org": "pypi"}', "--ek", "memory_limit_mb=256",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict[str, object]:
+    """One trial through ``harbor run``; its result.json."""
+    proc = _harbor(platform, task, jobs, answer)
     results = [
         json.loads(p.read_text())
         for p in jobs.glob("*/*/result.json")  # <job>/<trial>/result.json
@@ -113,6 +121,13 @@ def test_a_harbor_trial_runs_on_dsec_and_gets_its_reward(
                 # What the agent left in /logs/agent came back through download_dir.
                 assert (trial / "agent" / "deep" / "seen").read_text().strip() in ("42", "41")
                 assert "answer:" in (trial / "verifier" / "test-stdout.txt").read_text()
+            # A task that only has a Dockerfile: refused, typed, before any sandbox.
+            (task / "environment" / "Dockerfile").write_text("FROM busybox\n")
+            (task / "task.toml").write_text(TASK_TOML.replace('docker_image = "{image}"\n', ""))
+            proc = _harbor(platform, task, tmp_path / "jobs-dockerfile", "right")
+            out = proc.stdout + proc.stderr
+            assert proc.returncode != 0 and "Unsupported" in out, out[-3000:]
+            assert "does not build Dockerfiles" in " ".join(out.split()), out[-3000:]
         finally:
             left = [s for s in client.list_sandboxes() if s.id not in before]
             for s in left:

@@ -62,6 +62,7 @@ from harbor.models.task.config import (
     classify_network_allowlist_entry,
 )
 from harbor.models.trial.paths import TrialPaths
+from pydantic import ValidationError
 from typing_extensions import override
 
 from dsec.api.spec import DSecContainerRunArgs
@@ -223,17 +224,10 @@ class DSecEnvironment(BaseEnvironment):
             policy, public_rules=self._public_rules, host_services=self._host_services
         )
 
-    @override
-    async def start(self, force_build: bool) -> None:
-        if force_build and (self.environment_dir / DOCKERFILE_NAME).exists():
-            raise Unsupported(
-                "force_build asks for a build of environment/Dockerfile, which DSec does not "
-                "do: run without --force-build to use the task's docker_image"
-            )
-        image = self.image
-        assert image is not None  # _validate_definition refused a task without one
+    def _spec(self, image: str) -> DSecContainerRunArgs:
+        """The task's resources (after Harbor's overrides and enforcement modes) as limits."""
         cpus = self._effective_cpus
-        args = DSecContainerRunArgs(
+        return DSecContainerRunArgs(
             container_image=image,
             memory_limit_mb=self._effective_memory_mb or self._default_memory_mb,
             cpu_cores_limit=float(cpus) if cpus else self._default_cpus,
@@ -244,6 +238,20 @@ class DSecEnvironment(BaseEnvironment):
             init_user="root",
             labels={"dsec.integration": "harbor"},
         )
+
+    @override
+    async def start(self, force_build: bool) -> None:
+        if force_build and (self.environment_dir / DOCKERFILE_NAME).exists():
+            raise Unsupported(
+                "force_build asks for a build of environment/Dockerfile, which DSec does not "
+                "do: run without --force-build to use the task's docker_image"
+            )
+        image = self.image
+        assert image is not None  # _validate_definition refused a task without one
+        try:
+            args = self._spec(image)
+        except ValidationError as exc:  # e.g. an image ref the platform cannot name
+            raise InvalidArgument(f"no DSec sandbox spec for this task: {exc}") from None
         client = DSecClient(self._url, self._api_key)
         try:
             self._sandbox = await client.run_container(args, timeout=self._create_timeout)
