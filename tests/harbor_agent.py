@@ -17,13 +17,14 @@ from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
 from dsec.errors import Timeout
-from tests.harbor_shell import FETCH_PYPI
+from tests.harbor_shell import fetch
 
 
 class ScriptedAgent(BaseAgent):
-    def __init__(self, *args: Any, answer: str = "right", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, answer: str = "right", pypi_ip: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.answer = answer
+        self.pypi_ip = pypi_ip
 
     @staticmethod
     def name() -> str:
@@ -49,10 +50,12 @@ class ScriptedAgent(BaseAgent):
             "/srv/task/question.txt"
         ):
             raise AssertionError("is_dir is wrong")
-        # The agent phase's allowlist: pypi.org (a host_services entry) is reachable.
-        net = await environment.exec(FETCH_PYPI, timeout_sec=20)
-        if net.return_code != 0:
-            raise AssertionError(f"pypi.org not reachable in the agent phase: {net}")
+        # The agent phase's allowlist: pypi.org (a host_services entry) and an IPv4
+        # address (a raw rule) are reachable.
+        for host in (self.pypi_ip, "pypi.org"):  # the IP first: a DNS answer opens it too
+            net = await environment.exec(fetch(host), timeout_sec=20)
+            if net.return_code != 0:
+                raise AssertionError(f"{host} not reachable in the agent phase: {net}")
         if self.answer == "right":
             command = "/opt/agent/bin/multiply.sh question.txt > answer.txt"
         else:

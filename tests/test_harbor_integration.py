@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecSyncClient
-from tests.conftest import PlatformProcess
-from tests.harbor_shell import FETCH_PYPI
+from tests.conftest import FakeInternet, PlatformProcess
+from tests.harbor_shell import fetch
 
 pytestmark = [pytest.mark.root]
 
@@ -40,14 +40,14 @@ network_mode = "no-network"
 docker_image = "{image}"
 workdir = "/srv/task"
 network_mode = "allowlist"
-allowed_hosts = ["pypi.org"]
+allowed_hosts = ["pypi.org", "{ip}"]
 """
 
 # Reward 1 only for the right answer, and only if the verifier phase really has no
 # network (the agent phase could reach pypi.org).
 TEST_SH = """\
 #!/bin/sh
-if {fetch}; then
+if {fetch_name} || {fetch_ip}; then
   echo "network still open in the verifier phase"; echo 0 > /logs/verifier/reward.txt; exit 0
 fi
 if [ "$(cat /srv/task/answer.txt)" = "42" ]; then r=1; else r=0; fi
@@ -56,20 +56,22 @@ echo $r > /logs/verifier/reward.txt
 """
 
 
-def _task(tmp: Path, image: str) -> Path:
+def _task(tmp: Path, image: str, ip: str) -> Path:
     task = tmp / "multiply"
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
-    (task / "task.toml").write_text(TASK_TOML.format(image=image))
+    (task / "task.toml").write_text(TASK_TOML.format(image=image, ip=ip))
     (task / "instruction.md").write_text("Multiply the numbers in question.txt.\n")
     (task / "environment" / "question.txt").write_text("6 7\n")
-    (task / "tests" / "test.sh").write_text(TEST_SH.replace("{fetch}", FETCH_PYPI))
+    (task / "tests" / "test.sh").write_text(
+        TEST_SH.format(fetch_name=fetch("pypi.org"), fetch_ip=fetch(ip))
+    )
     (task / "tests" / "test.sh").chmod(0o755)
     return task
 
 
 def _harbor(
-    platform: PlatformProcess, task: Path, jobs: Path, answer: str
+    platform: PlatformProcess, task: Path, jobs: Path, answer: str, ip: str
 ) -> subprocess.CompletedProcess[str]:
     env = os.environ | {
         "DSEC_URL": platform.url,  # the plug-in's config, as a user's shell would set it
@@ -80,16 +82,19 @@ def _harbor(
     }
     cmd = [
         str(HARBOR), "run", "-p", str(task), "-o", str(jobs), "-y",
-        "--agent", "tests.harbor_agent:ScriptedAgent", "--ak", f"answer={answer}",
+        "--agent", "tests.harbor_agent:ScriptedAgent",
+        "--ak", f"answer={answer}", "--ak", f"pypi_ip={ip}",
         "--env", "dsec.integrations.harbor:DSecEnvironment",
         "--ek", 'host_services={"pypi.org": "pypi"}', "--ek", "memory_limit_mb=256",
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict[str, object]:
+def _run(
+    platform: PlatformProcess, task: Path, jobs: Path, answer: str, ip: str
+) -> dict[str, object]:
     """One trial through ``harbor run``; its result.json."""
-    proc = _harbor(platform, task, jobs, answer)
+    proc = _harbor(platform, task, jobs, answer, ip)
     results = [
         json.loads(p.read_text())
         for p in jobs.glob("*/*/result.json")  # <job>/<trial>/result.json
@@ -104,15 +109,16 @@ def _run(platform: PlatformProcess, task: Path, jobs: Path, answer: str) -> dict
     reason="no .venv-harbor: Harbor needs Python 3.12, which scripts/install.sh did not find",
 )
 def test_a_harbor_trial_runs_on_dsec_and_gets_its_reward(
-    platform: PlatformProcess, busybox_image: str, tmp_path: Path
+    platform: PlatformProcess, busybox_image: str, fake_internet: FakeInternet, tmp_path: Path
 ) -> None:
-    task = _task(tmp_path, busybox_image)
+    ip = fake_internet.pypi.ip
+    task = _task(tmp_path, busybox_image, ip)
     with DSecSyncClient(platform.url, platform.api_key) as client:
         before = {s.id for s in client.list_sandboxes()}
         try:
             for answer, reward in (("right", 1.0), ("wrong", 0.0)):
                 jobs = tmp_path / f"jobs-{answer}"
-                result = _run(platform, task, jobs, answer)
+                result = _run(platform, task, jobs, answer, ip)
                 assert result.get("exception_info") is None, result.get("exception_info")
                 verifier = result["verifier_result"]
                 assert isinstance(verifier, dict)
@@ -123,8 +129,10 @@ def test_a_harbor_trial_runs_on_dsec_and_gets_its_reward(
                 assert "answer:" in (trial / "verifier" / "test-stdout.txt").read_text()
             # A task that only has a Dockerfile: refused, typed, before any sandbox.
             (task / "environment" / "Dockerfile").write_text("FROM busybox\n")
-            (task / "task.toml").write_text(TASK_TOML.replace('docker_image = "{image}"\n', ""))
-            proc = _harbor(platform, task, tmp_path / "jobs-dockerfile", "right")
+            (task / "task.toml").write_text(
+                TASK_TOML.replace('docker_image = "{image}"\n', "").format(ip=ip)
+            )
+            proc = _harbor(platform, task, tmp_path / "jobs-dockerfile", "right", ip)
             out = proc.stdout + proc.stderr
             assert proc.returncode != 0 and "Unsupported" in out, out[-3000:]
             assert "does not build Dockerfiles" in " ".join(out.split()), out[-3000:]
