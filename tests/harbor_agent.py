@@ -67,6 +67,16 @@ class ScriptedAgent(BaseAgent):
         )
         if (probe.stdout or "").split("\n")[:3] != ["/opt", "p 1", "65534"]:
             raise AssertionError(f"cwd/env/user not applied: {probe}")
+        seen: list[tuple[str, str]] = []
+
+        async def collect(text: str, stream: str) -> None:
+            seen.append((stream, text))
+
+        with environment.scoped_output_callback(collect):  # Harbor's streaming hook
+            await _check(environment, "echo out; echo err >&2; printf '\\303'; printf '\\251'")
+        streams = {stream: "".join(t for s, t in seen if s == stream) for stream, _ in seen}
+        if streams != {"stdout": "out\né", "stderr": "err\n"}:
+            raise AssertionError(f"output callbacks got {seen}")
         try:
             await environment.exec("sleep 30", timeout_sec=1)
         except Timeout:

@@ -146,6 +146,11 @@ class DSecEnvironment(BaseEnvironment):
         create_timeout: float = 300.0,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("mounts"):
+            raise Unsupported(
+                "host mounts are not supported by DSec: nothing of the host is mounted into "
+                "a sandbox; files move with upload/download"
+            )
         # Read by the base class's validators during its __init__.
         self._image = image
         self._images = dict(images or {})
