@@ -141,3 +141,21 @@ def test_a_harbor_trial_runs_on_dsec_and_gets_its_reward(
             for s in left:
                 s.stop()
         assert left == [], f"sandboxes left running: {[s.id for s in left]}"
+
+
+@pytest.mark.skipif(
+    not HARBOR.exists(),
+    reason="no .venv-harbor: Harbor needs Python 3.12, which scripts/install.sh did not find",
+)
+def test_a_start_cancelled_midway_leaves_no_sandbox(
+    platform: PlatformProcess, busybox_image: str
+) -> None:
+    env = os.environ | {"DSEC_URL": platform.url, "DSEC_API_KEY": platform.api_key}
+    proc = subprocess.run(
+        [str(HARBOR.parent / "python"), "-m", "tests.harbor_lifecycle", busybox_image],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["left"] == [], report
+    print(report)  # create_reply_seen: which path stop() took (timing decides)

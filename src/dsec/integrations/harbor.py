@@ -40,6 +40,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,13 @@ def network_rules(
 
 
 class DSecEnvironment(BaseEnvironment):
-    """One DSec container sandbox per Harbor environment (agent or verifier)."""
+    """One DSec container sandbox per Harbor environment (agent or verifier).
+
+    Besides the abstract methods, it overrides and calls the hooks BaseEnvironment
+    keeps for its providers (``_validate_definition``, ``_apply_network_policy``,
+    ``_merge_env``, ``_resolve_user``, ``_effective_*``, ``_output_callback``, ...), as
+    Harbor's own providers do: they are the subclass contract, not private state.
+    """
 
     def __init__(
         self,
@@ -163,6 +170,12 @@ class DSecEnvironment(BaseEnvironment):
         self._url = url
         self._api_key = api_key
         self._client: DSecClient | None = None
+        #: Names this environment's sandbox, also when its create reply never came.
+        self._labels = {
+            "dsec.integration": "harbor",
+            "dsec.harbor.env": uuid.uuid4().hex,
+            "harbor.session": session_id[:256],
+        }
         self._sandbox: Sandbox | None = None
         super().__init__(
             environment_dir,
@@ -217,6 +230,11 @@ class DSecEnvironment(BaseEnvironment):
                 "Docker Compose task environments are not supported by DSec: one sandbox "
                 "per environment, no sidecar services"
             )
+        if self.image is None and not (self.environment_dir / DOCKERFILE_NAME).exists():
+            raise InvalidArgument(
+                f"task environment {self.environment_dir} has no docker_image: set "
+                "[environment].docker_image to an image the platform has, or pass image=..."
+            )
         if self.image is None:
             raise Unsupported(
                 "DSec does not build Dockerfiles (its images are EROFS layers the platform "
@@ -241,7 +259,7 @@ class DSecEnvironment(BaseEnvironment):
             network_rules=self._rules(self.network_policy),
             env=self._startup_env(),
             init_user="root",
-            labels={"dsec.integration": "harbor"},
+            labels=self._labels,
         )
 
     @override
@@ -257,31 +275,32 @@ class DSecEnvironment(BaseEnvironment):
             args = self._spec(image)
         except ValidationError as exc:  # e.g. an image ref the platform cannot name
             raise InvalidArgument(f"no DSec sandbox spec for this task: {exc}") from None
-        client = DSecClient(self._url, self._api_key)
-        try:
-            self._sandbox = await client.run_container(args, timeout=self._create_timeout)
-        except BaseException:
-            await client.close()
-            raise
-        self._client = client
+        # Kept until stop(), which Harbor calls also when start fails or is cancelled.
+        self._client = DSecClient(self._url, self._api_key)
+        sandbox = await self._client.run_container(args, timeout=self._create_timeout)
+        self._sandbox = sandbox
         if self.task_env_config.workdir:  # as Docker's -w does: created if missing
-            await self._sandbox.mkdir(self.task_env_config.workdir, parents=True)
+            await sandbox.mkdir(self.task_env_config.workdir, parents=True)
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
 
     @override
     async def stop(self, delete: bool) -> None:
-        """End the sandbox and the client. DSec sandboxes of a trial are not kept:
-        ``delete=False`` stops it too (its state goes with it)."""
+        """End the sandbox and the client; idempotent. DSec sandboxes of a trial are not
+        kept: ``delete=False`` stops it too (its state goes with it). After a create that
+        failed or was cancelled midway, the sandbox it may still have made is found by
+        this environment's label and stopped."""
         sandbox, client = self._sandbox, self._client
         self._sandbox = self._client = None
+        if client is None:
+            return
         try:
-            if sandbox is not None:
+            found = [sandbox] if sandbox else await client.list_sandboxes(labels=self._labels)
+            for sb in found:
                 with contextlib.suppress(SandboxNotFound):  # already gone: stopped
-                    await sandbox.stop()
+                    await sb.stop()
         finally:
-            if client is not None:
-                await client.close()
+            await client.close()
 
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
