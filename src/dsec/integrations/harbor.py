@@ -269,6 +269,8 @@ class DSecEnvironment(BaseEnvironment):
                 "force_build asks for a build of environment/Dockerfile, which DSec does not "
                 "do: run without --force-build to use the task's docker_image"
             )
+        if self._client is not None:  # started before: a fresh sandbox, the old one ended
+            await self.stop(delete=True)
         image = self.image
         assert image is not None  # _validate_definition refused a task without one
         try:
