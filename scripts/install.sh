@@ -60,6 +60,26 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
   echo "$want" >"$stamp"
 fi
+# The Harbor plug-in (dsec.integrations.harbor): Harbor needs Python >= 3.12 while the
+# project's .venv stays on the host's 3.11, so it gets a venv of its own; skipped (with a
+# note) where no 3.12 is found.
+PY312=
+for cand in ${PYTHON312:-} python3.12 /root/.pyenv/versions/3.12*/bin/python; do
+  if "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    PY312=$cand
+    break
+  fi
+done
+if [ -n "$PY312" ]; then
+  [ -x .venv-harbor/bin/python ] || "$PY312" -m venv .venv-harbor
+  hstamp=.venv-harbor/.dsec-installed
+  if [ "$(cat "$hstamp" 2>/dev/null)" != "$want" ]; then
+    .venv-harbor/bin/pip install -q --disable-pip-version-check -e '.[harbor]' mypy
+    echo "$want" >"$hstamp"
+  fi
+else
+  echo "install.sh: no Python 3.12 found; skipping .venv-harbor (the Harbor plug-in's tests skip)" >&2
+fi
 # Compile the in-sandbox agent now rather than on the first sandbox.
 .venv/bin/python -c 'from dsec.agent.build import agent_binary, untrusted_binary; agent_binary(); untrusted_binary()'
 .venv/bin/python -c 'from dsec.images.lazy.build import lazyfs_binary; lazyfs_binary()'

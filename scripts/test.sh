@@ -6,4 +6,6 @@ bash scripts/install.sh
 .venv/bin/ruff check src tests bench
 .venv/bin/ruff format --check src tests bench
 .venv/bin/mypy
+# The Harbor plug-in against Harbor's real source (its venv is Python 3.12; see install.sh).
+if [ -x .venv-harbor/bin/mypy ]; then .venv-harbor/bin/mypy --config-file scripts/mypy-harbor.ini; fi
 exec .venv/bin/pytest -p no:cacheprovider "$@"
