@@ -10,14 +10,15 @@ from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import QueryParams
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
-from dsec.errors import InvalidArgument
+from dsec.errors import InvalidArgument, Unsupported
 from dsec.security.audit import AuditLog, Filters
+from dsec.security.auditstream import AuditFollower
 
 MAX_LIMIT = 10_000
 # Module level: FastAPI resolves the (postponed) annotations in module globals.
@@ -100,5 +101,39 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
             return await audit.answer(request.query_params, filters, events=False)
         _no_cluster_cursor(request)
         return _json_list(audit.records(kinds=kind, **filters))
+
+    @router.get(
+        "/v1/events/stream",
+        summary="Live audit stream (server-sent events)",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def stream(
+        request: Request,
+        filters: QueryFilters,
+        kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
+    ) -> Response:
+        """Every audit record as it is written (lifecycle changes, commands, file and
+        network decisions, misbehaviour events), oldest first, as ``text/event-stream``:
+        ``id`` is the record's ``seq``, ``event`` its kind, ``data`` the record as JSON.
+        Resume with ``Last-Event-ID`` (what EventSource sends) or ``since_seq``."""
+        if not isinstance(audit, AuditLog):
+            raise Unsupported(
+                "the live stream is served by each edge (dsec up), not yet by a cluster "
+                "apiserver; poll /v1/audit with its cursor there"
+            )
+        _no_cluster_cursor(request)
+        cursor = filters.get("since_seq", 0)
+        last = request.headers.get("last-event-id", "").strip()
+        if last:
+            if not last.isdigit() or len(last) > 18:
+                raise InvalidArgument("Last-Event-ID must be the seq of a record this stream sent")
+            cursor = max(cursor, int(last))
+        follow = AuditFollower(audit, filters, list(kind), cursor)
+        return StreamingResponse(
+            follow.frames(request.is_disconnected),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     return router

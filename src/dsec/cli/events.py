@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import sys
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -10,7 +13,8 @@ import typer
 from rich.table import Table
 
 from dsec.api.events import AuditKind, EventKind
-from dsec.cli.common import cells, emit_json, inert, out, sync_client
+from dsec.cli.common import cells, emit_json, globals_of, inert, out, sync_client
+from dsec.sdk.client import DSecClient
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 JobOpt = Annotated[str | None, typer.Option("--job", help="RL job id")]
@@ -26,6 +30,40 @@ CursorOpt = Annotated[
     ),
 ]
 LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=10_000)]
+FollowOpt = Annotated[
+    bool, typer.Option("--follow", "-f", help="keep printing records as they are written")
+]
+
+
+def _follow(
+    ctx: typer.Context,
+    kinds: list[str],
+    job: str | None,
+    sandbox: str | None,
+    trajectory: str | None,
+    since: int,
+    as_json: bool,
+) -> None:
+    """Print records as they are written (GET /v1/events/stream) until Ctrl-C."""
+    g = globals_of(ctx)
+
+    async def run() -> None:
+        async with DSecClient(g.url, g.api_key) as client:
+            stream = client.follow_audit(
+                job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since
+            )
+            async for r in stream:
+                if as_json:  # one JSON object per line: what a sandbox wrote stays escaped
+                    sys.stdout.write(r.model_dump_json() + "\n")
+                    sys.stdout.flush()
+                    continue
+                out.print(
+                    *cells(r.seq, _when(r.time), r.sandbox_id, r.kind.value, r.action),
+                    inert(_detail(r.detail)),
+                )
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
 
 
 def _detail(detail: dict[str, object]) -> str:
@@ -62,8 +100,14 @@ def events(
     cursor: CursorOpt = None,
     limit: LimitOpt = 1000,
     as_json: JsonOpt = False,
+    follow: FollowOpt = False,
 ) -> None:
     """Misbehaviour events (protected paths, denied connections, seccomp, ...)."""
+    if follow:
+        if kind:
+            raise typer.BadParameter("--follow shows every kind; filter by --sandbox or --job")
+        _follow(ctx, [AuditKind.EVENT.value], job, sandbox, trajectory, since, as_json)
+        return
     filters = _filters(job, sandbox, trajectory, limit)
     with sync_client(ctx) as client:
         if cursor is None:
@@ -102,8 +146,12 @@ def audit(
     cursor: CursorOpt = None,
     limit: LimitOpt = 1000,
     as_json: JsonOpt = False,
+    follow: FollowOpt = False,
 ) -> None:
     """The audit log: every command, file operation, network decision and event."""
+    if follow:
+        _follow(ctx, [k.value for k in kind], job, sandbox, trajectory, since, as_json)
+        return
     filters = _filters(job, sandbox, trajectory, limit)
     with sync_client(ctx) as client:
         if cursor is None:

@@ -7,12 +7,13 @@ request on an open connection. What to send and how to read the answer lives in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
 import httpx
 
+from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
@@ -22,6 +23,7 @@ from dsec.errors import DSecError, SandboxNotFound
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._batch import BatchMixin
+from dsec.sdk._follow import follow
 from dsec.sdk._upload import UploadProgress, UploadSource, open_upload
 from dsec.sdk.cluster import ClusterMixin
 from dsec.sdk.datapath import DataPathClient, DataPathMode, SandboxDataMixin
@@ -115,6 +117,23 @@ class DSecClient(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    def follow_audit(
+        self,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[AuditKind | str] | None = None,
+        since_seq: int = 0,
+    ) -> AsyncIterator[AuditRecord]:
+        """Every audit record as it is written (``async for r in client.follow_audit()``):
+        lifecycle changes, commands, file and network decisions, misbehaviour events
+        (``kinds=["event"]``), from ``since_seq`` on. Reconnects by itself from the last
+        record seen; stop by leaving the loop. One node's stream (``dsec up``)."""
+        return follow(
+            self, job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since_seq
+        )
 
     def _pick_pool(self) -> int:
         """Index of the least-loaded pool (pools are created on first use)."""

@@ -152,6 +152,8 @@ class AuditLog:
             for r in self._db.execute("SELECT sandbox, job, trajectory FROM tags")
         }
         self._listeners: list[Callable[[SecurityEvent], None]] = []
+        # Followers waiting for the next record (wait_for_write), under self._lock.
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._flusher: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -261,7 +263,25 @@ class AuditLog:
                 text,
             )
             self._pending.append(row)
+            waiters = list(self._waiters)
+        for loop, ready in waiters:  # followers read it from the database (flushed then)
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(ready.set)
         return row
+
+    async def wait_for_write(self, timeout: float) -> None:
+        """Return once a record is written after this call, or after ``timeout``
+        (followers of the log, dsec.security.auditstream). Records come from threads
+        too: a writer wakes each waiter on the waiter's own loop."""
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter[1].wait(), timeout)
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
 
     def flush(self) -> None:
         with self._lock:

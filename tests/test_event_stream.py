@@ -1,0 +1,130 @@
+"""GET /v1/events/stream and client.follow_audit, on a real platform: records arrive as
+they are written, resume exactly after a reconnect, filters hold, and no text a
+sandbox writes can end a frame early or forge a record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
+from dsec.api.events import AuditRecord
+from tests.conftest import PlatformProcess, platform_process
+
+pytestmark = pytest.mark.root
+
+SPEC = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
+FORGED = 'id: 999999999\\nevent: event\\ndata: {"seq": 999999999}\\n\\n'
+
+
+@pytest.fixture(scope="module")
+def plat() -> Iterator[PlatformProcess]:
+    with platform_process() as p:
+        with DSecSyncClient(p.url, p.api_key) as c:
+            c.build_image("busybox")
+        yield p
+
+
+@pytest.fixture
+async def client(plat: PlatformProcess) -> AsyncIterator[DSecClient]:
+    c = DSecClient(plat.url, plat.api_key)
+    await c.open()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def last_seq(client: DSecClient) -> int:
+    rows = await client.audit(limit=10_000)
+    return rows[-1].seq if rows else 0
+
+
+async def collect(
+    stream: AsyncIterator[AuditRecord], until: str, timeout: float = 30
+) -> list[AuditRecord]:
+    """Records until one whose action is ``until`` (then stop following)."""
+    got: list[AuditRecord] = []
+
+    async def read() -> None:
+        async for r in stream:
+            got.append(r)
+            if r.action == until:
+                return
+
+    await asyncio.wait_for(read(), timeout)
+    await stream.aclose()  # type: ignore[attr-defined]
+    return got
+
+
+async def test_a_sandbox_s_life_arrives_as_it_happens(client: DSecClient) -> None:
+    since = await last_seq(client)
+    stream = client.follow_audit(since_seq=since)
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.2)  # the follower is connected and idle
+    t0 = time.monotonic()
+    sb = await client.run_container(SPEC)
+    r0 = await asyncio.wait_for(first, 10)
+    latency = time.monotonic() - t0
+    await sb.run_shell(f"printf '{FORGED}'; reboot -f; true")
+    await sb.stop()
+    rows = [r0, *await collect(stream, until="stopped")]
+    ours = [r for r in rows if r.sandbox_id == sb.id]
+    assert ours and latency < 5, latency
+    actions = [r.action for r in ours]
+    assert actions[0] == "create" and actions[-1] == "stopped", actions
+    seqs = [r.seq for r in rows]
+    assert seqs == sorted(set(seqs)) and seqs[0] > since  # in order, once each
+    assert 999999999 not in seqs  # the sandbox's text stayed inside its record
+    assert any(FORGED.split("\\n")[0] in str(r.detail) for r in ours)
+    assert any(r.kind.value == "event" for r in ours), actions  # reboot: seccomp event
+
+
+async def test_reconnect_resumes_after_the_last_record(
+    client: DSecClient, plat: PlatformProcess
+) -> None:
+    sb = await client.run_container(SPEC)
+    await sb.stop()
+    headers = {"Authorization": f"Bearer {plat.api_key}"}
+    url = f"{plat.url}/v1/events/stream"
+    params = {"sandbox_id": sb.id}
+    async with httpx.AsyncClient(timeout=10) as http:
+        seen: list[int] = []
+        async with http.stream("GET", url, params=params, headers=headers) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            async for line in resp.aiter_lines():
+                if line.startswith("id: "):
+                    seen.append(int(line[4:]))
+                    if len(seen) == 2:
+                        break
+        resumed: list[int] = []
+        headers["Last-Event-ID"] = str(seen[0])
+        async with http.stream("GET", url, params=params, headers=headers) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("id: "):
+                    resumed.append(int(line[4:]))
+                    break
+        assert resumed == [seen[1]]  # the next record after the one acknowledged
+        bad = await http.get(url, headers={**headers, "Last-Event-ID": "x"})
+        assert bad.status_code == 422
+
+
+async def test_filters_and_auth(client: DSecClient, plat: PlatformProcess) -> None:
+    since = await last_seq(client)
+    a = await client.run_container(SPEC)
+    b = await client.run_container(SPEC)
+    await a.stop()
+    await b.stop()
+    rows = await collect(
+        client.follow_audit(sandbox=b.id, kinds=["lifecycle"], since_seq=since), until="stopped"
+    )
+    assert {r.sandbox_id for r in rows} == {b.id}
+    assert {r.kind.value for r in rows} == {"lifecycle"}
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.get(f"{plat.url}/v1/events/stream")
+        assert r.status_code == 401
