@@ -128,3 +128,15 @@ async def test_filters_and_auth(client: DSecClient, plat: PlatformProcess) -> No
     async with httpx.AsyncClient(timeout=10) as http:
         r = await http.get(f"{plat.url}/v1/events/stream")
         assert r.status_code == 401
+
+
+def test_the_sync_twin_follows_too(plat: PlatformProcess) -> None:
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        rows = client.audit(limit=10_000)
+        since = rows[-1].seq if rows else 0
+        sb = client.run_container(SPEC)
+        sb.stop()
+        for r in client.follow_audit(sandbox=sb.id, since_seq=since):
+            if r.action == "stopped":
+                break
+        assert r.sandbox_id == sb.id

@@ -11,7 +11,7 @@ record's JSON.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import TYPE_CHECKING
 
 import httpx
@@ -36,7 +36,7 @@ async def follow(
     trajectory: str | None,
     kinds: Iterable[AuditKind | str] | None,
     since_seq: int,
-) -> AsyncIterator[AuditRecord]:
+) -> AsyncGenerator[AuditRecord, None]:
     params = httpx.QueryParams(
         [p for p in _params(job, sandbox, trajectory, kinds, since_seq, 1) if p[0] != "limit"]
     )
@@ -46,7 +46,8 @@ async def follow(
         headers = {"Accept": "text/event-stream"}
         if last is not None:
             headers["Last-Event-ID"] = str(last)
-        pool = client._pools[client._pick_pool()]
+        shard = client._pick_pool()  # first: it may create the pools
+        pool = client._pools[shard]
         request = pool.build_request(
             "GET", "/v1/events/stream", params=params, headers=headers, timeout=httpx.Timeout(None)
         )

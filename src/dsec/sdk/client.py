@@ -118,7 +118,7 @@ class DSecClient(
     ) -> None:
         await self.close()
 
-    def follow_audit(
+    async def follow_audit(
         self,
         *,
         job: str | None = None,
@@ -131,9 +131,14 @@ class DSecClient(
         lifecycle changes, commands, file and network decisions, misbehaviour events
         (``kinds=["event"]``), from ``since_seq`` on. Reconnects by itself from the last
         record seen; stop by leaving the loop. One node's stream (``dsec up``)."""
-        return follow(
+        records = follow(
             self, job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since_seq
         )
+        try:
+            async for record in records:
+                yield record
+        finally:
+            await records.aclose()
 
     def _pick_pool(self) -> int:
         """Index of the least-loaded pool (pools are created on first use)."""

@@ -6,12 +6,13 @@ For scripts, notebooks and thread-based rollout workers. Requests and parsing co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
 import httpx
 
+from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
@@ -81,6 +82,22 @@ class DSecSyncClient(
         """Open the connection pool and check that the platform answers."""
         self._client()
         self.health()
+
+    def follow_audit(
+        self,
+        *,
+        job: str | None = None,
+        sandbox: str | None = None,
+        trajectory: str | None = None,
+        kinds: Iterable[AuditKind | str] | None = None,
+        since_seq: int = 0,
+    ) -> Iterator[AuditRecord]:
+        """``for r in client.follow_audit(job="ppo-7")``: DSecClient.follow_audit's
+        records, read in this client's event-loop thread; stop by leaving the loop."""
+        stream = self._async_client().follow_audit(
+            job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since_seq
+        )
+        return self._portal().iterate(stream)
 
     def _portal(self) -> Portal:
         if self._portal_obj is None:
