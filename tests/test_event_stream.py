@@ -140,3 +140,23 @@ def test_the_sync_twin_follows_too(plat: PlatformProcess) -> None:
             if r.action == "stopped":
                 break
         assert r.sandbox_id == sb.id
+
+
+def test_dsec_audit_follow_prints_json_lines(plat: PlatformProcess) -> None:
+    import json
+    import subprocess
+    import sys
+
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        sb = client.run_container(SPEC)
+        sb.stop()
+    argv = [sys.executable, "-m", "dsec.cli.main", "--url", plat.url, "--api-key", plat.api_key]
+    argv += ["audit", "--follow", "--json", "--sandbox", sb.id, "--kind", "lifecycle"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["sandbox_id"] == sb.id and first["kind"] == "lifecycle"
+    finally:
+        proc.terminate()
+        proc.wait(10)
