@@ -275,3 +275,25 @@ def test_bad_create_requests_are_4xx(e2b_env: PlatformProcess) -> None:
         Sandbox.create("not a valid/../image")
     with pytest.raises(SandboxException, match=r"^400: "):
         Sandbox.create("busybox:latest", metadata={"dsec.backend": "mainframe"})
+
+
+@pytest.mark.skipif(
+    not __import__("shutil").which("qemu-system-x86_64"), reason="needs QEMU (TCG here)"
+)
+def test_a_microvm_through_the_unmodified_sdk(e2b_env: PlatformProcess, busybox_image: str) -> None:
+    """Metadata ``dsec.backend=microvm`` boots a microVM; the SDK cannot tell, the guest
+    kernel (not the host's) says it is one."""
+    import platform as host
+
+    box = Sandbox.create(
+        busybox_image, metadata={"dsec.backend": "microvm"}, timeout=300, request_timeout=180
+    )
+    try:
+        kernel = box.commands.run("uname -r").stdout.strip()
+        assert kernel and kernel != host.release(), kernel  # the guest's own kernel
+        assert box.commands.run("whoami; pwd").stdout.split() == ["user", "/home/user"]
+        box.files.write("notes/a.txt", "in a vm")
+        assert box.files.read("notes/a.txt") == "in a vm"
+        assert box.get_info().metadata["dsec.backend"] == "microvm"
+    finally:
+        box.kill()
