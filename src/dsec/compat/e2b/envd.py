@@ -113,9 +113,9 @@ def _e2b_config(command: str | list[str]) -> dict[str, Any]:
 
 
 class Envd:
-    def __init__(self, access: Access, limits: ApiLimits) -> None:
+    def __init__(self, access: Access, plane: DataPlane, limits: ApiLimits) -> None:
         self.access = access
-        self.plane: DataPlane = access.plane
+        self.plane = plane
         self.limits = limits
         self.watchers = Watchers(self.plane)
 
