@@ -26,6 +26,7 @@ from e2b import (  # noqa: E402
     CommandExitException,
     FileType,
     NotFoundException,
+    RateLimitException,
     Sandbox,
     SandboxQuery,
 )
@@ -149,6 +150,29 @@ def test_idempotency_key_through_the_cluster(e2b_cluster: Cluster) -> None:
         assert Sandbox.create(IMAGE, idempotency_key=key).sandbox_id == first.sandbox_id
     finally:
         first.kill()
+
+
+def test_quota_and_roles_hold_as_for_our_sdk(e2b_cluster: Cluster) -> None:
+    """The cluster's IAM charges E2B creates as ours: over the quota is the SDK's
+    RateLimitException (429), and a sandbox ended by E2B gives its charge back."""
+    c, suffix = e2b_cluster, secrets.token_hex(3)
+    project = f"e2bq{suffix}"
+    with DSecSyncClient(c.api_urls[0], c.admin_key) as admin:
+        admin.create_project(project)
+        admin.set_quota(project, max_sandboxes=1)
+        admin.create_principal(f"runner{suffix}", default_project=project)
+        admin.grant(f"runner{suffix}", "runtime", project=project)
+        key = admin.create_key(f"runner{suffix}").key
+        first = Sandbox.create(IMAGE, api_key=key)
+        try:
+            assert first.sandbox_id.split("-")[0] in c.edges
+            with pytest.raises(RateLimitException, match="quota"):
+                Sandbox.create(IMAGE, api_key=key)
+        finally:
+            assert first.kill() is True
+        assert admin.quota(project).usage.sandboxes == 0
+        again = Sandbox.create(IMAGE, api_key=key)  # the slot is free again
+        again.kill()
 
 
 async def test_async_sdk_through_the_cluster(e2b_cluster: Cluster) -> None:
