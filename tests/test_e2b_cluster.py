@@ -13,7 +13,10 @@ import hashlib
 import os
 import secrets
 import struct
+import subprocess
+import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -84,6 +87,8 @@ def test_commands_stream_through_the_apiserver(boxes: list[Sandbox]) -> None:
         with pytest.raises(CommandExitException) as info:
             sbx.commands.run("echo bad; exit 3")
         assert info.value.exit_code == 3 and "bad" in info.value.stdout
+    # the user travels in envd's own Authorization (Basic), passed up to the edge
+    assert boxes[0].commands.run("whoami", user="root").stdout.strip() == "root"
     big = boxes[0].commands.run("seq 1 200000")  # ~1.3 MB in many envelopes, none lost
     lines = big.stdout.split()
     assert len(lines) == 200000 and lines[-1] == "200000"
@@ -270,6 +275,60 @@ def test_hostile_callers(e2b_cluster: Cluster, boxes: list[Sandbox]) -> None:
         headers={"E2b-Sandbox-Id": "../../v1/health", "X-Access-Token": token},
     )
     assert 400 <= bad_id.status_code < 500
+
+
+def _links_to(edge_url: str) -> int:
+    """Established TCP connections from this host's netns (the apiserver's) to an edge."""
+    addr = urlsplit(edge_url)
+    argv = ["ss", "-Htn", "state", "established", "dst", f"{addr.hostname}:{addr.port}"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=10)
+    return len(out.stdout.splitlines())
+
+
+def test_a_client_that_goes_closes_the_relayed_stream(
+    e2b_cluster: Cluster, boxes: list[Sandbox]
+) -> None:
+    """Streams that send nothing for a while (no keepalive due for 30 s) are relayed
+    live, and a caller that hangs up ends the apiserver's request to the edge at once:
+    its connection there closes (a half-read answer is not pooled)."""
+    c, sbx = e2b_cluster, boxes[0]
+    edge = c.edges[sbx.sandbox_id.split("-")[0]]
+    api = {"X-API-KEY": c.admin_key}
+    token = httpx.get(f"{c.api_urls[0]}/sandboxes/{sbx.sandbox_id}", headers=api).json()
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "Content-Type": "application/connect+json",
+        "X-Access-Token": token["envdAccessToken"],
+    }
+    body = _stream_request({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 600"]}})
+    n, pids, held = 4, [], []
+    clients = [httpx.Client(timeout=30) for _ in range(n)]
+    try:
+        for client in clients:
+            req = client.build_request(
+                "POST", f"{c.api_urls[0]}/process.Process/Start", content=body, headers=headers
+            )
+            resp = client.send(req, stream=True)
+            held.append(resp.iter_raw())  # held: a dropped iterator closes its answer
+            first = next(held[-1])  # the start event, relayed before any end
+            assert first[0] == 0 and b'"start"' in first
+            pids.append(int(first.split(b'"pid":')[1].split(b"}")[0]))
+        during = _links_to(edge.url)
+        assert during >= n
+        for client in clients:
+            client.close()  # hang up mid-stream
+        deadline = time.monotonic() + 10
+        while _links_to(edge.url) > during - n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _links_to(edge.url) <= during - n
+        # as in envd, the commands outlive the streams that started them
+        running = {p.pid for p in sbx.commands.list()}
+        assert set(pids) <= running
+    finally:
+        for client in clients:
+            client.close()
+        for pid in pids:
+            sbx.commands.kill(pid)
 
 
 def test_an_edge_that_is_gone_is_unavailable(e2b_cluster: Cluster) -> None:

@@ -35,6 +35,8 @@ _sandbox_list = TypeAdapter(list[SandboxInfo])
 #: How long a relayed answer may send nothing (dsec.compat.e2b's streams keep alive
 #: every <= 30 s), so that a hung edge does not hold a relay forever.
 RELAY_IDLE_S = 120.0
+#: Relayed requests in flight per edge: each running E2B command holds one stream.
+RELAY_POOL = 4096
 
 
 class EdgeNotReached(EdgeUnavailable):
@@ -52,9 +54,27 @@ class RemoteEdge:
             timeout=httpx.Timeout(30.0, connect=2.0),
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
         )
+        self._pool = pool
+        self._relay: httpx.AsyncClient | None = None
+
+    def _relay_http(self) -> httpx.AsyncClient:
+        """Relayed callers' requests (long streams among them) have their own pool, so
+        that they never queue the control calls, and carry no cluster token: the edge
+        sees only the caller's own credentials. Made on first use."""
+        if self._relay is None:
+            self._relay = httpx.AsyncClient(
+                base_url=self.url,
+                headers={"User-Agent": "dsec-apiserver-relay"},
+                limits=httpx.Limits(
+                    max_connections=RELAY_POOL, max_keepalive_connections=self._pool
+                ),
+            )
+        return self._relay
 
     async def close(self) -> None:
         await self._http.aclose()
+        if self._relay is not None:
+            await self._relay.aclose()
 
     async def _call(
         self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
@@ -240,7 +260,7 @@ class RemoteEdge:
 
         The caller must close the answer (``aclose``)."""
         query: builtins.list[tuple[str, str | int | float | bool | None]] = [*params]
-        req = self._http.build_request(
+        req = self._relay_http().build_request(
             method,
             path,
             headers=headers,
@@ -249,7 +269,7 @@ class RemoteEdge:
             timeout=httpx.Timeout(RELAY_IDLE_S, connect=2.0),
         )
         try:
-            return await self._http.send(req, stream=True)
+            return await self._relay_http().send(req, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise EdgeNotReached(
                 f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",

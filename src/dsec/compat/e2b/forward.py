@@ -60,9 +60,6 @@ class EnvdRelay:
         """The headers the edge gets: the caller's envd headers and a token for it."""
         h = request.headers
         up = {k: h[k] for k in PASSED_UP if k in h}
-        # Without the caller's Basic user the edge's envd takes the default user; our
-        # client's own Authorization (the cluster token) must not stand in for it.
-        up.setdefault("authorization", "")
         token = h.get("x-access-token")
         if token and looks_like_token(token):
             up["x-access-token"] = token  # checked by the edge that minted it
