@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from dsec.apiserver.limits import ApiLimits, set_body_limit
@@ -88,6 +89,8 @@ class EnvdRelay:
             )
         except (c.ConnectError, DSecError) as exc:
             return error_response(request, exc)
+        except ClientDisconnect:  # gone mid-upload: the edge's request was cut with it
+            return Response(status_code=499)
         down = {k: upstream.headers[k] for k in PASSED_DOWN if k in upstream.headers}
         return StreamingResponse(relayed(upstream), status_code=upstream.status_code, headers=down)
 
