@@ -332,26 +332,58 @@ def test_a_client_that_goes_closes_the_relayed_stream(
 
 
 def test_an_edge_that_is_gone_is_unavailable(e2b_cluster: Cluster) -> None:
-    """Last: stops an edge. Its sandbox's envd answers Connect ``unavailable`` (503)."""
+    """Last: kills an edge (SIGKILL, as a crash). A stream relayed from it ends with
+    Connect ``unavailable``; a new call answers ``unavailable`` (503); never a 500.
+    The edge then comes back and re-adopts its sandbox, which is killed."""
     c = e2b_cluster
     box = Sandbox.create(IMAGE)
     victim = c.edges[box.sandbox_id.split("-")[0]]
-    token = httpx.get(
-        f"{c.api_urls[0]}/sandboxes/{box.sandbox_id}", headers={"X-API-KEY": c.admin_key}
-    ).json()["envdAccessToken"]
-    victim.proc.stop()  # its sandboxes end with it (DSEC_STOP_SANDBOXES_ON_EXIT)
+    api = {"X-API-KEY": c.admin_key}
+    token = httpx.get(f"{c.api_urls[0]}/sandboxes/{box.sandbox_id}", headers=api).json()
+    headers = {
+        "E2b-Sandbox-Id": box.sandbox_id,
+        "Content-Type": "application/connect+json",
+        "X-Access-Token": token["envdAccessToken"],
+    }
+    body = _stream_request({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 600"]}})
     try:
-        resp = httpx.post(
+        with httpx.Client(timeout=60) as client:
+            req = client.build_request(
+                "POST", f"{c.api_urls[0]}/process.Process/Start", content=body, headers=headers
+            )
+            resp = client.send(req, stream=True)
+            chunks = resp.iter_raw()
+            assert b'"start"' in next(chunks)
+            victim.proc.kill()
+            rest = b"".join(chunks)
+        flags, length = struct.unpack(">BI", rest[:5])
+        assert flags == 2 and b'"unavailable"' in rest[5 : 5 + length], rest
+        unary = {**headers, "Content-Type": "application/json"}
+        again = httpx.post(
             f"{c.api_urls[0]}/filesystem.Filesystem/Stat",
             json={"path": "/"},
-            headers={
-                "E2b-Sandbox-Id": box.sandbox_id,
-                "Content-Type": "application/json",
-                "X-Access-Token": token,
-            },
+            headers=unary,
             timeout=30,
         )
-        assert resp.status_code == 503 and resp.json()["code"] == "unavailable", resp.text
+        assert again.status_code == 503 and again.json()["code"] == "unavailable", again.text
     finally:
-        c.start_edge(victim)  # back, so that the module's sandboxes end cleanly
-        c.wait_edges_up(2)
+        if not victim.proc.alive():
+            c.start_edge(victim)  # same data dir: it re-adopts the sandbox
+            c.wait_edges_up(2)
+    box.kill()
+
+
+def test_framing_knows_envelope_boundaries_across_chunks() -> None:
+    from dsec.compat.e2b import connect as conn
+    from dsec.compat.e2b.forward import Framing
+
+    data = conn.message_envelope({"event": {"start": {"pid": 7}}}) + conn.end_stream()
+    cut = Framing()
+    for i in range(len(data)):  # one byte at a time: never a boundary mid-envelope
+        cut.feed(data[i : i + 1])
+        first_len = len(conn.message_envelope({"event": {"start": {"pid": 7}}}))
+        assert cut.at_boundary == (i + 1 in (first_len, len(data)))
+    assert cut.ended
+    half = Framing()
+    half.feed(data[:3])
+    assert not half.at_boundary and not half.ended

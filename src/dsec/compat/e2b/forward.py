@@ -20,6 +20,7 @@ reaches an edge. When the edge is not there the caller gets envd's typed error
 
 from __future__ import annotations
 
+import struct
 from collections.abc import AsyncIterator
 
 import anyio
@@ -110,14 +111,50 @@ def error_response(request: Request, exc: c.ConnectError | DSecError) -> Respons
     )
 
 
+class Framing:
+    """Where a relayed Connect stream is between envelopes (sans I/O): so that an edge
+    lost mid-stream can still be told to the caller as a proper end-of-stream error,
+    whenever the bytes so far end on an envelope's boundary."""
+
+    def __init__(self) -> None:
+        self.header = b""  # the part of the next envelope's 5-byte header seen so far
+        self.left = 0  # payload bytes of the current envelope still to come
+        self.ended = False  # the edge's own end-of-stream envelope was seen
+
+    def feed(self, data: bytes) -> None:
+        while data:
+            if self.left:
+                step = min(self.left, len(data))
+                self.left -= step
+                data = data[step:]
+                continue
+            need = 5 - len(self.header)
+            self.header += data[:need]
+            data = data[need:]
+            if len(self.header) == 5:
+                flags, self.left = struct.unpack(">BI", self.header)
+                self.ended = self.ended or bool(flags & c.FLAG_END_STREAM)
+                self.header = b""
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self.left and not self.header
+
+
 async def relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
     """The edge's answer as it comes; closed however the caller's side ends (a client
-    that disconnects cancels this, and the close reaches the edge)."""
+    that disconnects cancels this, and the close reaches the edge). An edge lost
+    mid-stream ends a Connect stream with ``unavailable`` when it can be framed."""
+    framing = Framing()
+    connect = upstream.headers.get("content-type", "").startswith(c.STREAM_CONTENT_TYPE)
     try:
         async for chunk in upstream.aiter_raw():
+            framing.feed(chunk)
             yield chunk
-    except httpx.HTTPError:
-        return  # the edge went mid-answer: the caller sees its stream end early
+    except httpx.HTTPError as exc:
+        if connect and framing.at_boundary and not framing.ended:
+            lost = c.ConnectError("unavailable", f"lost the sandbox's edge mid-stream: {exc}")
+            yield c.end_stream(lost)
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
