@@ -275,6 +275,12 @@ def test_hostile_callers(e2b_cluster: Cluster, boxes: list[Sandbox]) -> None:
         headers={"E2b-Sandbox-Id": "../../v1/health", "X-Access-Token": token},
     )
     assert 400 <= bad_id.status_code < 500
+    climb = httpx.post(
+        f"{url}/process.Process/Start.json",
+        json={},
+        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token},
+    )
+    assert climb.status_code == 404 and climb.json()["code"] == "not_found"
 
 
 def _links_to(edge_url: str) -> int:

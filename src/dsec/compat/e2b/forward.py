@@ -20,6 +20,7 @@ reaches an edge. When the edge is not there the caller gets envd's typed error
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import AsyncIterator
 
@@ -50,6 +51,10 @@ PASSED_UP = (
 )
 PASSED_DOWN = ("content-type", "content-disposition", "connect-content-encoding")
 ENVD_SERVICES = ("process.Process", "filesystem.Filesystem")
+# Only envd's own paths are relayed: a method name, nothing that could climb out.
+RELAYED_PATH = re.compile(
+    r"/(?:process\.Process|filesystem\.Filesystem)/[A-Za-z]{1,64}|/files|/health"
+)
 
 
 class EnvdRelay:
@@ -73,6 +78,8 @@ class EnvdRelay:
 
     async def forward(self, request: Request) -> Response:
         try:
+            if not RELAYED_PATH.fullmatch(request.url.path):
+                raise c.ConnectError("not_found", f"no envd method {request.url.path[:100]!r}")
             raw_id = request.headers.get("e2b-sandbox-id")
             if not raw_id:
                 raise SandboxNotFound("missing E2b-Sandbox-Id header")
