@@ -16,6 +16,7 @@ import struct
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -124,6 +125,29 @@ def test_files_multi_mib_both_ways(boxes: list[Sandbox]) -> None:
         assert [e.name for e in sbx.files.list("up")] == ["multi.bin"]
         with pytest.raises(NotFoundException):
             sbx.files.read("/tmp/nope")
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_the_relay_does_not_buffer_bodies(e2b_cluster: Cluster, boxes: list[Sandbox]) -> None:
+    """48 MiB up and down through the apiserver: its peak RSS grows by far less (the
+    relay holds a chunk at a time, not the body)."""
+    proc = e2b_cluster.apiservers[0].proc
+    assert proc is not None
+    sbx, size = boxes[0], 48 * MiB
+    body = os.urandom(size)
+    before = _peak_rss(proc.pid)
+    sbx.files.write("/tmp/huge.bin", body, use_octet_stream=True)
+    assert sbx.commands.run("wc -c < /tmp/huge.bin").stdout.strip() == str(size)
+    assert bytes(sbx.files.read("/tmp/huge.bin", format="bytes")) == body
+    grown = _peak_rss(proc.pid) - before
+    assert grown < size // 3, f"the apiserver's peak RSS grew by {grown} bytes"
+    sbx.commands.run("rm /tmp/huge.bin")
 
 
 def test_list_info_timeout_pause_resume(e2b_cluster: Cluster, boxes: list[Sandbox]) -> None:
