@@ -15,6 +15,7 @@ from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.filestreams import FileStreams
 from dsec.apiserver.fncall import FnCallBackend
 from dsec.apiserver.limits import ApiLimits
+from dsec.apiserver.relay import EdgeRelay
 from dsec.apiserver.rl import RLEdge
 from dsec.apiserver.security import AuditQuery
 from dsec.apiserver.trajectory import TrajectoryRemote
@@ -68,6 +69,9 @@ class ApiServices:
     # cluster router forwards them to the sandbox's edge).
     streams: FileStreams | None = None
     creator: SandboxCreator | None = None
+    # Who passes per-sandbox requests on to the sandbox's own edge (a cluster
+    # apiserver's router): the E2B drop-in relays envd through it.
+    relay: EdgeRelay | None = None
     iam: IAM | None = None  # charges quotas; also serves projects, principals, keys
     # A cluster edge states its usage in create/stop answers (dsec.control.placement):
     # whose usage. None on a single node and on apiservers.

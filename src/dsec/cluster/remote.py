@@ -9,6 +9,7 @@ is told apart so that the router can safely try another edge.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -31,6 +32,11 @@ from dsec.errors import DSecError, EdgeUnavailable, Timeout
 from dsec.sdk._http import raise_for_error
 
 _sandbox_list = TypeAdapter(list[SandboxInfo])
+#: How long a relayed answer may send nothing (dsec.compat.e2b's streams keep alive
+#: every <= 30 s), so that a hung edge does not hold a relay forever.
+RELAY_IDLE_S = 120.0
+#: Relayed requests in flight per edge: each running E2B command holds one stream.
+RELAY_POOL = 4096
 
 
 class EdgeNotReached(EdgeUnavailable):
@@ -48,9 +54,27 @@ class RemoteEdge:
             timeout=httpx.Timeout(30.0, connect=2.0),
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
         )
+        self._pool = pool
+        self._relay: httpx.AsyncClient | None = None
+
+    def _relay_http(self) -> httpx.AsyncClient:
+        """Relayed callers' requests (long streams among them) have their own pool, so
+        that they never queue the control calls, and carry no cluster token: the edge
+        sees only the caller's own credentials. Made on first use."""
+        if self._relay is None:
+            self._relay = httpx.AsyncClient(
+                base_url=self.url,
+                headers={"User-Agent": "dsec-apiserver-relay"},
+                limits=httpx.Limits(
+                    max_connections=RELAY_POOL, max_keepalive_connections=self._pool
+                ),
+            )
+        return self._relay
 
     async def close(self) -> None:
         await self._http.aclose()
+        if self._relay is not None:
+            await self._relay.aclose()
 
     async def _call(
         self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
@@ -219,6 +243,47 @@ class RemoteEdge:
     async def forward(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Any other edge route (jobs, pack, events) as it is."""
         return await self._call(method, path, **kwargs)
+
+    async def relay(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        params: builtins.list[tuple[str, str]],
+        content: AsyncIterable[bytes] | None,
+    ) -> httpx.Response:
+        """A caller's request passed through: the body streamed up as it comes, the
+        answer returned unread (streamed, whatever its status: the caller's protocol
+        has its own error shapes). Only a transport failure is a typed error. Reads
+        may idle up to RELAY_IDLE_S (streams there send keepalives well within it).
+
+        The caller must close the answer (``aclose``)."""
+        query: builtins.list[tuple[str, str | int | float | bool | None]] = [*params]
+        req = self._relay_http().build_request(
+            method,
+            path,
+            headers=headers,
+            params=query,
+            content=content,
+            timeout=httpx.Timeout(RELAY_IDLE_S, connect=2.0),
+        )
+        try:
+            return await self._relay_http().send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise EdgeNotReached(
+                f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",
+                edge=self.edge_id,
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise Timeout(
+                f"edge {self.edge_id} did not answer {method} {path} in time", edge=self.edge_id
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise EdgeUnavailable(
+                f"lost the connection to edge {self.edge_id} at {self.url}: {exc}",
+                edge=self.edge_id,
+            ) from exc
 
 
 async def _chunks(resp: httpx.Response) -> AsyncIterator[bytes]:

@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import httpx
+
 from dsec.api.cluster import EdgeStatus
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
@@ -459,6 +461,29 @@ class ClusterEdge:
     async def data_path(self, sandbox_id: str) -> DataPathInfo:
         """The edge's own URL and a token it minted: the data path bypasses us."""
         return await self._on_edge(sandbox_id, lambda r: r.data_path(sandbox_id))
+
+    async def forward_to(
+        self, sandbox_id: str, method: str, path: str, **kwargs: Any
+    ) -> httpx.Response:
+        """Any route of the sandbox's edge (dsec.apiserver.relay.EdgeRelay), with the
+        cluster token and the edge's typed errors."""
+        return await self._on_edge(sandbox_id, lambda r: r.forward(method, path, **kwargs))
+
+    async def relay(
+        self,
+        sandbox_id: str,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        params: builtins.list[tuple[str, str]],
+        content: AsyncIterable[bytes] | None,
+    ) -> httpx.Response:
+        """A caller's request to the sandbox's edge, streamed both ways (RemoteEdge.relay)."""
+        return await self._on_edge(
+            sandbox_id,
+            lambda r: r.relay(method, path, headers=headers, params=params, content=content),
+        )
 
     # -- many sandboxes -------------------------------------------------------------------
     def _up(self) -> builtins.list[RemoteEdge]:

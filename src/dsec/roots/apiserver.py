@@ -89,6 +89,8 @@ async def serve_apiserver(
                 rl=router,
                 # File bodies of the control routes go to the sandbox's edge.
                 streams=router,
+                # E2B's envd and per-sandbox calls go to the sandbox's edge.
+                relay=router,
                 creator=SandboxCreator(router, iam=iam),
                 iam=iam,
                 batches=cluster_batch_limits(),

@@ -6,6 +6,11 @@ project, as our own stop does; a sandbox of a project the caller may not use ans
 as not found, so ids of other projects are not revealed. envd calls carry the
 per-sandbox data-path token we hand out as ``envdAccessToken`` (``X-Access-Token``),
 bound to the ``E2b-Sandbox-Id`` they name.
+
+Where the sandbox lives decides who mints that token: the in-process data plane
+(`dsec up`, and every cluster edge), or, on a cluster apiserver, the sandbox's own
+edge, asked through its E2B route with the cluster token (``relay``); so an envd
+request relayed to that edge is checked there with the edge's own key.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from dsec.api.iam import Role
 from dsec.api.sandbox import SandboxInfo
 from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.relay import EdgeRelay
 from dsec.apiserver.rl import RLEdge
 from dsec.control.iam import IAM
 from dsec.edge.api import EdgeAPI
@@ -34,14 +40,18 @@ class Access:
         self,
         keys: KeyVerifier,
         edge: EdgeAPI,
-        plane: DataPlane,
+        plane: DataPlane | None,
         iam: IAM | None,
         rl: RLEdge | None = None,
+        relay: EdgeRelay | None = None,
     ) -> None:
+        if plane is None and relay is None:
+            raise ValueError("E2B needs a data plane or a relay to the sandboxes' edges")
         self.rl = rl
         self.keys = keys
         self.edge = edge
         self.plane = plane
+        self.relay = relay
         self.iam = iam
 
     async def principal(self, api_key: str | None) -> str:
@@ -85,14 +95,33 @@ class Access:
         rl, job = await self._jobs(principal, info)
         await rl.resume_job(job)
 
-    def token(self, sandbox_id: str) -> str:
-        return self.plane.signer.mint(sandbox_id, ttl=TOKEN_TTL).value
+    async def token(self, sandbox_id: str) -> str:
+        """The sandbox's envd access token, minted where envd is served for it."""
+        if self.plane is not None:
+            return self.plane.signer.mint(sandbox_id, ttl=TOKEN_TTL).value
+        assert self.relay is not None
+        resp = await self.relay.forward_to(sandbox_id, "GET", f"/sandboxes/{sandbox_id}")
+        token = resp.json().get("envdAccessToken")
+        if not isinstance(token, str) or not looks_like_token(token):
+            raise BackendError(f"the edge of sandbox {sandbox_id} gave no envd token")
+        return token
+
+    async def touch(self, sandbox_id: str, timeout: int) -> None:
+        """The sandbox's idle clock starts over (E2B's set_timeout), on its edge."""
+        if self.plane is not None:
+            self.plane.edge.mark_active(sandbox_id)
+            return
+        assert self.relay is not None
+        path = f"/sandboxes/{sandbox_id}/timeout"
+        await self.relay.forward_to(sandbox_id, "POST", path, json={"timeout": timeout})
 
     async def envd(self, sandbox_id: str | None, token: str | None, api_key: str | None) -> str:
         """The sandbox an envd request may act on."""
         if not sandbox_id:
             raise SandboxNotFound("missing E2b-Sandbox-Id header")
         if token and looks_like_token(token):
+            if self.plane is None:
+                raise Unsupported("envd tokens are checked by the sandbox's edge")
             self.plane.authorize(sandbox_id, token)
             return sandbox_id
         await self.sandbox(await self.principal(api_key), sandbox_id)

@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from dsec.api.exec import ExecRequest
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.params import check_sandbox_id
@@ -54,7 +55,7 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
 
     async def guarded(request: Request, work: Callable[[str], Awaitable[Response]]) -> Response:
         try:
-            principal = await access.principal(request.headers.get("x-api-key"))
+            principal = await access.principal(api_key_of(request))
             return await work(principal)
         except DSecError as exc:
             return e2b_error(exc)
@@ -72,7 +73,7 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
                     principal, spec, timeout=CREATE_TIMEOUT, key=check_key(key)
                 )
             await prepare_user(access, info)
-            return JSONResponse(created(info, access.token(info.id)), status_code=201)
+            return JSONResponse(created(info, await access.token(info.id)), status_code=201)
 
         return await guarded(request, work)
 
@@ -80,7 +81,7 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
     async def get(request: Request, sandbox_id: str) -> Response:
         async def work(principal: str) -> Response:
             info = await access.sandbox(principal, check_sandbox_id(sandbox_id))
-            return JSONResponse(detail(info, access.token(info.id)))
+            return JSONResponse(detail(info, await access.token(info.id)))
 
         return await guarded(request, work)
 
@@ -101,8 +102,8 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
             if info.state is SandboxState.PAUSED:
                 await access.resume(principal, info)
                 info = await edge.get(info.id)
-                return JSONResponse(created(info, access.token(info.id)), status_code=201)
-            return JSONResponse(created(info, access.token(info.id)))
+                return JSONResponse(created(info, await access.token(info.id)), status_code=201)
+            return JSONResponse(created(info, await access.token(info.id)))
 
         return await guarded(request, work)
 
@@ -119,7 +120,7 @@ def control_router(access: Access, creator: SandboxCreator, config: E2BConfig) -
                     f"timeout {timeout}s is longer than this sandbox's idle TTL ({ttl}s, "
                     "set by the create's timeout): create it with a longer timeout"
                 )
-            access.plane.edge.mark_active(info.id)  # its idle clock starts over
+            await access.touch(info.id, timeout)  # its idle clock starts over
             return Response(status_code=204)
 
         return await guarded(request, work)
@@ -203,12 +204,20 @@ SETUP_USER = (
 
 
 async def prepare_user(access: Access, info: SandboxInfo) -> None:
-    """E2B's default user ``user`` (uid 1000) and its home, made when the image lacks them."""
-    from dsec.api.exec import CommandArgs
+    """E2B's default user ``user`` (uid 1000) and its home, made when the image lacks
+    them: one exec on the sandbox's edge (in process, or through the cluster router)."""
+    result = await access.edge.exec(info.id, ExecRequest(command=SETUP_USER, user="root"))
+    if result.exit_code != 0:
+        raise BackendError(f"could not prepare the default user (exit {result.exit_code})")
 
-    proc = await access.plane.start(
-        info.id, CommandArgs(command=SETUP_USER, user="root"), background=False
-    )
-    exit_info = await proc.wait()
-    if exit_info.exit_code != 0:
-        raise BackendError(f"could not prepare the default user (exit {exit_info.exit_code})")
+
+def api_key_of(request: Request) -> str | None:
+    """E2B's ``X-API-KEY``; else our own ``Authorization: Bearer`` key, which is how a
+    cluster apiserver asks an edge's E2B routes (with the cluster token)."""
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return cred.strip() or None

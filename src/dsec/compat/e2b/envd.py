@@ -6,6 +6,9 @@ filesystem services speak Connect (dsec.compat.e2b.connect); ``/files`` and
 ``/health`` are plain HTTP. Everything goes through our DataPlane, so protected paths,
 limits, activity (idle TTL) and audit are those of our own data path.
 
+A cluster apiserver has no data plane: it relays envd to the sandbox's edge, which
+serves these routes itself (dsec.compat.e2b.forward), so this is the only envd.
+
 Commands start as our background processes: they are listed, reconnected to by pid,
 and outlive the stream that started them, as in envd. E2B runs ``/bin/bash -l -c``;
 an image without bash (busybox) gets ``/bin/sh -l -c`` instead.
@@ -113,9 +116,9 @@ def _e2b_config(command: str | list[str]) -> dict[str, Any]:
 
 
 class Envd:
-    def __init__(self, access: Access, limits: ApiLimits) -> None:
+    def __init__(self, access: Access, plane: DataPlane, limits: ApiLimits) -> None:
         self.access = access
-        self.plane: DataPlane = access.plane
+        self.plane = plane
         self.limits = limits
         self.watchers = Watchers(self.plane)
 
