@@ -22,6 +22,7 @@ APT_PACKAGES=(
   qemu-system-x86 # the microVM backend's VMM (TCG here, KVM where it boots a guest)
   qemu-utils      # qemu-img: a throwaway copy-on-write view of a microVM disk for verify steps
   prometheus      # tests scrape /metrics with a real Prometheus server (started by the test)
+  chromium chromium-driver # tests/test_ui.py drives the dashboard in headless Chromium (Selenium)
   ca-certificates
 )
 

@@ -30,9 +30,12 @@ from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.services import ApiServices
 from dsec.apiserver.trajectory import trajectory_router
+from dsec.apiserver.ui import ui_router
+from dsec.apiserver.uisession import UISessions
 from dsec.compat import e2b
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
 
@@ -45,7 +48,16 @@ def create_app(services: ApiServices) -> FastAPI:
     when none is given), so the same services always get the same routes."""
     edge, keys, limits, iam = services.edge, services.keys, services.limits, services.iam
     dataplane = services.dataplane
-    auth = Authenticator(keys)
+    # The dashboard needs the live audit stream (one node's AuditLog), /metrics and job
+    # pause/resume; where any is missing (a cluster apiserver) /ui is not served.
+    serve_ui = (
+        isinstance(services.audit, AuditLog)
+        and services.metrics is not None
+        and services.rl is not None
+        and services.roles is not None
+    )
+    sessions = UISessions() if serve_ui else None
+    auth = Authenticator(keys, sessions)
     app = FastAPI(
         title="DSec API",
         version=API_VERSION,
@@ -118,5 +130,7 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(rl_router(services.rl, auth, services.roles, charge=iam is not None))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
+    if sessions is not None:
+        app.include_router(ui_router(keys, sessions))
     e2b.install(app, services, creator)  # the E2B SDK's API (dsec.compat.e2b)
     return app

@@ -106,7 +106,7 @@ def fncall_router(service: FnCallService | FnCallBackend, auth: Authenticator) -
         if scheme.lower() == "bearer" and key.strip():
             creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=key.strip())
         try:
-            await auth(creds)
+            await auth.bearer(creds)
         except DSecError as exc:
             # Before the upgrade: an unauthenticated client never gets a socket to
             # send frames into (the typed error is the HTTP answer).
@@ -136,7 +136,7 @@ class FnCallRpc(MuxConnection):
         self.creds = creds
 
     async def answer(self, rid: int, op: str, msg: dict[str, Any]) -> BaseModel:
-        await self.auth(self.creds)  # per call: a revoked key stops working here too
+        await self.auth.bearer(self.creds)  # per call: a revoked key stops working here too
         args = msg.get("args")
         if not isinstance(args, dict):
             raise InvalidArgument("args must be a JSON object (the HTTP route's body)")

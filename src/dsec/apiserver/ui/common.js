@@ -1,0 +1,88 @@
+// Shared helpers of the dashboard pages. Every value from the API is untrusted text:
+// it only ever reaches the page through textContent / setAttribute, never as markup.
+"use strict";
+
+const DSec = {
+  // el("td", {class: "x"}, "text", childNode, ...): a new element; strings become text.
+  el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v !== undefined && v !== null) node.setAttribute(k, String(v));
+    }
+    for (const c of children) {
+      if (c === undefined || c === null) continue;
+      node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return node;
+  },
+
+  async api(path, init) {
+    const resp = await fetch(path, Object.assign({ credentials: "same-origin" }, init || {}));
+    if (resp.status === 401) {
+      window.location.assign("/ui/login");
+      throw new Error("session ended");
+    }
+    return resp;
+  },
+
+  async json(path) {
+    const resp = await DSec.api(path);
+    if (!resp.ok) throw new Error(path + ": HTTP " + resp.status);
+    return resp.json();
+  },
+
+  _csrf: null,
+  async csrf() {
+    if (DSec._csrf === null) DSec._csrf = (await DSec.json("/ui/session")).csrf;
+    return DSec._csrf;
+  },
+
+  async post(path) {
+    return DSec.api(path, { method: "POST", headers: { "X-DSec-CSRF": await DSec.csrf() } });
+  },
+
+  // Repeat fn every `ms`, never overlapping, showing errors in #status.
+  every(ms, fn) {
+    const status = document.getElementById("status");
+    const tick = async () => {
+      try {
+        await fn();
+        if (status) status.textContent = "updated " + new Date().toLocaleTimeString();
+      } catch (e) {
+        if (status) status.textContent = "error: " + e.message;
+      }
+      setTimeout(tick, ms);
+    };
+    tick();
+  },
+
+  age(iso) {
+    const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+    if (s < 60) return s.toFixed(0) + "s";
+    if (s < 3600) return (s / 60).toFixed(0) + "m";
+    if (s < 86400) return (s / 3600).toFixed(1) + "h";
+    return (s / 86400).toFixed(1) + "d";
+  },
+
+  time(iso) {
+    const d = new Date(iso);
+    return isNaN(d) ? String(iso) : d.toLocaleTimeString();
+  },
+
+  bytes(n) {
+    if (typeof n !== "number") return "";
+    const u = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < u.length - 1) { n /= 1024; i++; }
+    return n.toFixed(i ? 1 : 0) + " " + u[i];
+  },
+
+  // A compact one-line rendering of a record's detail (still only text).
+  detail(obj) {
+    try { return JSON.stringify(obj); } catch (e) { return String(obj); }
+  },
+
+  replaceRows(tbody, rows) {
+    tbody.replaceChildren(...rows);
+  },
+};

@@ -1,0 +1,81 @@
+// One sandbox's story, from /v1/sandboxes/{id} and /v1/audit?sandbox_id= (paged by seq).
+"use strict";
+
+(() => {
+  const { el } = DSec;
+  const id = decodeURIComponent(window.location.pathname.split("/").pop() || "");
+  document.getElementById("sb-id").textContent = id;
+  document.title = "DSec · " + id;
+  const q = "sandbox_id=" + encodeURIComponent(id);
+  const records = [];
+  let since = 0;
+
+  function summary(sb) {
+    const dl = document.getElementById("summary");
+    const items = [
+      ["State", sb.state], ["Backend", sb.backend], ["Image", sb.image],
+      ["Job", (sb.spec && sb.spec.job_id) || ""], ["Edge", sb.edge],
+      ["Created", new Date(sb.created_at).toLocaleString() + " (" + DSec.age(sb.created_at) + " ago)"],
+      ["Reason", sb.reason || ""],
+      ["Labels", Object.entries(sb.labels || {}).map(([k, v]) => k + "=" + v).join(", ")],
+    ];
+    dl.replaceChildren(...items.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  }
+
+  function commandText(c) {
+    return Array.isArray(c) ? c.join(" ") : c === undefined || c === null ? "" : String(c);
+  }
+
+  function fmtDuration(d) {
+    return typeof d === "number" ? (d < 1 ? (d * 1000).toFixed(1) + " ms" : d.toFixed(2) + " s") : "";
+  }
+
+  function render() {
+    const timeline = [], commands = [], files = [], network = [], events = [];
+    const started = {};
+    for (const r of records) {
+      const d = r.detail || {};
+      if (r.kind === "command" && r.action === "process_start") started[d.process] = r;
+    }
+    for (const r of records) {
+      const d = r.detail || {};
+      const t = DSec.time(r.time);
+      if (r.kind === "lifecycle") {
+        const rest = Object.assign({}, d);
+        timeline.push(el("li", {}, el("b", {}, r.action), " ", el("span", { class: "muted" }, t + " " + DSec.detail(rest))));
+      } else if (r.kind === "command") {
+        if (r.action === "process_start") continue;
+        const cmd = r.action === "process_end" ? commandText((started[d.process] || { detail: {} }).detail.command) : commandText(d.command);
+        const exit = d.timed_out ? "timed out" : d.exit_code !== undefined ? String(d.exit_code) : d.error ? "error: " + d.error : "";
+        commands.push(el("tr", {},
+          el("td", {}, t), el("td", { class: "mono" }, (r.action === "exec" || r.action === "process_end" ? "" : r.action + ": ") + cmd),
+          el("td", { class: d.exit_code ? "bad" : "" }, exit), el("td", {}, fmtDuration(d.duration))));
+      } else if (r.kind === "file") {
+        files.push(el("tr", {}, el("td", {}, t), el("td", {}, r.action),
+          el("td", { class: "mono" }, d.path === undefined ? DSec.detail(d) : String(d.path) + (d.path2 ? " -> " + d.path2 : ""))));
+      } else if (r.kind === "network") {
+        network.push(el("tr", {}, el("td", {}, t), el("td", {}, r.action), el("td", { class: "mono" }, DSec.detail(d))));
+      } else if (r.kind === "event") {
+        events.push(el("li", {}, el("span", { class: "kind" }, r.action), el("span", { class: "muted" }, t),
+          el("span", { class: "detail" }, DSec.detail(d))));
+      }
+    }
+    document.getElementById("timeline").replaceChildren(...timeline);
+    document.querySelector("#commands tbody").replaceChildren(...commands);
+    document.querySelector("#files tbody").replaceChildren(...files);
+    document.querySelector("#network tbody").replaceChildren(...network);
+    document.getElementById("events").replaceChildren(...events);
+  }
+
+  DSec.every(2000, async () => {
+    const resp = await DSec.api("/v1/sandboxes/" + encodeURIComponent(id));
+    if (resp.ok) summary(await resp.json());
+    for (;;) {
+      const page = await DSec.json("/v1/audit?" + q + "&limit=1000&since_seq=" + since);
+      records.push(...page);
+      if (page.length) since = page[page.length - 1].seq;
+      if (page.length < 1000) break;
+    }
+    render();
+  });
+})();

@@ -1,0 +1,334 @@
+"""The /ui dashboard in a real headless Chromium (Debian's chromium + chromedriver,
+driven by Selenium) against a real `dsec up`: login and refusal, a live table, a live
+plot, the misbehaviour feed, job pause/resume, and hostile sandbox text shown as text.
+
+Every test polls the page with a deadline (no fixed sleeps). Each page's screenshot is
+written to docs/ui/ once the page shows what the test asked of it."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import httpx
+import pytest
+
+from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec.sdk.sync import SyncSandbox
+from tests.conftest import REPO, PlatformProcess, platform_process
+
+selenium = pytest.importorskip("selenium")
+from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(
+        shutil.which("chromedriver") is None or shutil.which("chromium") is None,
+        reason="needs Debian's chromium and chromium-driver (scripts/install.sh)",
+    ),
+]
+
+SHOTS = REPO / "docs" / "ui"
+XSS_CMD = "echo '<img src=x onerror=alert(1)>'"
+XSS_LABEL = "<script>window.__pwned=1</script><b>x</b>"
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T:
+    """Poll ``probe`` until it returns something truthy, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            got = probe()
+        except Exception as exc:  # the page may be mid-render
+            got, last = None, exc
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def plat() -> Iterator[PlatformProcess]:
+    with platform_process() as p:
+        with DSecSyncClient(p.url, p.api_key) as c:
+            c.build_image("busybox")
+        yield p
+
+
+@pytest.fixture(scope="module")
+def api(plat: PlatformProcess) -> Iterator[DSecSyncClient]:
+    with DSecSyncClient(plat.url, plat.api_key) as c:
+        yield c
+
+
+@pytest.fixture
+def sandboxes(api: DSecSyncClient) -> Iterator[Callable[..., SyncSandbox]]:
+    """Creates busybox sandboxes and stops every one of them, also on failure."""
+    made: list[SyncSandbox] = []
+
+    def make(**kw: object) -> SyncSandbox:
+        spec = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64, **kw)  # type: ignore[arg-type]
+        sb = api.run_container(spec)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # tests run as root
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,900",
+        "--no-first-run",
+    ):
+        opts.add_argument(arg)
+    service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver")
+    driver = webdriver.Chrome(options=opts, service=service)
+    try:
+        yield driver
+    finally:
+        try:
+            driver.quit()
+        finally:
+            proc = service.process
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def page(browser: webdriver.Chrome, plat: PlatformProcess) -> webdriver.Chrome:
+    """The browser, logged in (``/ui?api_key=`` once, as an operator would)."""
+    browser.get(plat.url + "/ui?api_key=" + plat.api_key)
+    wait_for("the login redirect", lambda: browser.current_url == plat.url + "/ui")
+    return browser
+
+
+def shot(browser: webdriver.Chrome, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / f"{name}.png"))
+
+
+def no_alert(browser: webdriver.Chrome) -> bool:
+    try:
+        browser.switch_to.alert.dismiss()
+    except NoAlertPresentException:
+        return True
+    return False
+
+
+def test_pages_refuse_without_a_session(browser: webdriver.Chrome, plat: PlatformProcess) -> None:
+    browser.delete_all_cookies()
+    for path in ("/ui", "/ui/plots", "/ui/jobs", "/ui/feed", "/ui/sandbox/x"):
+        browser.get(plat.url + path)
+        wait_for(f"{path} to send us to the login form", lambda: "/ui/login" in browser.current_url)
+        assert browser.find_elements(By.NAME, "api_key")
+        assert not browser.find_elements(By.ID, "sandboxes")
+    shot(browser, "login")
+    browser.get(plat.url + "/ui?api_key=dsk_wrong")
+    assert browser.find_elements(By.NAME, "api_key")
+    assert not browser.get_cookies()
+    with httpx.Client(base_url=plat.url) as h:
+        assert h.get("/ui?api_key=dsk_wrong").status_code == 401
+        assert h.get("/ui/session").status_code == 401
+        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
+            assert h.get(path).status_code == 401, path
+    with httpx.Client(base_url=plat.url, cookies={"dsec_ui": "forged"}) as h:
+        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
+            assert h.get(path).status_code == 401, path
+        assert h.get("/ui/jobs").headers["location"] == "/ui/login"
+
+
+def test_the_cookie_reads_and_pauses_but_nothing_more(
+    plat: PlatformProcess, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    """HttpOnly + SameSite=Strict, not the key; GETs and CSRF-checked pause/resume only."""
+    job = "ui-" + secrets.token_hex(4)
+    sb = sandboxes(job_id=job)
+    with httpx.Client(base_url=plat.url) as h:
+        r = h.get("/ui", params={"api_key": plat.api_key})
+        assert r.status_code == 303 and r.headers["location"] == "/ui"
+        set_cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in set_cookie and "SameSite=strict" in set_cookie, set_cookie
+        assert plat.api_key not in set_cookie
+        token = r.cookies["dsec_ui"]
+    with httpx.Client(base_url=plat.url, cookies={"dsec_ui": token}) as h:
+        page = h.get("/ui")
+        assert page.status_code == 200
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+        assert h.get("/v1/sandboxes").status_code == 200
+        assert h.get(f"/v1/audit?sandbox_id={sb.id}").status_code == 200
+        # never a write beyond pause/resume, never one without the session's CSRF secret
+        assert h.delete(f"/v1/sandboxes/{sb.id}").status_code == 401
+        assert h.post("/v1/sandboxes", json={}).status_code == 401
+        assert h.post(f"/v1/jobs/{job}/pause").status_code == 401
+        csrf = h.get("/ui/session").json()["csrf"]
+        assert h.post(f"/v1/jobs/{job}/pause", headers={"x-dsec-csrf": "x"}).status_code == 401
+        bad = {"x-dsec-csrf": csrf, "origin": "http://evil.example"}
+        assert h.post(f"/v1/jobs/{job}/pause", headers=bad).status_code == 401
+        good = {"x-dsec-csrf": csrf, "origin": plat.url}
+        assert h.post(f"/v1/jobs/{job}/pause", headers=good).status_code == 200
+        assert h.post(f"/v1/jobs/{job}/resume", headers=good).status_code == 200
+        # logging out ends the session server-side, whatever the browser keeps
+        h.post("/ui/logout", headers={"origin": plat.url})
+        h.cookies.set("dsec_ui", token)
+        assert h.get("/v1/sandboxes").status_code == 401
+
+
+def test_a_new_sandbox_appears_in_the_table(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    page.get(page.current_url.split("/ui")[0] + "/ui")
+    wait_for(
+        "the table's first update", lambda: "updated" in page.find_element(By.ID, "status").text
+    )
+    t0 = time.monotonic()
+    sb = sandboxes(labels={"team": "ui-test"}, job_id="ui-table")
+    created = time.monotonic()
+    row = wait_for(
+        "the new sandbox's row",
+        lambda: page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]'),
+        timeout=5,
+    )[0]
+    seen = time.monotonic()
+    assert seen - created < 2.5, (
+        f"row after {seen - created:.2f}s (create took {created - t0:.2f}s)"
+    )
+    assert "running" in row.text and "busybox" in row.text and "ui-table" in row.text
+    # the job filter hides it, and showing it again needs no reload
+    job = page.find_element(By.ID, "f-job")
+    job.send_keys("no-such-job")
+    wait_for(
+        "the filter", lambda: not page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]')
+    )
+    job.clear()
+    job.send_keys("ui-table")
+    wait_for("the row back", lambda: page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]'))
+    shot(page, "sandboxes")
+
+
+def test_hostile_text_is_shown_as_text(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    sb = sandboxes(labels={"note": XSS_LABEL}, job_id="ui-xss")
+    r = sb.run_shell(XSS_CMD)
+    assert r.exit_code == 0
+    base = page.current_url.split("/ui")[0]
+    page.get(base + "/ui")
+    row = wait_for("the row", lambda: page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]'))
+    assert XSS_LABEL in row[0].text
+    page.get(base + "/ui/sandbox/" + sb.id)
+    cmds = wait_for(
+        "the command in the story",
+        lambda: [
+            c for c in page.find_elements(By.CSS_SELECTOR, "#commands td") if XSS_CMD in c.text
+        ],
+    )
+    assert cmds
+    assert XSS_LABEL in page.find_element(By.ID, "summary").text
+    main = page.find_element(By.TAG_NAME, "main")
+    assert not main.find_elements(By.TAG_NAME, "img")
+    assert not main.find_elements(By.TAG_NAME, "script")
+    assert not main.find_elements(By.CSS_SELECTOR, "dd b, td b")
+    assert page.execute_script("return window.__pwned === undefined")
+    assert no_alert(page)
+    timeline = page.find_element(By.ID, "timeline").text
+    assert "create" in timeline
+    shot(page, "sandbox")
+
+
+def test_the_plot_updates(page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]) -> None:
+    page.get(page.current_url.split("/ui")[0] + "/ui/plots")
+    svg = "#plot-concurrent"
+
+    def sample() -> tuple[int, str] | None:
+        el = page.find_element(By.CSS_SELECTOR, svg)
+        n = int(el.get_attribute("data-samples") or 0)
+        return (n, el.get_attribute("data-last") or "") if n >= 2 else None
+
+    _, before = wait_for("two samples", sample)
+    sb = sandboxes()
+    wait_for(
+        "the plot to count the new sandbox",
+        lambda: (
+            float(page.find_element(By.CSS_SELECTOR, svg).get_attribute("data-last") or 0)
+            > float(before)
+        ),
+        timeout=5,
+    )
+    points = page.find_element(By.CSS_SELECTOR, f"{svg} polyline").get_attribute("points")
+    wait_for(
+        "the polyline to move",
+        lambda: (
+            page.find_element(By.CSS_SELECTOR, f"{svg} polyline").get_attribute("points") != points
+        ),
+        timeout=5,
+    )
+    wait_for("a creates/s sample", lambda: page.find_element(By.ID, "v-creates").text != "-")
+    assert sb.id
+    shot(page, "plots")
+
+
+def test_a_misbehaviour_event_appears_in_the_feed(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    page.get(page.current_url.split("/ui")[0] + "/ui/feed")
+    wait_for("the stream to open", lambda: "live" in page.find_element(By.ID, "feed-state").text)
+    sb = sandboxes(job_id="ui-feed")
+    sb.run_shell("reboot -f; true")
+
+    def item() -> list[object]:
+        return [
+            li
+            for li in page.find_elements(By.CSS_SELECTOR, "#feed li")
+            if sb.id in li.text and "seccomp_violation" in li.text
+        ]
+
+    wait_for("the seccomp_violation event", item, timeout=10)
+    shot(page, "feed")
+
+
+def test_jobs_pause_and_resume_from_the_page(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    job = "ui-job-" + secrets.token_hex(3)
+    sb = sandboxes(job_id=job)
+    page.get(page.current_url.split("/ui")[0] + "/ui/jobs")
+    row = f'tr[data-job="{job}"]'
+    wait_for("the job's row", lambda: page.find_elements(By.CSS_SELECTOR, row))
+    page.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()
+    wait_for(
+        "the pause report",
+        lambda: "pause:" in page.find_element(By.CSS_SELECTOR, f"{row} .result").text,
+    )
+    shot(page, "jobs")
+    page.find_element(By.CSS_SELECTOR, f"{row} button.resume").click()
+    wait_for(
+        "the resume report",
+        lambda: "resume:" in page.find_element(By.CSS_SELECTOR, f"{row} .result").text,
+    )
+    assert sb.run_shell("echo ok").stdout.strip() == "ok"
+
+
+def test_screenshots_are_in_the_docs() -> None:
+    """The committed set the README shows (refreshed by the tests above)."""
+    for name in ("login", "sandboxes", "sandbox", "plots", "feed", "jobs"):
+        assert (SHOTS / f"{name}.png").is_file(), name
