@@ -222,6 +222,9 @@ def test_a_new_sandbox_appears_in_the_table(
     job.clear()
     job.send_keys("ui-table")
     wait_for("the row back", lambda: page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]'))
+    job.clear()
+    job.send_keys(" ")  # an input event: every sandbox again
+    wait_for("the row", lambda: page.find_elements(By.CSS_SELECTOR, f'tr[data-id="{sb.id}"]'))
     shot(page, "sandboxes")
 
 

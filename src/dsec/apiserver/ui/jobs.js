@@ -6,12 +6,20 @@
   const tbody = document.querySelector("#jobs tbody");
   const results = {};
 
+  // The report's counts and totals (its per-sandbox list is on each sandbox's page).
+  function summary(body) {
+    return Object.entries(body || {})
+      .filter(([k, v]) => k !== "job_id" && (typeof v === "number" || typeof v === "boolean"))
+      .map(([k, v]) => k + "=" + (typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : v))
+      .join(" ");
+  }
+
   async function act(job, verb) {
     results[job] = verb + "…";
     try {
       const resp = await DSec.post("/v1/jobs/" + encodeURIComponent(job) + "/" + verb);
       const body = await resp.json();
-      results[job] = resp.ok ? verb + ": " + DSec.detail(body) : "error: " + ((body.error && body.error.message) || resp.status);
+      results[job] = resp.ok ? verb + ": " + summary(body) : "error: " + ((body.error && body.error.message) || resp.status);
     } catch (e) {
       results[job] = "error: " + e.message;
     }
