@@ -20,6 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import TypeAdapter
 
 from dsec.api.cluster import EdgeStatus
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
@@ -31,6 +32,7 @@ from dsec.api.sandbox import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    SandboxStats,
 )
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
@@ -50,6 +52,7 @@ from dsec.errors import (
 )
 
 log = logging.getLogger(__name__)
+_STATS = TypeAdapter(list[SandboxStats])
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
 T = TypeVar("T")
 # What an edge answers to a create: the sandbox, its usage, made by this call.
@@ -521,6 +524,21 @@ class ClusterEdge:
             if (states is None or info.state in states)
             and all(info.labels.get(k) == v for k, v in (labels or {}).items())
         ]
+        return out
+
+    async def stats(self) -> builtins.list[SandboxStats]:
+        """Every edge's ``/v1/stats``, merged; an edge that does not answer is left out
+        (its rows come back with it: this is a live view, not a record)."""
+        remotes = self._up()
+        answers = await asyncio.gather(
+            *(r.forward("GET", "/v1/stats") for r in remotes), return_exceptions=True
+        )
+        out: builtins.list[SandboxStats] = []
+        for remote, answer in zip(remotes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("edge %s did not answer /v1/stats: %s", remote.edge_id, answer)
+                continue
+            out.extend(_STATS.validate_json(answer.content))
         return out
 
     async def health(self) -> HealthInfo:
