@@ -16,7 +16,8 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -50,6 +51,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxNotRunning,
 )
+from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
 
 log = logging.getLogger(__name__)
 _STATS = TypeAdapter(list[SandboxStats])
@@ -129,6 +131,25 @@ class ClusterEdge:
         self._remotes: dict[str, RemoteEdge] = {}
         self._task: asyncio.Task[None] | None = None
         self._miss_refresh = 0.0
+        # This apiserver's Prometheus metrics (its /metrics): creates it placed, and the
+        # cluster as its view sees it; each edge serves its own sandboxes' metrics.
+        self.metrics = Metrics()
+        self.metrics.add(GaugeCollector(self._gauges))
+        self.metrics.add(GaugeCollector(host_gauges))
+
+    def _gauges(self) -> Iterator[Metric]:
+        states = Counter(s.status for s in self._edges.values())
+        yield gauge(
+            "dsec_cluster_edges",
+            "Edges in this apiserver's view, by status",
+            ["status"],
+            (([str(k)], float(n)) for k, n in sorted(states.items())),
+        )
+        ups = [s for s in self._edges.values() if s.status != DOWN]
+        running = sum(s.report.sandboxes for s in ups)
+        capacity = sum(s.report.capacity for s in ups)
+        yield gauge("dsec_cluster_sandboxes_running", "Sum of edges' reports", [], [([], running)])
+        yield gauge("dsec_cluster_capacity", "Sum of edges' capacity", [], [([], capacity)])
 
     # -- the view -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -315,6 +336,22 @@ class ClusterEdge:
         return Demand.for_spec(spec, spec.backend, layers=image, requires=image)
 
     async def _place(
+        self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
+    ) -> tuple[SandboxInfo, bool]:
+        """``_place_once``, counted in this apiserver's metrics by outcome."""
+        started = time.perf_counter()
+        try:
+            placed = await self._place_once(spec, send)
+        except DSecError as exc:
+            self.metrics.create_failed(str(spec.backend), exc.code)
+            raise
+        except Exception:
+            self.metrics.create_failed(str(spec.backend), "internal")
+            raise
+        self.metrics.created(str(spec.backend), time.perf_counter() - started)
+        return placed
+
+    async def _place_once(
         self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
     ) -> tuple[SandboxInfo, bool]:
         """``send`` the create to the best candidates in turn until one takes it."""
