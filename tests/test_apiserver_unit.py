@@ -8,6 +8,7 @@ platform against crun.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import random
 import secrets
@@ -28,7 +29,7 @@ from dsec.api.fields import parse_image_ref
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerRef
-from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import BackendKind, LayeredRunArgs, RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.apiserver import ApiLimits, ApiServices, create_app
@@ -265,6 +266,9 @@ class FakeEdge:
         return HealthInfo(
             version="test", edge="e0", sandboxes_running=self._running(), capacity=self.capacity
         )
+
+    async def stats(self) -> builtins.list[SandboxStats]:
+        return []
 
 
 async def make_keystore(db: Path) -> tuple[KeyStore, AsyncEngine]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.api.cluster import EdgeStatus
@@ -68,6 +69,20 @@ async def test_create_exec_stop_through_any_apiserver(three_edges: Cluster) -> N
         assert result.stdout.startswith("hi from")
         listed = await b.list_sandboxes(labels={"t": "basic"})
         assert [s.id for s in listed] == [sb.id]
+        assert sb.id in {r.id for r in await b.stats()}  # merged from the edges
+        async with httpx.AsyncClient(timeout=10) as http:
+            metrics = await http.get(
+                f"{c.api_urls[0]}/metrics", headers={"Authorization": f"Bearer {c.admin_key}"}
+            )
+        assert metrics.status_code == 200
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.text)
+            for s in family.samples
+        }
+        placed = (("backend", "container"), ("outcome", "ok"))
+        assert samples[("dsec_sandbox_creates_total", placed)] >= 1
+        assert samples[("dsec_cluster_edges", (("status", "up"),))] == 3
         await other.stop()
         assert (await a.get(sb.id)).info.state is SandboxState.STOPPED
 

@@ -160,3 +160,49 @@ def test_dsec_audit_follow_prints_json_lines(plat: PlatformProcess) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_stats_and_dsec_top(plat: PlatformProcess) -> None:
+    """GET /v1/stats reads each live sandbox's cgroup; `dsec top --once` shows it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        sb = client.run_container(SPEC.model_copy(update={"job_id": "top-job"}))
+        try:
+            sb.run_shell("i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")  # some CPU
+            (row,) = [r for r in client.stats() if r.id == sb.id]
+            assert row.state.value == "running" and row.job_id == "top-job"
+            assert row.memory_bytes and row.memory_bytes > 0
+            assert row.cpu_seconds and row.cpu_seconds > 0
+            assert 0 <= row.idle_seconds < 60
+            argv = [sys.executable, "-m", "dsec.cli.main", "--url", plat.url]
+            argv += ["--api-key", plat.api_key, "top", "--once"]
+            shown = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60)
+            assert sb.id in {r["id"] for r in json.loads(shown.stdout)}, shown.stderr
+            wide = {**os.environ, "COLUMNS": "220"}
+            table = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=wide)
+            assert sb.id in table.stdout and "top-job" in table.stdout, table.stderr
+        finally:
+            sb.stop()
+        assert sb.id not in {r.id for r in client.stats()}
+
+
+def test_cpu_shares_are_deltas_over_time() -> None:
+    from datetime import UTC, datetime
+
+    from dsec.api.sandbox import SandboxStats
+    from dsec.cli.top import cpu_shares
+
+    def row(sid: str, cpu: float) -> SandboxStats:
+        return SandboxStats.model_validate(
+            {"id": sid, "backend": "container", "state": "running", "image": "i", "edge": "e",
+             "created_at": datetime.now(UTC), "idle_seconds": 0, "cpu_seconds": cpu}
+        )  # fmt: skip
+
+    before: dict[str, tuple[float, float]] = {}
+    assert cpu_shares(before, [row("a", 1.0), row("b", 5.0)], 10.0) == {}
+    shares = cpu_shares(before, [row("a", 1.5)], 11.0)
+    assert shares == {"a": 50.0} and set(before) == {"a"}  # b is gone, forgotten

@@ -122,6 +122,8 @@ def test_prometheus_scrapes_the_platform(plat: PlatformProcess, prometheus: Prom
         prometheus.wait_for('dsec_commands_total{outcome="exited"} >= 3')
         prometheus.wait_for("dsec_command_seconds_count >= 3")
         prometheus.wait_for("dsec_host_memory_available_bytes > 0")
+        prometheus.wait_for("dsec_layer_cache_budget_bytes > 0")
+        prometheus.wait_for("dsec_fncall_pools >= 0")
         sb.stop()
         prometheus.wait_for('dsec_sandbox_ends_total{state="stopped"} >= 1')
         # Labels stay bounded: no series names a sandbox.

@@ -213,6 +213,8 @@ def test_a_new_sandbox_appears_in_the_table(
         f"row after {seen - created:.2f}s (create took {created - t0:.2f}s)"
     )
     assert "running" in row.text and "busybox" in row.text and "ui-table" in row.text
+    memory = f'tr[data-id="{sb.id}"] td:nth-child(9)'  # from /v1/stats
+    wait_for("its memory", lambda: "iB" in page.find_element(By.CSS_SELECTOR, memory).text)
     # the job filter hides it, and showing it again needs no reload
     job = page.find_element(By.ID, "f-job")
     job.send_keys("no-such-job")

@@ -86,3 +86,20 @@ class SandboxInfo(Reply):
 class CreateSandboxRequest(Strict):
     spec: RunArgs
     timeout: float = Field(120, gt=0, le=3600)
+
+
+class SandboxStats(Reply):
+    """What one live sandbox uses now (``GET /v1/stats``, ``dsec top``), read from its
+    cgroup when asked; None where its backend or the host cannot say."""
+
+    id: str
+    backend: BackendKind
+    state: SandboxState
+    image: str
+    job_id: str | None = None
+    edge: str
+    created_at: datetime
+    idle_seconds: float = Field(description="since its last command (0 after an edge restart)")
+    memory_bytes: int | None = None
+    cpu_seconds: float | None = Field(None, description="CPU time used so far; rate = delta/dt")
+    disk_bytes: int | None = None

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI
 from starlette.responses import PlainTextResponse, Response
 
 from dsec.api.health import HealthInfo
+from dsec.api.sandbox import SandboxStats
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.batch import batch_router, batch_runner
 from dsec.apiserver.creator import SandboxCreator
@@ -75,6 +76,21 @@ def create_app(services: ApiServices) -> FastAPI:
     async def health() -> Response:
         """Liveness and capacity; needs no API key."""
         return model_response(await edge.health())
+
+    @app.get(
+        "/v1/stats",
+        response_model=list[SandboxStats],
+        tags=["platform"],
+        summary="Resource use of live sandboxes",
+        dependencies=[Depends(auth)],
+    )
+    async def sandbox_stats() -> Response:
+        """Memory, CPU time, disk and idle time of every live sandbox, read now (a
+        cluster apiserver asks every edge that answers). CPU use is the change of
+        ``cpu_seconds`` between two calls."""
+        items = await edge.stats()
+        body = "[" + ",".join(i.model_dump_json() for i in items) + "]"
+        return Response(body, media_type="application/json")
 
     if services.metrics is not None:
         metrics = services.metrics

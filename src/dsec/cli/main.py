@@ -22,6 +22,7 @@ from dsec.cli import fncall as fncall_cmd
 from dsec.cli import iam as iam_cmd
 from dsec.cli import image, layer, sandbox, store
 from dsec.cli import rl as rl_cmd
+from dsec.cli import top as top_cmd
 from dsec.cli import trajectory as trajectory_cmd
 from dsec.cli import up as up_cmd
 from dsec.cli.common import Globals, UsageFailure, err, print_error
@@ -57,6 +58,7 @@ app.command("down")(up_cmd.down)
 app.command("demo")(demo_cmd.demo)
 app.command("events")(events_cmd.events)
 app.command("audit")(events_cmd.audit)
+app.command("top")(top_cmd.top)
 app.command("run-code")(fncall_cmd.run_code)
 app.command("judge")(fncall_cmd.judge)
 

@@ -16,10 +16,12 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import TypeAdapter
 
 from dsec.api.cluster import EdgeStatus
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
@@ -31,6 +33,7 @@ from dsec.api.sandbox import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    SandboxStats,
 )
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
@@ -48,8 +51,10 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxNotRunning,
 )
+from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
 
 log = logging.getLogger(__name__)
+_STATS = TypeAdapter(list[SandboxStats])
 _Report = TypeVar("_Report", JobPauseReport, JobResumeReport)
 T = TypeVar("T")
 # What an edge answers to a create: the sandbox, its usage, made by this call.
@@ -126,6 +131,25 @@ class ClusterEdge:
         self._remotes: dict[str, RemoteEdge] = {}
         self._task: asyncio.Task[None] | None = None
         self._miss_refresh = 0.0
+        # This apiserver's Prometheus metrics (its /metrics): creates it placed, and the
+        # cluster as its view sees it; each edge serves its own sandboxes' metrics.
+        self.metrics = Metrics()
+        self.metrics.add(GaugeCollector(self._gauges))
+        self.metrics.add(GaugeCollector(host_gauges))
+
+    def _gauges(self) -> Iterator[Metric]:
+        states = Counter(s.status for s in self._edges.values())
+        yield gauge(
+            "dsec_cluster_edges",
+            "Edges in this apiserver's view, by status",
+            ["status"],
+            (([str(k)], float(n)) for k, n in sorted(states.items())),
+        )
+        ups = [s for s in self._edges.values() if s.status != DOWN]
+        running = sum(s.report.sandboxes for s in ups)
+        capacity = sum(s.report.capacity for s in ups)
+        yield gauge("dsec_cluster_sandboxes_running", "Sum of edges' reports", [], [([], running)])
+        yield gauge("dsec_cluster_capacity", "Sum of edges' capacity", [], [([], capacity)])
 
     # -- the view -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -312,6 +336,22 @@ class ClusterEdge:
         return Demand.for_spec(spec, spec.backend, layers=image, requires=image)
 
     async def _place(
+        self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
+    ) -> tuple[SandboxInfo, bool]:
+        """``_place_once``, counted in this apiserver's metrics by outcome."""
+        started = time.perf_counter()
+        try:
+            placed = await self._place_once(spec, send)
+        except DSecError as exc:
+            self.metrics.create_failed(str(spec.backend), exc.code)
+            raise
+        except Exception:
+            self.metrics.create_failed(str(spec.backend), "internal")
+            raise
+        self.metrics.created(str(spec.backend), time.perf_counter() - started)
+        return placed
+
+    async def _place_once(
         self, spec: RunArgs, send: Callable[[RemoteEdge], Awaitable[_Sent]]
     ) -> tuple[SandboxInfo, bool]:
         """``send`` the create to the best candidates in turn until one takes it."""
@@ -521,6 +561,21 @@ class ClusterEdge:
             if (states is None or info.state in states)
             and all(info.labels.get(k) == v for k, v in (labels or {}).items())
         ]
+        return out
+
+    async def stats(self) -> builtins.list[SandboxStats]:
+        """Every edge's ``/v1/stats``, merged; an edge that does not answer is left out
+        (its rows come back with it: this is a live view, not a record)."""
+        remotes = self._up()
+        answers = await asyncio.gather(
+            *(r.forward("GET", "/v1/stats") for r in remotes), return_exceptions=True
+        )
+        out: builtins.list[SandboxStats] = []
+        for remote, answer in zip(remotes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("edge %s did not answer /v1/stats: %s", remote.edge_id, answer)
+                continue
+            out.extend(_STATS.validate_json(answer.content))
         return out
 
     async def health(self) -> HealthInfo:

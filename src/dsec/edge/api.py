@@ -7,11 +7,12 @@ Timeout, BackendError, FileNotFound, PermissionDenied, InvalidArgument).
 
 from __future__ import annotations
 
+import builtins
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.health import HealthInfo
-from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 
@@ -59,6 +60,10 @@ class EdgeAPI(Protocol):
     ) -> None: ...
 
     async def health(self) -> HealthInfo: ...
+
+    async def stats(self) -> builtins.list[SandboxStats]:
+        """Resource use of every live sandbox (a cluster: of every edge that answers)."""
+        ...
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
         """Replace (not merge) a running sandbox's egress rules."""

@@ -27,7 +27,7 @@ from dsec.api.fields import SANDBOX_ID_RE, check_network_rules
 from dsec.api.health import Degradation, HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.rl import ForkRequest, ForkResult, JobPauseReport, JobResumeReport, PackedEnv
-from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState
+from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import (
     BackendKind,
     DSecContainerRunArgs,
@@ -787,6 +787,33 @@ class Edge:
                 workdir=req.workdir,
                 **outcome,
             )
+
+    async def stats(self) -> builtins.list[SandboxStats]:
+        """Resource use of every live sandbox, read from cgroups now (a few file reads
+        each): what ``dsec top`` and the dashboard show."""
+        now = time.monotonic()
+        out: builtins.list[SandboxStats] = []
+        for rec in builtins.list(self._records.values()):
+            if rec.state not in LIVE_STATES:
+                continue
+            backend = self.backends.get(rec.kind)
+            raw = await backend.stats(rec) if backend is not None else {}
+            out.append(
+                SandboxStats(
+                    id=rec.id,
+                    backend=rec.kind,
+                    state=rec.state,
+                    image=rec.spec.image_ref,
+                    job_id=rec.spec.job_id,
+                    edge=rec.edge,
+                    created_at=rec.created_at,
+                    idle_seconds=max(0.0, now - rec.last_activity),
+                    memory_bytes=raw.get("memory_bytes"),
+                    cpu_seconds=raw.get("cpu_seconds"),
+                    disk_bytes=raw.get("disk_bytes"),
+                )
+            )
+        return out
 
     def helper_vm(
         self, backend: Backend, rec: SandboxRecord, what: str

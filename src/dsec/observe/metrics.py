@@ -17,14 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dsec.api.exec import ExitInfo
+from dsec.api.fncall import PoolInfo
 
-__all__ = ["CONTENT_TYPE", "GaugeCollector", "Metric", "Metrics", "gauge", "host_gauges"]
+__all__ = [
+    "CONTENT_TYPE",
+    "GaugeCollector",
+    "Metric",
+    "Metrics",
+    "fncall_gauges",
+    "gauge",
+    "host_gauges",
+    "layer_cache_gauges",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # create: ~30 ms for a container, seconds for a cold microVM; exec: ~1-2 ms
@@ -156,3 +167,40 @@ def host_gauges(proc: Path = Path("/proc")) -> Iterator[Metric]:
         ["resource"],
         rows,
     )
+
+
+def layer_cache_gauges(report: dict[str, Any]) -> Iterator[Metric]:
+    """The host layer cache (LayerService.cache_report): budget, use, and the lazy
+    loader's counters (cumulative, so Prometheus's rate() applies)."""
+    yield gauge(
+        "dsec_layer_cache_budget_bytes",
+        "Layer cache budget",
+        [],
+        [([], report.get("budget_bytes") or 0)],
+    )
+    yield gauge(
+        "dsec_layer_cache_used_bytes",
+        "Layer cache in use",
+        [],
+        [([], report.get("used_bytes") or 0)],
+    )
+    lazy = report.get("lazy") or {}
+    for key in ("read_bytes", "fetch_bytes", "fetch_requests", "fetch_errors", "verify_failures"):
+        if isinstance(lazy.get(key), int | float):
+            yield gauge(
+                f"dsec_layer_lazy_{key}", f"Lazy loader {key} so far", [], [([], lazy[key])]
+            )
+
+
+def fncall_gauges(pools: Iterable[PoolInfo]) -> Iterator[Metric]:
+    """FnCall warm pools, summed over pools (a pool's key names an image a client
+    chose: never a label)."""
+    rows = list(pools)
+    yield gauge("dsec_fncall_pools", "FnCall warm pools", [], [([], len(rows))])
+    for field in ("ready", "starting", "in_use", "target", "misses"):
+        yield gauge(
+            f"dsec_fncall_sandboxes_{field}" if field != "misses" else "dsec_fncall_misses",
+            f"FnCall pools' {field}, summed",
+            [],
+            [([], sum(getattr(p, field) for p in rows))],
+        )

@@ -80,6 +80,21 @@ class CgroupHost:
                 continue
         return None
 
+    def cpu_seconds(self, rel: str) -> float | None:
+        """CPU time the cgroup's processes used so far (user + system), or None."""
+        rel = rel.strip("/")
+        if self.layout is Layout.V2 and self.v2 is not None:
+            with contextlib.suppress(OSError, ValueError):
+                for line in (self.v2 / rel / "cpu.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "usage_usec":
+                        return int(value) / 1e6
+        for name in ("cpuacct", "cpu,cpuacct", "cpu"):
+            if name in self.v1:
+                with contextlib.suppress(OSError, ValueError):
+                    return int((self.v1[name] / rel / "cpuacct.usage").read_text()) / 1e9
+        return None
+
     def pids(self, rel: str) -> set[int]:
         """Every process in the cgroup or any cgroup below it (crun may nest, and an
         edge's cgroup holds its sandboxes' below it)."""

@@ -94,6 +94,7 @@ async def serve_apiserver(
                 creator=SandboxCreator(router, iam=iam),
                 iam=iam,
                 batches=cluster_batch_limits(),
+                metrics=router.metrics,
             )
         )
         auth = Authenticator(keys)

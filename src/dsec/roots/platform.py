@@ -48,6 +48,7 @@ from dsec.fncall.service import FnCallService
 from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.net.manager import NetworkManager
+from dsec.observe.metrics import GaugeCollector, fncall_gauges, layer_cache_gauges
 from dsec.resources import cgroups
 from dsec.resources.disk import GiB
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
@@ -285,13 +286,19 @@ async def serve(
         from dsec.images.layers import LayerService
 
         iam = platform.iam if config.quotas else None
+        layers = LayerService(platform.images)
+        metrics = platform.edge.metrics
+        metrics.add(GaugeCollector(lambda: layer_cache_gauges(layers.cache_report())))
+        if platform.fncall is not None:
+            fncall = platform.fncall
+            metrics.add(GaugeCollector(lambda: fncall_gauges(fncall.pools_info())))
         app = create_app(
             ApiServices(
                 edge=platform.edge,
                 keys=platform.keys,
                 images=platform.images,
                 dataplane=dataplane,
-                layers=LayerService(platform.images),
+                layers=layers,
                 audit=platform.edge.audit,
                 fncall=platform.fncall,
                 trajectory=platform.edge.trajectory,
@@ -300,7 +307,7 @@ async def serve(
                 creator=SandboxCreator(platform.edge, iam=iam),
                 iam=iam,
                 report_load=platform.edge.admission if config.report_load else None,
-                metrics=platform.edge.metrics,
+                metrics=metrics,
             )
         )
 

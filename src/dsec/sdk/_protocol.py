@@ -27,6 +27,7 @@ from dsec.api.sandbox import (
     NetworkRules,
     SandboxInfo,
     SandboxState,
+    SandboxStats,
 )
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyMode, VerifyRequest, VerifyResult
@@ -149,6 +150,10 @@ def image_path(ref: str) -> str:
 
 def health() -> Call[HealthInfo]:
     return Call("GET", "/v1/health", _model(HealthInfo))
+
+
+def stats() -> Call[list[SandboxStats]]:
+    return Call("GET", "/v1/stats", _list_of(SandboxStats))
 
 
 def create_sandbox(

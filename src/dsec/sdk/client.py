@@ -16,7 +16,7 @@ import httpx
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
-from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
@@ -173,6 +173,11 @@ class DSecClient(
 
     async def health(self) -> HealthInfo:
         return await self._send(proto.health())
+
+    async def stats(self) -> list[SandboxStats]:
+        """Memory, CPU time, disk and idle time of every live sandbox, read now
+        (``dsec top``); CPU use is the change of ``cpu_seconds`` between two calls."""
+        return await self._send(proto.stats())
 
     async def run_sandbox(
         self,

@@ -15,7 +15,7 @@ import httpx
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
-from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
 from dsec.errors import DSecError, SandboxNotFound
@@ -157,6 +157,11 @@ class DSecSyncClient(
 
     def health(self) -> HealthInfo:
         return self._send(proto.health())
+
+    def stats(self) -> list[SandboxStats]:
+        """Memory, CPU time, disk and idle time of every live sandbox, read now
+        (``dsec top``); CPU use is the change of ``cpu_seconds`` between two calls."""
+        return self._send(proto.stats())
 
     def run_sandbox(
         self,

@@ -684,4 +684,8 @@ class ContainerBackend(AgentDataPath, Backend):
         return LimitReading(oom_kills=oom, pids_refused=pids, disk=disk)
 
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
-        return {"memory_bytes": self.cgroups.memory_usage(self.cgroup_of(rec.id))}
+        rel = self.cgroup_of(rec.id)
+        return {
+            "memory_bytes": self.cgroups.memory_usage(rel),
+            "cpu_seconds": self.cgroups.cpu_seconds(rel),
+        }

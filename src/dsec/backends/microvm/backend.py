@@ -926,6 +926,7 @@ class MicroVMBackend(AgentDataPath, Backend):
     async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
         return {
             "memory_bytes": self.cgroups.memory_usage(self.cgroup_of(rec.id)),
+            "cpu_seconds": self.cgroups.cpu_seconds(self.cgroup_of(rec.id)),
             "disk_bytes": disk_usage(self.vm_dir(rec.id) / "disk.img"),
             "accelerator": self.facts(rec).accel,
         }

@@ -136,6 +136,7 @@ async def _pack(
     root = backend.vm_dir(kid)
     disk = backend.vm_dir(rec.id) / "disk.img"
     deadline = time.monotonic() + PACK_TIMEOUT
+    await remove_verifier(backend, kid)  # what an earlier step's cleanup left (idempotent)
     root.mkdir(mode=0o700)
     (root / "q").mkdir(mode=0o700)
     await asyncio.to_thread(create_view, disk, root / VIEW)

@@ -226,6 +226,7 @@ async def _in_verifier(
     root = backend.vm_dir(vid)
     deadline = time.monotonic() + BOOT_TIMEOUT
     disk_fd = -1
+    await remove_verifier(backend, vid)  # what an earlier step's cleanup left (idempotent)
     try:
         root.mkdir(mode=0o700)
         (root / "q").mkdir(mode=0o700)
