@@ -76,7 +76,9 @@ def sandboxes(api: DSecSyncClient) -> Iterator[Callable[..., SyncSandbox]]:
     made: list[SyncSandbox] = []
 
     def make(**kw: object) -> SyncSandbox:
-        spec = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64, **kw)  # type: ignore[arg-type]
+        spec = DSecContainerRunArgs.model_validate(
+            {"container_image": "busybox:latest", "memory_limit_mb": 64, **kw}
+        )
         sb = api.run_container(spec)
         made.append(sb)
         return sb
