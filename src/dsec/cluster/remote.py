@@ -92,22 +92,23 @@ class RemoteEdge:
             if stream and resp.status_code >= 400:
                 await resp.aread()
                 await resp.aclose()
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise EdgeNotReached(
-                f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",
-                edge=self.edge_id,
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise Timeout(
-                f"edge {self.edge_id} did not answer {what} in time", edge=self.edge_id
-            ) from exc
         except httpx.HTTPError as exc:
-            raise EdgeUnavailable(
-                f"lost the connection to edge {self.edge_id} at {self.url}: {exc}",
-                edge=self.edge_id,
-            ) from exc
+            raise self._transport_error(exc, what) from exc
         raise_for_error(resp)
         return resp
+
+    def _transport_error(self, exc: httpx.HTTPError, what: str) -> DSecError:
+        """The typed error for a request to this edge that got no answer."""
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            return EdgeNotReached(
+                f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",
+                edge=self.edge_id,
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return Timeout(f"edge {self.edge_id} did not answer {what} in time", edge=self.edge_id)
+        return EdgeUnavailable(
+            f"lost the connection to edge {self.edge_id} at {self.url}: {exc}", edge=self.edge_id
+        )
 
     # -- EdgeAPI --------------------------------------------------------------------------
     async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
@@ -270,20 +271,8 @@ class RemoteEdge:
         )
         try:
             return await self._relay_http().send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise EdgeNotReached(
-                f"edge {self.edge_id} at {self.url} does not accept connections: {exc}",
-                edge=self.edge_id,
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise Timeout(
-                f"edge {self.edge_id} did not answer {method} {path} in time", edge=self.edge_id
-            ) from exc
         except httpx.HTTPError as exc:
-            raise EdgeUnavailable(
-                f"lost the connection to edge {self.edge_id} at {self.url}: {exc}",
-                edge=self.edge_id,
-            ) from exc
+            raise self._transport_error(exc, f"{method} {path}") from exc
 
 
 async def _chunks(resp: httpx.Response) -> AsyncIterator[bytes]:
