@@ -41,9 +41,10 @@ support not available"). What the kernel does have is btrfs with quota groups, s
   default). A host that cannot preallocate (no space, no fallocate support) keeps the
   sparse image, guarded, and says so in the log.
 
-* An image smaller than 5 GiB gets *mixed* block groups (``MIXED_BELOW``): with
-  separate data and metadata ones, a sandbox that filled a small image left it unable
-  to create a file for good, even after deleting everything.
+* A preallocated image smaller than 5 GiB gets *mixed* block groups (``MIXED_BELOW``):
+  with separate data and metadata ones, a sandbox that filled a small image left it
+  unable to create a file for good, even after deleting everything. (A sparse image is
+  guarded, so no sandbox fills it; it keeps separate groups, as before.)
 
 Create pays two ioctls (subvolume create, qgroup limit) and teardown one (subvolume
 destroy, which also drops everything in it without walking the tree), plus the guard's
@@ -315,7 +316,9 @@ class SandboxDisk:
                 ) from None
             finally:
                 os.close(fd)
-        mixed = ["--mixed"] if size < MIXED_BELOW else []
+        # Only a preallocated image can fill up (a sparse one is guarded: its sandboxes'
+        # limits are clamped below what the host can back, see diskguard).
+        mixed = ["--mixed"] if self.preallocate and size < MIXED_BELOW else []
         profiles = ["-m", "single", "-d", "single"]
         res = subprocess.run(
             [mkfs, "-q", "-f", *mixed, *profiles, "-L", "dsec-sandboxes", str(tmp)],
