@@ -43,8 +43,13 @@ def _file(name: str) -> bytes:
     return resources.files("dsec.apiserver").joinpath("ui", name).read_bytes()
 
 
+HEADER_MARK = b"<!--dsec:header-->"
+
+
 def _page(name: str, status: int = 200) -> Response:
-    return Response(_file(name), status, HEADERS, media_type="text/html; charset=utf-8")
+    """A page with the header and nav every page shares (one file: ui/_header.html)."""
+    body = _file(name).replace(HEADER_MARK, _file("_header.html").rstrip(b"\n"), 1)
+    return Response(body, status, HEADERS, media_type="text/html; charset=utf-8")
 
 
 def _login(status: int = 401) -> Response:
