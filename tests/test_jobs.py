@@ -119,7 +119,8 @@ async def test_ttl_does_not_fire_while_paused(client: DSecClient, busybox_image:
         assert (await client.resume_job(job)).resumed == 1
         # the idle clock restarted at the resume: the TTL still works afterwards
         await asyncio.sleep(1.0)
-        assert (await sb.refresh()).state is SandboxState.RUNNING
+        info = await sb.refresh()
+        assert info.state is SandboxState.RUNNING, info.reason
         for _ in range(60):
             if (await sb.refresh()).state.terminal:
                 break

@@ -570,6 +570,10 @@ class ContainerBackend(AgentDataPath, Backend):
         await verifier.recover(self, rec.id)  # an edge killed mid-verify left it frozen
         state = await self.runtime.state(rec.id)
         if state is None or state.get("status") not in ("running", "created"):
+            # Said in the log: a sandbox declared lost is destroyed, and why is the
+            # first thing an operator (or a failed test's log tail) needs.
+            status = "no runtime state" if state is None else f"status {state.get('status')!r}"
+            log.warning("sandbox %s: not alive (%s)", rec.id, status)
             return False
         # Declaring a live sandbox lost destroys it: on a loaded host (a restart is
         # often a busy moment, and a thawed agent must first be scheduled) give the
