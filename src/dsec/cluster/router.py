@@ -133,7 +133,7 @@ class ClusterEdge:
         self._miss_refresh = 0.0
         # This apiserver's Prometheus metrics (its /metrics): creates it placed, and the
         # cluster as its view sees it; each edge serves its own sandboxes' metrics.
-        self.metrics = Metrics()
+        self.metrics = Metrics.from_env()
         self.metrics.add(GaugeCollector(self._gauges))
         self.metrics.add(GaugeCollector(host_gauges))
 
