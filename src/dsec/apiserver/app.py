@@ -10,7 +10,9 @@ exec at ~2 ms.
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Query
 from starlette.responses import PlainTextResponse, Response
 
 from dsec.api.health import HealthInfo
@@ -84,11 +86,16 @@ def create_app(services: ApiServices) -> FastAPI:
         summary="Resource use of live sandboxes",
         dependencies=[Depends(auth)],
     )
-    async def sandbox_stats() -> Response:
+    async def sandbox_stats(
+        sandbox_id: Annotated[
+            str | None,
+            Query(max_length=64, description="only this sandbox (empty list if not live)"),
+        ] = None,
+    ) -> Response:
         """Memory, CPU time, disk and idle time of every live sandbox, read now (a
         cluster apiserver asks every edge that answers). CPU use is the change of
         ``cpu_seconds`` between two calls."""
-        items = await edge.stats()
+        items = await edge.stats(sandbox_id)
         body = "[" + ",".join(i.model_dump_json() for i in items) + "]"
         return Response(body, media_type="application/json")
 

@@ -830,12 +830,18 @@ class Edge:
                 **outcome,
             )
 
-    async def stats(self) -> builtins.list[SandboxStats]:
+    async def stats(self, sandbox_id: str | None = None) -> builtins.list[SandboxStats]:
         """Resource use of every live sandbox, read from cgroups now (a few file reads
-        each): what ``dsec top`` and the dashboard show."""
+        each): what ``dsec top`` and the dashboard show. ``sandbox_id``: only that one
+        (a sandbox's page polls it: its reads, not every sandbox's)."""
         now = time.monotonic()
         out: builtins.list[SandboxStats] = []
-        for rec in builtins.list(self._records.values()):
+        if sandbox_id is None:
+            recs = builtins.list(self._records.values())
+        else:
+            one = self._records.get(sandbox_id)
+            recs = [one] if one is not None else []
+        for rec in recs:
             if rec.state not in LIVE_STATES:
                 continue
             backend = self.backends.get(rec.kind)

@@ -174,10 +174,11 @@ class DSecClient(
     async def health(self) -> HealthInfo:
         return await self._send(proto.health())
 
-    async def stats(self) -> list[SandboxStats]:
-        """Memory, CPU time, disk and idle time of every live sandbox, read now
-        (``dsec top``); CPU use is the change of ``cpu_seconds`` between two calls."""
-        return await self._send(proto.stats())
+    async def stats(self, sandbox_id: str | None = None) -> list[SandboxStats]:
+        """Memory, CPU time, disk and idle time of every live sandbox (or of
+        ``sandbox_id`` only), read now (``dsec top``); CPU use is the change of
+        ``cpu_seconds`` between two calls."""
+        return await self._send(proto.stats(sandbox_id))
 
     async def run_sandbox(
         self,
