@@ -1,6 +1,7 @@
 """The /ui dashboard in a real headless Chromium (Debian's chromium + chromedriver,
-driven by Selenium) against a real `dsec up`: login and refusal, a live table, a live
-plot, the misbehaviour feed, job pause/resume, and hostile sandbox text shown as text.
+driven by Selenium) against a real `dsec up`: login and refusal, a live table, live
+plots (rates, latency percentiles), a sandbox's resource graphs, the misbehaviour feed,
+job pause/resume, and hostile sandbox text shown as text.
 
 Every test polls the page with a deadline (no fixed sleeps). Each page's screenshot is
 written to docs/ui/ once the page shows what the test asked of it."""
@@ -178,6 +179,10 @@ def test_the_cookie_reads_and_pauses_but_nothing_more(
         assert "script-src 'self'" in csp and "unsafe-inline" not in csp
         assert h.get("/v1/sandboxes").status_code == 200
         assert h.get(f"/v1/audit?sandbox_id={sb.id}").status_code == 200
+        other = sandboxes()  # a sandbox page's graphs read its own row only
+        assert [r["id"] for r in h.get(f"/v1/stats?sandbox_id={sb.id}").json()] == [sb.id]
+        assert h.get("/v1/stats?sandbox_id=nosuch").json() == []
+        assert {sb.id, other.id} <= {r["id"] for r in h.get("/v1/stats").json()}
         # never a write beyond pause/resume, never one without the session's CSRF secret
         assert h.delete(f"/v1/sandboxes/{sb.id}").status_code == 401
         assert h.post("/v1/sandboxes", json={}).status_code == 401
@@ -259,6 +264,47 @@ def test_hostile_text_is_shown_as_text(
     assert no_alert(page)
     timeline = page.find_element(By.ID, "timeline").text
     assert "create" in timeline
+    shot(page, "sandbox-text")
+
+
+def plot_value(page: webdriver.Chrome, svg: str, attr: str = "data-last") -> float | None:
+    """A plot's newest (or largest, ``data-max``) sample, None while it has none."""
+    raw = page.find_element(By.ID, svg).get_attribute(attr)
+    return float(raw) if raw else None
+
+
+def test_a_sandbox_page_graphs_its_resources(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    """Memory and CPU over time, from /v1/stats?sandbox_id= while the page is open."""
+    sb = sandboxes(job_id="ui-resources")
+    page.get(page.current_url.split("/ui")[0] + "/ui/sandbox/" + sb.id)
+    wait_for("a memory sample", lambda: (plot_value(page, "plot-sb-memory") or 0) > 0)
+    wait_for("a CPU sample", lambda: plot_value(page, "plot-sb-cpu") is not None)
+    idle_cpu = plot_value(page, "plot-sb-cpu", "data-max") or 0.0
+    line = "#plot-sb-memory polyline"
+    points = page.find_element(By.CSS_SELECTOR, line).get_attribute("points")
+    # a busy loop for 3 s: the CPU graph must see it (a loaded host still gives it a
+    # good share of a core), and the memory graph must move on
+    r = sb.run_shell("timeout 3 sh -c 'while :; do :; done'; echo burnt", timeout=30)
+    assert r.stdout.strip() == "burnt"
+    wait_for(
+        "the busy loop in the CPU graph",
+        lambda: (plot_value(page, "plot-sb-cpu", "data-max") or 0) > max(0.3, idle_cpu),
+        timeout=5,
+    )
+    wait_for(
+        "the memory graph to move",
+        lambda: page.find_element(By.CSS_SELECTOR, line).get_attribute("points") != points,
+        timeout=5,
+    )
+    assert "iB" in page.find_element(By.ID, "v-sb-memory").text
+    wait_for(
+        "the command in the story",
+        lambda: [
+            c for c in page.find_elements(By.CSS_SELECTOR, "#commands td") if "burnt" in c.text
+        ],
+    )
     shot(page, "sandbox")
 
 
@@ -290,7 +336,16 @@ def test_the_plot_updates(page: webdriver.Chrome, sandboxes: Callable[..., SyncS
         timeout=5,
     )
     wait_for("a creates/s sample", lambda: page.find_element(By.ID, "v-creates").text != "-")
-    assert sb.id
+    # create and command latency p50/p99, from the histograms' buckets of the last 10 s
+    p50 = wait_for("a create p50", lambda: plot_value(page, "plot-create-latency"), timeout=5)
+    top = plot_value(page, "plot-create-latency", "data-max") or 0.0
+    assert 0 < p50 < 60 and top >= p50
+    caption = page.find_element(By.ID, "v-create-latency").text
+    assert caption.startswith("p50 ") and "p99 " in caption, caption
+    for _ in range(5):
+        assert sb.run_shell("true").exit_code == 0
+    wait_for("a command p50", lambda: plot_value(page, "plot-command-latency"), timeout=5)
+    assert "ms" in page.find_element(By.ID, "v-command-latency").text
     shot(page, "plots")
 
 
@@ -337,5 +392,5 @@ def test_jobs_pause_and_resume_from_the_page(
 
 def test_screenshots_are_in_the_docs() -> None:
     """The committed set the README shows (refreshed by the tests above)."""
-    for name in ("login", "sandboxes", "sandbox", "plots", "feed", "jobs"):
+    for name in ("login", "sandboxes", "sandbox", "sandbox-text", "plots", "feed", "jobs"):
         assert (SHOTS / f"{name}.png").is_file(), name
