@@ -913,6 +913,9 @@ class Edge:
             outcome = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             result = exc.code
             raise
+        except asyncio.CancelledError:
+            result = "cancelled"  # the caller went away (as a create's outcome)
+            raise
         finally:
             if kind:  # (a verify of an unknown or stopped sandbox never started)
                 self.metrics.verified(kind, time.perf_counter() - started, result)

@@ -2,15 +2,18 @@
 
 One ``CollectorRegistry`` per ``Metrics`` (never the client library's global one), so
 several platforms in one process (tests, benchmarks) do not share counters. Counters
-and histograms are updated where things happen (the edge's create, stop and exec,
-the audit log's events); gauges are read when scraped, by collectors over what the
-process already keeps (records, admission, /proc), so a scrape costs nothing on the
-request path.
+and histograms are updated where things happen (the edge's create, stop, exec and
+verify, job pause/resume, the audit log's events; admission, the network manager and
+the FnCall service through callbacks), always through a method of ``Metrics``, so that
+``DSEC_METRICS=0`` turns them all off in one place. Gauges, and counters other parts
+keep anyway, are read when scraped, by collectors over what the process already keeps
+(records, admission, the layer cache, /proc), so they cost nothing on the request path.
 
 Labels are bounded sets the platform chooses: a backend kind, a sandbox state, an
-error code, an event kind. Never a sandbox id, an image, a job, a user or anything
-else a client or a sandbox can choose: an agent must not be able to grow the
-operator's time-series database (or write into its labels).
+error code, an event kind, a reason from a closed list (anything else is "other").
+Never a sandbox id, an image, a job, a user or anything else a client or a sandbox
+can choose: an agent must not be able to grow the operator's time-series database (or
+write into its labels). Jobs are counted, never labelled.
 """
 
 from __future__ import annotations
