@@ -9,52 +9,35 @@ written to docs/ui/ once the page shows what the test asked of it."""
 from __future__ import annotations
 
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import httpx
 import pytest
 
-from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec import DSecSyncClient
 from dsec.sdk.sync import SyncSandbox
-from tests.conftest import REPO, PlatformProcess, platform_process
+from tests.browser import (
+    NEEDS_CHROMIUM,
+    SHOTS,
+    busybox_sandboxes,
+    chromium,
+    login,
+    no_alert,
+    refuses_without_a_session,
+    shot,
+    wait_for,
+)
+from tests.conftest import PlatformProcess, platform_process
 
-selenium = pytest.importorskip("selenium")
-from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
+pytest.importorskip("selenium")
+from selenium import webdriver
+from selenium.webdriver.common.by import By
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(
-        shutil.which("chromedriver") is None or shutil.which("chromium") is None,
-        reason="needs Debian's chromium and chromium-driver (scripts/install.sh)",
-    ),
-]
+pytestmark = [pytest.mark.root, NEEDS_CHROMIUM]
 
-SHOTS = REPO / "docs" / "ui"
 XSS_CMD = "echo '<img src=x onerror=alert(1)>'"
 XSS_LABEL = "<script>window.__pwned=1</script><b>x</b>"
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T:
-    """Poll ``probe`` until it returns something truthy, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            got = probe()
-        except Exception as exc:  # the page may be mid-render
-            got, last = None, exc
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -73,90 +56,25 @@ def api(plat: PlatformProcess) -> Iterator[DSecSyncClient]:
 
 @pytest.fixture
 def sandboxes(api: DSecSyncClient) -> Iterator[Callable[..., SyncSandbox]]:
-    """Creates busybox sandboxes and stops every one of them, also on failure."""
-    made: list[SyncSandbox] = []
-
-    def make(**kw: object) -> SyncSandbox:
-        spec = DSecContainerRunArgs.model_validate(
-            {"container_image": "busybox:latest", "memory_limit_mb": 64, **kw}
-        )
-        sb = api.run_container(spec)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        sb.stop()
+    with busybox_sandboxes(api) as make:
+        yield make
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[webdriver.Chrome]:
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",  # tests run as root
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,900",
-        "--no-first-run",
-    ):
-        opts.add_argument(arg)
-    service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver")
-    driver = webdriver.Chrome(options=opts, service=service)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        try:
-            driver.quit()
-        finally:
-            proc = service.process
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 @pytest.fixture
 def page(browser: webdriver.Chrome, plat: PlatformProcess) -> webdriver.Chrome:
     """The browser, logged in (``/ui?api_key=`` once, as an operator would)."""
-    browser.get(plat.url + "/ui?api_key=" + plat.api_key)
-    wait_for("the login redirect", lambda: browser.current_url == plat.url + "/ui")
-    return browser
-
-
-def shot(browser: webdriver.Chrome, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(SHOTS / f"{name}.png"))
-
-
-def no_alert(browser: webdriver.Chrome) -> bool:
-    try:
-        browser.switch_to.alert.dismiss()
-    except NoAlertPresentException:
-        return True
-    return False
+    return login(browser, plat.url, plat.api_key)
 
 
 def test_pages_refuse_without_a_session(browser: webdriver.Chrome, plat: PlatformProcess) -> None:
-    browser.delete_all_cookies()
-    for path in ("/ui", "/ui/plots", "/ui/jobs", "/ui/feed", "/ui/sandbox/x"):
-        browser.get(plat.url + path)
-        wait_for(f"{path} to send us to the login form", lambda: "/ui/login" in browser.current_url)
-        assert browser.find_elements(By.NAME, "api_key")
-        assert not browser.find_elements(By.ID, "sandboxes")
+    refuses_without_a_session(browser, plat.url)
     shot(browser, "login")
-    browser.get(plat.url + "/ui?api_key=dsk_wrong")
-    assert browser.find_elements(By.NAME, "api_key")
-    assert not browser.get_cookies()
-    with httpx.Client(base_url=plat.url) as h:
-        assert h.get("/ui?api_key=dsk_wrong").status_code == 401
-        assert h.get("/ui/session").status_code == 401
-        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
-            assert h.get(path).status_code == 401, path
-    with httpx.Client(base_url=plat.url, cookies={"dsec_ui": "forged"}) as h:
-        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
-            assert h.get(path).status_code == 401, path
-        assert h.get("/ui/jobs").headers["location"] == "/ui/login"
 
 
 def test_the_cookie_reads_and_pauses_but_nothing_more(
