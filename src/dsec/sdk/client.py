@@ -130,7 +130,8 @@ class DSecClient(
         """Every audit record as it is written (``async for r in client.follow_audit()``):
         lifecycle changes, commands, file and network decisions, misbehaviour events
         (``kinds=["event"]``), from ``since_seq`` on. Reconnects by itself from the last
-        record seen; stop by leaving the loop. One node's stream (``dsec up``)."""
+        record seen; stop by leaving the loop. On a cluster's apiserver: every edge's
+        records (with ``since_seq`` only together with ``sandbox``)."""
         records = follow(
             self, job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since_seq
         )
