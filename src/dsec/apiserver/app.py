@@ -38,7 +38,6 @@ from dsec.apiserver.uisession import UISessions
 from dsec.compat import e2b
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
 
@@ -51,14 +50,14 @@ def create_app(services: ApiServices) -> FastAPI:
     when none is given), so the same services always get the same routes."""
     edge, keys, limits, iam = services.edge, services.keys, services.limits, services.iam
     dataplane = services.dataplane
-    # The dashboard needs the live audit stream (one node's AuditLog), /metrics and job
-    # pause/resume; where any is missing (a cluster apiserver) /ui is not served.
-    serve_ui = (
-        isinstance(services.audit, AuditLog)
-        and services.metrics is not None
-        and services.rl is not None
-        and services.roles is not None
-    )
+    # The dashboard reads the sandbox list, stats and the audit log with its live
+    # stream, served by one node (its AuditLog) and by a cluster apiserver (the edges'
+    # logs, fanned in: dsec.cluster.fanout) alike; without /metrics its plots page says
+    # so, and without job pause/resume its jobs page shows no buttons. Its sessions
+    # live in this process (dsec.apiserver.uisession): behind a load balancer over
+    # several apiservers a browser must stick to one of them.
+    serve_ui = services.audit is not None
+    jobs = services.rl is not None and services.roles is not None
     sessions = UISessions() if serve_ui else None
     auth = Authenticator(keys, sessions)
     app = FastAPI(
@@ -154,6 +153,6 @@ def create_app(services: ApiServices) -> FastAPI:
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     if sessions is not None:
-        app.include_router(ui_router(keys, sessions))
+        app.include_router(ui_router(keys, sessions, job_control=jobs))
     e2b.install(app, services, creator)  # the E2B SDK's API (dsec.compat.e2b)
     return app

@@ -31,10 +31,15 @@ const DSec = {
     return resp.json();
   },
 
-  _csrf: null,
+  // /ui/session: the CSRF secret and what this server lets the pages do (job_control).
+  _session: null,
+  async session() {
+    if (DSec._session === null) DSec._session = await DSec.json("/ui/session");
+    return DSec._session;
+  },
+
   async csrf() {
-    if (DSec._csrf === null) DSec._csrf = (await DSec.json("/ui/session")).csrf;
-    return DSec._csrf;
+    return (await DSec.session()).csrf;
   },
 
   async post(path) {
@@ -91,6 +96,8 @@ const DSec = {
   // to the largest value shown. A null sample is a gap in the data: the line skips it.
   // The first line's newest value and the largest value go into data-* attributes
   // (what the browser tests read) and, formatted, into the caption element `valueId`.
+  // `na = true`: the server has no such series (none counted here): the caption says
+  // "n/a" (and data-na="true"), not a value and not "-" (a sample not taken yet).
   Plot: class {
     constructor(svgId, valueId, lines, n, fmt) {
       this.svg = document.getElementById(svgId);
@@ -99,6 +106,7 @@ const DSec = {
       this.n = n;
       this.fmt = fmt;
       this.samples = Object.fromEntries(lines.map((name) => [name, []]));
+      this.na = false;
       for (const name of lines) {
         if (!this.svg.querySelector("polyline." + name)) {
           const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
@@ -134,7 +142,10 @@ const DSec = {
         const s = this.samples[name];
         return s.length ? s[s.length - 1] : null;
       });
-      if (this.value) this.value.textContent = newest.every((v) => v === null) ? "-" : this.fmt(...newest);
+      this.svg.setAttribute("data-na", String(this.na));
+      if (this.value) {
+        this.value.textContent = this.na ? "n/a" : newest.every((v) => v === null) ? "-" : this.fmt(...newest);
+      }
     }
   },
 };

@@ -69,8 +69,26 @@
 
   function latency(plot, key) {
     const now = history[history.length - 1][key], old = history[0][key];
+    plot.na = now.size === 0; // no bucket at all: this server observes none
     plot.push("p50", quantile(0.5, old, now));
     plot.push("p99", quantile(0.99, old, now));
+  }
+
+  // A rate of a counter; null (and the plot n/a) while the server has no sample of it:
+  // metrics off, or a series this server does not count (a cluster apiserver counts the
+  // creates it placed; commands are counted by each edge).
+  function rate(plot, name, now, dt) {
+    const was = prev === null ? null : prev[name];
+    plot.na = now === null;
+    if (dt !== null) plot.push("value", now === null || was === null ? null : Math.max(0, now - was) / dt);
+  }
+
+  let clusterNoted = false;
+  async function noteCluster() {
+    if (clusterNoted) return;
+    clusterNoted = true;
+    const health = await DSec.json("/v1/health");
+    document.getElementById("cluster-note").hidden = health.edge !== "cluster";
   }
 
   DSec.every(1000, async () => {
@@ -80,17 +98,17 @@
       DSec.json("/v1/sandboxes"),
     ]);
     document.getElementById("metrics-off").hidden = text !== "";
+    await noteCluster();
     const now = performance.now() / 1000;
-    const creates = metric(text, "dsec_sandbox_creates_total", 'outcome="ok"') || 0;
-    const commands = metric(text, "dsec_commands_total") || 0;
+    const creates = metric(text, "dsec_sandbox_creates_total", 'outcome="ok"');
+    const commands = metric(text, "dsec_commands_total");
     plots.concurrent.push("value", list.filter((s) => s.state !== "stopped" && s.state !== "failed").length);
-    if (prev !== null) {
-      const dt = Math.max(0.001, now - prev.t);
-      plots.creates.push("value", Math.max(0, creates - prev.creates) / dt);
-      plots.commands.push("value", Math.max(0, commands - prev.commands) / dt);
-    }
+    const dt = prev === null ? null : Math.max(0.001, now - prev.t);
+    rate(plots.creates, "creates", creates, dt);
+    rate(plots.commands, "commands", commands, dt);
     const mem = metric(text, "dsec_host_memory_available_bytes");
-    if (mem !== null) plots.memory.push("value", mem);
+    plots.memory.na = mem === null;
+    plots.memory.push("value", mem);
     prev = { t: now, creates, commands };
     history.push({
       create: buckets(text, ["dsec_sandbox_create_seconds"]),
