@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from dsec import DSecSyncClient
 from tests.conftest import clean_leftovers, free_port, host_leaks, kill_process, stop_process
 from tests.pg import PostgresServer
 
@@ -303,3 +304,20 @@ def cluster(pg: PostgresServer, apiservers: int = 1) -> Iterator[Cluster]:
     assert not leaks, f"the cluster leaked: {leaks}"
     assert not leftovers, f"the test network was left behind: {leftovers}"
     shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def busybox_cluster(
+    pg: PostgresServer, *, edges: int, apiservers: int, capacity: int = 20
+) -> Iterator[Cluster]:
+    """``cluster`` with ``edges`` edges that each have busybox and are up in the
+    apiservers' placement view."""
+    with cluster(pg, apiservers=apiservers) as c:
+        for i in range(edges):
+            c.add_edge(i, capacity=capacity)
+        for edge in c.edges.values():
+            with DSecSyncClient(edge.url, c.token) as client:
+                client.build_image("busybox")
+        c.wait_edges_up(edges)
+        c.wait_edges_have("busybox:latest")  # placement filters on the images in its view
+        yield c

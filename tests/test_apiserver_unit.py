@@ -267,7 +267,7 @@ class FakeEdge:
             version="test", edge="e0", sandboxes_running=self._running(), capacity=self.capacity
         )
 
-    async def stats(self) -> builtins.list[SandboxStats]:
+    async def stats(self, sandbox_id: str | None = None) -> builtins.list[SandboxStats]:
         return []
 
 

@@ -70,6 +70,7 @@ async def test_create_exec_stop_through_any_apiserver(three_edges: Cluster) -> N
         listed = await b.list_sandboxes(labels={"t": "basic"})
         assert [s.id for s in listed] == [sb.id]
         assert sb.id in {r.id for r in await b.stats()}  # merged from the edges
+        assert [r.id for r in await b.stats(sb.id)] == [sb.id]  # only that one
         async with httpx.AsyncClient(timeout=10) as http:
             metrics = await http.get(
                 f"{c.api_urls[0]}/metrics", headers={"Authorization": f"Bearer {c.admin_key}"}

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
+from dsec import DSecClient, DSecContainerRunArgs
 from dsec.api.events import EventKind, SecurityEvent
 from dsec.api.fncall import DSecFnCallRunArgs, RunCodeRequest
 from dsec.api.sandbox import SandboxState
@@ -29,7 +29,7 @@ from dsec.cluster.router import ClusterEdge
 from dsec.control.db import database_url, make_engine
 from dsec.errors import EdgeUnavailable, InvalidArgument
 from dsec.sdk import Sandbox
-from tests.cluster_env import Cluster, cluster
+from tests.cluster_env import Cluster, busybox_cluster
 from tests.pg import PostgresServer
 
 pytestmark = pytest.mark.timeout(600)
@@ -40,14 +40,7 @@ TAMPER = "rm /bin/ls"  # a binary_tampering event, raised before the command ret
 
 @pytest.fixture(scope="module")
 def two_edges(postgres: PostgresServer) -> Iterator[Cluster]:
-    with cluster(postgres, apiservers=2) as c:
-        for i in range(2):
-            c.add_edge(i, capacity=20)
-        for edge in c.edges.values():
-            with DSecSyncClient(edge.url, c.token) as client:
-                client.build_image("busybox")
-        c.wait_edges_up(2)
-        c.wait_edges_have("busybox:latest")  # placement filters on the images in its view
+    with busybox_cluster(postgres, edges=2, apiservers=2) as c:
         yield c
 
 

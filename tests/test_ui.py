@@ -1,6 +1,7 @@
 """The /ui dashboard in a real headless Chromium (Debian's chromium + chromedriver,
-driven by Selenium) against a real `dsec up`: login and refusal, a live table, a live
-plot, the misbehaviour feed, job pause/resume, and hostile sandbox text shown as text.
+driven by Selenium) against a real `dsec up`: login and refusal, a live table, live
+plots (rates, latency percentiles), a sandbox's resource graphs, the misbehaviour feed,
+job pause/resume, and hostile sandbox text shown as text.
 
 Every test polls the page with a deadline (no fixed sleeps). Each page's screenshot is
 written to docs/ui/ once the page shows what the test asked of it."""
@@ -8,52 +9,35 @@ written to docs/ui/ once the page shows what the test asked of it."""
 from __future__ import annotations
 
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import httpx
 import pytest
 
-from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec import DSecSyncClient
 from dsec.sdk.sync import SyncSandbox
-from tests.conftest import REPO, PlatformProcess, platform_process
+from tests.browser import (
+    NEEDS_CHROMIUM,
+    SHOTS,
+    busybox_sandboxes,
+    chromium,
+    login,
+    no_alert,
+    refuses_without_a_session,
+    shot,
+    wait_for,
+)
+from tests.conftest import PlatformProcess, platform_process
 
-selenium = pytest.importorskip("selenium")
-from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
+pytest.importorskip("selenium")
+from selenium import webdriver
+from selenium.webdriver.common.by import By
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(
-        shutil.which("chromedriver") is None or shutil.which("chromium") is None,
-        reason="needs Debian's chromium and chromium-driver (scripts/install.sh)",
-    ),
-]
+pytestmark = [pytest.mark.root, NEEDS_CHROMIUM]
 
-SHOTS = REPO / "docs" / "ui"
 XSS_CMD = "echo '<img src=x onerror=alert(1)>'"
 XSS_LABEL = "<script>window.__pwned=1</script><b>x</b>"
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T:
-    """Poll ``probe`` until it returns something truthy, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            got = probe()
-        except Exception as exc:  # the page may be mid-render
-            got, last = None, exc
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -72,90 +56,25 @@ def api(plat: PlatformProcess) -> Iterator[DSecSyncClient]:
 
 @pytest.fixture
 def sandboxes(api: DSecSyncClient) -> Iterator[Callable[..., SyncSandbox]]:
-    """Creates busybox sandboxes and stops every one of them, also on failure."""
-    made: list[SyncSandbox] = []
-
-    def make(**kw: object) -> SyncSandbox:
-        spec = DSecContainerRunArgs.model_validate(
-            {"container_image": "busybox:latest", "memory_limit_mb": 64, **kw}
-        )
-        sb = api.run_container(spec)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        sb.stop()
+    with busybox_sandboxes(api) as make:
+        yield make
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[webdriver.Chrome]:
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",  # tests run as root
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,900",
-        "--no-first-run",
-    ):
-        opts.add_argument(arg)
-    service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver")
-    driver = webdriver.Chrome(options=opts, service=service)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        try:
-            driver.quit()
-        finally:
-            proc = service.process
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 @pytest.fixture
 def page(browser: webdriver.Chrome, plat: PlatformProcess) -> webdriver.Chrome:
     """The browser, logged in (``/ui?api_key=`` once, as an operator would)."""
-    browser.get(plat.url + "/ui?api_key=" + plat.api_key)
-    wait_for("the login redirect", lambda: browser.current_url == plat.url + "/ui")
-    return browser
-
-
-def shot(browser: webdriver.Chrome, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(SHOTS / f"{name}.png"))
-
-
-def no_alert(browser: webdriver.Chrome) -> bool:
-    try:
-        browser.switch_to.alert.dismiss()
-    except NoAlertPresentException:
-        return True
-    return False
+    return login(browser, plat.url, plat.api_key)
 
 
 def test_pages_refuse_without_a_session(browser: webdriver.Chrome, plat: PlatformProcess) -> None:
-    browser.delete_all_cookies()
-    for path in ("/ui", "/ui/plots", "/ui/jobs", "/ui/feed", "/ui/sandbox/x"):
-        browser.get(plat.url + path)
-        wait_for(f"{path} to send us to the login form", lambda: "/ui/login" in browser.current_url)
-        assert browser.find_elements(By.NAME, "api_key")
-        assert not browser.find_elements(By.ID, "sandboxes")
+    refuses_without_a_session(browser, plat.url)
     shot(browser, "login")
-    browser.get(plat.url + "/ui?api_key=dsk_wrong")
-    assert browser.find_elements(By.NAME, "api_key")
-    assert not browser.get_cookies()
-    with httpx.Client(base_url=plat.url) as h:
-        assert h.get("/ui?api_key=dsk_wrong").status_code == 401
-        assert h.get("/ui/session").status_code == 401
-        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
-            assert h.get(path).status_code == 401, path
-    with httpx.Client(base_url=plat.url, cookies={"dsec_ui": "forged"}) as h:
-        for path in ("/v1/sandboxes", "/metrics", "/v1/audit", "/v1/events/stream"):
-            assert h.get(path).status_code == 401, path
-        assert h.get("/ui/jobs").headers["location"] == "/ui/login"
 
 
 def test_the_cookie_reads_and_pauses_but_nothing_more(
@@ -178,6 +97,10 @@ def test_the_cookie_reads_and_pauses_but_nothing_more(
         assert "script-src 'self'" in csp and "unsafe-inline" not in csp
         assert h.get("/v1/sandboxes").status_code == 200
         assert h.get(f"/v1/audit?sandbox_id={sb.id}").status_code == 200
+        other = sandboxes()  # a sandbox page's graphs read its own row only
+        assert [r["id"] for r in h.get(f"/v1/stats?sandbox_id={sb.id}").json()] == [sb.id]
+        assert h.get("/v1/stats?sandbox_id=nosuch").json() == []
+        assert {sb.id, other.id} <= {r["id"] for r in h.get("/v1/stats").json()}
         # never a write beyond pause/resume, never one without the session's CSRF secret
         assert h.delete(f"/v1/sandboxes/{sb.id}").status_code == 401
         assert h.post("/v1/sandboxes", json={}).status_code == 401
@@ -259,6 +182,47 @@ def test_hostile_text_is_shown_as_text(
     assert no_alert(page)
     timeline = page.find_element(By.ID, "timeline").text
     assert "create" in timeline
+    shot(page, "sandbox-text")
+
+
+def plot_value(page: webdriver.Chrome, svg: str, attr: str = "data-last") -> float | None:
+    """A plot's newest (or largest, ``data-max``) sample, None while it has none."""
+    raw = page.find_element(By.ID, svg).get_attribute(attr)
+    return float(raw) if raw else None
+
+
+def test_a_sandbox_page_graphs_its_resources(
+    page: webdriver.Chrome, sandboxes: Callable[..., SyncSandbox]
+) -> None:
+    """Memory and CPU over time, from /v1/stats?sandbox_id= while the page is open."""
+    sb = sandboxes(job_id="ui-resources")
+    page.get(page.current_url.split("/ui")[0] + "/ui/sandbox/" + sb.id)
+    wait_for("a memory sample", lambda: (plot_value(page, "plot-sb-memory") or 0) > 0)
+    wait_for("a CPU sample", lambda: plot_value(page, "plot-sb-cpu") is not None)
+    idle_cpu = plot_value(page, "plot-sb-cpu", "data-max") or 0.0
+    line = "#plot-sb-memory polyline"
+    points = page.find_element(By.CSS_SELECTOR, line).get_attribute("points")
+    # a busy loop for 3 s: the CPU graph must see it (a loaded host still gives it a
+    # good share of a core), and the memory graph must move on
+    r = sb.run_shell("timeout 3 sh -c 'while :; do :; done'; echo burnt", timeout=30)
+    assert r.stdout.strip() == "burnt"
+    wait_for(
+        "the busy loop in the CPU graph",
+        lambda: (plot_value(page, "plot-sb-cpu", "data-max") or 0) > max(0.3, idle_cpu),
+        timeout=5,
+    )
+    wait_for(
+        "the memory graph to move",
+        lambda: page.find_element(By.CSS_SELECTOR, line).get_attribute("points") != points,
+        timeout=5,
+    )
+    assert "iB" in page.find_element(By.ID, "v-sb-memory").text
+    wait_for(
+        "the command in the story",
+        lambda: [
+            c for c in page.find_elements(By.CSS_SELECTOR, "#commands td") if "burnt" in c.text
+        ],
+    )
     shot(page, "sandbox")
 
 
@@ -290,7 +254,16 @@ def test_the_plot_updates(page: webdriver.Chrome, sandboxes: Callable[..., SyncS
         timeout=5,
     )
     wait_for("a creates/s sample", lambda: page.find_element(By.ID, "v-creates").text != "-")
-    assert sb.id
+    # create and command latency p50/p99, from the histograms' buckets of the last 10 s
+    p50 = wait_for("a create p50", lambda: plot_value(page, "plot-create-latency"), timeout=5)
+    top = plot_value(page, "plot-create-latency", "data-max") or 0.0
+    assert 0 < p50 < 60 and top >= p50
+    caption = page.find_element(By.ID, "v-create-latency").text
+    assert caption.startswith("p50 ") and "p99 " in caption, caption
+    for _ in range(5):
+        assert sb.run_shell("true").exit_code == 0
+    wait_for("a command p50", lambda: plot_value(page, "plot-command-latency"), timeout=5)
+    assert "ms" in page.find_element(By.ID, "v-command-latency").text
     shot(page, "plots")
 
 
@@ -337,5 +310,5 @@ def test_jobs_pause_and_resume_from_the_page(
 
 def test_screenshots_are_in_the_docs() -> None:
     """The committed set the README shows (refreshed by the tests above)."""
-    for name in ("login", "sandboxes", "sandbox", "plots", "feed", "jobs"):
+    for name in ("login", "sandboxes", "sandbox", "sandbox-text", "plots", "feed", "jobs"):
         assert (SHOTS / f"{name}.png").is_file(), name

@@ -10,7 +10,9 @@ exec at ~2 ms.
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Query
 from starlette.responses import PlainTextResponse, Response
 
 from dsec.api.health import HealthInfo
@@ -36,7 +38,6 @@ from dsec.apiserver.uisession import UISessions
 from dsec.compat import e2b
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from dsec.security.audit import AuditLog
 
 API_VERSION = "0.1.0"
 
@@ -49,14 +50,14 @@ def create_app(services: ApiServices) -> FastAPI:
     when none is given), so the same services always get the same routes."""
     edge, keys, limits, iam = services.edge, services.keys, services.limits, services.iam
     dataplane = services.dataplane
-    # The dashboard needs the live audit stream (one node's AuditLog), /metrics and job
-    # pause/resume; where any is missing (a cluster apiserver) /ui is not served.
-    serve_ui = (
-        isinstance(services.audit, AuditLog)
-        and services.metrics is not None
-        and services.rl is not None
-        and services.roles is not None
-    )
+    # The dashboard reads the sandbox list, stats and the audit log with its live
+    # stream, served by one node (its AuditLog) and by a cluster apiserver (the edges'
+    # logs, fanned in: dsec.cluster.fanout) alike; without /metrics its plots page says
+    # so, and without job pause/resume its jobs page shows no buttons. Its sessions
+    # live in this process (dsec.apiserver.uisession): behind a load balancer over
+    # several apiservers a browser must stick to one of them.
+    serve_ui = services.audit is not None
+    jobs = services.rl is not None and services.roles is not None
     sessions = UISessions() if serve_ui else None
     auth = Authenticator(keys, sessions)
     app = FastAPI(
@@ -84,11 +85,16 @@ def create_app(services: ApiServices) -> FastAPI:
         summary="Resource use of live sandboxes",
         dependencies=[Depends(auth)],
     )
-    async def sandbox_stats() -> Response:
+    async def sandbox_stats(
+        sandbox_id: Annotated[
+            str | None,
+            Query(max_length=64, description="only this sandbox (empty list if not live)"),
+        ] = None,
+    ) -> Response:
         """Memory, CPU time, disk and idle time of every live sandbox, read now (a
         cluster apiserver asks every edge that answers). CPU use is the change of
         ``cpu_seconds`` between two calls."""
-        items = await edge.stats()
+        items = await edge.stats(sandbox_id)
         body = "[" + ",".join(i.model_dump_json() for i in items) + "]"
         return Response(body, media_type="application/json")
 
@@ -147,6 +153,6 @@ def create_app(services: ApiServices) -> FastAPI:
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     if sessions is not None:
-        app.include_router(ui_router(keys, sessions))
+        app.include_router(ui_router(keys, sessions, job_control=jobs))
     e2b.install(app, services, creator)  # the E2B SDK's API (dsec.compat.e2b)
     return app

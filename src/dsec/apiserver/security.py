@@ -16,7 +16,7 @@ from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
-from dsec.errors import InvalidArgument, Unsupported
+from dsec.errors import InvalidArgument
 from dsec.security.audit import AuditLog, Filters
 from dsec.security.auditstream import AuditFollower
 
@@ -60,6 +60,10 @@ class AuditQuery(Protocol):
     """Rows kept elsewhere (cluster mode: every edge's own log, dsec.cluster.fanout)."""
 
     async def answer(self, params: QueryParams, filters: Filters, events: bool) -> Response: ...
+
+    async def follow(self, request: Request, filters: Filters) -> Response:
+        """The live stream (``/v1/events/stream``) over wherever the rows are kept."""
+        ...
 
 
 def _no_cluster_cursor(request: Request) -> None:
@@ -116,12 +120,10 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
         """Every audit record as it is written (lifecycle changes, commands, file and
         network decisions, misbehaviour events), oldest first, as ``text/event-stream``:
         ``id`` is the record's ``seq``, ``event`` its kind, ``data`` the record as JSON.
-        Resume with ``Last-Event-ID`` (what EventSource sends) or ``since_seq``."""
+        Resume with ``Last-Event-ID`` (what EventSource sends) or ``since_seq``; on a
+        cluster's apiserver ``id`` is a cursor over every edge (``e1:120,e2:45``)."""
         if not isinstance(audit, AuditLog):
-            raise Unsupported(
-                "the live stream is served by each edge (dsec up), not yet by a cluster "
-                "apiserver; poll /v1/audit with its cursor there"
-            )
+            return await audit.follow(request, filters)
         _no_cluster_cursor(request)
         cursor = filters.get("since_seq", 0)
         last = request.headers.get("last-event-id", "").strip()

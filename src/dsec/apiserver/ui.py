@@ -56,7 +56,9 @@ def _login(status: int = 401) -> Response:
     return _page("login.html", status)
 
 
-def ui_router(keys: KeyVerifier, sessions: UISessions) -> APIRouter:
+def ui_router(keys: KeyVerifier, sessions: UISessions, *, job_control: bool = True) -> APIRouter:
+    """The pages, their assets, login and logout. ``job_control``: this server has job
+    pause/resume (its jobs page shows the buttons only then, never a broken one)."""
     router = APIRouter(include_in_schema=False)
 
     async def start_session(key: str) -> Response:
@@ -112,11 +114,12 @@ def ui_router(keys: KeyVerifier, sessions: UISessions) -> APIRouter:
 
     @router.get("/ui/session")
     async def session_info(token: SessionCookie = None) -> Response:
-        """The page's CSRF secret (readable only by a same-origin script with the cookie)."""
+        """The page's CSRF secret (readable only by a same-origin script with the cookie)
+        and what this server lets the pages do."""
         s = sessions.lookup(token)
         if s is None:
             return JSONResponse({"error": {"code": "unauthenticated"}}, 401, HEADERS)
-        return JSONResponse({"csrf": s.csrf}, headers=HEADERS)
+        return JSONResponse({"csrf": s.csrf, "job_control": job_control}, headers=HEADERS)
 
     @router.get("/ui/sandbox/{sandbox_id}")
     async def sandbox_page(sandbox_id: str, token: SessionCookie = None) -> Response:

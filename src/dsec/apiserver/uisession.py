@@ -5,6 +5,12 @@ only a random token in an HttpOnly, SameSite=Strict cookie. The token maps, in t
 process's memory, to the key (re-verified on every request, so revoking the key ends
 the session) and to a per-session CSRF secret that the page must echo in a header on
 the few state-changing calls a cookie may make. Sessions die with the process.
+
+The store is this one process's: a cluster's apiservers do not share it. A cookie made
+by one apiserver is unknown to the others (a 401 there, then the login form), so a
+browser behind a load balancer over several apiservers needs sticky sessions, or the
+operator opens one apiserver's URL. Sharing them (the control database) would put the
+key's stand-in in a table every apiserver reads: not done.
 """
 
 from __future__ import annotations

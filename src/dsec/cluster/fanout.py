@@ -16,6 +16,10 @@ headers, so single-node clients read it unchanged:
   its old position, so its rows come with a later page, never lost. ``since_seq`` stays
   exact when the query names a sandbox (one edge); on a query over many edges it is
   refused (422) rather than read against every edge's numbering and skip rows.
+
+The live stream (``/v1/events/stream``) is the same merged query asked again and
+again (``ClusterAudit.follow``): every frame's SSE ``id`` is the cursor just after
+its record, so a browser's EventSource resumes exactly with ``Last-Event-ID``.
 """
 
 from __future__ import annotations
@@ -25,21 +29,27 @@ import heapq
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 from starlette.datastructures import QueryParams
-from starlette.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
+from dsec.api.cluster import EDGE_ID_PATTERN
+from dsec.api.events import AuditRecord
 from dsec.api.trajectory import StepBatch, check_name
 from dsec.cluster.registry import DOWN
 from dsec.cluster.remote import RemoteEdge
 from dsec.cluster.router import ClusterEdge, edge_of
 from dsec.errors import DSecError, EdgeUnavailable, InvalidArgument, NotFound, SandboxNotFound
 from dsec.security.audit import Filters
+from dsec.security.auditstream import KEEPALIVE, PAGE, frame
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +61,11 @@ _JSON = "application/json"
 _OWN_PARAMS = {"cursor", "complete", "since_seq"}
 _STEP_WAIT_CAP_S = 6 * 3600.0
 MAX_CURSOR_EDGES = 10_000
+_EDGE_ID = re.compile(EDGE_ID_PATTERN)
+# An edge id is at most 16 characters and a seq at most 18 digits: "edge:seq,".
+MAX_CURSOR_CHARS = MAX_CURSOR_EDGES * 36
+# How often a live stream asks the edges for rows after its cursor when none came.
+STREAM_POLL_S = 1.0
 
 
 def fanout_timeout() -> float:
@@ -105,12 +120,16 @@ class Edges:
             ) from None
 
     async def gather(
-        self, op: Callable[[RemoteEdge], Awaitable[T]]
+        self, op: Callable[[RemoteEdge], Awaitable[T]], *, only: str | None = None
     ) -> tuple[dict[str, T], dict[str, str]]:
-        """``op`` on every up edge at once: (answers by edge, edge -> why missing).
-        A typed error an edge answers (e.g. NotFound) is the caller's to read, so it
-        is in neither map: it is re-raised unless ``op`` handles it."""
+        """``op`` on every up edge at once (or on edge ``only`` alone): (answers by
+        edge, edge -> why missing). A typed error an edge answers (e.g. NotFound) is
+        the caller's to read, so it is in neither map: it is re-raised unless ``op``
+        handles it."""
         remotes, missing = self.split()
+        if only is not None:
+            remotes = [r for r in remotes if r.edge_id == only]
+            missing = {e: why for e, why in missing.items() if e == only}
         results = await asyncio.gather(*(op(r) for r in remotes), return_exceptions=True)
         out: dict[str, T] = {}
         for remote, result in zip(remotes, results, strict=True):
@@ -144,19 +163,25 @@ def _require_complete(params: QueryParams, missing: dict[str, str]) -> None:
 
 # -- events and audit ---------------------------------------------------------------------
 def parse_cursor(text: str | None) -> dict[str, int]:
-    """``e1:120,e2:45`` -> {"e1": 120, "e2": 45}."""
+    """``e1:120,e2:45`` -> {"e1": 120, "e2": 45}. Client input (a query parameter or
+    ``Last-Event-ID``): every part is checked and the whole is bounded."""
     if not text:
         return {}
+    bad = InvalidArgument(
+        f"bad cursor {text[:200]!r}: expected edge:seq[,edge:seq...] as sent in "
+        f"the {CURSOR_HEADER} header or as a stream's event id"
+    )
+    if len(text) > MAX_CURSOR_CHARS:
+        raise bad
     out: dict[str, int] = {}
     parts = text.split(",")
+    if len(parts) > MAX_CURSOR_EDGES:
+        raise bad
     for part in parts:
-        edge, sep, seq = part.partition(":")
-        bad = not sep or not edge or len(edge) > 16 or not seq.isdigit() or len(seq) > 18
-        if bad or len(parts) > MAX_CURSOR_EDGES:
-            raise InvalidArgument(
-                f"bad cursor {text[:200]!r}: expected edge:seq[,edge:seq...] as sent in "
-                f"the {CURSOR_HEADER} header"
-            )
+        edge, _, seq = part.partition(":")
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+        if not _EDGE_ID.fullmatch(edge) or not (seq.isascii() and seq.isdigit()) or len(seq) > 18:
+            raise bad
         out[edge] = int(seq)
     return out
 
@@ -173,11 +198,51 @@ def _keyed(edge_id: str, rows: list[dict[str, Any]]) -> list[tuple[datetime, str
     return [(_when(r), edge_id, r) for r in rows]
 
 
+def _merge(
+    answers: dict[str, list[dict[str, Any]]], limit: int
+) -> list[tuple[str, dict[str, Any]]]:
+    """Up to ``limit`` rows of every edge's answer merged by time, as (edge, row).
+
+    A merge keeps every edge's own order (by seq) whatever the clocks say, so the rows
+    taken from an edge are always a prefix of its answer: a cursor at the last one
+    taken is exact (nothing skipped, nothing repeated)."""
+    merged = heapq.merge(
+        *(_keyed(e, rows) for e, rows in sorted(answers.items())),
+        key=lambda t: (t[0], t[1]),
+    )
+    out: list[tuple[str, dict[str, Any]]] = []
+    for _, edge_id, row in merged:
+        if len(out) >= limit:
+            break
+        out.append((edge_id, row))
+    return out
+
+
 class ClusterAudit:
-    """``/v1/events`` and ``/v1/audit`` over every edge (dsec.apiserver.security)."""
+    """``/v1/events``, ``/v1/audit`` and ``/v1/events/stream`` over every edge
+    (dsec.apiserver.security)."""
 
     def __init__(self, router: ClusterEdge, *, timeout: float | None = None) -> None:
         self.edges = Edges(router, timeout=timeout)
+        self.router = router
+
+    async def _rows(
+        self,
+        path: str,
+        forwarded: list[tuple[str, str]],
+        cursor: dict[str, int],
+        *,
+        only: str | None = None,
+    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+        """Every up edge's (or edge ``only``'s) rows after its position in ``cursor``."""
+
+        async def one(remote: RemoteEdge) -> list[dict[str, Any]]:
+            params = [*forwarded, ("since_seq", str(cursor.get(remote.edge_id, 0)))]
+            resp = await self.edges.ask(remote, "GET", path, params=params)
+            rows: list[dict[str, Any]] = json.loads(resp.content)
+            return rows
+
+        return await self.edges.gather(one, only=only)
 
     async def answer(self, request_params: QueryParams, filters: Filters, events: bool) -> Response:
         path = "/v1/events" if events else "/v1/audit"
@@ -199,33 +264,105 @@ class ClusterAudit:
                 "cluster: filter by sandbox_id (one edge, exact since_seq), or page with "
                 f"cursor= set to the {CURSOR_HEADER} header of the previous answer"
             )
-        limit = filters.get("limit", 1000)
-
-        async def one(remote: RemoteEdge) -> list[dict[str, Any]]:
-            params = [*forwarded, ("since_seq", str(cursor.get(remote.edge_id, 0)))]
-            resp = await self.edges.ask(remote, "GET", path, params=params)
-            rows: list[dict[str, Any]] = json.loads(resp.content)
-            return rows
-
-        answers, missing = await self.edges.gather(one)
+        answers, missing = await self._rows(path, forwarded, cursor)
         _require_complete(request_params, missing)
-        # A merge keeps every edge's own order (by seq) whatever the clocks say, so the
-        # rows taken from an edge are always a prefix of its answer: its cursor is exact.
-        merged = heapq.merge(
-            *(_keyed(e, rows) for e, rows in sorted(answers.items())),
-            key=lambda t: (t[0], t[1]),
-        )
         page: list[dict[str, Any]] = []
         positions = dict(cursor)
-        for _, edge_id, row in merged:
-            if len(page) >= limit:
-                break
+        for edge_id, row in _merge(answers, filters.get("limit", 1000)):
             page.append(row)
             positions[edge_id] = int(row["seq"])
         for edge_id in answers:
             positions.setdefault(edge_id, 0)
         headers = {CURSOR_HEADER: format_cursor(positions), **missing_headers(missing)}
         return Response(json.dumps(page, separators=(",", ":")), media_type=_JSON, headers=headers)
+
+    async def follow(self, request: Request, filters: Filters) -> Response:
+        """``/v1/events/stream`` of a cluster: every edge's audit records as they are
+        written, fanned in, as server-sent events whose ``id`` is a cursor.
+
+        Why polling the merged query, not a fan-in of the edges' own streams: the
+        cursor logic is the one ``answer`` pages with (exact, tested: an edge that is
+        down or silent keeps its position and its rows come once it is back), edges
+        that join or leave are picked up by the next poll with no per-edge connection
+        to reopen, and a viewer costs no long-lived connection to every edge. The price
+        is up to ``STREAM_POLL_S`` more delay and, while a stream is quiet, one small
+        query per up edge per second per open stream: right for a dashboard and a
+        few followers, not for hundreds of them (they should follow each edge).
+
+        The cursor: ``cursor=``, ``since_seq`` (with ``sandbox_id`` only: one edge, as
+        on one node) and ``Last-Event-ID`` (what EventSource sends on reconnect; per
+        edge, the furthest of them wins). It is client input: ``parse_cursor`` bounds
+        and checks it, and positions of edges this cluster does not know are dropped,
+        so the id echoed in every frame is at most one entry per edge of the cluster
+        (an edge that joined after the cursor was made starts from its first row)."""
+        params = request.query_params
+        cursor = parse_cursor(params.get("cursor"))
+        for edge_id, seq in parse_cursor(request.headers.get("last-event-id", "").strip()).items():
+            cursor[edge_id] = max(seq, cursor.get(edge_id, 0))
+        sandbox = filters.get("sandbox_id")
+        since = filters.get("since_seq", 0)
+        only = edge_of(sandbox) if sandbox is not None else None
+        if only is not None:
+            cursor[only] = max(since, cursor.get(only, 0))
+        elif since:
+            raise InvalidArgument(
+                "since_seq numbers rows per edge, and this stream spans every edge of the "
+                "cluster: filter by sandbox_id (one edge, exact since_seq), or resume with "
+                "cursor= (or Last-Event-ID) set to the id of the last event received"
+            )
+        known = self.router.known_edges()
+        cursor = {e: s for e, s in cursor.items() if e in known}
+        skip = _OWN_PARAMS | {"limit"}
+        forwarded = [(k, v) for k, v in params.multi_items() if k not in skip]
+        forwarded.append(("limit", str(PAGE)))
+        follower = _MergedFollower(self, forwarded, cursor, only)
+        return StreamingResponse(
+            follower.frames(request.is_disconnected),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
+class _MergedFollower:
+    """One client's position on every edge (``ClusterAudit.follow``)."""
+
+    def __init__(
+        self,
+        audit: ClusterAudit,
+        forwarded: list[tuple[str, str]],
+        cursor: dict[str, int],
+        only: str | None,
+    ) -> None:
+        self.audit = audit
+        self.forwarded = forwarded
+        self.cursor = cursor
+        self.only = only
+
+    async def frames(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
+        quiet_since = time.monotonic()
+        yield ": dsec audit stream (cluster)\n\n"
+        while True:
+            answers, missing = await self.audit._rows(
+                "/v1/audit", self.forwarded, self.cursor, only=self.only
+            )
+            if missing:
+                log.info("audit stream: edges not answering: %s", ", ".join(sorted(missing)))
+            rows = _merge(answers, PAGE)
+            for edge_id, row in rows:
+                record = AuditRecord.model_validate(row)  # the frame's kind is an enum
+                self.cursor[edge_id] = record.seq
+                yield frame(record, format_cursor(self.cursor))
+            if len(rows) >= PAGE:
+                quiet_since = time.monotonic()
+                continue  # more is waiting: no sleep
+            if rows:
+                quiet_since = time.monotonic()
+            if await disconnected():
+                return
+            if time.monotonic() - quiet_since >= KEEPALIVE:
+                quiet_since = time.monotonic()
+                yield ": keepalive\n\n"
+            await asyncio.sleep(STREAM_POLL_S)
 
 
 # -- trajectories -------------------------------------------------------------------------

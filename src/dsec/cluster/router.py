@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import TypeAdapter
@@ -133,7 +134,7 @@ class ClusterEdge:
         self._miss_refresh = 0.0
         # This apiserver's Prometheus metrics (its /metrics): creates it placed, and the
         # cluster as its view sees it; each edge serves its own sandboxes' metrics.
-        self.metrics = Metrics()
+        self.metrics = Metrics.from_env()
         self.metrics.add(GaugeCollector(self._gauges))
         self.metrics.add(GaugeCollector(host_gauges))
 
@@ -563,12 +564,14 @@ class ClusterEdge:
         ]
         return out
 
-    async def stats(self) -> builtins.list[SandboxStats]:
+    async def stats(self, sandbox_id: str | None = None) -> builtins.list[SandboxStats]:
         """Every edge's ``/v1/stats``, merged; an edge that does not answer is left out
-        (its rows come back with it: this is a live view, not a record)."""
+        (its rows come back with it: this is a live view, not a record). With
+        ``sandbox_id`` every edge is asked for that one only."""
         remotes = self._up()
+        path = "/v1/stats" if sandbox_id is None else f"/v1/stats?sandbox_id={quote(sandbox_id)}"
         answers = await asyncio.gather(
-            *(r.forward("GET", "/v1/stats") for r in remotes), return_exceptions=True
+            *(r.forward("GET", path) for r in remotes), return_exceptions=True
         )
         out: builtins.list[SandboxStats] = []
         for remote, answer in zip(remotes, answers, strict=True):

@@ -38,16 +38,21 @@ class Admission:
         # and stop answers against heartbeat reports (dsec.control.placement.EdgeLoad).
         # Starts at the clock (us) so that it keeps growing across a restart.
         self.seq = time.time_ns() // 1000
+        # Told the reason of every refusal ("capacity", "memory", "helper_vm",
+        # "host_limit"): the edge counts them in its metrics.
+        self.on_refused: Callable[[str], None] = lambda reason: None
 
     def check_limits(self, spec: DSecRunArgs) -> None:
         """Limits no host of this size could ever honour: a 4xx, not a retry."""
         if spec.memory_limit_mb > self.host_memory_mb:
+            self.on_refused("host_limit")
             raise LimitExceeded(
                 f"memory_limit_mb={spec.memory_limit_mb} exceeds this host's "
                 f"{self.host_memory_mb} MiB",
                 host_memory_mb=self.host_memory_mb,
             )
         if spec.cpu_cores_limit > self.host_cpus:
+            self.on_refused("host_limit")
             raise LimitExceeded(
                 f"cpu_cores_limit={spec.cpu_cores_limit:g} exceeds this host's "
                 f"{self.host_cpus} cores",
@@ -56,6 +61,7 @@ class Admission:
 
     def admit(self, spec: RunArgs) -> None:
         if self.count >= self.max_sandboxes:
+            self.on_refused("capacity")
             raise AdmissionRejected(
                 f"host is full: {self.count} of {self.max_sandboxes} sandboxes; retry later",
                 running=self.count,
@@ -63,6 +69,7 @@ class Admission:
             )
         cost = self.cost_mb(spec)
         if self.memory_mb + cost > self.memory_budget_mb:
+            self.on_refused("memory")
             raise AdmissionRejected(
                 f"host memory is fully committed ({self.memory_mb} of "
                 f"{self.memory_budget_mb} MiB); retry later",
@@ -80,6 +87,7 @@ class Admission:
         holds its memory like a sandbox, and takes a sandbox's slot); AdmissionRejected
         before anything starts when the host has no room, released at the end."""
         if self.count >= self.max_sandboxes or self.memory_mb + memory_mb > self.memory_budget_mb:
+            self.on_refused("helper_vm")
             raise AdmissionRejected(
                 f"no room for the {what} VM ({self.count} of {self.max_sandboxes} "
                 f"sandboxes, {self.memory_mb} of {self.memory_budget_mb} MiB committed, "

@@ -61,8 +61,9 @@ class EdgeAPI(Protocol):
 
     async def health(self) -> HealthInfo: ...
 
-    async def stats(self) -> builtins.list[SandboxStats]:
-        """Resource use of every live sandbox (a cluster: of every edge that answers)."""
+    async def stats(self, sandbox_id: str | None = None) -> builtins.list[SandboxStats]:
+        """Resource use of every live sandbox (a cluster: of every edge that answers);
+        ``sandbox_id``: of that one only (empty if it is not live)."""
         ...
 
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:

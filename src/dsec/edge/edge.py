@@ -110,9 +110,10 @@ class Edge:
         unavailable: Mapping[BackendKind, str] | None = None,
     ) -> None:
         self.audit = audit or AuditLog(None)
-        # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics.
-        self.metrics = Metrics()
-        self.audit.on_event(lambda ev: self.metrics.events.labels(ev.kind.value).inc())
+        # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics;
+        # DSEC_METRICS=0 turns every update into a no-op (and /metrics into a 404).
+        self.metrics = Metrics.from_env()
+        self.audit.on_event(lambda ev: self.metrics.event(ev.kind.value))
         self.metrics.add(GaugeCollector(self._gauges))
         self.metrics.add(GaugeCollector(host_gauges))
         # Disk, fds, memory, pids running out: typed errors and health (dsec.exhaustion).
@@ -122,6 +123,9 @@ class Edge:
         self.supervisor = Supervisor()
         # egress rules (dsec.net); None: sandboxes with allow-rules are Unsupported
         self.network = network
+        if network is not None:  # denials and refusals happen there; counted here
+            network.on_denied = self.metrics.egress_denied
+            network.on_dns_refused = self.metrics.dns_refused
         self.tamper = TamperWatch()
         self.detectors = DetectorGuard(self.audit)  # a detector that raises never stops a hook
         # resource-limit events (OOM, pids, disk quota, output, timeout): dsec.security.limits
@@ -150,6 +154,7 @@ class Edge:
         # A resumed sandbox may have a new init (a microVM restored into a new VMM).
         self.thaw_listeners.append(self._rewatch_init)
         admission.cost_mb = self._committed_memory_mb
+        admission.on_refused = self.metrics.admission_refused
         self._death_tasks: set[asyncio.Task[None]] = set()
         self.clocks = IdleClocks(state)  # idle TTL deadlines that survive a restart
         self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
@@ -317,7 +322,7 @@ class Edge:
         started = time.perf_counter()
         try:
             runnable = require_backend(spec)  # 501 for a kind without a backend, first
-            self.exhaustion.check_create()  # 507/503 before any work while the host is out
+            self._check_exhaustion()  # 507/503 before any work while the host is out
             with self.exhaustion.mapped():
                 info = await self._build_mapped(runnable, timeout=timeout, claim=claim)
         except BaseException as exc:
@@ -333,6 +338,15 @@ class Edge:
         self.metrics.created(str(spec.backend), time.perf_counter() - started)
         return info
 
+    def _check_exhaustion(self) -> None:
+        """The host has run out of something (dsec.exhaustion): refused, and counted
+        with admission's refusals (an operator sees one place for "why no creates")."""
+        try:
+            self.exhaustion.check_create()
+        except DSecError:
+            self.metrics.admission_refused("exhausted")
+            raise
+
     def _gauges(self) -> Iterator[Metric]:
         """Sandboxes by state and backend, and what admission has committed."""
         counts: Counter[tuple[str, str]] = Counter(
@@ -344,6 +358,7 @@ class Edge:
             ["state", "backend"],
             ((list(key), n) for key, n in sorted(counts.items())),
         )
+        yield from self._job_gauges()
         a = self.admission
         yield gauge("dsec_admission_sandboxes", "Admitted sandboxes", [], [([], a.count)])
         yield gauge(
@@ -354,6 +369,33 @@ class Edge:
         )
         yield gauge(
             "dsec_admission_memory_budget_mb", "Memory budget", [], [([], a.memory_budget_mb)]
+        )
+
+    def _job_gauges(self) -> Iterator[Metric]:
+        """Per-job counts without a job label (a job id is the client's to choose, so
+        it never becomes a label): how many jobs have live sandboxes, how many have
+        paused ones, and the live sandboxes of the largest job."""
+        live: Counter[str] = Counter(
+            rec.spec.job_id
+            for rec in self._records.values()
+            if rec.spec.job_id is not None and rec.state in LIVE_STATES
+        )
+        paused = {
+            rec.spec.job_id
+            for rec in self._records.values()
+            if rec.spec.job_id is not None and rec.state is SandboxState.PAUSED
+        }
+        yield gauge(
+            "dsec_jobs",
+            "Jobs (distinct job_id) with live sandboxes, and with paused ones",
+            ["state"],
+            [(["live"], len(live)), (["paused"], len(paused))],
+        )
+        yield gauge(
+            "dsec_job_sandboxes_max",
+            "Live sandboxes of the job that has the most",
+            [],
+            [([], max(live.values(), default=0))],
         )
 
     async def _build_mapped(
@@ -486,7 +528,7 @@ class Edge:
             log.error("teardown of %s incomplete: %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
         self._set_best_effort(rec, final, reason)
-        self.metrics.ends.labels(str(rec.spec.backend), final.value).inc()
+        self.metrics.ended(str(rec.spec.backend), final.value)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
         self.tamper.forget(rec.id)
         self.detectors.forget(rec.id)
@@ -762,8 +804,8 @@ class Edge:
             res = await self._on_running(
                 sandbox_id, lambda rec: self.backend_of(rec).exec(rec, req)
             )
-            self.metrics.exec_seconds.labels(str(self._records[sandbox_id].spec.backend)).observe(
-                time.perf_counter() - started
+            self.metrics.exec_done(
+                str(self._records[sandbox_id].spec.backend), time.perf_counter() - started
             )
             outcome = _outcome(res)
             self.command_finished(sandbox_id)
@@ -788,12 +830,18 @@ class Edge:
                 **outcome,
             )
 
-    async def stats(self) -> builtins.list[SandboxStats]:
+    async def stats(self, sandbox_id: str | None = None) -> builtins.list[SandboxStats]:
         """Resource use of every live sandbox, read from cgroups now (a few file reads
-        each): what ``dsec top`` and the dashboard show."""
+        each): what ``dsec top`` and the dashboard show. ``sandbox_id``: only that one
+        (a sandbox's page polls it: its reads, not every sandbox's)."""
         now = time.monotonic()
         out: builtins.list[SandboxStats] = []
-        for rec in builtins.list(self._records.values()):
+        if sandbox_id is None:
+            recs = builtins.list(self._records.values())
+        else:
+            one = self._records.get(sandbox_id)
+            recs = [one] if one is not None else []
+        for rec in recs:
             if rec.state not in LIVE_STATES:
                 continue
             backend = self.backends.get(rec.kind)
@@ -832,9 +880,11 @@ class Edge:
         process may have changed binaries since the last command). In ``fresh`` mode
         the sandbox is stopped by the step: it ends stopped, whatever the grader did."""
         outcome: dict[str, object] = {"error": "did not finish"}
+        started, kind, result = time.perf_counter(), "", "internal"
         try:
             async with self._lock(sandbox_id):
                 rec = self.running_record(sandbox_id)
+                kind = str(rec.spec.backend)
                 backend = self.backend_of(rec, Capability.VERIFY)
                 try:  # bad input is refused before the sandbox is touched
                     req = req.model_copy(update={"graded": resolve_graded(rec.spec, req)})
@@ -857,11 +907,18 @@ class Edge:
             outcome = {**_outcome(res), "passed": res.passed, "graded": res.graded}
             if res.refused:
                 outcome["refused"] = len(res.refused)
+            result = "passed" if res.passed else "failed"
             return res
         except DSecError as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            result = exc.code
+            raise
+        except asyncio.CancelledError:
+            result = "cancelled"  # the caller went away (as a create's outcome)
             raise
         finally:
+            if kind:  # (a verify of an unknown or stopped sandbox never started)
+                self.metrics.verified(kind, time.perf_counter() - started, result)
             self.audit.record(
                 sandbox_id,
                 AuditKind.COMMAND,

@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -202,6 +203,8 @@ class FnCallService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._idle_task: asyncio.Task[None] | None = None
         self._rules: Path | None = None
+        # Told how long each call waited for a warm sandbox (the platform's metrics).
+        self.on_wait: Callable[[float], None] = lambda seconds: None
 
     async def start(self) -> None:
         """Remove what a crashed predecessor left (its zygotes died with it)."""
@@ -465,7 +468,9 @@ class FnCallService:
         compile_only: bool = False,
         collect: str | None = None,
     ) -> _Run:
+        asked = time.perf_counter()
         runner, warm = await pool.acquire(self.config.acquire_timeout_s)
+        self.on_wait(time.perf_counter() - asked)
         try:
             env = self._env(args)
             runner.put_file(lang.source, code.encode())

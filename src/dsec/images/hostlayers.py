@@ -61,6 +61,10 @@ class HostLayers:
         # Prepared for a sandbox that has not mounted it yet: not evictable meanwhile.
         self._pinned: dict[str, float] = {}
         self._inflight: dict[str, asyncio.Future[None]] = {}
+        # Layers asked for by prepare(): found on this host, or fetched (whole, or
+        # their chunk index when lazy); cumulative, read by cache reports and metrics.
+        self.hits = 0
+        self.misses = 0
 
     # -- what LayerMounts mounts --
 
@@ -97,9 +101,11 @@ class HostLayers:
     async def _prepare_one(self, digest: str, loading: ImageLoading) -> None:
         self._pinned[digest] = time.monotonic()
         if digest in self._lazy or self.store.exists(digest):
+            self.hits += 1
             if self.cache is not None:
                 self.cache.touch(digest)
             return
+        self.misses += 1
         if self.remote is None:
             raise ImageNotFound(
                 f"layer {digest} is not in the local layer store and no shared layer store "

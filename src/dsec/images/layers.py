@@ -111,6 +111,8 @@ class LayerService:
         return {
             "budget_bytes": host.cache_bytes,
             "used_bytes": sum(e[1] for e in entries),
+            "hits": host.hits,
+            "misses": host.misses,
             "layers": [
                 {"digest": d, "bytes": b, "last_used": t, "kind": k, "users": mounted.get(d, 0)}
                 for d, b, t, k in entries

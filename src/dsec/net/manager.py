@@ -49,7 +49,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +168,12 @@ class NetworkManager:
         self._nflog = NflogReader()
         self._deleting: set[Future[None]] = set()
         self.started = False
+        # Told of every denied connection (what it aimed at: "egress", "host",
+        # "metadata", "sandbox") and every refused DNS query (why: a dnsguard Reason,
+        # "not_allowed", "malformed", "address_limit", "unknown_source"); the edge
+        # counts them in its metrics.
+        self.on_denied: Callable[[str], None] = lambda target: None
+        self.on_dns_refused: Callable[[str], None] = lambda reason: None
 
     @classmethod
     def from_env(cls, edge_id: str, run_dir: Path, audit: AuditSink) -> NetworkManager | None:
@@ -552,26 +558,26 @@ class NetworkManager:
         or into the allow set (``dsec.net.dnsguard``)."""
         sb = self._by_ip.get(source)
         if sb is None:
-            return Refuse()
+            return self._refuse("unknown_source")
         if (reason := sb.guard.rate()) is not None:
             self._tunnel_event(sb, reason, None)  # no audit row: the bucket bounds those
-            return Refuse()
+            return self._refuse(reason)
         if query is None:
             self._tunnel_event(sb, sb.guard.malformed(), None)
             self.audit.record(sb.sid, AuditKind.NETWORK, "dns_refused", reason="malformed")
-            return Refuse()
+            return self._refuse("malformed")
         name, qtype = query.name, query.qtype
         found = sb.policy.match(name)
         if found is None:
             self.audit.record(sb.sid, AuditKind.NETWORK, "dns_refused", name=name, qtype=qtype)
-            return Refuse()
+            return self._refuse("not_allowed")
         ports, zone = found
         if (reason := sb.guard.name(name, zone)) is not None:
             self._tunnel_event(sb, reason, zone, name)
             self.audit.record(
                 sb.sid, AuditKind.NETWORK, "dns_refused", name=name, qtype=qtype, reason=reason
             )
-            return Refuse()
+            return self._refuse(reason)
         if qtype != "A":
             return Answer()  # only A queries ever go upstream
         static = sb.policy.static_answers.get(name)
@@ -593,6 +599,11 @@ class NetworkManager:
         if dropped:
             self._rebinding(sb, name, zone, resolved.chain, dropped)
         return self._learn(sb, name, ports, screened.kept, screened.covered, resolved.chain)
+
+    def _refuse(self, reason: str) -> Refuse:
+        """A REFUSED answer, counted by ``reason`` (a bounded set: see on_dns_refused)."""
+        self.on_dns_refused(str(reason))
+        return Refuse()
 
     def _screen(self, sb: _Sandbox, addresses: Sequence[ipaddress.IPv4Address]) -> Screened:
         return screen(addresses[:MAX_UPSTREAM_ADDRESSES], sb.policy.exempt)
@@ -620,7 +631,7 @@ class NetworkManager:
                 sb.sid, AuditKind.NETWORK, "dns_refused", name=name, reason="address_limit"
             )
             self._limited_event(sb, EventKind.RESOURCE_LIMIT, "dns_addresses", limit="dns")
-            return Refuse()
+            return self._refuse("address_limit")
         if new and self._by_sid.get(sb.sid) is sb:  # (not released while upstream ran)
             sb.learned.setdefault(name, []).extend(new)
             sb.learned_count += len(new)
@@ -690,6 +701,7 @@ class NetworkManager:
             self.audit.record(sb.sid, AuditKind.NETWORK, "connect_allowed", **detail)
             return
         target = "host" if pkt.prefix == "H" else self._classify(pkt.dst)
+        self.on_denied(target or "egress")
         self.audit.record(sb.sid, AuditKind.NETWORK, "connect_denied", **detail)
         if target is not None:
             self.audit.event(sb.sid, EventKind.HOST_ACCESS, target=target, **detail)

@@ -154,6 +154,7 @@ class JobControl:
                 got = ReclaimFigures(None, None, None, None, None)
             reclaim_s = time.perf_counter() - t1
         duration = freeze + reclaim_s
+        self.edge.metrics.paused(str(rec.spec.backend), duration)
         self.edge.audit.record(
             rec.id,
             AuditKind.LIFECYCLE,
@@ -202,13 +203,15 @@ class JobControl:
         self.edge.transition(rec, SandboxState.RUNNING)
         for listener in self.edge.thaw_listeners:  # e.g. the data plane's live restore
             listener(rec.id)
+        took = time.perf_counter() - t0
+        self.edge.metrics.resumed(str(rec.spec.backend), took)
         self.edge.audit.record(
             rec.id,
             AuditKind.LIFECYCLE,
             "resume",
             job_id=rec.spec.job_id,
             cause=cause,
-            duration=round(time.perf_counter() - t0, 6),
+            duration=round(took, 6),
         )
         return True
 

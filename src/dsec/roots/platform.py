@@ -291,6 +291,7 @@ async def serve(
         metrics.add(GaugeCollector(lambda: layer_cache_gauges(layers.cache_report())))
         if platform.fncall is not None:
             fncall = platform.fncall
+            fncall.on_wait = metrics.fncall_waited
             metrics.add(GaugeCollector(lambda: fncall_gauges(fncall.pools_info())))
         app = create_app(
             ApiServices(

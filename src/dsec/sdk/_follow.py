@@ -1,11 +1,12 @@
 """Following the audit log over ``GET /v1/events/stream`` (server-sent events).
 
-The stream is resumable: every frame's ``id`` is the record's ``seq``, and a dropped
-connection is opened again with ``Last-Event-ID`` set to the last one received, so a
-follower sees every record once, in order, across reconnects (and across an edge
-restart: the log is durable). The parser is the SSE line protocol (``field: value``
-lines, a blank line ends a frame, ``:`` lines are comments); each ``data`` is one
-record's JSON.
+The stream is resumable: every frame's ``id`` is the record's ``seq`` (on a cluster's
+apiserver, a cursor over every edge, ``e1:120,e2:45``: the follower never reads it, it
+only sends it back), and a dropped connection is opened again with ``Last-Event-ID``
+set to the last one received, so a follower sees every record once, in order (on a
+cluster, each edge's own order), across reconnects (and across an edge restart: the
+log is durable). The parser is the SSE line protocol (``field: value`` lines, a blank
+line ends a frame, ``:`` lines are comments); each ``data`` is one record's JSON.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ async def follow(
     params = httpx.QueryParams(
         [p for p in _params(job, sandbox, trajectory, kinds, since_seq, 1) if p[0] != "limit"]
     )
-    last: int | None = None
+    last: str | None = None
     failures = 0
     while True:
         headers = {"Accept": "text/event-stream"}
         if last is not None:
-            headers["Last-Event-ID"] = str(last)
+            headers["Last-Event-ID"] = last
         shard = client._pick_pool()  # first: it may create the pools
         pool = client._pools[shard]
         request = pool.build_request(
@@ -72,6 +73,7 @@ async def follow(
                         current[name] = value.removeprefix(" ")
                     continue
                 data = current.pop("data", None)
+                event_id = current.get("id")
                 current = {}
                 if data is None:
                     continue
@@ -79,7 +81,7 @@ async def follow(
                     record = AuditRecord.model_validate_json(data)
                 except ValueError as exc:
                     raise DSecError(f"unexpected audit stream frame: {exc}") from None
-                last = record.seq
+                last = event_id if event_id else str(record.seq)
                 yield record
         except httpx.HTTPError:
             pass  # dropped: reconnect from the last record seen

@@ -152,8 +152,9 @@ def health() -> Call[HealthInfo]:
     return Call("GET", "/v1/health", _model(HealthInfo))
 
 
-def stats() -> Call[list[SandboxStats]]:
-    return Call("GET", "/v1/stats", _list_of(SandboxStats))
+def stats(sandbox_id: str | None = None) -> Call[list[SandboxStats]]:
+    params = None if sandbox_id is None else [("sandbox_id", sandbox_id)]
+    return Call("GET", "/v1/stats", _list_of(SandboxStats), params=params)
 
 
 def create_sandbox(

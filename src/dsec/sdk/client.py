@@ -130,7 +130,8 @@ class DSecClient(
         """Every audit record as it is written (``async for r in client.follow_audit()``):
         lifecycle changes, commands, file and network decisions, misbehaviour events
         (``kinds=["event"]``), from ``since_seq`` on. Reconnects by itself from the last
-        record seen; stop by leaving the loop. One node's stream (``dsec up``)."""
+        record seen; stop by leaving the loop. On a cluster's apiserver: every edge's
+        records (with ``since_seq`` only together with ``sandbox``)."""
         records = follow(
             self, job=job, sandbox=sandbox, trajectory=trajectory, kinds=kinds, since_seq=since_seq
         )
@@ -174,10 +175,11 @@ class DSecClient(
     async def health(self) -> HealthInfo:
         return await self._send(proto.health())
 
-    async def stats(self) -> list[SandboxStats]:
-        """Memory, CPU time, disk and idle time of every live sandbox, read now
-        (``dsec top``); CPU use is the change of ``cpu_seconds`` between two calls."""
-        return await self._send(proto.stats())
+    async def stats(self, sandbox_id: str | None = None) -> list[SandboxStats]:
+        """Memory, CPU time, disk and idle time of every live sandbox (or of
+        ``sandbox_id`` only), read now (``dsec top``); CPU use is the change of
+        ``cpu_seconds`` between two calls."""
+        return await self._send(proto.stats(sandbox_id))
 
     async def run_sandbox(
         self,

@@ -158,10 +158,11 @@ class DSecSyncClient(
     def health(self) -> HealthInfo:
         return self._send(proto.health())
 
-    def stats(self) -> list[SandboxStats]:
-        """Memory, CPU time, disk and idle time of every live sandbox, read now
-        (``dsec top``); CPU use is the change of ``cpu_seconds`` between two calls."""
-        return self._send(proto.stats())
+    def stats(self, sandbox_id: str | None = None) -> list[SandboxStats]:
+        """Memory, CPU time, disk and idle time of every live sandbox (or of
+        ``sandbox_id`` only), read now (``dsec top``); CPU use is the change of
+        ``cpu_seconds`` between two calls."""
+        return self._send(proto.stats(sandbox_id))
 
     def run_sandbox(
         self,

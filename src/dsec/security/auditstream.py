@@ -26,8 +26,11 @@ POLL = 1.0  # seconds a follower waits for a write before it looks for a disconn
 KEEPALIVE = 15.0  # a comment line, so proxies and clients see a live connection
 
 
-def frame(record: AuditRecord) -> str:
-    return f"id: {record.seq}\nevent: {record.kind.value}\ndata: {record.model_dump_json()}\n\n"
+def frame(record: AuditRecord, event_id: str | None = None) -> str:
+    """One SSE frame; ``id`` is the record's seq unless given (a cluster's stream sends
+    its cursor over every edge: dsec.cluster.fanout)."""
+    eid = str(record.seq) if event_id is None else event_id
+    return f"id: {eid}\nevent: {record.kind.value}\ndata: {record.model_dump_json()}\n\n"
 
 
 class AuditFollower:

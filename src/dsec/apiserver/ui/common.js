@@ -31,10 +31,15 @@ const DSec = {
     return resp.json();
   },
 
-  _csrf: null,
+  // /ui/session: the CSRF secret and what this server lets the pages do (job_control).
+  _session: null,
+  async session() {
+    if (DSec._session === null) DSec._session = await DSec.json("/ui/session");
+    return DSec._session;
+  },
+
   async csrf() {
-    if (DSec._csrf === null) DSec._csrf = (await DSec.json("/ui/session")).csrf;
-    return DSec._csrf;
+    return (await DSec.session()).csrf;
   },
 
   async post(path) {
@@ -84,5 +89,63 @@ const DSec = {
 
   replaceRows(tbody, rows) {
     tbody.replaceChildren(...rows);
+  },
+
+  // The live plots of every page: an <svg class="plot" viewBox="0 0 600 160"> with one
+  // <polyline> per line, the newest of `n` samples at the right edge, all lines scaled
+  // to the largest value shown. A null sample is a gap in the data: the line skips it.
+  // The first line's newest value and the largest value go into data-* attributes
+  // (what the browser tests read) and, formatted, into the caption element `valueId`.
+  // `na = true`: the server has no such series (none counted here): the caption says
+  // "n/a" (and data-na="true"), not a value and not "-" (a sample not taken yet).
+  Plot: class {
+    constructor(svgId, valueId, lines, n, fmt) {
+      this.svg = document.getElementById(svgId);
+      this.value = document.getElementById(valueId);
+      this.lines = lines;
+      this.n = n;
+      this.fmt = fmt;
+      this.samples = Object.fromEntries(lines.map((name) => [name, []]));
+      this.na = false;
+      for (const name of lines) {
+        if (!this.svg.querySelector("polyline." + name)) {
+          const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+          line.setAttribute("class", name);
+          line.setAttribute("points", "");
+          this.svg.append(line);
+        }
+      }
+    }
+
+    push(name, v) {
+      const s = this.samples[name];
+      s.push(v);
+      if (s.length > this.n) s.shift();
+    }
+
+    draw() {
+      const all = this.lines.flatMap((name) => this.samples[name]).filter((v) => v !== null);
+      const max = Math.max(1e-9, ...all);
+      for (const name of this.lines) {
+        const pts = [];
+        this.samples[name].forEach((v, i) => {
+          if (v !== null) pts.push((i * 600 / (this.n - 1)).toFixed(1) + "," + (155 - v / max * 145).toFixed(1));
+        });
+        this.svg.querySelector("polyline." + name).setAttribute("points", pts.join(" "));
+      }
+      const first = this.samples[this.lines[0]];
+      const last = first.length ? first[first.length - 1] : null;
+      this.svg.setAttribute("data-samples", String(first.length));
+      this.svg.setAttribute("data-last", last === null ? "" : String(last));
+      this.svg.setAttribute("data-max", all.length ? String(Math.max(...all)) : "");
+      const newest = this.lines.map((name) => {
+        const s = this.samples[name];
+        return s.length ? s[s.length - 1] : null;
+      });
+      this.svg.setAttribute("data-na", String(this.na));
+      if (this.value) {
+        this.value.textContent = this.na ? "n/a" : newest.every((v) => v === null) ? "-" : this.fmt(...newest);
+      }
+    }
   },
 };

@@ -25,7 +25,14 @@
     }
   }
 
+  // A server without job pause/resume: no buttons (never a button that cannot work).
+  let control = null;
+
   DSec.every(1000, async () => {
+    if (control === null) {
+      control = (await DSec.session()).job_control === true;
+      document.getElementById("no-job-control").hidden = control;
+    }
     const list = await DSec.json("/v1/sandboxes");
     const jobs = new Map();
     for (const sb of list) {
@@ -45,7 +52,8 @@
       rows.push(el("tr", { "data-job": job },
         el("td", { class: "mono" }, job), el("td", {}, total),
         el("td", {}, Object.entries(states).map(([s, n]) => s + ": " + n).join(", ")),
-        el("td", {}, pause, " ", resume), el("td", { class: "mono result" }, results[job] || "")));
+        el("td", {}, ...(control ? [pause, " ", resume] : ["-"])),
+        el("td", { class: "mono result" }, results[job] || "")));
     }
     tbody.replaceChildren(...rows);
   });

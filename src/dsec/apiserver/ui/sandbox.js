@@ -67,6 +67,26 @@
     document.getElementById("events").replaceChildren(...events);
   }
 
+  // Resource graphs: this sandbox's row of /v1/stats every second (only its cgroup is
+  // read); CPU in cores is the change of its CPU time over the change of wall time.
+  const N = 120;
+  const memory = new DSec.Plot("plot-sb-memory", "v-sb-memory", ["value"], N, DSec.bytes);
+  const cpu = new DSec.Plot("plot-sb-cpu", "v-sb-cpu", ["cpu"], N, (v) => v.toFixed(2));
+  let last = null;
+  DSec.every(1000, async () => {
+    const rows = await DSec.json("/v1/stats?" + q);
+    const row = rows.find((r) => r.id === id);
+    if (!row) return; // not live (any more): the graphs keep what they have
+    const t = performance.now() / 1000;
+    memory.push("value", typeof row.memory_bytes === "number" ? row.memory_bytes : null);
+    if (last !== null && typeof row.cpu_seconds === "number" && typeof last.cpu === "number") {
+      cpu.push("cpu", Math.max(0, row.cpu_seconds - last.cpu) / Math.max(0.001, t - last.t));
+    }
+    last = { t, cpu: row.cpu_seconds };
+    memory.draw();
+    cpu.draw();
+  });
+
   DSec.every(2000, async () => {
     const resp = await DSec.api("/v1/sandboxes/" + encodeURIComponent(id));
     if (resp.ok) summary(await resp.json());
