@@ -196,6 +196,9 @@ class DSecFullVMRunArgs(DSecRunArgs):
 
     backend: Literal["fullvm"] = "fullvm"
     vm_image: ImageName = Field(..., description="VM image reference name[:tag]")
+    firmware: Literal["bios", "uefi"] = Field(
+        "bios", description="bios: SeaBIOS; uefi: OVMF (not supported yet: 501)"
+    )
 
     @property
     def image_ref(self) -> str:

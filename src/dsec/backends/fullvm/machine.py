@@ -1,0 +1,114 @@
+"""The QEMU command line of one full VM (q35, PCI, firmware, a display).
+
+Why q35 and not the microVM machine: a full VM boots an OS from its own disk through
+firmware (SeaBIOS, which ships with QEMU; OVMF for UEFI), needs a display adapter for
+computer use (std VGA: QEMU's screendump reads it, no guest software involved), a
+keyboard (the PS/2 one q35 has) and an absolute pointer (virtio-tablet), and ordinary
+PCI devices any OS has drivers for. A direct kernel boot (``-kernel``) is still
+offered, for images that carry their kernel (the project's test image does).
+
+The process is started like a microVM's (dsec.backends.microvm.qemu.QemuProcess.spawn:
+own session, jailed, console in a bounded ring, ``-action shutdown=pause``), and its
+QMP socket is named the same way, so ``find_running`` finds leftovers of either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from dsec.backends.microvm.qemu import (
+    CONSOLE_RING_BYTES,
+    SANDBOX,
+    TCG_TB_SIZE_MB,
+    Accel,
+    qemu_binary,
+    supports_sandbox,
+)
+from dsec.errors import BackendError, Unsupported
+
+Firmware = Literal["bios", "uefi"]
+GA_PORT = "org.qemu.guest_agent.0"  # the name every qemu-ga looks for
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+
+
+@dataclass(frozen=True)
+class DirectBoot:
+    """A kernel the image carries, booted without a boot loader."""
+
+    kernel: Path
+    initrd: Path | None
+    cmdline: str
+
+
+@dataclass(frozen=True)
+class FullVMConfig:
+    """Everything that decides one full VM's QEMU command line."""
+
+    disk: Path  # the sandbox's private qcow2 overlay
+    ga_socket: Path
+    qmp_socket: Path
+    log_path: Path
+    vcpus: int = 1
+    memory_mb: int = 512
+    accel: Accel = "tcg"
+    firmware: Firmware = "bios"
+    boot: DirectBoot | None = None
+
+    def readable_files(self) -> list[Path]:
+        """What QEMU reads besides the disk chain (for the jail's read-only binds)."""
+        files: list[Path] = []
+        if self.boot is not None:
+            files.append(self.boot.kernel)
+            if self.boot.initrd is not None:
+                files.append(self.boot.initrd)
+        return files
+
+
+def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
+    """The full qemu-system-x86_64 argv (pure: no files touched)."""
+    if config.firmware == "uefi":
+        raise Unsupported(
+            "firmware='uefi' is not supported yet by the fullvm backend (OVMF is not wired "
+            "in): use firmware='bios'",
+            backend="fullvm",
+            capability="firmware_uefi",
+        )
+    if config.vcpus < 1 or config.memory_mb < 64:
+        raise BackendError(f"bad VM size: {config.vcpus} vCPUs, {config.memory_mb} MiB")
+    for path in (config.disk, config.ga_socket, config.qmp_socket):
+        if "," in str(path):
+            raise BackendError(f"a VM path contains a comma: {path}")
+    argv = [
+        binary or qemu_binary(),
+        "-M", "q35",
+        "-accel", "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MB}",
+        "-cpu", "host" if config.accel == "kvm" else "max",
+        "-m", str(config.memory_mb),
+        "-smp", str(config.vcpus),
+        "-nodefaults", "-no-user-config",
+        "-display", "none",
+        "-vga", "std",
+        "-no-reboot",
+        "-action", "shutdown=pause",
+        "-chardev", f"ringbuf,id=console,size={CONSOLE_RING_BYTES}",
+        "-serial", "chardev:console",
+        "-chardev", f"socket,id=qmp,path={config.qmp_socket},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-drive", f"id=d0,file={config.disk},format=qcow2,if=none,discard=unmap",
+        # The disk boots first, unless a kernel is loaded directly (its option ROM
+        # takes boot index 0 then).
+        "-device", "virtio-blk-pci,drive=d0" + ("" if config.boot else ",bootindex=0"),
+        "-device", "virtio-serial-pci",
+        "-chardev", f"socket,id=ga,path={config.ga_socket},server=on,wait=off",
+        "-device", f"virtserialport,chardev=ga,name={GA_PORT}",
+        "-device", "virtio-tablet-pci",
+    ]  # fmt: skip
+    if config.boot is not None:
+        argv += ["-kernel", str(config.boot.kernel), "-append", config.boot.cmdline]
+        if config.boot.initrd is not None:
+            argv += ["-initrd", str(config.boot.initrd)]
+    if supports_sandbox():
+        argv += ["-sandbox", SANDBOX]
+    return argv
