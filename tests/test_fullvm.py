@@ -5,10 +5,11 @@ driven through the SDK as a user would, and looked at from the host.
 
 What is shown: commands and files through the standard QEMU guest agent, the disk
 limit as the overlay's size, screenshots and typed keys through QMP (the keys reach
-the guest's shell on its VGA console), 501s for what the backend does not declare
-(sessions, UEFI) and for computer use on a container, a guest that garbles its agent
-port failing only the calls it garbled, and a stop that leaves no QEMU, overlay or
-cgroup (the module's platform is leak-checked too: tests/conftest.py).
+the guest's shell on its VGA console), a second VM under UEFI (OVMF) whose framebuffer
+has the display size asked for, 501s for what the backend does not declare (sessions,
+network rules) and for computer use on a container, a guest that garbles its agent
+port without breaking the edge, and a stop that leaves no QEMU, overlay or cgroup (the
+module's platform is leak-checked too: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -147,13 +148,27 @@ def test_what_the_backend_lacks_is_a_501_naming_it(fvm: FVM) -> None:
     assert err.value.details.get("capability") == "sessions"
     assert err.value.details.get("backend") == "fullvm"
     with pytest.raises(Unsupported) as err:
-        fvm.client.run_fullvm(DSecFullVMRunArgs(vm_image=IMAGE, firmware="uefi"), timeout=30)
-    assert err.value.details.get("capability") == "firmware_uefi"
-    with pytest.raises(Unsupported) as err:
         fvm.client.run_fullvm(
             DSecFullVMRunArgs(vm_image=IMAGE, network_rules={"pypi": True}), timeout=30
         )
     assert err.value.details.get("capability") == "network_rules"
+
+
+@pytest.mark.skipif(not Path("/usr/share/OVMF/OVMF_CODE_4M.fd").is_file(), reason="no ovmf")
+def test_uefi_boots_with_a_framebuffer_of_the_display_size(fvm: FVM) -> None:
+    spec = DSecFullVMRunArgs(
+        vm_image=IMAGE, firmware="uefi", display=(1024, 768), memory_limit_mb=256
+    )
+    t0 = time.monotonic()
+    with fvm.client.run_fullvm(spec, timeout=BOOT) as sb:
+        print(f"UEFI boot to guest agent: {time.monotonic() - t0:.1f}s")
+        assert sb.run_shell("test -d /sys/firmware/efi && echo efi").stdout == "efi\n"
+        png = sb.screenshot()  # OVMF's framebuffer, taken over by the kernel's fbcon
+        size = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert png.startswith(PNG) and size == (1024, 768)
+        vm_dir = fvm.plat.data_dir / "fullvms" / sb.id
+        assert (vm_dir / "efivars.fd").is_file()  # its own variable store
+    assert not vm_dir.exists()
 
 
 def test_computer_use_on_a_container_is_a_501(fvm: FVM) -> None:

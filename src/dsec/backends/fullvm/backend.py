@@ -10,7 +10,7 @@ then the standard QEMU guest agent (qga.py) until it answers a sync.
 
 What a full VM does not have (yet): sessions, PTYs, streaming and background
 processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), network rules, pause and snapshots, verify steps, UEFI.
+refuses them with 501), network rules, pause and snapshots, verify steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ from dsec.backends.fullvm import guestops
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
 from dsec.backends.fullvm.facts import FullVMFacts
-from dsec.backends.fullvm.machine import DirectBoot, FullVMConfig, build_argv
+from dsec.backends.fullvm.machine import (
+    OVMF_CODE,
+    OVMF_VARS,
+    DirectBoot,
+    FullVMConfig,
+    build_argv,
+)
 from dsec.backends.fullvm.qga import GuestAgent, GuestAgentError, GuestCommandError
 from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
 from dsec.backends.microvm.jail import Jail
@@ -202,11 +208,14 @@ class FullVMBackend(Backend):
                 minimum_mb=MIN_MEMORY_MB,
             )
         if isinstance(spec, DSecFullVMRunArgs) and spec.firmware == "uefi":
-            raise Unsupported(
-                "firmware='uefi' is not supported yet by the fullvm backend: use 'bios'",
-                backend=self.kind.value,
-                capability="firmware_uefi",
-            )
+            missing = [str(f) for f in (OVMF_CODE, OVMF_VARS) if not f.is_file()]
+            if missing:
+                raise Unsupported(
+                    f"firmware='uefi' needs OVMF on this host ({', '.join(missing)} missing: "
+                    "apt-get install ovmf)",
+                    backend=self.kind.value,
+                    capability="firmware_uefi",
+                )
 
     def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
         """Guest RAM stays resident once touched, QEMU's own comes on top: a VM is
@@ -237,6 +246,10 @@ class FullVMBackend(Backend):
                 cpu_cores=spec.cpu_cores_limit,
                 pids=QEMU_PIDS,
             )
+            efi_vars = None
+            if spec.firmware == "uefi":
+                efi_vars = root / "efivars.fd"
+                await asyncio.to_thread(shutil.copyfile, OVMF_VARS, efi_vars)
             boot = None
             if image.kernel is not None:
                 initrd = blobs[image.initrd] if image.initrd is not None else None
@@ -251,12 +264,14 @@ class FullVMBackend(Backend):
                 accel=accel.accel,
                 firmware=spec.firmware,
                 boot=boot,
+                efi_vars=efi_vars,
+                display=spec.display,
             )
             facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
             jail = Jail(cgroup_dirs=tuple(self.cgroups.dirs(self.cgroup_of(sid))))
             prefix = jail.prefix_for(
                 ro=[blobs[image.disk], *config.readable_files()],
-                rw=[overlay, root / "q"],
+                rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
                 kvm=accel.accel == "kvm",
             )
             proc = QemuProcess.spawn(

@@ -5,7 +5,8 @@ firmware (SeaBIOS, which ships with QEMU; OVMF for UEFI), needs a display adapte
 computer use (std VGA: QEMU's screendump reads it, no guest software involved), a
 keyboard (the PS/2 one q35 has) and an absolute pointer (virtio-tablet), and ordinary
 PCI devices any OS has drivers for. A direct kernel boot (``-kernel``) is still
-offered, for images that carry their kernel (the project's test image does).
+offered, for images that carry their kernel (the project's test image does); under
+UEFI, OVMF loads that kernel itself (fw_cfg), so both firmwares boot either kind.
 
 The process is started like a microVM's (dsec.backends.microvm.qemu.QemuProcess.spawn:
 own session, jailed, console in a bounded ring, ``-action shutdown=pause``), and its
@@ -26,11 +27,16 @@ from dsec.backends.microvm.qemu import (
     qemu_binary,
     supports_sandbox,
 )
-from dsec.errors import BackendError, Unsupported
+from dsec.errors import BackendError
 
 Firmware = Literal["bios", "uefi"]
 GA_PORT = "org.qemu.guest_agent.0"  # the name every qemu-ga looks for
+# Debian's OVMF (package ovmf): the firmware code, shared read-only, and the template
+# of the variable store each UEFI VM gets a private copy of (it writes boot entries).
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+DEFAULT_DISPLAY = (1280, 800)  # QEMU's std VGA's own preferred mode
+VGA_MEMORY_MB = 32  # enough for 3840x2160 at 32 bits per pixel
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,12 @@ class FullVMConfig:
     accel: Accel = "tcg"
     firmware: Firmware = "bios"
     boot: DirectBoot | None = None
+    efi_vars: Path | None = None  # the VM's own copy of OVMF_VARS (firmware="uefi")
+    display: tuple[int, int] = DEFAULT_DISPLAY
 
     def readable_files(self) -> list[Path]:
-        """What QEMU reads besides the disk chain (for the jail's read-only binds)."""
+        """What QEMU reads besides the disk chain (for the jail's read-only binds);
+        firmware is under /usr, which the jail shows read-only as a whole."""
         files: list[Path] = []
         if self.boot is not None:
             files.append(self.boot.kernel)
@@ -68,13 +77,8 @@ class FullVMConfig:
 
 def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
     """The full qemu-system-x86_64 argv (pure: no files touched)."""
-    if config.firmware == "uefi":
-        raise Unsupported(
-            "firmware='uefi' is not supported yet by the fullvm backend (OVMF is not wired "
-            "in): use firmware='bios'",
-            backend="fullvm",
-            capability="firmware_uefi",
-        )
+    if config.firmware == "uefi" and config.efi_vars is None:
+        raise BackendError("a UEFI VM needs its own copy of the OVMF variable store")
     if config.vcpus < 1 or config.memory_mb < 64:
         raise BackendError(f"bad VM size: {config.vcpus} vCPUs, {config.memory_mb} MiB")
     for path in (config.disk, config.ga_socket, config.qmp_socket):
@@ -89,7 +93,10 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         "-smp", str(config.vcpus),
         "-nodefaults", "-no-user-config",
         "-display", "none",
-        "-vga", "std",
+        # std VGA; its EDID offers the display size as the preferred mode, which OVMF's
+        # framebuffer and a guest's X server take (a BIOS text console stays 720x400).
+        "-device",
+        f"VGA,vgamem_mb={VGA_MEMORY_MB},xres={config.display[0]},yres={config.display[1]}",
         "-no-reboot",
         "-action", "shutdown=pause",
         "-chardev", f"ringbuf,id=console,size={CONSOLE_RING_BYTES}",
@@ -105,6 +112,12 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         "-device", f"virtserialport,chardev=ga,name={GA_PORT}",
         "-device", "virtio-tablet-pci",
     ]  # fmt: skip
+    if config.firmware == "uefi":
+        assert config.efi_vars is not None
+        argv += [
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={config.efi_vars}",
+        ]  # fmt: skip
     if config.boot is not None:
         argv += ["-kernel", str(config.boot.kernel), "-append", config.boot.cmdline]
         if config.boot.initrd is not None:
