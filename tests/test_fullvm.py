@@ -8,8 +8,9 @@ limit as the overlay's size, screenshots and typed keys through QMP (the keys re
 the guest's shell on its VGA console), a second VM under UEFI (OVMF) whose framebuffer
 has the display size asked for, 501s for what the backend does not declare (sessions,
 network rules) and for computer use on a container, a guest that garbles its agent
-port without breaking the edge, and a stop that leaves no QEMU, overlay or cgroup (the
-module's platform is leak-checked too: tests/conftest.py).
+port without breaking the edge, a guest that powers off failing its sandbox with that
+reason, and a stop that leaves no QEMU, overlay or cgroup (the module's platform is
+leak-checked too: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -233,6 +234,19 @@ def test_a_guest_that_garbles_its_agent_port_does_not_break_the_edge(fvm: FVM) -
         assert time.monotonic() < deadline, "the guest agent never answered again"
         time.sleep(0.5)
     assert fvm.sb.refresh().state.value == "running"
+
+
+def test_a_guest_that_powers_off_fails_its_sandbox_with_the_reason(fvm: FVM) -> None:
+    spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256)
+    sb = fvm.client.run_fullvm(spec, timeout=BOOT)
+    sb.run_shell("(sleep 0.5; poweroff -f) >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 60
+    while not sb.refresh().state.terminal:
+        assert time.monotonic() < deadline, "the sandbox outlived its guest"
+        time.sleep(0.3)
+    assert sb.state.value == "failed"
+    assert "shut down" in (sb.info.reason or ""), sb.info.reason
+    assert not (fvm.plat.data_dir / "fullvms" / sb.id).exists()
 
 
 def test_stop_leaves_nothing_behind(fvm: FVM) -> None:

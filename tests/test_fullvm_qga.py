@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dsec.backends.fullvm import guestops
-from dsec.backends.fullvm.display import char_key, key_code, png_size
+from dsec.backends.fullvm.display import char_key, key_code, png_size, read_bounded
 from dsec.backends.fullvm.qga import (
     GuestAgent,
     GuestAgentError,
@@ -286,3 +287,15 @@ def test_png_size_reads_the_header_only() -> None:
     assert png_size(header + (400).to_bytes(4, "big")) == (720, 400)
     with pytest.raises(BackendError):
         png_size(b"GIF89a" + b"\x00" * 30)
+
+
+def test_a_screenshot_path_qemu_replaced_is_never_followed_or_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "screen.png"
+    os.mkfifo(fifo)
+    with pytest.raises(BackendError, match="not a regular file"):
+        read_bounded(fifo, 1024)  # returns at once: no writer is waited for
+    fifo.unlink()
+    (tmp_path / "secret").write_bytes(b"host file")
+    fifo.symlink_to(tmp_path / "secret")
+    with pytest.raises(BackendError, match="cannot read"):
+        read_bounded(fifo, 1024)

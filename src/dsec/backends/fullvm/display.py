@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,7 +111,7 @@ class Display:
         target = self.qmp_dir / f"screen-{secrets.token_hex(6)}.png"
         try:
             await qmp.execute("screendump", {"filename": str(target), "format": "png"}, timeout=30)
-            data = await asyncio.to_thread(_read_bounded, target, MAX_PNG)
+            data = await asyncio.to_thread(read_bounded, target, MAX_PNG)
         finally:
             target.unlink(missing_ok=True)
         self.size = png_size(data)
@@ -179,10 +180,19 @@ class Display:
             await qmp.execute("input-send-event", {"events": events})
 
 
-def _read_bounded(path: Path, limit: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The file QEMU wrote, read as data only: QEMU's directory is writable by QEMU,
+    so a QEMU a guest took over could have put a link or a FIFO there instead (never
+    followed, never waited on)."""
     try:
-        if os.fstat(fd).st_size > limit:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BackendError(f"cannot read the screenshot QEMU wrote: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BackendError("the screenshot QEMU wrote is not a regular file")
+        if st.st_size > limit:
             raise BackendError(f"the screenshot is larger than {limit} bytes")
         with os.fdopen(os.dup(fd), "rb") as fh:
             return fh.read(limit + 1)[:limit]
