@@ -39,6 +39,7 @@ from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
 from dsec.guest.vmimage import busybox_vm_image
+from dsec.images.service import ImageService
 from dsec.roots.platform import running_platform
 from dsec.security.audit import AuditLog
 from tests.conftest import clean_leftovers, host_leaks
@@ -223,16 +224,19 @@ async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
         fh.close()
 
 
-async def _import_test_vm(platform: Any) -> None:
-    """The project's small VM image (dsec.guest.vmimage), imported as a user would."""
+async def import_test_vm(images: ImageService, ref: str) -> None:
+    """The project's small VM image (dsec.guest.vmimage) under ``ref``, imported as a
+    user would (each file a blob, then tagged); also used by bench/bench_fullvm.py."""
     files = await asyncio.to_thread(busybox_vm_image)
     disk, kernel, initrd = [
-        (await platform.images.add_vm_blob(_file_chunks(path)))[0]
+        (await images.add_vm_blob(_file_chunks(path)))[0]
         for path in (files.disk, files.kernel, files.initrd)
     ]
-    await platform.images.register_vm(
-        FULLVM_IMAGE, disk, kernel=kernel, initrd=initrd, cmdline=files.cmdline
-    )
+    await images.register_vm(ref, disk, kernel=kernel, initrd=initrd, cmdline=files.cmdline)
+
+
+async def _import_test_vm(platform: Any) -> None:
+    await import_test_vm(platform.images, FULLVM_IMAGE)
 
 
 def _fullvm(tmp_path: Path) -> Harness:
