@@ -8,9 +8,10 @@ limit as the overlay's size, screenshots and typed keys through QMP (the keys re
 the guest's shell on its VGA console), a second VM under UEFI (OVMF) whose framebuffer
 has the display size asked for, 501s for what the backend does not declare (sessions,
 network rules) and for computer use on a container, a guest that garbles its agent
-port without breaking the edge, a guest that powers off failing its sandbox with that
-reason, and a stop that leaves no QEMU, overlay or cgroup (the module's platform is
-leak-checked too: tests/conftest.py).
+port without breaking the edge, an edge SIGKILLed and restarted re-adopting the running
+VM, a guest that powers off failing its sandbox with that reason, and a stop that
+leaves no QEMU, overlay or cgroup (the module's platform is leak-checked too:
+tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -234,6 +235,19 @@ def test_a_guest_that_garbles_its_agent_port_does_not_break_the_edge(fvm: FVM) -
         assert time.monotonic() < deadline, "the guest agent never answered again"
         time.sleep(0.5)
     assert fvm.sb.refresh().state.value == "running"
+
+
+def test_an_edge_killed_with_sigkill_re_adopts_the_running_vm(fvm: FVM) -> None:
+    fvm.sb.write_file("/root/before-crash", "kept")
+    before = qemus(fvm.plat.data_dir)
+    fvm.plat.kill()  # SIGKILL: the platform gets no chance to clean up
+    assert qemus(fvm.plat.data_dir) == before  # the VM runs on without its edge
+    fvm.plat.start()
+    assert fvm.sb.refresh().state.value == "running"
+    assert fvm.sb.read_text("/root/before-crash") == "kept"  # guest agent linked again
+    assert fvm.sb.run_shell("echo again").stdout == "again\n"
+    assert fvm.sb.screenshot().startswith(PNG)  # QMP linked again
+    assert qemus(fvm.plat.data_dir) == before  # the same QEMU, adopted
 
 
 def test_a_guest_that_powers_off_fails_its_sandbox_with_the_reason(fvm: FVM) -> None:
