@@ -9,7 +9,8 @@ the guest's shell on its VGA console), a second VM under UEFI (OVMF) whose frame
 has the display size asked for, 501s for what the backend does not declare (sessions,
 network rules) and for computer use on a container, a guest that garbles its agent
 port without breaking the edge, an edge SIGKILLed and restarted re-adopting the running
-VM, a guest that powers off failing its sandbox with that reason, and a stop that
+VM, a job pause saving the VM to a file (kept across an edge crash) and a request
+restoring it, a guest that powers off failing its sandbox with that reason, and a stop that
 leaves no QEMU, overlay or cgroup (the module's platform is leak-checked too:
 tests/conftest.py).
 """
@@ -48,6 +49,7 @@ pytestmark = [
 
 BOOT = 240  # seconds a create may take under TCG on a loaded 2-core host
 IMAGE = "fvm-test:1"
+JOB = "fvm-test-job"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -77,7 +79,7 @@ def fvm() -> Iterator[FVM]:
             IMAGE, files.disk, kernel=files.kernel, initrd=files.initrd, cmdline=files.cmdline
         )
         assert image.config["vm"]["format"] == "raw"  # type: ignore[index]
-        spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256, disk_limit_mb=256)
+        spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256, disk_limit_mb=256, job_id=JOB)
         t0 = time.monotonic()
         sb = client.run_fullvm(spec, timeout=BOOT)
         print(f"fullvm boot to guest agent: {time.monotonic() - t0:.1f}s ({sb.info.accelerator})")
@@ -248,6 +250,27 @@ def test_an_edge_killed_with_sigkill_re_adopts_the_running_vm(fvm: FVM) -> None:
     assert fvm.sb.run_shell("echo again").stdout == "again\n"
     assert fvm.sb.screenshot().startswith(PNG)  # QMP linked again
     assert qemus(fvm.plat.data_dir) == before  # the same QEMU, adopted
+
+
+def test_a_job_pause_saves_the_vm_to_a_file_and_a_request_resumes_it(fvm: FVM) -> None:
+    fvm.sb.run_shell("echo in-ram > /tmp/marker")  # tmpfs: only the saved memory has it
+    before = qemus(fvm.plat.data_dir)
+    report = fvm.client.pause_job(JOB)
+    assert report.paused == 1, report
+    assert fvm.sb.refresh().state.value == "paused"
+    assert qemus(fvm.plat.data_dir) == []  # QEMU ended: its memory is the host's again
+    assert (fvm.dir / "state.snap").is_file()
+    # Paused across an edge crash: still paused after the restart (adopt_paused) ...
+    fvm.plat.kill()
+    fvm.plat.start()
+    assert fvm.sb.refresh().state.value == "paused"
+    # ... and any request resumes it, transparently: a new QEMU restores the file.
+    assert fvm.sb.read_text("/tmp/marker") == "in-ram\n"
+    assert fvm.sb.refresh().state.value == "running"
+    after = qemus(fvm.plat.data_dir)
+    assert len(after) == 1 and after != before
+    assert not (fvm.dir / "state.snap").exists()
+    assert fvm.sb.screenshot().startswith(PNG)
 
 
 def test_a_guest_that_powers_off_fails_its_sandbox_with_the_reason(fvm: FVM) -> None:

@@ -8,9 +8,13 @@ microVM's (dsec.backends.microvm.jail and qemu: its own uid, namespaces, no
 capabilities, the console in a bounded ring) on the q35 command line of machine.py,
 then the standard QEMU guest agent (qga.py) until it answers a sync.
 
+Job pause is a microVM's: SIGSTOP, then the VM's memory and device state saved to a
+file through QMP and QEMU ended; resume starts the same command line again
+(``machine.Launch``, kept next to the VM) with ``-incoming`` and restores the file.
+
 What a full VM does not have (yet): sessions, PTYs, streaming and background
 processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), network rules, pause and snapshots, verify steps.
+refuses them with 501), network rules, snapshots as images, verify steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +36,14 @@ from dsec.api.desktop import ComputerAction
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.spec import BackendKind, DSecFullVMRunArgs, DSecRunArgs
-from dsec.backends.base import Backend, BackendHost, Capability, CreateInput, SandboxRecord
+from dsec.backends.base import (
+    Backend,
+    BackendHost,
+    Capability,
+    CreateInput,
+    ReclaimFigures,
+    SandboxRecord,
+)
 from dsec.backends.fullvm import guestops
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
@@ -41,9 +53,10 @@ from dsec.backends.fullvm.machine import (
     OVMF_VARS,
     DirectBoot,
     FullVMConfig,
-    build_argv,
+    Launch,
 )
 from dsec.backends.fullvm.qga import GuestAgent, GuestAgentError, GuestCommandError
+from dsec.backends.microvm import snapshot
 from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
 from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.qemu import QemuProcess, find_running
@@ -73,6 +86,7 @@ BOOT_TIMEOUT = 300.0  # seconds from QEMU's start to a guest agent that answers
 GUEST_END_POLL = 2.0
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ROOT_USERS = (None, "root", "0", "0:0")
+LAUNCH_FILE = "launch.json"  # machine.Launch: how to start this VM's QEMU again
 
 
 def fullvm_spec(rec: SandboxRecord | CreateInput) -> DSecFullVMRunArgs:
@@ -83,36 +97,70 @@ def fullvm_spec(rec: SandboxRecord | CreateInput) -> DSecFullVMRunArgs:
 
 @dataclass
 class _VM:
-    """The live parts of one VM in this edge process (the record's facts persist)."""
+    """The live parts of one VM in this edge process (the record's facts persist).
+    ``proc`` is None while the VM is paused to its file (no QEMU); ``restoring`` is
+    the restore of a resumed one, which every request waits for."""
 
     dir: Path
-    proc: QemuProcess
+    launch: Launch
+    proc: QemuProcess | None
     agent: GuestAgent
     display: Display
     qmp: Qmp | None = None
     ended: str | None = None
+    stopped: bool = False  # SIGSTOPped by a pause: QMP would not answer
+    restoring: asyncio.Task[None] | None = None
     qmp_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def snapshot(self) -> Path:
+        return self.dir / "state.snap"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def busy(self) -> bool:
+        """Paused, or being restored: not for the guest-end watcher to look at."""
+        return self.stopped or (self.restoring is not None and not self.restoring.done())
 
     async def connect_qmp(self) -> Qmp:
         """One QMP link, opened on first use (QEMU serves one client at a time)."""
         async with self.qmp_lock:
+            proc = self.proc
+            if proc is None:
+                raise BackendError("the VM has no running VMM (paused to its file)")
             if self.qmp is None:
-                self.qmp = await Qmp.connect(self.proc.qmp_socket, alive=self.proc.is_alive)
+                self.qmp = await Qmp.connect(proc.qmp_socket, alive=proc.is_alive)
             return self.qmp
 
     async def close(self) -> None:
+        """Drop this process's links to the VM (QEMU itself runs on)."""
         await self.agent.close()
         if self.qmp is not None:
             qmp, self.qmp = self.qmp, None
             with contextlib.suppress(Exception):
                 await qmp.close()
 
+    async def kill(self) -> None:
+        """End the restore in flight, every link and QEMU; idempotent."""
+        if self.restoring is not None and not self.restoring.done():
+            self.restoring.cancel()
+            with contextlib.suppress(BaseException):
+                await self.restoring
+        await self.close()
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            await asyncio.to_thread(proc.kill)
+
 
 class FullVMBackend(Backend):
     kind = BackendKind.FULLVM
-    capabilities = frozenset({Capability.FILES, Capability.DISK_LIMIT, Capability.COMPUTER_USE})
+    capabilities = frozenset(
+        {Capability.FILES, Capability.DISK_LIMIT, Capability.COMPUTER_USE, Capability.PAUSE}
+    )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
-    destroy_needs_resume = False
+    destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
+    reclaim_drops_agent_links = True  # QEMU ends with its guest agent link
 
     @classmethod
     def probe(cls) -> str | None:
@@ -268,20 +316,15 @@ class FullVMBackend(Backend):
                 display=spec.display,
             )
             facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
-            jail = Jail(cgroup_dirs=tuple(self.cgroups.dirs(self.cgroup_of(sid))))
-            prefix = jail.prefix_for(
+            launch = Launch.of(
+                config,
                 ro=[blobs[image.disk], *config.readable_files()],
                 rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
-                kvm=accel.accel == "kvm",
             )
-            proc = QemuProcess.spawn(
-                [*prefix, *build_argv(config)],
-                qmp_socket=config.qmp_socket,
-                log_path=config.log_path,
-                stale=(config.qmp_socket, config.ga_socket),
-            )
+            await asyncio.to_thread(launch.save, root / LAUNCH_FILE)
+            proc = launch.spawn(self.jail_for(sid))
             facts.pid, facts.pid_start = proc.pid, proc.start_time
-            vm = _VM(root, proc, GuestAgent(config.ga_socket), Display(root / "q"))
+            vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             self._vms[sid] = vm
             await self._wait_agent(vm, BOOT_TIMEOUT)
         except BaseException as exc:
@@ -296,12 +339,16 @@ class FullVMBackend(Backend):
         self.audit.record(sid, AuditKind.LIFECYCLE, "fullvm_started", accel=facts.accel)
         return facts
 
+    def jail_for(self, sid: str) -> Jail:
+        return Jail(cgroup_dirs=tuple(self.cgroups.dirs(self.cgroup_of(sid))))
+
     async def _wait_agent(self, vm: _VM, timeout: float) -> None:
         """Until the guest agent answers, failing early if QEMU or the guest ends."""
         deadline = time.monotonic() + timeout
         while True:
-            if not vm.proc.is_alive():
-                raise BackendError(f"QEMU ended during the boot: {vm.proc.log_tail(400)}")
+            if vm.proc is None or not vm.proc.is_alive():
+                tail = vm.proc.log_tail(400) if vm.proc is not None else ""
+                raise BackendError(f"QEMU ended during the boot: {tail}")
             try:
                 await vm.agent.sync(min(3.0, max(0.1, deadline - time.monotonic())))
                 return
@@ -317,7 +364,7 @@ class FullVMBackend(Backend):
 
     async def _console_tail(self, vm: _VM | None) -> str:
         """The guest console's last line (guest-written: quoted by the caller)."""
-        if vm is None or not vm.proc.is_alive():
+        if vm is None or not vm.alive():
             return ""
         try:
             text = await (await vm.connect_qmp()).console(timeout=2)
@@ -334,8 +381,7 @@ class FullVMBackend(Backend):
         errors: list[str] = []
         vm = self._vms.pop(sid, None)
         if vm is not None:
-            await vm.close()
-            await asyncio.to_thread(vm.proc.kill)
+            await vm.kill()
         elif facts.pid is not None and facts.pid_start is not None:
             with contextlib.suppress(BackendError):
                 proc = QemuProcess.adopt(facts.pid, facts.pid_start, Path("/"), Path("/"))
@@ -358,24 +404,52 @@ class FullVMBackend(Backend):
         and start time and must answer a guest agent sync."""
         known = self._vms.get(rec.id)
         if known is not None:
-            return known.proc.is_alive()
-        facts = self.facts(rec)
-        if facts.pid is None or facts.pid_start is None:
+            return known.alive()
+        vm = self._adopt(rec)
+        if vm is None:
             return False
-        root = self.vm_dir(rec.id)
-        try:
-            proc = QemuProcess.adopt(
-                facts.pid, facts.pid_start, root / "q" / "qmp.sock", root / "qemu.log"
-            )
-        except BackendError:
-            return False
-        vm = _VM(root, proc, GuestAgent(root / "q" / "ga.sock"), Display(root / "q"))
         try:
             await vm.agent.sync(20)
         except GuestAgentError as exc:
             log.warning("fullvm %s: guest agent did not answer after the restart: %s", rec.id, exc)
             await vm.close()
             return False
+        self._vms[rec.id] = vm
+        return True
+
+    def _adopt(self, rec: SandboxRecord) -> _VM | None:
+        """The VM of ``rec`` rebuilt after an edge restart from its facts and its
+        saved launch: with its QEMU if that still runs (pid and start time), else
+        without one (None: neither a QEMU nor a launch to start one)."""
+        facts = self.facts(rec)
+        root = self.vm_dir(rec.id)
+        launch = Launch.load(root / LAUNCH_FILE)
+        if launch is None:
+            return None
+        proc = None
+        if facts.pid is not None and facts.pid_start is not None:
+            with contextlib.suppress(BackendError):
+                proc = QemuProcess.adopt(
+                    facts.pid, facts.pid_start, Path(launch.qmp_socket), Path(launch.log_path)
+                )
+        display = Display(Path(launch.qmp_socket).parent)
+        return _VM(root, launch, proc, GuestAgent(Path(launch.ga_socket)), display)
+
+    async def adopt_paused(self, rec: SandboxRecord) -> bool:
+        """A VM paused across an edge restart: saved to its file (no QEMU), or stopped
+        (its QEMU adopted and kept stopped). False: it is gone."""
+        vm = self._adopt(rec)
+        if vm is None:
+            return False
+        facts = self.facts(rec)
+        if vm.proc is None:
+            if not vm.snapshot.is_file():
+                return False
+            facts.pid = None
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGSTOP)
+            vm.stopped = True
         self._vms[rec.id] = vm
         return True
 
@@ -406,6 +480,8 @@ class FullVMBackend(Backend):
         while True:
             await asyncio.sleep(GUEST_END_POLL)
             for sid, vm in list(self._vms.items()):
+                if vm.proc is None or vm.busy():
+                    continue
                 try:
                     if not await (await vm.connect_qmp()).guest_ended(timeout=2):
                         continue
@@ -417,8 +493,7 @@ class FullVMBackend(Backend):
                 vm.ended = "the guest shut down, rebooted or panicked" + (
                     f" (its console's last line: {tail!r})" if tail else ""
                 )
-                await vm.close()
-                await asyncio.to_thread(vm.proc.kill)
+                await vm.kill()
 
     def death_reason(self, rec: SandboxRecord) -> str | None:
         vm = self._vms.get(rec.id)
@@ -426,18 +501,103 @@ class FullVMBackend(Backend):
             return None
         if vm.ended is not None:
             return vm.ended
-        tail = vm.proc.log_tail(300)
+        tail = vm.proc.log_tail(300) if vm.proc is not None else ""
         return f"QEMU ended on its own: {tail.splitlines()[-1][:160]!r}" if tail else None
 
-    # -- data path: the guest agent ---------------------------------------------------
-    def _vm(self, rec: SandboxRecord) -> _VM:
+    # -- pause: stop, save to a file, restore (dsec.backends.microvm.snapshot) ---------
+    def pause(self, rec: SandboxRecord) -> None:
+        """SIGSTOP QEMU: every vCPU stops at once, synchronously."""
         vm = self._vms.get(rec.id)
-        if vm is None or not vm.proc.is_alive():
+        if vm is None or vm.proc is None:
+            raise BackendError(f"fullvm {rec.id} has no running VMM to pause")
+        try:
+            os.kill(vm.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError as exc:
+            raise BackendError(f"fullvm {rec.id}: its VMM is gone") from exc
+        vm.stopped = True
+
+    async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
+        """Save the stopped VM's memory and device state to ``state.snap`` (its disk
+        is its overlay, flushed by the save) and end QEMU: all of its memory goes back
+        to the host."""
+        vm = self._vms.get(rec.id)
+        if vm is None or vm.proc is None:
+            return ReclaimFigures(None, None, None, None, None)
+        facts = self.facts(rec)
+        proc = vm.proc
+        before = self.cgroups.memory_usage(self.cgroup_of(rec.id))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
+        vm.stopped = False
+        qmp = await vm.connect_qmp()
+        await vm.agent.close()
+        facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
+        try:
+            await snapshot.pause_to_file(proc, qmp, vm.snapshot)
+        except BaseException:
+            facts.pid = proc.pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGSTOP)
+            vm.stopped = True
+            raise
+        vm.proc, vm.qmp = None, None
+        facts.snapshot = True
+        # The page cache QEMU filled (the state file, its disk) is still charged.
+        await asyncio.to_thread(self.cgroups.drop_charges, self.cgroup_of(rec.id))
+        after = self.cgroups.memory_usage(self.cgroup_of(rec.id))
+        return ReclaimFigures(before, after or 0, None, 0, None)
+
+    def resume(self, rec: SandboxRecord) -> None:
+        """Continue a stopped QEMU, or start a new one that restores the VM's file:
+        spawned here (synchronously, so the edge watches its pid), restored in the
+        background; every request waits for the restore (``_vm``)."""
+        vm = self._vms.get(rec.id)
+        if vm is None:
+            return
+        if vm.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGCONT)
+            vm.stopped = False
+            return
+        if not vm.snapshot.is_file():
+            return
+        facts = self.facts(rec)
+        proc = vm.launch.spawn(self.jail_for(rec.id), incoming=True)
+        vm.proc = proc
+        facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
+        vm.restoring = asyncio.get_running_loop().create_task(
+            self._finish_resume(rec.id, vm), name=f"fullvm-resume-{rec.id}"
+        )
+
+    async def _finish_resume(self, sid: str, vm: _VM) -> None:
+        try:
+            t0 = time.monotonic()
+            await snapshot.load_into(await vm.connect_qmp(), vm.snapshot, timeout=120)
+            vm.snapshot.unlink(missing_ok=True)
+            log.info("fullvm %s resumed in %.3fs", sid, time.monotonic() - t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("fullvm %s: resume failed: %s", sid, exc)
+            vm.ended = f"the resume from its snapshot failed: {exc}"
+            self.audit.record(sid, AuditKind.LIFECYCLE, "resume_failed", error=str(exc))
+            await vm.close()
+            if vm.proc is not None:  # the edge's init watch fails the sandbox
+                await asyncio.to_thread(vm.proc.kill)
+
+    # -- data path: the guest agent ---------------------------------------------------
+    async def _vm(self, rec: SandboxRecord) -> _VM:
+        """The running VM of ``rec``, once a restore in flight is done."""
+        vm = self._vms.get(rec.id)
+        if vm is not None and vm.restoring is not None and not vm.restoring.done():
+            with contextlib.suppress(Exception):  # its failure is the check below
+                await asyncio.shield(vm.restoring)
+        if vm is None or not vm.alive():
             raise BackendError(f"fullvm {rec.id} has no running VMM")
         return vm
 
     async def exec(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
-        vm = self._vm(rec)
+        vm = await self._vm(rec)
         if req.user not in ROOT_USERS:
             raise Unsupported(
                 "the fullvm backend runs commands as the guest agent's user only (root): "
@@ -468,14 +628,14 @@ class FullVMBackend(Backend):
         )
 
     async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes:
-        vm = self._vm(rec)
+        vm = await self._vm(rec)
         try:
             return await guestops.read_file(vm.agent, path, max_bytes=max_bytes)
         except GuestCommandError as exc:
             raise _file_error(exc, path) from None
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, *, mode: int) -> None:
-        vm = self._vm(rec)
+        vm = await self._vm(rec)
         try:
             await guestops.write_file(vm.agent, path, data, mode=mode)
         except GuestCommandError as exc:
@@ -483,11 +643,11 @@ class FullVMBackend(Backend):
 
     # -- computer use: QMP ------------------------------------------------------------
     async def screenshot(self, rec: SandboxRecord) -> bytes:
-        vm = self._vm(rec)
+        vm = await self._vm(rec)
         return await vm.display.screenshot(await vm.connect_qmp())
 
     async def computer_input(self, rec: SandboxRecord, action: ComputerAction) -> None:
-        vm = self._vm(rec)
+        vm = await self._vm(rec)
         qmp, display = await vm.connect_qmp(), vm.display
         match action.action:
             case "mouse_move":

@@ -24,6 +24,7 @@ class FullVMFacts(BackendFacts):
     vcpus: int = 1
     memory_mb: int = 512
     disk_bytes: int = 0  # the overlay's virtual size: the most its file can hold
+    snapshot: bool = False  # paused to <dir>/state.snap (no QEMU meanwhile)
 
     @property
     def init_pid(self) -> int | None:
@@ -39,6 +40,7 @@ class FullVMFacts(BackendFacts):
             "vcpus": self.vcpus,
             "memory_mb": self.memory_mb,
             "disk_bytes": self.disk_bytes,
+            "snapshot": self.snapshot,
         }
         if self.dir is not None:
             out["dir"] = str(self.dir)
@@ -66,6 +68,7 @@ class FullVMFacts(BackendFacts):
             vcpus=num("vcpus") or 1,
             memory_mb=num("memory_mb") or 512,
             disk_bytes=num("disk_bytes") or 0,
+            snapshot=data.get("snapshot") is True,
         )
 
     @classmethod

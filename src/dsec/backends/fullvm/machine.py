@@ -15,15 +15,19 @@ QMP socket is named the same way, so ``find_running`` finds leftovers of either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.qemu import (
     CONSOLE_RING_BYTES,
     SANDBOX,
     TCG_TB_SIZE_MB,
     Accel,
+    QemuProcess,
     qemu_binary,
     supports_sandbox,
 )
@@ -125,3 +129,70 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
     if supports_sandbox():
         argv += ["-sandbox", SANDBOX]
     return argv
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one VM's QEMU is started: its argv (no launcher) and what its jail shows.
+
+    Written next to the VM at create (``launch.json`` in the root-only VM directory,
+    which neither QEMU nor the guest can write) and read back to start the same
+    machine again: a resume from a pause file must restore into an identical command
+    line, also after an edge restart, when the create's inputs are gone."""
+
+    argv: tuple[str, ...]
+    ro: tuple[str, ...]
+    rw: tuple[str, ...]
+    kvm: bool
+    qmp_socket: str
+    ga_socket: str
+    log_path: str
+
+    @classmethod
+    def of(cls, config: FullVMConfig, ro: list[Path], rw: list[Path]) -> Launch:
+        return cls(
+            argv=tuple(build_argv(config)),
+            ro=tuple(map(str, ro)),
+            rw=tuple(map(str, rw)),
+            kvm=config.accel == "kvm",
+            qmp_socket=str(config.qmp_socket),
+            ga_socket=str(config.ga_socket),
+            log_path=str(config.log_path),
+        )
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Launch | None:
+        """The saved launch, None if there is none or it does not parse."""
+        try:
+            doc = json.loads(path.read_text())
+            return cls(
+                argv=tuple(str(a) for a in doc["argv"]),
+                ro=tuple(str(a) for a in doc["ro"]),
+                rw=tuple(str(a) for a in doc["rw"]),
+                kvm=doc["kvm"] is True,
+                qmp_socket=str(doc["qmp_socket"]),
+                ga_socket=str(doc["ga_socket"]),
+                log_path=str(doc["log_path"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def spawn(self, jail: Jail, *, incoming: bool = False) -> QemuProcess:
+        """Start this QEMU jailed (``incoming``: waiting for a restore, see
+        dsec.backends.microvm.snapshot.load_into)."""
+        prefix = jail.prefix_for(
+            ro=[Path(p) for p in self.ro], rw=[Path(p) for p in self.rw], kvm=self.kvm
+        )
+        argv = [*prefix, *self.argv, *(["-incoming", "defer"] if incoming else [])]
+        return QemuProcess.spawn(
+            argv,
+            qmp_socket=Path(self.qmp_socket),
+            log_path=Path(self.log_path),
+            stale=(Path(self.qmp_socket), Path(self.ga_socket)),
+        )
