@@ -195,11 +195,28 @@ def test_vm_images_are_checked(fvm: FVM, tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgument, match="backing file"):
         fvm.client.import_vm("sneaky:1", sneaky)
+    fvm.client.build_image("busybox")  # a layered image (cached once built)
     with pytest.raises(InvalidArgument, match="not a VM image"):
         fvm.client.run_fullvm(DSecFullVMRunArgs(vm_image="busybox:latest"), timeout=30)
     with pytest.raises(LimitExceeded, match="smaller than the VM image"):
         fvm.client.run_fullvm(DSecFullVMRunArgs(vm_image=IMAGE, disk_limit_mb=64), timeout=60)
     assert [p.name for p in (fvm.plat.data_dir / "fullvms").iterdir()] == [fvm.sb.id]
+
+
+def test_a_qcow2_image_boots_too(fvm: FVM, tmp_path: Path) -> None:
+    files = busybox_vm_image()
+    disk = tmp_path / "disk.qcow2"
+    subprocess.run(
+        ["qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", str(files.disk), str(disk)],
+        check=True,
+    )
+    image = fvm.client.import_vm(
+        "fvm-qcow2:1", disk, kernel=files.kernel, initrd=files.initrd, cmdline=files.cmdline
+    )
+    assert image.config["vm"]["format"] == "qcow2"  # type: ignore[index]
+    spec = DSecFullVMRunArgs(vm_image="fvm-qcow2:1", memory_limit_mb=256)
+    with fvm.client.run_fullvm(spec, timeout=BOOT) as sb:
+        assert sb.run_shell("echo from-qcow2").stdout == "from-qcow2\n"
 
 
 def test_cli_imports_a_vm_image(fvm: FVM) -> None:
