@@ -21,6 +21,7 @@ APT_PACKAGES=(
   postgresql      # cluster mode's control database (the tests start a real server)
   qemu-system-x86 # the microVM backend's VMM (TCG here, KVM where it boots a guest)
   qemu-utils      # qemu-img: a throwaway copy-on-write view of a microVM disk for verify steps
+  ovmf            # UEFI firmware for full VMs (firmware="uefi")
   prometheus      # tests scrape /metrics with a real Prometheus server (started by the test)
   chromium chromium-driver # tests/test_ui.py drives the dashboard in headless Chromium (Selenium)
   ca-certificates

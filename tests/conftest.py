@@ -148,6 +148,7 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     leaks.extend(net_leftovers(edge_id))  # nft table, veths and VM taps (dsec.net)
     leaks.extend(fncall_leftovers(data_dir, edge_id))
     leaks.extend(microvm_leftovers(data_dir, edge_id))
+    leaks.extend(fullvm_leftovers(data_dir, edge_id))
     return leaks
 
 
@@ -305,11 +306,27 @@ def clean_leftovers(data_dir: Path, edge_id: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def fullvm_leftovers(data_dir: Path, edge_id: str) -> list[str]:
+    """The fullvm backend's VM directories (overlays, sockets) and its cgroup tree
+    (dsec/<edge>-fvm); its QEMUs are among ``qemus(data_dir)``."""
+    host = cgroups.detect()
+    rel = f"/dsec/{edge_id}-fvm"
+    leaks: list[str] = []
+    vms = data_dir / "fullvms"
+    if vms.is_dir():
+        leaks.extend(f"fullvm dir {p}" for p in vms.iterdir())
+    leaks.extend(f"cgroup {rel[1:]}/{name}" for name in sorted(host.children(rel)))
+    leaks.extend(f"process {pid} in {rel}" for pid in host.pids(rel))
+    leaks.extend(f"cgroup {rel}" for d in host.dirs(rel) if d.is_dir())
+    return leaks
+
+
 def remove_edge_cgroup(edge_id: str) -> None:
     host = cgroups.detect()
     host.kill_and_remove(f"/dsec/{edge_id}", timeout=2)
     host.kill_and_remove(f"/dsec/{edge_id}.fncall", timeout=2)
     host.kill_and_remove(f"/dsec/{edge_id}-vm", timeout=2)
+    host.kill_and_remove(f"/dsec/{edge_id}-fvm", timeout=2)
 
 
 @contextlib.contextmanager

@@ -108,6 +108,22 @@ class FakeImages:
     ) -> ImageInfo:
         return self._add(ref, 0)
 
+    async def add_vm_blob(
+        self, chunks: AsyncIterator[bytes], *, progress: Progress | None = None
+    ) -> tuple[str, int]:
+        raise Unsupported("the fake image service keeps no VM images")
+
+    async def register_vm(
+        self,
+        ref: str,
+        disk: str,
+        *,
+        kernel: str | None = None,
+        initrd: str | None = None,
+        cmdline: str | None = None,
+    ) -> ImageInfo:
+        raise Unsupported("the fake image service keeps no VM images")
+
     async def import_archive(
         self,
         ref: str,

@@ -2,7 +2,8 @@
 
 The container spec is wire-unchanged (a spec or an edge.db row written by the previous
 release still reads); microvm and fullvm specs parse and round-trip; a kind with no
-backend yet (fullvm) is refused with a typed 501 ``Unsupported`` naming it, before any
+registered backend (fullvm, taken out of the table here) is refused with a typed 501
+``Unsupported`` naming it, before any
 work: on the HTTP create route, through the SDK (async and sync), for a batch, and on
 the edge itself (dsec.backends.kinds is the one place that decides).
 """
@@ -36,8 +37,10 @@ from dsec.api.spec import (
     RunArgs,
     run_args_adapter,
 )
+from dsec.backends import kinds
 from dsec.backends.base import Backend, BackendFacts, BackendHost, CreateInput, SandboxRecord
 from dsec.backends.kinds import require_backend
+from dsec.backends.registry import BACKENDS
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.idempotency import IdempotencyClaim
@@ -134,6 +137,15 @@ def test_bad_specs_name_the_field(spec: dict[str, Any], loc: tuple[str, ...]) ->
     assert loc in [e["loc"] for e in err.value.errors()], err.value.errors()
 
 
+@pytest.fixture
+def unregistered_fullvm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind has a backend now: the fullvm row is taken out of the table the
+    create path checks, so that a kind without one is still tested."""
+    table = {k: v for k, v in BACKENDS.items() if k is not BackendKind.FULLVM}
+    monkeypatch.setattr(kinds, "BACKENDS", table)
+
+
+@pytest.mark.usefixtures("unregistered_fullvm")
 def test_require_backend_narrows_or_refuses() -> None:
     for runnable in (
         DSecContainerRunArgs(container_image="busybox"),
@@ -225,6 +237,7 @@ async def http(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
 
 @pytest.mark.parametrize("spec", VM_SPECS, ids=lambda s: s.backend)
 @pytest.mark.parametrize("keyed", [False, True], ids=["plain", "idempotency-key"])
+@pytest.mark.usefixtures("unregistered_fullvm")
 async def test_create_route_answers_501_for_vm_kinds(
     http: tuple[httpx.AsyncClient, Any], spec: RunArgs, keyed: bool
 ) -> None:
@@ -239,6 +252,7 @@ async def test_create_route_answers_501_for_vm_kinds(
     assert edge.boxes == {}  # nothing was created
 
 
+@pytest.mark.usefixtures("unregistered_fullvm")
 async def test_batch_of_vms_answers_501_before_it_starts(
     http: tuple[httpx.AsyncClient, Any],
 ) -> None:
@@ -258,6 +272,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 @pytest.mark.parametrize("spec", VM_SPECS, ids=lambda s: s.backend)
+@pytest.mark.usefixtures("unregistered_fullvm")
 async def test_sdk_raises_unsupported_typed(live: LiveServer, spec: RunArgs) -> None:
     async with DSecClient(live.url, KEY) as client:
         with pytest.raises(Unsupported) as err:
@@ -270,6 +285,7 @@ async def test_sdk_raises_unsupported_typed(live: LiveServer, spec: RunArgs) -> 
 
 
 @pytest.mark.parametrize("spec", VM_SPECS, ids=lambda s: s.backend)
+@pytest.mark.usefixtures("unregistered_fullvm")
 def test_sync_sdk_raises_unsupported_typed(live: LiveServer, spec: RunArgs) -> None:
     with DSecSyncClient(live.url, KEY) as client, pytest.raises(Unsupported) as err:
         client.run_sandbox(spec, timeout=10)

@@ -1,6 +1,7 @@
 """Harnesses for the backend conformance suite, one per registered backend: the
 memory backend on a bare Edge (a real EdgeStateDB and AuditLog, no image service, no
-root), the container backend through the platform's own composition root (root).
+root), the container, microVM and full-VM backends through the platform's own
+composition root (root; the full VMs boot the project's small VM image).
 
 A harness builds the edge afresh on the same state, so a test can close an edge
 without stopping its sandboxes and start another that must re-adopt them.
@@ -8,21 +9,24 @@ without stopping its sandboxes and start another that must re-adopt them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
 import shutil
 import signal
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dsec.api.spec import (
     BackendKind,
     DSecContainerRunArgs,
+    DSecFullVMRunArgs,
     DSecMemoryRunArgs,
     DSecMicroVMRunArgs,
     RunArgs,
@@ -34,6 +38,8 @@ from dsec.config import PlatformConfig
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
 from dsec.edge.state import EdgeStateDB
+from dsec.guest.vmimage import busybox_vm_image
+from dsec.images.service import ImageService
 from dsec.roots.platform import running_platform
 from dsec.security.audit import AuditLog
 from tests.conftest import clean_leftovers, host_leaks
@@ -109,6 +115,9 @@ class PlatformHarness(Harness):
     next start re-adopts them; everything the platform made is removed at the end,
     also on failure."""
 
+    # What the platform needs besides busybox before a sandbox of this kind starts
+    # (the fullvm kind: a VM image imported).
+    prepare: Callable[[Any], Awaitable[None]] | None = None
     _stack: contextlib.AsyncExitStack | None = None
     _config: PlatformConfig | None = None
     _pids: dict[str, int] = field(default_factory=dict)
@@ -130,6 +139,8 @@ class PlatformHarness(Harness):
         self._stack = contextlib.AsyncExitStack()
         platform = await self._stack.enter_async_context(running_platform(self._config))
         await platform.images.build("busybox")
+        if self.prepare is not None:
+            await self.prepare(platform)
         edge = platform.edge
         edge.ttl_interval = 0.05
         self.audit = edge.audit
@@ -201,12 +212,56 @@ def _microvm(tmp_path: Path) -> Harness:
     return h
 
 
+FULLVM_IMAGE = "fvm-conformance:1"
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    fh = await asyncio.to_thread(path.open, "rb")
+    try:
+        while chunk := await asyncio.to_thread(fh.read, 4 << 20):
+            yield chunk
+    finally:
+        fh.close()
+
+
+async def import_test_vm(images: ImageService, ref: str) -> None:
+    """The project's small VM image (dsec.guest.vmimage) under ``ref``, imported as a
+    user would (each file a blob, then tagged); also used by bench/bench_fullvm.py."""
+    files = await asyncio.to_thread(busybox_vm_image)
+    disk, kernel, initrd = [
+        (await images.add_vm_blob(_file_chunks(path)))[0]
+        for path in (files.disk, files.kernel, files.initrd)
+    ]
+    await images.register_vm(ref, disk, kernel=kernel, initrd=initrd, cmdline=files.cmdline)
+
+
+async def _import_test_vm(platform: Any) -> None:
+    await import_test_vm(platform.images, FULLVM_IMAGE)
+
+
+def _fullvm(tmp_path: Path) -> Harness:
+    if shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None:
+        pytest.skip("QEMU is not installed (scripts/install.sh installs it)")
+    h = PlatformHarness(
+        kind=BackendKind.FULLVM,
+        make_backend=lambda: pytest.fail("built by the platform root"),
+        make_spec=lambda **kw: DSecFullVMRunArgs(vm_image=FULLVM_IMAGE, memory_limit_mb=256, **kw),
+        kill=lambda sid: None,
+        state_dir=tmp_path,
+        create_timeout=120,  # q35 under TCG: seconds to the guest agent
+        prepare=_import_test_vm,
+    )
+    h.kill = h.kill_init
+    return h
+
+
 # Every kind with a harness: the memory backend in-process, the container backend
 # through the platform's own root (needs root, crun, cgroups: our CI runs as root).
 HARNESSES: dict[BackendKind, Callable[[Path], Harness]] = {
     BackendKind.MEMORY: _memory,
     BackendKind.CONTAINER: _container,
     BackendKind.MICROVM: _microvm,
+    BackendKind.FULLVM: _fullvm,
 }
 
 

@@ -34,10 +34,11 @@ async def test_create_and_exec(harness: Harness) -> None:
     assert missing.exit_code == 127 and "not found" in missing.stderr
     # What runs a VM is said where a caller and an operator look: the sandbox and health.
     health = await edge.health()
-    if harness.kind is BackendKind.MICROVM:
+    if harness.kind in (BackendKind.MICROVM, BackendKind.FULLVM):
         assert info.accelerator in ("kvm", "tcg")
-        assert health.backend_details["microvm"]["accelerator"] == info.accelerator
-        assert health.backend_details["microvm"]["accelerator_reason"]
+        details = health.backend_details[harness.kind.value]
+        assert details["accelerator"] == info.accelerator
+        assert details["accelerator_reason"]
     else:
         assert info.accelerator is None
 

@@ -28,3 +28,22 @@ class BuildImageRequest(Strict):
     recipe: Literal["busybox", "debian-python"]
     name: str | None = None
     rebuild: bool = False
+
+
+class VMBlobInfo(Reply):
+    """A file of a VM image in the layer store (``PUT /v1/images/vm-blobs``)."""
+
+    digest: str
+    size_bytes: int
+
+
+class RegisterVMRequest(Strict):
+    """Tag uploaded blobs as a VM image (``POST /v1/images/vm``): a disk (raw or
+    qcow2, without backing or data files), and for a direct kernel boot a kernel,
+    an optional initrd and the kernel command line."""
+
+    ref: str = Field(description="name:tag")
+    disk: str = Field(description="digest of the disk blob")
+    kernel: str | None = Field(None, description="digest of a kernel (direct boot)")
+    initrd: str | None = Field(None, description="digest of an initrd")
+    cmdline: str | None = Field(None, max_length=2048, description="kernel command line")

@@ -196,6 +196,14 @@ class DSecFullVMRunArgs(DSecRunArgs):
 
     backend: Literal["fullvm"] = "fullvm"
     vm_image: ImageName = Field(..., description="VM image reference name[:tag]")
+    firmware: Literal["bios", "uefi"] = Field("bios", description="bios: SeaBIOS; uefi: OVMF")
+    display: tuple[
+        Annotated[int, Field(ge=320, le=3840)], Annotated[int, Field(ge=200, le=2160)]
+    ] = Field(
+        (1280, 800),
+        description="(width, height): the display adapter's preferred mode, which UEFI's "
+        "framebuffer and a guest's X server take (a BIOS text console stays 720x400)",
+    )
 
     @property
     def image_ref(self) -> str:

@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.responses import Response, StreamingResponse
 
 from dsec.api.datapath import EDGE_PREFIX, RPC_PATH, PtyControl
+from dsec.api.desktop import ComputerAction
 from dsec.api.exec import CommandArgs
 from dsec.api.files import (
     ChmodRequest,
@@ -208,6 +209,36 @@ def stream_router(plane: DataPlane, limits: ApiLimits, auth: Callable[..., objec
     return router
 
 
+def desktop_router(plane: DataPlane, auth: Callable[..., object]) -> APIRouter:
+    """Computer use of one sandbox (a backend with a display: dsec.edge.desktop)."""
+    from dsec.edge import desktop
+
+    router = APIRouter(
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+        tags=["desktop"],
+    )
+
+    @router.get(
+        "/desktop/screenshot",
+        response_class=Response,
+        responses={200: {"content": {"image/png": {}}}},
+        summary="The screen as PNG",
+    )
+    async def screenshot(sandbox_id: str) -> Response:
+        return Response(await desktop.screenshot(plane.edge, sandbox_id), media_type="image/png")
+
+    @router.post(
+        "/desktop/input", status_code=204, response_class=Response, summary="Mouse or keys"
+    )
+    async def computer_input(sandbox_id: str, body: ComputerAction) -> Response:
+        """One action: mouse_move, left/right/middle/double_click, scroll, write, press."""
+        await desktop.computer_input(plane.edge, sandbox_id, body)
+        return Response(status_code=204)
+
+    return router
+
+
 def install_data_path(
     app: FastAPI,
     plane: DataPlane,
@@ -231,6 +262,7 @@ def install_data_path(
     prefix = EDGE_PREFIX + "/{sandbox_id}"
     app.include_router(stream_router(plane, limits, data_auth), prefix=prefix)
     app.include_router(file_router(plane, limits, data_auth), prefix=prefix)
+    app.include_router(desktop_router(plane, data_auth), prefix=prefix)
     app.include_router(file_router(plane, limits, api_auth), prefix="/v1/sandboxes/{sandbox_id}")
 
     @app.websocket(RPC_PATH)

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
-from dsec.api.images import BuildImageRequest, ImageInfo
+from dsec.api.images import BuildImageRequest, ImageInfo, RegisterVMRequest, VMBlobInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
@@ -67,6 +67,33 @@ def image_router(images: ImageService, auth: Authenticator, limits: ApiLimits) -
         check_image_ref(ref)
         set_body_limit(request, limits.max_import_bytes, "image archive")
         info = await images.import_archive(ref, _nonempty(request.stream()), fmt=fmt)
+        return model_response(info)
+
+    @router.put(
+        "/vm-blobs",
+        response_model=VMBlobInfo,
+        summary="Upload a file of a VM image",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/octet-stream": {"schema": {}}},
+                "description": "a disk (raw or qcow2), a kernel or an initrd, as it is",
+            }
+        },
+    )
+    async def add_vm_blob(request: Request) -> Response:
+        """Stored content-addressed in the layer store; tag it with `POST /vm`."""
+        set_body_limit(request, limits.max_import_bytes, "VM image file")
+        digest, size = await images.add_vm_blob(_nonempty(request.stream()))
+        return model_response(VMBlobInfo(digest=digest, size_bytes=size))
+
+    @router.post("/vm", response_model=ImageInfo, summary="Tag uploaded files as a VM image")
+    async def register_vm(body: RegisterVMRequest) -> Response:
+        """The disk is inspected first: raw, or qcow2 naming no backing or data file."""
+        ref = check_image_ref(body.ref)
+        info = await images.register_vm(
+            ref, body.disk, kernel=body.kernel, initrd=body.initrd, cmdline=body.cmdline
+        )
         return model_response(info)
 
     @router.get("/{ref:path}", response_model=ImageInfo, summary="Inspect an image")

@@ -16,6 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
+from dsec.api.desktop import ComputerAction
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
@@ -162,6 +163,7 @@ class Capability(StrEnum):
     NETWORK_RULES = "network_rules"  # spec.network_rules (egress allow-rules), updates
     DISK_LIMIT = "disk_limit"  # spec.disk_limit_mb
     SNAPSHOT = "snapshot"  # snapshot
+    COMPUTER_USE = "computer_use"  # screenshot, computer_input: the VM's display and input
 
 
 @dataclass(frozen=True)
@@ -359,3 +361,13 @@ class Backend(ABC):
 
     async def snapshot(self, rec: SandboxRecord) -> str:
         raise Unsupported(f"the {self.kind} backend cannot snapshot sandboxes yet")
+
+    # -- computer use: the sandbox's screen and input devices ---------------------------
+    async def screenshot(self, rec: SandboxRecord) -> bytes:
+        """The sandbox's screen as PNG bytes (read from its display adapter, not by
+        software in the sandbox)."""
+        raise Unsupported(f"the {self.kind} backend has no display")
+
+    async def computer_input(self, rec: SandboxRecord, action: ComputerAction) -> None:
+        """Send one pointer or keyboard action to the sandbox's input devices."""
+        raise Unsupported(f"the {self.kind} backend has no input devices")

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 BACKENDS: Mapping[BackendKind, str] = {
     BackendKind.CONTAINER: "dsec.backends.container.backend:ContainerBackend",
     BackendKind.MICROVM: "dsec.backends.microvm.backend:MicroVMBackend",
+    BackendKind.FULLVM: "dsec.backends.fullvm.backend:FullVMBackend",
     BackendKind.MEMORY: "dsec.backends.memory.backend:MemoryBackend",
 }
 

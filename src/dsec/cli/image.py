@@ -1,4 +1,4 @@
-"""`dsec image ...`: import, build, ls, rm."""
+"""`dsec image ...`: import, import-vm, build, ls, rm."""
 
 from __future__ import annotations
 
@@ -76,6 +76,26 @@ def import_(
                 progress.update(task, description=f"importing {ref} on the platform")
 
         info = client.import_image(ref, path, fmt.value, progress=on_progress)
+    emit(info, f"imported {_describe(info)}", as_json)
+
+
+@app.command("import-vm")
+def import_vm(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="name:tag to store it under")],
+    disk: Annotated[Path, typer.Argument(help="the VM's disk: raw or qcow2 (no backing file)")],
+    kernel: Annotated[
+        Path | None, typer.Option("--kernel", help="boot this kernel directly (no boot loader)")
+    ] = None,
+    initrd: Annotated[Path | None, typer.Option("--initrd", help="its initrd")] = None,
+    cmdline: Annotated[
+        str | None, typer.Option("--append", help="its command line (with --kernel)")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Upload a VM image for the fullvm backend (each file stored content-addressed)."""
+    with sync_client(ctx) as client, err.status(f"uploading {disk.name} ..."):
+        info = client.import_vm(ref, disk, kernel=kernel, initrd=initrd, cmdline=cmdline)
     emit(info, f"imported {_describe(info)}", as_json)
 
 

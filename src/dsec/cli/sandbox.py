@@ -54,7 +54,9 @@ def run_args(
 ) -> RunArgs:
     """A run spec of ``backend`` from the options `sandbox create` and `sandbox batch`
     share (a spec the model refuses is a usage error, exit 2)."""
-    image_field = "container_image" if backend is BackendKind.CONTAINER else "image"
+    image_field = {BackendKind.CONTAINER: "container_image", BackendKind.FULLVM: "vm_image"}.get(
+        backend, "image"
+    )
     fields: dict[str, object] = {"backend": backend.value, image_field: image, **extra}
     if memory is not None:
         fields["memory_limit_mb"] = memory
@@ -77,6 +79,7 @@ class SandboxBackend(StrEnum):
 
     CONTAINER = BackendKind.CONTAINER.value
     MICROVM = BackendKind.MICROVM.value
+    FULLVM = BackendKind.FULLVM.value
 
 
 def network_rules(allow: list[str], deny: list[str]) -> dict[str, bool]:
@@ -110,7 +113,11 @@ def create(
     ] = [],  # noqa: B006
     backend: Annotated[
         SandboxBackend,
-        typer.Option("--backend", "-b", help="what runs it: a container or a QEMU microVM"),
+        typer.Option(
+            "--backend",
+            "-b",
+            help="what runs it: a container, a QEMU microVM or a full VM (--image: a VM image)",
+        ),
     ] = SandboxBackend.CONTAINER,
     as_json: JsonOpt = False,
 ) -> None:

@@ -29,6 +29,7 @@ from dsec.edge.tokens import TokenSigner
 from dsec.errors import (
     BackendError,
     InvalidArgument,
+    LimitExceeded,
     NotFound,
     ProcessNotFound,
     SessionNotFound,
@@ -47,6 +48,8 @@ KEPT_RING_BYTES = 1 << 20
 RESTORE_TIMEOUT = 5.0
 MAX_SESSIONS = 256
 DEFAULT_LIST_LIMIT = 10_000
+# Files of a backend without a session agent pass through the edge whole.
+BUFFERED_FILE_MAX = 64 << 20
 
 
 @dataclass
@@ -602,8 +605,20 @@ class DataPlane:
     async def chmod(self, sandbox_id: str, path: str, mode: int) -> None:
         await self._fs(sandbox_id, p.FS_CHMOD, path, mode=mode)
 
+    def _without_agent(self, sandbox_id: str) -> bool:
+        """Whether the sandbox's backend has files but no session agent (a full VM's
+        guest agent): its file routes then go through the backend, buffered."""
+        backend = self.edge.backend_of(self.edge.running_record(sandbox_id))
+        caps = backend.capabilities
+        return Capability.SESSIONS not in caps and Capability.FILES in caps
+
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """The file's chunks; opened (and errors raised) before this returns."""
+        if self._without_agent(sandbox_id):
+            data = await self.edge.read_file(
+                sandbox_id, check_path(path), max_bytes=BUFFERED_FILE_MAX
+            )
+            return _chunks([data] if data else [])
         rec, agent = self._target(sandbox_id)
         self.edge.audit.record(sandbox_id, AuditKind.FILE, "read_stream", path=path)
         stream = agent.read_stream(check_path(path), user=rec.spec.init_user)
@@ -613,6 +628,17 @@ class DataPlane:
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int
     ) -> int:
+        if self._without_agent(sandbox_id):
+            data = bytearray()
+            async for chunk in chunks:
+                data += chunk
+                if len(data) > BUFFERED_FILE_MAX:
+                    raise LimitExceeded(
+                        f"this sandbox's backend takes files of at most {BUFFERED_FILE_MAX} bytes",
+                        max_bytes=BUFFERED_FILE_MAX,
+                    )
+            await self.edge.write_file(sandbox_id, check_path(path), bytes(data), mode=mode)
+            return len(data)
         rec, agent = self._target(sandbox_id)
         self.edge.audit.record(sandbox_id, AuditKind.FILE, "write_stream", path=path)
         return await self.edge.call_running(
@@ -638,6 +664,11 @@ class DataPlane:
             sandbox_id,
             lambda _rec: archive.upload(agent, check_path(path), chunks, user=rec.spec.init_user),
         )
+
+
+async def _chunks(items: list[bytes]) -> AsyncIterator[bytes]:
+    for item in items:
+        yield item
 
 
 async def _first(stream: AsyncIterator[bytes]) -> bytes | None:

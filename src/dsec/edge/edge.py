@@ -31,6 +31,7 @@ from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxSta
 from dsec.api.spec import (
     BackendKind,
     DSecContainerRunArgs,
+    DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
     RunArgs,
 )
@@ -53,6 +54,7 @@ from dsec.errors import (
 )
 from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
+from dsec.images.vmdisk import VMImage
 from dsec.net.manager import NetworkManager
 from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
 from dsec.rl.jobs import JobControl
@@ -499,6 +501,10 @@ class Edge:
         only."""
         if isinstance(spec, DSecContainerRunArgs | DSecMicroVMRunArgs):
             return await self.images.compose(spec)
+        if isinstance(spec, DSecFullVMRunArgs):  # its blobs: disk, kernel, initrd
+            image = await self.images.resolve(spec.vm_image)
+            VMImage.of(image.config, spec.vm_image)  # a 422 now if it is not a VM image
+            return image
         return ImageInfo(
             name=spec.image_ref, tag="", digest="", layers=[], size_bytes=0, created_at=_now()
         )

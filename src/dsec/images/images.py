@@ -35,7 +35,7 @@ from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.spec import LayeredRunArgs
 from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument
-from dsec.images import builders
+from dsec.images import builders, vmdisk
 from dsec.images.extract import default_config, unpack_archive
 from dsec.images.hostlayers import HostLayers
 from dsec.images.layer_registry import LayerRegistry
@@ -44,7 +44,7 @@ from dsec.images.mounts import LayerMounts
 from dsec.images.registry import ImageRow, NewLayer, Registry, manifest_layers, utc
 from dsec.images.remote.client import RemoteStore
 from dsec.images.service import ArchiveFormat, Progress, Recipe
-from dsec.images.store import LayerStore, remove_tree
+from dsec.images.store import LayerStore, normalize_digest, remove_tree
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -197,6 +197,12 @@ class Images:
             if layer is None:
                 raise exc from None
             base = self._layer_image(layer)
+        if "vm" in base.config:
+            raise InvalidArgument(
+                f"image {spec.image_ref} is a VM image: start it with the fullvm backend "
+                "(run_fullvm)",
+                image=spec.image_ref,
+            )
         extra = [ref for ref in (spec.workspace, spec.toolkit) if ref is not None]
         if not extra:
             return base
@@ -410,6 +416,65 @@ class Images:
         config = unpacked.config or default_config()
         layer = self._new_layer(digest, source=source, config=config)
         return await self._commit(name, tag, [layer], config)
+
+    # -- VM images (dsec.images.vmdisk) --
+
+    async def add_vm_blob(
+        self, chunks: AsyncIterator[bytes], *, progress: Progress | None = None
+    ) -> tuple[str, int]:
+        """One file of a VM image (disk, kernel or initrd) into the layer store as it
+        is, content-addressed; (digest, size). Until an image names it, it is an
+        orphan blob that ``gc`` collects after the grace period."""
+        report = _safe(progress)
+        async with self._temp_dir() as work:
+            upload = work / "blob"
+            await self._spool(chunks, upload, report)
+            size = (await asyncio.to_thread(upload.stat)).st_size
+            digest = await asyncio.to_thread(self.store.add_file, upload)
+        return digest, size
+
+    async def register_vm(
+        self,
+        ref: str,
+        disk: str,
+        *,
+        kernel: str | None = None,
+        initrd: str | None = None,
+        cmdline: str | None = None,
+    ) -> ImageInfo:
+        """Tag blobs already in the store as a VM image: the disk is inspected first
+        (raw or self-contained qcow2 only, vmdisk.inspect), a kernel command line
+        needs a kernel."""
+        name, tag = _parse_ref(ref)
+        if (initrd is not None or cmdline is not None) and kernel is None:
+            raise InvalidArgument("an initrd or a kernel command line needs a kernel")
+        digests = [normalize_digest(d) for d in (disk, kernel, initrd) if d is not None]
+        paths = []
+        for digest in digests:
+            try:
+                paths.append(await asyncio.to_thread(self.store.verify, digest))
+            except ImageNotFound:
+                raise InvalidArgument(
+                    f"blob {digest} is not in the layer store: upload it first"
+                ) from None
+        fmt = await asyncio.to_thread(vmdisk.detect_format, paths[0])
+        info = await asyncio.to_thread(vmdisk.inspect, paths[0], fmt)
+        vm = vmdisk.VMImage(
+            disk=digests[0],
+            format=fmt,
+            virtual_size=info.virtual_size,
+            kernel=normalize_digest(kernel) if kernel is not None else None,
+            initrd=normalize_digest(initrd) if initrd is not None else None,
+            cmdline=vmdisk.check_cmdline(cmdline) if cmdline is not None else None,
+        )
+        layers = [
+            NewLayer(
+                digest=d, size_bytes=await asyncio.to_thread(self.store.size, d), source=f"vm:{d}"
+            )
+            for d in vm.blobs()
+        ]
+        self._pending.update(vm.blobs())
+        return await self._commit(name, tag, layers, vm.to_config())
 
     # -- builders --
 

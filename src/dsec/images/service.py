@@ -41,6 +41,24 @@ class ImageService(Protocol):
         self, ref: str, path: Path, *, progress: Progress | None = None
     ) -> ImageInfo: ...
 
+    async def add_vm_blob(
+        self, chunks: AsyncIterator[bytes], *, progress: Progress | None = None
+    ) -> tuple[str, int]:
+        """A file of a VM image into the layer store as it is: (digest, size)."""
+        ...
+
+    async def register_vm(
+        self,
+        ref: str,
+        disk: str,
+        *,
+        kernel: str | None = None,
+        initrd: str | None = None,
+        cmdline: str | None = None,
+    ) -> ImageInfo:
+        """Tag stored blobs as a VM image (dsec.images.vmdisk), the disk inspected."""
+        ...
+
     async def import_archive(
         self,
         ref: str,

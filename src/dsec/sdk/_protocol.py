@@ -19,7 +19,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.fields import SANDBOX_ID_RE, parse_image_ref
 from dsec.api.health import HealthInfo
-from dsec.api.images import BuildImageRequest, ImageInfo
+from dsec.api.images import BuildImageRequest, ImageInfo, RegisterVMRequest, VMBlobInfo
 from dsec.api.sandbox import (
     IDEMPOTENCY_HEADER,
     IDEMPOTENCY_KEY_RE,
@@ -389,4 +389,41 @@ def import_image(
         headers=headers,
         timeout=wait_timeout(timeout),
         upload=upload,
+    )
+
+
+def add_vm_blob(upload: Upload, *, timeout: float | None = None) -> Call[VMBlobInfo]:
+    """One file of a VM image (disk, kernel, initrd) into the layer store."""
+    headers = dict(_OCTET_HEADERS)
+    if upload.size is not None:
+        headers["Content-Length"] = str(upload.size)
+    return Call(
+        "PUT",
+        "/v1/images/vm-blobs",
+        _model(VMBlobInfo),
+        headers=headers,
+        timeout=wait_timeout(timeout),
+        upload=upload,
+    )
+
+
+def register_vm(
+    ref: str,
+    disk: str,
+    *,
+    kernel: str | None = None,
+    initrd: str | None = None,
+    cmdline: str | None = None,
+) -> Call[ImageInfo]:
+    image_path(ref)
+    try:
+        body = RegisterVMRequest(ref=ref, disk=disk, kernel=kernel, initrd=initrd, cmdline=cmdline)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        "/v1/images/vm",
+        _model(ImageInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
     )

@@ -27,6 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from dsec.api.datapath import EDGE_PREFIX, STDERR, STDOUT
+from dsec.api.desktop import ComputerAction
 from dsec.api.exec import (
     CommandArgs,
     ExecResult,
@@ -128,6 +129,9 @@ class DataPathClient:
         self.legacy = False
         """The server has no data path (an older platform): the classic calls use the
         apiserver's HTTP routes; sessions, streams and the new file calls are Unsupported."""
+        self.agentless: set[str] = set()
+        """Sandboxes whose backend has no session agent (a full VM): their one-shot
+        commands use the exec route (output callbacks are called once it ended)."""
         self._rpcs: dict[str, RpcClient] = {}
         self._https: dict[str, httpx.AsyncClient] = {}
 
@@ -225,6 +229,7 @@ class DataPathClient:
         *,
         params: list[tuple[str, str | int | float | bool | None]] | None = None,
         content: Any = None,
+        json_body: Any = None,
         stream: bool = False,
         timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
@@ -235,6 +240,7 @@ class DataPathClient:
             f"{EDGE_PREFIX}/{sandbox_id}{suffix}",
             params=params,
             content=content,
+            json=json_body,
             headers=self._headers(token),
             timeout=timeout if timeout is not None else http.timeout,
         )
@@ -667,11 +673,13 @@ class SandboxDataMixin:
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
     ) -> CommandResult:
-        if not self._data.legacy:
+        if not self._data.legacy and self.id not in self._data.agentless:
             try:
                 return await run_command(self._data, self.id, args, on_stdout, on_stderr)
-            except Unsupported:
-                if not self._data.legacy:
+            except Unsupported as exc:
+                if exc.details.get("capability") == "sessions":
+                    self._data.agentless.add(self.id)
+                elif not self._data.legacy:
                     raise
         return await legacy_run(self._client, self.id, args, on_stdout, on_stderr)
 
@@ -811,6 +819,53 @@ class SandboxDataMixin:
             query["command"] = command
         ws = await self._data.pty_connection(self.id, query)
         return Pty(ws)
+
+    # -- computer use (a sandbox with a display: the fullvm backend) ----------------------
+    async def screenshot(self) -> bytes:
+        """The screen as PNG bytes (read from the VM's display adapter)."""
+        resp = await self._data.http_request(self.id, "GET", "/desktop/screenshot")
+        return resp.content
+
+    async def mouse_move(self, x: int, y: int) -> None:
+        """Move the pointer to pixel (x, y) of the screen."""
+        await self._computer("mouse_move", x=x, y=y)
+
+    async def left_click(self, x: int | None = None, y: int | None = None) -> None:
+        """Click (at (x, y) if given, else where the pointer is)."""
+        await self._computer("left_click", x=x, y=y)
+
+    async def right_click(self, x: int | None = None, y: int | None = None) -> None:
+        await self._computer("right_click", x=x, y=y)
+
+    async def middle_click(self, x: int | None = None, y: int | None = None) -> None:
+        await self._computer("middle_click", x=x, y=y)
+
+    async def double_click(self, x: int | None = None, y: int | None = None) -> None:
+        await self._computer("double_click", x=x, y=y)
+
+    async def scroll(self, direction: Literal["up", "down"] = "down", amount: int = 1) -> None:
+        """Turn the wheel ``amount`` notches."""
+        await self._computer("scroll", direction=direction, amount=amount)
+
+    async def write(self, text: str) -> None:
+        """Type ``text`` on the VM's keyboard (US layout, ASCII)."""
+        await self._computer("write", text=text)
+
+    async def press(self, keys: str | Sequence[str]) -> None:
+        """Press one key ("enter") or a chord (["ctrl", "c"])."""
+        await self._computer("press", keys=[keys] if isinstance(keys, str) else list(keys))
+
+    async def _computer(self, action: str, **fields: Any) -> None:
+        try:
+            body = ComputerAction.model_validate({"action": action, **fields})
+        except ValidationError as exc:
+            raise InvalidArgument(f"{action}: {exc.errors()[0]['msg']}") from None
+        await self._data.http_request(
+            self.id,
+            "POST",
+            "/desktop/input",
+            json_body=body.model_dump(mode="json", exclude_none=True),
+        )
 
     # -- files ----------------------------------------------------------------------------
     async def read_file(self, path: str) -> bytes:

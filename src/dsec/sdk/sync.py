@@ -6,6 +6,7 @@ For scripts, notebooks and thread-based rollout workers. Requests and parsing co
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
@@ -16,9 +17,9 @@ from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
 from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
-from dsec.api.spec import DSecContainerRunArgs, DSecMicroVMRunArgs, RunArgs
+from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
-from dsec.errors import DSecError, SandboxNotFound
+from dsec.errors import DSecError, InvalidArgument, SandboxNotFound
 from dsec.sdk import _http
 from dsec.sdk import _protocol as proto
 from dsec.sdk._batch import SyncBatchMixin
@@ -207,6 +208,19 @@ class DSecSyncClient(
         or TCG (software: expect a boot of seconds, not milliseconds)."""
         return self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
 
+    def run_fullvm(
+        self,
+        args: DSecFullVMRunArgs,
+        timeout: float = 300,
+        *,
+        idempotency_key: str | None = None,
+    ) -> SyncSandbox:
+        """Create a full VM (QEMU q35) from a VM image (``import_vm``) and return once
+        its guest agent answers. Commands and files go through the QEMU guest agent;
+        the screen and input through ``screenshot``, ``mouse_move``, ``left_click``,
+        ``write``, ``press`` ...; sessions, streams and terminals are ``Unsupported``."""
+        return self.run_sandbox(args, timeout, idempotency_key=idempotency_key)
+
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._send(proto.get_sandbox(sandbox_id)))
 
@@ -258,6 +272,41 @@ class DSecSyncClient(
             upload.close()
             raise
         return self._send(call)
+
+    def import_vm(
+        self,
+        ref: str,
+        disk: str | os.PathLike[str],
+        *,
+        kernel: str | os.PathLike[str] | None = None,
+        initrd: str | os.PathLike[str] | None = None,
+        cmdline: str | None = None,
+        timeout: float | None = None,
+    ) -> ImageInfo:
+        """A VM image from a disk file (raw or qcow2, no backing file), and for a
+        direct kernel boot a kernel, an initrd and its command line; each file is
+        stored content-addressed (a file the platform has is sent again, and kept once)."""
+        digests: list[str | None] = []
+        for path in (disk, kernel, initrd):
+            if path is None:
+                digests.append(None)
+                continue
+            upload, is_dir = open_upload(path)
+            if is_dir:
+                upload.close()
+                raise InvalidArgument(f"{path} is a directory, not a VM image file")
+            try:
+                call = proto.add_vm_blob(upload, timeout=timeout)
+            except BaseException:
+                upload.close()
+                raise
+            digests.append(self._send(call).digest)
+        assert digests[0] is not None
+        return self._send(
+            proto.register_vm(
+                ref, digests[0], kernel=digests[1], initrd=digests[2], cmdline=cmdline
+            )
+        )
 
     def remove_image(self, ref: str) -> ImageInfo:
         return self._send(proto.remove_image(ref))

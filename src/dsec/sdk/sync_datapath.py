@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 from dsec.api.exec import ExitInfo, ProcessInfo, SessionInfo
 from dsec.api.files import FileInfo, FileList
@@ -369,6 +369,37 @@ class SyncSandboxDataMixin:
     ) -> SyncPty:
         pty = self._run(self._a().pty(rows=rows, cols=cols, command=command, term=term))
         return SyncPty(self._client._portal(), pty)
+
+    # -- computer use -------------------------------------------------------------------
+    def screenshot(self) -> bytes:
+        """The screen as PNG bytes (read from the VM's display adapter)."""
+        return self._run(self._a().screenshot())
+
+    def mouse_move(self, x: int, y: int) -> None:
+        self._run(self._a().mouse_move(x, y))
+
+    def left_click(self, x: int | None = None, y: int | None = None) -> None:
+        self._run(self._a().left_click(x, y))
+
+    def right_click(self, x: int | None = None, y: int | None = None) -> None:
+        self._run(self._a().right_click(x, y))
+
+    def middle_click(self, x: int | None = None, y: int | None = None) -> None:
+        self._run(self._a().middle_click(x, y))
+
+    def double_click(self, x: int | None = None, y: int | None = None) -> None:
+        self._run(self._a().double_click(x, y))
+
+    def scroll(self, direction: Literal["up", "down"] = "down", amount: int = 1) -> None:
+        self._run(self._a().scroll(direction, amount))
+
+    def write(self, text: str) -> None:
+        """Type ``text`` on the VM's keyboard (US layout, ASCII)."""
+        self._run(self._a().write(text))
+
+    def press(self, keys: str | Sequence[str]) -> None:
+        """Press one key ("enter") or a chord (["ctrl", "c"])."""
+        self._run(self._a().press(keys))
 
     def read_file(self, path: str) -> bytes:
         return self._run(self._a().read_file(path))

@@ -69,6 +69,18 @@ class Jail:
         QEMU gets read access to the kernel, initrd and read-only drives, write
         access to the writable drives and to the directories of its two sockets
         (chowned to its uid, as are the writable drives)."""
+        ro = [config.kernel, *([config.initrd] if config.initrd else [])]
+        ro += [d.path for d in config.drives if d.readonly]
+        rw_files = [d.path for d in config.drives if not d.readonly]
+        socket_dirs = sorted({config.qmp_socket.parent, config.agent_socket.parent})
+        return self.prefix_for(ro=ro, rw=[*rw_files, *socket_dirs], kvm=config.accel == "kvm")
+
+    def prefix_for(self, *, ro: Sequence[Path], rw: Sequence[Path], kvm: bool) -> list[str]:
+        """The launcher argv for a QEMU of any machine type: ``ro`` files it may read
+        (kernel, initrd, read-only drives: ``extra_ro`` is added), ``rw`` files and
+        directories it may write, chowned to its uid (writable drives, the
+        directory of its sockets), ``/dev/kvm`` with ``kvm``. ``prefix`` derives
+        these from a microVM's config; dsec.backends.fullvm from its own."""
         argv = [str(jail_binary()), "--uid-base", str(self.uid_base)]
         if self.netns:
             argv.append("--netns")
@@ -76,18 +88,14 @@ class Jail:
             argv.append("--die-with-parent")
         for d in self.cgroup_dirs:
             argv += ["--cgroup", str(d)]
-        ro = [config.kernel, *([config.initrd] if config.initrd else []), *self.extra_ro]
-        ro += [d.path for d in config.drives if d.readonly]
-        rw_files = [d.path for d in config.drives if not d.readonly]
-        socket_dirs = sorted({config.qmp_socket.parent, config.agent_socket.parent})
-        for path in ro:
+        for path in [*ro, *self.extra_ro]:
             argv += ["--ro", os.path.realpath(path)]
         for path in self.own_ro:
             argv += ["--own", os.path.realpath(path)]
-        for path in [*rw_files, *socket_dirs]:
+        for path in rw:
             real = os.path.realpath(path)
             argv += ["--rw", real, "--own", real]
-        if config.accel == "kvm":
+        if kvm:
             argv += ["--dev", "/dev/kvm", "--group", str(kvm_group())]
         argv.append("--")
         return argv

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dsec.backends.microvm.qemu import QemuProcess, VMConfig
 from dsec.backends.microvm.qmp import Qmp, QmpError
-from dsec.backends.microvm.snapshot import SNAPSHOT_FD, wait_migration
+from dsec.backends.microvm.snapshot import load_into
 from dsec.guest.channel import GuestChannel
 
 log = logging.getLogger(__name__)
@@ -131,15 +131,7 @@ class Machine:
     async def restore(self, source: Path, timeout: float) -> None:
         """Feed the launched (``incoming``) QEMU the state in ``source`` and run it."""
         assert self.proc is not None
-        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            qmp = await self.connect_qmp()
-            await qmp.send_fd(SNAPSHOT_FD, fd)
-            await qmp.execute("migrate-incoming", {"uri": f"fd:{SNAPSHOT_FD}"})
-            await wait_migration(qmp, timeout, f"restore from {source.name}")
-            await qmp.execute("cont")
-        finally:
-            os.close(fd)
+        await load_into(await self.connect_qmp(), source, timeout=timeout)
 
     async def kill(self) -> None:
         """End QEMU and every link to it; idempotent."""

@@ -262,14 +262,40 @@ class QemuProcess:
         pid, since the launcher does not fork. The tap fd (if any) and ``pass_fds``
         are inherited; every other fd of ours is not.
         """
-        for stale in (config.qmp_socket, config.agent_socket):
-            stale.unlink(missing_ok=True)
-        argv = [*prefix, *build_argv(config)]
         inherit = list(pass_fds) + ([config.net.tap_fd] if config.net else [])
         inherit += [fd for fd, _ in config.fdsets]
-        log_fd = os.open(
-            config.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+        return cls.spawn(
+            [*prefix, *build_argv(config)],
+            qmp_socket=config.qmp_socket,
+            log_path=config.log_path,
+            stale=(config.qmp_socket, config.agent_socket),
+            pass_fds=inherit,
+            env=env,
         )
+
+    @classmethod
+    def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        qmp_socket: Path,
+        log_path: Path,
+        stale: Sequence[Path] = (),
+        pass_fds: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> QemuProcess:
+        """Start any QEMU command line (``argv``, launcher prefix included) the way
+        ``launch`` does: its own session, stdin /dev/null, stdout and stderr to
+        ``log_path``, exactly ``pass_fds`` inherited. For machines other than the
+        microVM (dsec.backends.fullvm builds its own q35 argv); ``stale`` sockets are
+        removed first so that a QMP connect never finds an old one. ``qmp_socket``
+        must be the path of the argv's ``-chardev socket,id=qmp`` (``find_running``
+        and ``adopt`` rely on that)."""
+        for path in stale:
+            path.unlink(missing_ok=True)
+        argv = list(argv)
+        inherit = list(pass_fds)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         restore: list[tuple[int, bool]] = []
         try:
             for fd in inherit:
@@ -293,7 +319,7 @@ class QemuProcess:
             for fd, was in restore:
                 os.set_inheritable(fd, was)
         start = _start_time(pid)
-        proc = cls(pid, start or 0, config.qmp_socket, config.log_path)
+        proc = cls(pid, start or 0, qmp_socket, log_path)
         proc._child = True
         if start is None:  # exited at once (bad arguments): reap it and say why
             proc.kill()

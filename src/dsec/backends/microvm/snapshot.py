@@ -99,6 +99,21 @@ async def pause_to_file(
     return await save_to_file(proc, qmp, path, timeout=timeout)
 
 
+async def load_into(qmp: Qmp, path: Path, *, timeout: float = 60.0) -> None:
+    """Feed a QEMU started with ``-incoming defer`` the state saved in ``path`` (opened
+    here, read only, passed over QMP) and let the guest run on. Any QEMU whose command
+    line matches the saved one's: a microVM's (``restore_from_file``, ``Machine``) or a
+    full VM's (dsec.backends.fullvm)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        await qmp.send_fd(SNAPSHOT_FD, fd)
+        await qmp.execute("migrate-incoming", {"uri": f"fd:{SNAPSHOT_FD}"})
+        await wait_migration(qmp, timeout, f"restore from {path.name}")
+        await qmp.execute("cont")
+    finally:
+        os.close(fd)
+
+
 async def restore_from_file(
     config: VMConfig,
     path: Path,
@@ -110,7 +125,6 @@ async def restore_from_file(
     """Start a new QEMU for ``config`` (same machine as the one saved) that loads
     ``path`` and runs on from where it stopped. The file is only read (templates are
     shared by many restores). Kills the new QEMU on any failure."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     proc: QemuProcess | None = None
     qmp: Qmp | None = None
     try:
@@ -118,10 +132,7 @@ async def restore_from_file(
             dataclasses.replace(config, incoming=path), prefix=prefix, pass_fds=pass_fds
         )
         qmp = await Qmp.connect(config.qmp_socket, alive=proc.is_alive)
-        await qmp.send_fd(SNAPSHOT_FD, fd)
-        await qmp.execute("migrate-incoming", {"uri": f"fd:{SNAPSHOT_FD}"})
-        await wait_migration(qmp, timeout, f"restore from {path.name}")
-        await qmp.execute("cont")
+        await load_into(qmp, path, timeout=timeout)
         return proc, qmp
     except BaseException as exc:
         tail = proc.log_tail() if proc is not None else ""
@@ -132,8 +143,6 @@ async def restore_from_file(
         if isinstance(exc, BackendError) and tail:
             raise BackendError(f"{exc.message}; QEMU said: {tail}") from exc
         raise
-    finally:
-        os.close(fd)
 
 
 async def resume_from_file(

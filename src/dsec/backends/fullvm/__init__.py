@@ -1,0 +1,1 @@
+"""FullVM backend: any OS from a VM image under QEMU (see backend.py)."""

@@ -1,0 +1,688 @@
+"""FullVM backend: any OS from a VM image under QEMU (q35), its own guest agent, and
+computer use through QMP.
+
+Create = the image's blobs (disk, and kernel/initrd for a direct boot) from the layer
+store, a private qcow2 overlay of the disk capped by ``disk_limit_mb``
+(dsec.backends.fullvm.disk), the sandbox's cgroup, QEMU started jailed like a
+microVM's (dsec.backends.microvm.jail and qemu: its own uid, namespaces, no
+capabilities, the console in a bounded ring) on the q35 command line of machine.py,
+then the standard QEMU guest agent (qga.py) until it answers a sync.
+
+Job pause is a microVM's: SIGSTOP, then the VM's memory and device state saved to a
+file through QMP and QEMU ended; resume starts the same command line again
+(``machine.Launch``, kept next to the VM) with ``-incoming`` and restores the file.
+
+What a full VM does not have (yet): sessions, PTYs, streaming and background
+processes (the guest agent runs one-shot commands only: not declared, so the edge
+refuses them with 501), network rules, snapshots as images, verify steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+from dsec.api.desktop import ComputerAction
+from dsec.api.events import AuditKind
+from dsec.api.exec import ExecRequest, ExecResult
+from dsec.api.spec import BackendKind, DSecFullVMRunArgs, DSecRunArgs
+from dsec.backends.base import (
+    Backend,
+    BackendHost,
+    Capability,
+    CreateInput,
+    ReclaimFigures,
+    SandboxRecord,
+)
+from dsec.backends.fullvm import guestops
+from dsec.backends.fullvm.disk import create_overlay, overlay_size
+from dsec.backends.fullvm.display import Display
+from dsec.backends.fullvm.facts import FullVMFacts
+from dsec.backends.fullvm.machine import (
+    OVMF_CODE,
+    OVMF_VARS,
+    DirectBoot,
+    FullVMConfig,
+    Launch,
+)
+from dsec.backends.fullvm.qga import GuestAgent, GuestAgentError, GuestCommandError
+from dsec.backends.microvm import snapshot
+from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
+from dsec.backends.microvm.jail import Jail
+from dsec.backends.microvm.qemu import QemuProcess, find_running
+from dsec.backends.microvm.qmp import Qmp, QmpError
+from dsec.errors import (
+    BackendError,
+    DSecError,
+    FileNotFound,
+    InvalidArgument,
+    LimitExceeded,
+    Unsupported,
+)
+from dsec.images.mounts import LayerMounts
+from dsec.images.vmdisk import DiskInfo, VMImage
+from dsec.resources.cgroups import CgroupHost
+from dsec.security.audit import AuditSink
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# QEMU's own memory beside the guest's RAM: TCG's translation cache (64 MiB), the
+# VGA's 16 MiB of video memory, firmware and device state.
+VMM_OVERHEAD_MB = 256
+MIN_MEMORY_MB = 128
+QEMU_PIDS = 256
+BOOT_TIMEOUT = 300.0  # seconds from QEMU's start to a guest agent that answers
+GUEST_END_POLL = 2.0
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ROOT_USERS = (None, "root", "0", "0:0")
+LAUNCH_FILE = "launch.json"  # machine.Launch: how to start this VM's QEMU again
+
+
+def fullvm_spec(rec: SandboxRecord | CreateInput) -> DSecFullVMRunArgs:
+    if not isinstance(rec.spec, DSecFullVMRunArgs):
+        raise BackendError(f"sandbox {rec.id} has a {rec.spec.backend} spec, not a fullvm one")
+    return rec.spec
+
+
+@dataclass
+class _VM:
+    """The live parts of one VM in this edge process (the record's facts persist).
+    ``proc`` is None while the VM is paused to its file (no QEMU); ``restoring`` is
+    the restore of a resumed one, which every request waits for."""
+
+    dir: Path
+    launch: Launch
+    proc: QemuProcess | None
+    agent: GuestAgent
+    display: Display
+    qmp: Qmp | None = None
+    ended: str | None = None
+    stopped: bool = False  # SIGSTOPped by a pause: QMP would not answer
+    restoring: asyncio.Task[None] | None = None
+    qmp_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def snapshot(self) -> Path:
+        return self.dir / "state.snap"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def busy(self) -> bool:
+        """Paused, or being restored: not for the guest-end watcher to look at."""
+        return self.stopped or (self.restoring is not None and not self.restoring.done())
+
+    async def connect_qmp(self) -> Qmp:
+        """One QMP link, opened on first use (QEMU serves one client at a time)."""
+        async with self.qmp_lock:
+            proc = self.proc
+            if proc is None:
+                raise BackendError("the VM has no running VMM (paused to its file)")
+            if self.qmp is None:
+                self.qmp = await Qmp.connect(proc.qmp_socket, alive=proc.is_alive)
+            return self.qmp
+
+    async def close(self) -> None:
+        """Drop this process's links to the VM (QEMU itself runs on)."""
+        await self.agent.close()
+        if self.qmp is not None:
+            qmp, self.qmp = self.qmp, None
+            with contextlib.suppress(Exception):
+                await qmp.close()
+
+    async def kill(self) -> None:
+        """End the restore in flight, every link and QEMU; idempotent."""
+        if self.restoring is not None and not self.restoring.done():
+            self.restoring.cancel()
+            with contextlib.suppress(BaseException):
+                await self.restoring
+        await self.close()
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            await asyncio.to_thread(proc.kill)
+
+
+class FullVMBackend(Backend):
+    kind = BackendKind.FULLVM
+    capabilities = frozenset(
+        {Capability.FILES, Capability.DISK_LIMIT, Capability.COMPUTER_USE, Capability.PAUSE}
+    )
+    network_device: ClassVar[Literal["veth", "tap"]] = "tap"
+    destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
+    reclaim_drops_agent_links = True  # QEMU ends with its guest agent link
+
+    @classmethod
+    def probe(cls) -> str | None:
+        if os.geteuid() != 0:
+            return "needs root (cgroups, the QEMU jail)"
+        if not os.path.ismount("/sys/fs/cgroup"):
+            return "no cgroup file system at /sys/fs/cgroup"
+        for tool, package in (
+            ("qemu-system-x86_64", "qemu-system-x86"),
+            ("qemu-img", "qemu-utils"),
+        ):
+            if shutil.which(tool) is None:
+                return f"no {tool} on PATH (apt-get install {package})"
+        return None
+
+    @classmethod
+    def from_host(cls, host: BackendHost) -> Self:
+        return cls(
+            vms_dir=host.config.data_dir / "fullvms",
+            layers=host.layers,
+            cgroups=host.cgroups,
+            cgroup_parent=f"dsec/{host.config.edge_id}-fvm",
+            audit=host.audit,
+        )
+
+    def __init__(
+        self,
+        *,
+        vms_dir: Path,
+        layers: LayerMounts,
+        cgroups: CgroupHost,
+        cgroup_parent: str,
+        audit: AuditSink,
+    ) -> None:
+        self.vms_dir = vms_dir
+        self.layers = layers
+        self.cgroups = cgroups
+        self.cgroup_parent = cgroup_parent.strip("/")
+        self.audit = audit
+        self.host_cpus = os.cpu_count() or 1
+        self._vms: dict[str, _VM] = {}
+        self._accel: AccelChoice | None = None
+
+    # -- host -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.vms_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.vms_dir, 0o700)
+
+    async def accelerator(self) -> AccelChoice:
+        """KVM only if it really boots a guest (the microVM probe and its cache)."""
+        if self._accel is None:
+            from dsec.guest.kernel import guest_kernel
+
+            kernel = await asyncio.to_thread(guest_kernel)
+            self._accel = await probe_accelerator(kernel.vmlinuz)
+        return self._accel
+
+    def details(self) -> Mapping[str, str]:
+        if self._accel is None:
+            return {"accelerator": "not probed yet (at the first fullvm create)"}
+        return {"accelerator": self._accel.accel, "accelerator_reason": self._accel.reason}
+
+    async def close(self) -> None:
+        for vm in list(self._vms.values()):
+            await vm.close()  # QEMU runs on: the next edge adopts it
+        self._vms.clear()
+        if not self.cgroups.children(f"/{self.cgroup_parent}"):
+            await asyncio.to_thread(
+                self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
+            )
+
+    # -- paths and facts ------------------------------------------------------------
+    def vm_dir(self, sid: str) -> Path:
+        return self.vms_dir / sid
+
+    def cgroup_of(self, sid: str) -> str:
+        return f"/{self.cgroup_parent}/{sid}"
+
+    def load_facts(self, data: Mapping[str, Any]) -> FullVMFacts:
+        return FullVMFacts.from_json(data)
+
+    def facts(self, rec: SandboxRecord) -> FullVMFacts:
+        if not isinstance(rec.facts, FullVMFacts):
+            rec.facts = FullVMFacts.of(rec.facts)
+        return rec.facts
+
+    # -- limits -----------------------------------------------------------------------
+    def check_limits(self, spec: Any) -> None:
+        if spec.memory_limit_mb < MIN_MEMORY_MB:
+            raise LimitExceeded(
+                f"memory_limit_mb={spec.memory_limit_mb} is below the fullvm minimum of "
+                f"{MIN_MEMORY_MB} MiB",
+                minimum_mb=MIN_MEMORY_MB,
+            )
+        if isinstance(spec, DSecFullVMRunArgs) and spec.firmware == "uefi":
+            missing = [str(f) for f in (OVMF_CODE, OVMF_VARS) if not f.is_file()]
+            if missing:
+                raise Unsupported(
+                    f"firmware='uefi' needs OVMF on this host ({', '.join(missing)} missing: "
+                    "apt-get install ovmf)",
+                    backend=self.kind.value,
+                    capability="firmware_uefi",
+                )
+
+    def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
+        """Guest RAM stays resident once touched, QEMU's own comes on top: a VM is
+        never overcommitted (as microVMs)."""
+        return math.ceil((spec.memory_limit_mb + VMM_OVERHEAD_MB) * overcommit)
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def create(self, inp: CreateInput) -> FullVMFacts:
+        sid, spec = inp.id, fullvm_spec(inp)
+        image = VMImage.of(inp.image.config, spec.vm_image)
+        root = self.vm_dir(sid)
+        facts = FullVMFacts(dir=root)
+        vm: _VM | None = None
+        try:
+            accel = await self.accelerator()
+            root.mkdir(mode=0o700)
+            (root / "q").mkdir(mode=0o700)
+            await self.layers.prepare(image.blobs(), "eager")
+            blobs = {d: await asyncio.to_thread(self.layers.store.verify, d) for d in image.blobs()}
+            size = overlay_size(DiskInfo(image.format, image.virtual_size), spec.disk_limit_mb)
+            overlay = root / "disk.qcow2"
+            await asyncio.to_thread(create_overlay, overlay, blobs[image.disk], image.format, size)
+            facts.disk_bytes = size
+            await asyncio.to_thread(
+                self.cgroups.create_limited,
+                self.cgroup_of(sid),
+                memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
+                cpu_cores=spec.cpu_cores_limit,
+                pids=QEMU_PIDS,
+            )
+            efi_vars = None
+            if spec.firmware == "uefi":
+                efi_vars = root / "efivars.fd"
+                await asyncio.to_thread(shutil.copyfile, OVMF_VARS, efi_vars)
+            boot = None
+            if image.kernel is not None:
+                initrd = blobs[image.initrd] if image.initrd is not None else None
+                boot = DirectBoot(blobs[image.kernel], initrd, image.cmdline or "")
+            config = FullVMConfig(
+                disk=overlay,
+                ga_socket=root / "q" / "ga.sock",
+                qmp_socket=root / "q" / "qmp.sock",
+                log_path=root / "qemu.log",
+                vcpus=max(1, min(self.host_cpus, math.ceil(spec.cpu_cores_limit))),
+                memory_mb=spec.memory_limit_mb,
+                accel=accel.accel,
+                firmware=spec.firmware,
+                boot=boot,
+                efi_vars=efi_vars,
+                display=spec.display,
+            )
+            facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
+            launch = Launch.of(
+                config,
+                ro=[blobs[image.disk], *config.readable_files()],
+                rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
+            )
+            await asyncio.to_thread(launch.save, root / LAUNCH_FILE)
+            proc = launch.spawn(self.jail_for(sid))
+            facts.pid, facts.pid_start = proc.pid, proc.start_time
+            vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
+            self._vms[sid] = vm
+            await self._wait_agent(vm, BOOT_TIMEOUT)
+        except BaseException as exc:
+            tail = await self._console_tail(vm)
+            with contextlib.suppress(Exception):
+                await self._teardown(sid, facts)
+            if isinstance(exc, BackendError) and tail:
+                raise BackendError(
+                    f"{exc.message}; the guest console's last line: {tail!r}"
+                ) from exc
+            raise
+        self.audit.record(sid, AuditKind.LIFECYCLE, "fullvm_started", accel=facts.accel)
+        return facts
+
+    def jail_for(self, sid: str) -> Jail:
+        return Jail(cgroup_dirs=tuple(self.cgroups.dirs(self.cgroup_of(sid))))
+
+    async def _wait_agent(self, vm: _VM, timeout: float) -> None:
+        """Until the guest agent answers, failing early if QEMU or the guest ends."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if vm.proc is None or not vm.proc.is_alive():
+                tail = vm.proc.log_tail(400) if vm.proc is not None else ""
+                raise BackendError(f"QEMU ended during the boot: {tail}")
+            try:
+                await vm.agent.sync(min(3.0, max(0.1, deadline - time.monotonic())))
+                return
+            except GuestAgentError as exc:
+                if time.monotonic() >= deadline:
+                    raise BackendError(
+                        f"the guest agent did not answer within {timeout:g}s: {exc.message}"
+                    ) from exc
+            with contextlib.suppress(QmpError):
+                if await (await vm.connect_qmp()).guest_ended(timeout=2):
+                    raise BackendError("the guest shut down or panicked during the boot")
+            await asyncio.sleep(0.2)
+
+    async def _console_tail(self, vm: _VM | None) -> str:
+        """The guest console's last line (guest-written: quoted by the caller)."""
+        if vm is None or not vm.alive():
+            return ""
+        try:
+            text = await (await vm.connect_qmp()).console(timeout=2)
+        except QmpError:
+            return ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1][:160] if lines else ""
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        await self._teardown(rec.id, self.facts(rec))
+
+    async def _teardown(self, sid: str, facts: FullVMFacts) -> None:
+        """Kill QEMU, remove its cgroup, overlay and sockets; idempotent."""
+        errors: list[str] = []
+        vm = self._vms.pop(sid, None)
+        if vm is not None:
+            await vm.kill()
+        elif facts.pid is not None and facts.pid_start is not None:
+            with contextlib.suppress(BackendError):
+                proc = QemuProcess.adopt(facts.pid, facts.pid_start, Path("/"), Path("/"))
+                await asyncio.to_thread(proc.kill)
+        facts.pid = None
+        if not await asyncio.to_thread(
+            self.cgroups.kill_and_remove, self.cgroup_of(sid), timeout=5
+        ):
+            errors.append(f"cgroup {self.cgroup_of(sid)} not removed")
+        await asyncio.to_thread(shutil.rmtree, self.vm_dir(sid), True)
+        if self.vm_dir(sid).exists():
+            errors.append(f"{self.vm_dir(sid)} not removed")
+        if errors:
+            raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
+
+    # -- recovery -----------------------------------------------------------------------
+    async def is_alive(self, rec: SandboxRecord) -> bool:
+        """A VM this edge tracks lives while its QEMU does (a guest agent that fails a
+        request fails that request only); after a restart, its QEMU is adopted by pid
+        and start time and must answer a guest agent sync."""
+        known = self._vms.get(rec.id)
+        if known is not None:
+            return known.alive()
+        vm = self._adopt(rec)
+        if vm is None:
+            return False
+        try:
+            await vm.agent.sync(20)
+        except GuestAgentError as exc:
+            log.warning("fullvm %s: guest agent did not answer after the restart: %s", rec.id, exc)
+            await vm.close()
+            return False
+        self._vms[rec.id] = vm
+        return True
+
+    def _adopt(self, rec: SandboxRecord) -> _VM | None:
+        """The VM of ``rec`` rebuilt after an edge restart from its facts and its
+        saved launch: with its QEMU if that still runs (pid and start time), else
+        without one (None: neither a QEMU nor a launch to start one)."""
+        facts = self.facts(rec)
+        root = self.vm_dir(rec.id)
+        launch = Launch.load(root / LAUNCH_FILE)
+        if launch is None:
+            return None
+        proc = None
+        if facts.pid is not None and facts.pid_start is not None:
+            with contextlib.suppress(BackendError):
+                proc = QemuProcess.adopt(
+                    facts.pid, facts.pid_start, Path(launch.qmp_socket), Path(launch.log_path)
+                )
+        display = Display(Path(launch.qmp_socket).parent)
+        return _VM(root, launch, proc, GuestAgent(Path(launch.ga_socket)), display)
+
+    async def adopt_paused(self, rec: SandboxRecord) -> bool:
+        """A VM paused across an edge restart: saved to its file (no QEMU), or stopped
+        (its QEMU adopted and kept stopped). False: it is gone."""
+        vm = self._adopt(rec)
+        if vm is None:
+            return False
+        facts = self.facts(rec)
+        if vm.proc is None:
+            if not vm.snapshot.is_file():
+                return False
+            facts.pid = None
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGSTOP)
+            vm.stopped = True
+        self._vms[rec.id] = vm
+        return True
+
+    async def sweep(self, known_ids: set[str]) -> list[str]:
+        removed: list[str] = []
+        for proc in await asyncio.to_thread(find_running, self.vms_dir):
+            if proc.qmp_socket.parent.parent.name not in known_ids:
+                await asyncio.to_thread(proc.kill)
+        leftovers: set[str] = set()
+        if self.vms_dir.is_dir():
+            leftovers.update(e.name for e in os.scandir(self.vms_dir) if e.is_dir())
+        leftovers.update(self.cgroups.children(f"/{self.cgroup_parent}"))
+        for sid in sorted(leftovers - known_ids):
+            try:
+                await self._teardown(sid, FullVMFacts())
+                removed.append(sid)
+            except BackendError as exc:
+                log.warning("sweep of %s incomplete: %s", sid, exc)
+        return removed
+
+    # -- guest end ------------------------------------------------------------------------
+    def loops(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        return [("fullvm-guest-ends", self._watch_guest_ends)]
+
+    async def _watch_guest_ends(self) -> None:
+        """A guest that shut down or panicked leaves its QEMU paused (for the console):
+        kill it, so that the edge's init watch fails the sandbox at once."""
+        while True:
+            await asyncio.sleep(GUEST_END_POLL)
+            for sid, vm in list(self._vms.items()):
+                if vm.proc is None or vm.busy():
+                    continue
+                try:
+                    if not await (await vm.connect_qmp()).guest_ended(timeout=2):
+                        continue
+                except Exception as exc:  # a VM torn down under us: not the loop's end
+                    log.debug("fullvm %s: guest state unknown: %s", sid, exc)
+                    continue
+                tail = await self._console_tail(vm)
+                self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
+                vm.ended = "the guest shut down, rebooted or panicked" + (
+                    f" (its console's last line: {tail!r})" if tail else ""
+                )
+                await vm.kill()
+
+    def death_reason(self, rec: SandboxRecord) -> str | None:
+        vm = self._vms.get(rec.id)
+        if vm is None:
+            return None
+        if vm.ended is not None:
+            return vm.ended
+        tail = vm.proc.log_tail(300) if vm.proc is not None else ""
+        return f"QEMU ended on its own: {tail.splitlines()[-1][:160]!r}" if tail else None
+
+    # -- pause: stop, save to a file, restore (dsec.backends.microvm.snapshot) ---------
+    def pause(self, rec: SandboxRecord) -> None:
+        """SIGSTOP QEMU: every vCPU stops at once, synchronously."""
+        vm = self._vms.get(rec.id)
+        if vm is None or vm.proc is None:
+            raise BackendError(f"fullvm {rec.id} has no running VMM to pause")
+        try:
+            os.kill(vm.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError as exc:
+            raise BackendError(f"fullvm {rec.id}: its VMM is gone") from exc
+        vm.stopped = True
+
+    async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
+        """Save the stopped VM's memory and device state to ``state.snap`` (its disk
+        is its overlay, flushed by the save) and end QEMU: all of its memory goes back
+        to the host."""
+        vm = self._vms.get(rec.id)
+        if vm is None or vm.proc is None:
+            return ReclaimFigures(None, None, None, None, None)
+        facts = self.facts(rec)
+        proc = vm.proc
+        before = self.cgroups.memory_usage(self.cgroup_of(rec.id))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # QMP needs QEMU's main loop
+        vm.stopped = False
+        qmp = await vm.connect_qmp()
+        await vm.agent.close()
+        facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
+        try:
+            await snapshot.pause_to_file(proc, qmp, vm.snapshot)
+        except BaseException:
+            facts.pid = proc.pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGSTOP)
+            vm.stopped = True
+            raise
+        vm.proc, vm.qmp = None, None
+        facts.snapshot = True
+        # The page cache QEMU filled (the state file, its disk) is still charged.
+        await asyncio.to_thread(self.cgroups.drop_charges, self.cgroup_of(rec.id))
+        after = self.cgroups.memory_usage(self.cgroup_of(rec.id))
+        return ReclaimFigures(before, after or 0, None, 0, None)
+
+    def resume(self, rec: SandboxRecord) -> None:
+        """Continue a stopped QEMU, or start a new one that restores the VM's file:
+        spawned here (synchronously, so the edge watches its pid), restored in the
+        background; every request waits for the restore (``_vm``)."""
+        vm = self._vms.get(rec.id)
+        if vm is None:
+            return
+        if vm.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGCONT)
+            vm.stopped = False
+            return
+        if not vm.snapshot.is_file():
+            return
+        facts = self.facts(rec)
+        proc = vm.launch.spawn(self.jail_for(rec.id), incoming=True)
+        vm.proc = proc
+        facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
+        vm.restoring = asyncio.get_running_loop().create_task(
+            self._finish_resume(rec.id, vm), name=f"fullvm-resume-{rec.id}"
+        )
+
+    async def _finish_resume(self, sid: str, vm: _VM) -> None:
+        try:
+            t0 = time.monotonic()
+            await snapshot.load_into(await vm.connect_qmp(), vm.snapshot, timeout=120)
+            vm.snapshot.unlink(missing_ok=True)
+            log.info("fullvm %s resumed in %.3fs", sid, time.monotonic() - t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("fullvm %s: resume failed: %s", sid, exc)
+            vm.ended = f"the resume from its snapshot failed: {exc}"
+            self.audit.record(sid, AuditKind.LIFECYCLE, "resume_failed", error=str(exc))
+            await vm.close()
+            if vm.proc is not None:  # the edge's init watch fails the sandbox
+                await asyncio.to_thread(vm.proc.kill)
+
+    # -- data path: the guest agent ---------------------------------------------------
+    async def _vm(self, rec: SandboxRecord) -> _VM:
+        """The running VM of ``rec``, once a restore in flight is done."""
+        vm = self._vms.get(rec.id)
+        if vm is not None and vm.restoring is not None and not vm.restoring.done():
+            with contextlib.suppress(Exception):  # its failure is the check below
+                await asyncio.shield(vm.restoring)
+        if vm is None or not vm.alive():
+            raise BackendError(f"fullvm {rec.id} has no running VMM")
+        return vm
+
+    async def exec(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
+        vm = await self._vm(rec)
+        if req.user not in ROOT_USERS:
+            raise Unsupported(
+                "the fullvm backend runs commands as the guest agent's user only (root): "
+                f"user={req.user!r} is not supported",
+                backend=self.kind.value,
+                capability="exec_user",
+            )
+        workdir = req.workdir or (rec.spec.workdir if rec.spec.workdir != "/" else None)
+        env = {"PATH": DEFAULT_PATH, **rec.spec.env, **req.env}
+        try:
+            done = await guestops.run(
+                vm.agent,
+                guestops.command_argv(req.command, workdir),
+                env=env,
+                stdin=req.stdin.encode() if req.stdin is not None else None,
+                timeout=req.timeout,
+                max_output=req.max_output_bytes,
+            )
+        except GuestCommandError as exc:  # e.g. no such program: what a shell says
+            return ExecResult(exit_code=127, stdout="", stderr=exc.message + "\n", duration=0.0)
+        return ExecResult(
+            exit_code=done.exit_code,
+            stdout=done.stdout.decode(errors="replace"),
+            stderr=done.stderr.decode(errors="replace"),
+            duration=done.duration,
+            timed_out=done.timed_out,
+            truncated=done.truncated,
+        )
+
+    async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes:
+        vm = await self._vm(rec)
+        try:
+            return await guestops.read_file(vm.agent, path, max_bytes=max_bytes)
+        except GuestCommandError as exc:
+            raise _file_error(exc, path) from None
+
+    async def write_file(self, rec: SandboxRecord, path: str, data: bytes, *, mode: int) -> None:
+        vm = await self._vm(rec)
+        try:
+            await guestops.write_file(vm.agent, path, data, mode=mode)
+        except GuestCommandError as exc:
+            raise _file_error(exc, path) from None
+
+    # -- computer use: QMP ------------------------------------------------------------
+    async def screenshot(self, rec: SandboxRecord) -> bytes:
+        vm = await self._vm(rec)
+        return await vm.display.screenshot(await vm.connect_qmp())
+
+    async def computer_input(self, rec: SandboxRecord, action: ComputerAction) -> None:
+        vm = await self._vm(rec)
+        qmp, display = await vm.connect_qmp(), vm.display
+        match action.action:
+            case "mouse_move":
+                assert action.x is not None and action.y is not None
+                await display.mouse_move(qmp, action.x, action.y)
+            case "left_click" | "right_click" | "middle_click" | "double_click":
+                button = (
+                    "left" if action.action == "double_click" else action.action[: -len("_click")]
+                )
+                times = 2 if action.action == "double_click" else 1
+                await display.click(qmp, button, times=times, x=action.x, y=action.y)
+            case "scroll":
+                await display.scroll(qmp, action.direction, action.amount)
+            case "write":
+                await display.write(qmp, action.text or "")
+            case "press":
+                await display.press(qmp, action.keys or [])
+
+    async def stats(self, rec: SandboxRecord) -> dict[str, Any]:
+        overlay = self.vm_dir(rec.id) / "disk.qcow2"
+        try:
+            disk = os.stat(overlay).st_blocks * 512
+        except OSError:
+            disk = None
+        return {
+            "memory_bytes": self.cgroups.memory_usage(self.cgroup_of(rec.id)),
+            "cpu_seconds": self.cgroups.cpu_seconds(self.cgroup_of(rec.id)),
+            "disk_bytes": disk,
+            "accelerator": self.facts(rec).accel,
+        }
+
+
+def _file_error(exc: GuestCommandError, path: str) -> DSecError:
+    """The guest agent's refusal of a file operation as the platform's typed error
+    (its text is the guest's: already cut short by qga)."""
+    if "No such file or directory" in exc.message:
+        return FileNotFound(f"{path} does not exist in the sandbox", path=path)
+    return InvalidArgument(exc.message, path=path)
