@@ -371,3 +371,8 @@ class Backend(ABC):
     async def computer_input(self, rec: SandboxRecord, action: ComputerAction) -> None:
         """Send one pointer or keyboard action to the sandbox's input devices."""
         raise Unsupported(f"the {self.kind} backend has no input devices")
+
+    async def desktop_socket(self, rec: SandboxRecord) -> Path:
+        """The unix socket of the sandbox's VNC server (the live view): a host path only
+        the edge can reach, whose bytes the guest controls (relayed, never parsed)."""
+        raise Unsupported(f"the {self.kind} backend has no live view")

@@ -51,6 +51,7 @@ from dsec.backends.fullvm.facts import FullVMFacts
 from dsec.backends.fullvm.machine import (
     OVMF_CODE,
     OVMF_VARS,
+    VNC_SOCKET,
     DirectBoot,
     FullVMConfig,
     Launch,
@@ -314,6 +315,7 @@ class FullVMBackend(Backend):
                 boot=boot,
                 efi_vars=efi_vars,
                 display=spec.display,
+                vnc_socket=root / "q" / VNC_SOCKET,
             )
             facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
             launch = Launch.of(
@@ -645,6 +647,13 @@ class FullVMBackend(Backend):
     async def screenshot(self, rec: SandboxRecord) -> bytes:
         vm = await self._vm(rec)
         return await vm.display.screenshot(await vm.connect_qmp())
+
+    async def desktop_socket(self, rec: SandboxRecord) -> Path:
+        vm = await self._vm(rec)
+        path = Path(vm.launch.qmp_socket).parent / VNC_SOCKET
+        if f"unix:{path}" not in vm.launch.argv:  # a VM made before live views existed
+            raise Unsupported(f"fullvm {rec.id} was started without a live view (no VNC server)")
+        return path
 
     async def computer_input(self, rec: SandboxRecord, action: ComputerAction) -> None:
         vm = await self._vm(rec)

@@ -41,6 +41,9 @@ OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 DEFAULT_DISPLAY = (1280, 800)  # QEMU's std VGA's own preferred mode
 VGA_MEMORY_MB = 32  # enough for 3840x2160 at 32 bits per pixel
+# QEMU's VNC server listens on this unix socket in the VM's socket directory (never a TCP
+# port): only the edge (root) can reach it, so it has no password (dsec.edge.liveview).
+VNC_SOCKET = "vnc.sock"
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class FullVMConfig:
     boot: DirectBoot | None = None
     efi_vars: Path | None = None  # the VM's own copy of OVMF_VARS (firmware="uefi")
     display: tuple[int, int] = DEFAULT_DISPLAY
+    vnc_socket: Path | None = None  # the live view's VNC server (unix socket), if any
 
     def readable_files(self) -> list[Path]:
         """What QEMU reads besides the disk chain (for the jail's read-only binds);
@@ -85,7 +89,7 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         raise BackendError("a UEFI VM needs its own copy of the OVMF variable store")
     if config.vcpus < 1 or config.memory_mb < 64:
         raise BackendError(f"bad VM size: {config.vcpus} vCPUs, {config.memory_mb} MiB")
-    for path in (config.disk, config.ga_socket, config.qmp_socket):
+    for path in (config.disk, config.ga_socket, config.qmp_socket, config.vnc_socket or ""):
         if "," in str(path):
             raise BackendError(f"a VM path contains a comma: {path}")
     argv = [
@@ -126,6 +130,8 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         argv += ["-kernel", str(config.boot.kernel), "-append", config.boot.cmdline]
         if config.boot.initrd is not None:
             argv += ["-initrd", str(config.boot.initrd)]
+    if config.vnc_socket is not None:
+        argv += ["-vnc", f"unix:{config.vnc_socket}"]
     if supports_sandbox():
         argv += ["-sandbox", SANDBOX]
     return argv
