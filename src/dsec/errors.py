@@ -152,6 +152,12 @@ class QuotaExceeded(DSecError):
     status = 429
 
 
+class TooManyViewers(QuotaExceeded):
+    """A sandbox's live view already has as many viewers as the edge relays for one."""
+
+    code = "too_many_viewers"
+
+
 class ResourceExhausted(DSecError):
     """The host ran out of something the platform needs (file descriptors, memory,
     processes): retry later; ``details.resource`` says which, and ``/v1/health`` reports

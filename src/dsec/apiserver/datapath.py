@@ -10,6 +10,7 @@ its own address: ``SandboxInfo.data_path.url`` says which.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Annotated
@@ -39,6 +40,7 @@ from dsec.apiserver.responses import model_response
 from dsec.apiserver.rpc import RpcConnection
 from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
+from dsec.edge.liveview import LiveViews
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import DSecError, Unauthenticated
 
@@ -308,3 +310,38 @@ def install_data_path(
         from dsec.apiserver.rpc import serve_pty
 
         await serve_pty(ws, proc, PtyControl)
+
+    views = LiveViews(plane.edge)
+
+    @app.websocket(prefix + "/desktop/vnc")
+    async def vnc(ws: WebSocket, sandbox_id: str, token: str | None = None) -> None:
+        """The live view: the sandbox's VNC server (RFB), binary frames both ways.
+
+        ``?token=`` (a browser's WebSocket cannot set headers) or ``Authorization``;
+        a wrong credential, a sandbox not running, a backend without a display or too
+        many viewers refuse the upgrade itself with the typed error. Offers of the
+        ``binary`` subprotocol (older noVNC, websockify) are answered with it."""
+        try:
+            await data_auth.check(check_sandbox_id(sandbox_id), token or _header_credential(ws))
+            link = await views.open(sandbox_id)
+        except DSecError as exc:
+            await refuse_handshake(ws, exc)
+            return
+        offered = ws.scope.get("subprotocols") or []
+        try:
+            await ws.accept(subprotocol="binary" if "binary" in offered else None)
+        except BaseException:
+            views.release(link)
+            raise
+
+        async def receive() -> bytes | None:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    return None
+                if msg.get("bytes"):
+                    return bytes(msg["bytes"])
+
+        await views.relay(link, receive, ws.send_bytes)
+        with contextlib.suppress(Exception):
+            await ws.close()
