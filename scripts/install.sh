@@ -89,3 +89,27 @@ fi
 # the cache, never installed) and the initramfs with dsec-vminit and the agent.
 apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt-get update -qq
 .venv/bin/python -c 'from dsec.guest.initramfs import guest_initramfs; guest_initramfs()'
+# The dashboard's live view (/ui/desktop/<id>) draws a VM's screen with noVNC from the npm
+# registry, pinned, vendored into the package's static dir (git-ignored) and served by the
+# platform itself: no CDN at run time. Only its ES modules (core/, vendor/pako) and the
+# licence are kept. npm comes from Debian's package when the host has no node.
+NOVNC_VERSION=1.7.0
+novnc_dir=src/dsec/apiserver/ui/novnc
+if [ "$(cat "$novnc_dir/.version" 2>/dev/null)" != "$NOVNC_VERSION" ]; then
+  if ! command -v npm >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+  fi
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && npm pack --silent "@novnc/novnc@$NOVNC_VERSION" >/dev/null)
+  tar -xzf "$tmp"/novnc-novnc-"$NOVNC_VERSION".tgz -C "$tmp" package/core package/vendor package/LICENSE.txt
+  rm -rf "$novnc_dir.new"
+  mkdir -p "$novnc_dir.new"
+  cp -r "$tmp/package/core" "$tmp/package/vendor" "$tmp/package/LICENSE.txt" "$novnc_dir.new/"
+  echo "$NOVNC_VERSION" >"$novnc_dir.new/.version"
+  rm -rf "$novnc_dir"
+  mv "$novnc_dir.new" "$novnc_dir"
+  rm -rf "$tmp"
+  trap - EXIT
+fi

@@ -9,6 +9,7 @@ so nothing a sandbox wrote (commands, paths, labels, event details) can become m
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from typing import Annotated
 from urllib.parse import parse_qs
@@ -33,14 +34,29 @@ HEADERS = {
 }
 PAGES = {"": "sandboxes.html", "plots": "plots.html", "jobs": "jobs.html", "feed": "feed.html"}
 ASSETS = {"ui.css": "text/css", "common.js": "text/javascript"} | {
-    f"{p}.js": "text/javascript" for p in ("sandboxes", "sandbox", "plots", "jobs", "feed")
+    f"{p}.js": "text/javascript"
+    for p in ("sandboxes", "sandbox", "plots", "jobs", "feed", "desktop")
 }
+# noVNC's ES modules, vendored by scripts/install.sh (git-ignored; absent: the live view
+# page says so). Only .js files below these two directories are served.
+NOVNC_DIR = "novnc"
+NOVNC_FILE = re.compile(r"^(core|vendor/pako)(/[a-z0-9_]+)+\.js$")
 MAX_FORM = 4096
 SessionCookie = Annotated[str | None, Cookie(alias=COOKIE)]
 
 
 def _file(name: str) -> bytes:
     return resources.files("dsec.apiserver").joinpath("ui", name).read_bytes()
+
+
+def novnc_file(name: str) -> bytes | None:
+    """One vendored noVNC module, None if the name is not one or it is not installed."""
+    if NOVNC_FILE.match(name) is None:
+        return None
+    try:
+        return resources.files("dsec.apiserver").joinpath("ui", NOVNC_DIR, name).read_bytes()
+    except OSError:
+        return None
 
 
 HEADER_MARK = b"<!--dsec:header-->"
@@ -131,6 +147,18 @@ def ui_router(keys: KeyVerifier, sessions: UISessions, *, job_control: bool = Tr
         if kind is None:
             return Response(b"not found", 404, HEADERS, media_type="text/plain")
         return Response(_file(name), 200, HEADERS, media_type=kind)
+
+    @router.get("/ui/desktop/{sandbox_id}")
+    async def desktop_page(sandbox_id: str, token: SessionCookie = None) -> Response:
+        return session_page(token, "desktop.html")
+
+    @router.get("/ui/novnc/{name:path}")
+    async def novnc(name: str) -> Response:
+        """A noVNC module (the name matched against a fixed pattern: no ``..``)."""
+        data = novnc_file(name)
+        if data is None:
+            return Response(b"not found", 404, HEADERS, media_type="text/plain")
+        return Response(data, 200, HEADERS, media_type="text/javascript")
 
     @router.get("/ui/plots")
     async def plots_page(token: SessionCookie = None) -> Response:

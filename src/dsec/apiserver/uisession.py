@@ -26,12 +26,15 @@ CSRF_HEADER = "x-dsec-csrf"
 SESSION_TTL = 12 * 3600.0
 MAX_SESSIONS = 10_000
 
-# What a cookie may reach: the reads the pages make, and job pause/resume.
+# What a cookie may reach: the reads the pages make, job pause/resume, and a sandbox's
+# data-path token (the live view page opens the edge's VNC WebSocket with it).
 COOKIE_READS = re.compile(
     r"^/(metrics|v1/health|v1/stats|v1/sandboxes|v1/sandboxes/[A-Za-z0-9_.:-]{1,64}"
     r"|v1/audit|v1/events|v1/events/stream)$"
 )
-COOKIE_WRITES = re.compile(r"^/v1/jobs/[A-Za-z0-9._:@-]{1,128}/(pause|resume)$")
+COOKIE_WRITES = re.compile(
+    r"^(/v1/jobs/[A-Za-z0-9._:@-]{1,128}/(pause|resume)|/v1/sandboxes/[A-Za-z0-9_.:-]{1,64}/token)$"
+)
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,10 @@ def cookie_may(session: UISession, method: str, path: str, headers: dict[str, st
     """Whether a request authenticated only by the cookie may proceed.
 
     Reads: GET/HEAD of the listed routes (SameSite=Strict already keeps the cookie off
-    cross-site requests). Writes: POST of job pause/resume, only with the session's
-    CSRF secret in ``X-DSec-CSRF`` (a cross-site page can neither read it nor set a
-    custom header without a CORS preflight this server never grants), and, if the
-    browser sends Origin, only from this same host."""
+    cross-site requests). Writes: POST of job pause/resume and of a sandbox's token,
+    only with the session's CSRF secret in ``X-DSec-CSRF`` (a cross-site page can
+    neither read it nor set a custom header without a CORS preflight this server never
+    grants), and, if the browser sends Origin, only from this same host."""
     if method in ("GET", "HEAD"):
         return COOKIE_READS.match(path) is not None
     if method != "POST" or COOKIE_WRITES.match(path) is None:
