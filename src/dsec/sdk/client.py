@@ -11,6 +11,7 @@ import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -353,6 +354,12 @@ class Sandbox(SandboxDataMixin, SandboxRLMixin):
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, state={self.state.value!r}, image={self.info.image!r})"
+
+    def vnc_url(self) -> str:
+        """The dashboard page showing this sandbox's screen live (noVNC over the edge's
+        VNC WebSocket; a sandbox with a display: the fullvm backend). A browser opens
+        it after logging in to the dashboard once (``/ui?api_key=...``)."""
+        return f"{self._client.url.rstrip('/')}/ui/desktop/{quote(self.id, safe='')}"
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._client._send(proto.get_sandbox(self.id))

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -332,6 +333,12 @@ class SyncSandbox(SyncSandboxDataMixin, SyncSandboxRLMixin):
 
     def __repr__(self) -> str:
         return f"SyncSandbox(id={self.id!r}, state={self.state.value!r}, image={self.info.image!r})"
+
+    def vnc_url(self) -> str:
+        """The dashboard page showing this sandbox's screen live (noVNC over the edge's
+        VNC WebSocket; a sandbox with a display: the fullvm backend). A browser opens
+        it after logging in to the dashboard once (``/ui?api_key=...``)."""
+        return f"{self._client.url.rstrip('/')}/ui/desktop/{quote(self.id, safe='')}"
 
     def refresh(self) -> SandboxInfo:
         self.info = self._client._send(proto.get_sandbox(self.id))
