@@ -200,6 +200,11 @@ def test_the_novnc_page_draws_the_screen(vm: VM) -> None:
     assert url == f"{vm.plat.url}/ui/desktop/{vm.sb.id}"
     with browser_mod.chromium() as browser:
         browser_mod.login(browser, vm.plat.url, vm.plat.api_key)
+        browser.get(f"{vm.plat.url}/ui/sandbox/{vm.sb.id}")  # the sandbox's page links it
+        link = browser_mod.wait_for(
+            "the live view link", lambda: browser.find_element(By.ID, "live-view")
+        )
+        assert link.get_attribute("href") == url
         t0 = time.monotonic()
         browser.get(url)
         try:

@@ -19,7 +19,12 @@
       ["Reason", sb.reason || ""],
       ["Labels", Object.entries(sb.labels || {}).map(([k, v]) => k + "=" + v).join(", ")],
     ];
-    dl.replaceChildren(...items.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+    const rows = items.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]);
+    if (sb.backend === "fullvm" && sb.state === "running") {  // a VM's screen: its live view
+      const href = "/ui/desktop/" + encodeURIComponent(sb.id);
+      rows.push(el("dt", {}, "Screen"), el("dd", {}, el("a", { id: "live-view", href }, "live view")));
+    }
+    dl.replaceChildren(...rows);
   }
 
   function commandText(c) {
