@@ -35,6 +35,7 @@ class Format(StrEnum):
 class Recipe(StrEnum):
     busybox = "busybox"
     debian_python = "debian-python"
+    debian_desktop = "debian-desktop"  # a VM image (fullvm), built where the CLI runs
 
 
 def _describe(info: ImageInfo) -> str:
@@ -109,12 +110,35 @@ def build(
     rebuild: Annotated[bool, typer.Option("--rebuild", help="ignore the cached image")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Build busybox:latest or debian-python:bookworm (minutes the first time)."""
+    """Build busybox:latest, debian-python:bookworm or the debian-desktop:bookworm VM
+    image (minutes the first time; debian-desktop is built on this host, as root, and
+    imported like `dsec image import-vm`)."""
+    if recipe is Recipe.debian_desktop:
+        _build_desktop(ctx, name or "debian-desktop:bookworm", rebuild, as_json)
+        return
     with (
         sync_client(ctx) as client,
         err.status(f"building {recipe.value} (cached images return at once)..."),
     ):
         info = client.build_image(recipe.value, name=name, rebuild=rebuild)
+    emit(info, f"built {_describe(info)}", as_json)
+
+
+def _build_desktop(ctx: typer.Context, ref: str, rebuild: bool, as_json: bool) -> None:
+    import asyncio
+
+    from dsec.guest.desktopimage import build_desktop_image
+
+    with err.status("building debian-desktop (debootstrap, cached afterwards) ...") as status:
+
+        def progress(message: str, _done: int, _total: int | None) -> None:
+            status.update(message[:120])
+
+        files = asyncio.run(build_desktop_image(rebuild=rebuild, progress=progress))
+    with sync_client(ctx) as client, err.status(f"importing {ref} ..."):
+        info = client.import_vm(
+            ref, files.disk, kernel=files.kernel, initrd=files.initrd, cmdline=files.cmdline
+        )
     emit(info, f"built {_describe(info)}", as_json)
 
 
