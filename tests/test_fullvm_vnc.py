@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
 
 from dsec import DSecSyncClient
 from dsec.api.spec import DSecFullVMRunArgs
@@ -34,6 +34,7 @@ from dsec.errors import DSecError
 from dsec.guest.vmimage import busybox_vm_image
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process
+from tests.rfb import Rfb
 
 pytestmark = [
     pytest.mark.root,
@@ -88,54 +89,6 @@ def vm() -> Iterator[VM]:
         finally:
             with contextlib.suppress(DSecError):
                 sb.stop()
-
-
-class Rfb:
-    """Just enough of an RFB 3.8 client to check what comes through the relay."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.buf = b""
-
-    def read(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            msg = self.ws.recv(timeout=30)
-            assert isinstance(msg, bytes), f"a text frame from the relay: {msg!r}"
-            self.buf += msg
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    def handshake(self) -> tuple[int, int, int]:
-        """(width, height, bits per pixel) from ServerInit."""
-        assert self.read(12) == b"RFB 003.008\n"
-        self.ws.send(b"RFB 003.008\n")
-        types = self.read(self.read(1)[0])
-        assert 1 in types, f"QEMU's VNC asks for a password: {types!r}"
-        self.ws.send(b"\x01")  # security type None
-        assert self.read(4) == b"\0\0\0\0"  # SecurityResult: OK
-        self.ws.send(b"\x01")  # ClientInit: shared
-        width, height = struct.unpack(">HH", self.read(4))
-        bpp = self.read(16)[0]
-        self.read(struct.unpack(">I", self.read(4))[0])  # the desktop's name
-        return width, height, bpp
-
-    def full_update(self, width: int, height: int, bpp: int) -> int:
-        """Ask for the whole screen in Raw encoding; the pixels covered by the update."""
-        self.ws.send(struct.pack(">BBHi", 2, 0, 1, 0))  # SetEncodings: Raw
-        self.ws.send(struct.pack(">BBHHHH", 3, 0, 0, 0, width, height))
-        while True:
-            kind = self.read(1)[0]
-            if kind == 0:
-                break
-            assert kind == 2, f"unexpected server message {kind}"  # Bell: no payload
-        _pad, count = struct.unpack(">BH", self.read(3))
-        covered = 0
-        for _ in range(count):
-            x, y, w, h, enc = struct.unpack(">HHHHi", self.read(12))
-            assert enc == 0 and x + w <= width and y + h <= height
-            self.read(w * h * bpp // 8)
-            covered += w * h
-        return covered
 
 
 def test_rfb_through_the_websocket_gets_the_screen(vm: VM) -> None:
