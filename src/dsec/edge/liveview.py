@@ -12,7 +12,10 @@ Bounds: at most ``MAX_VIEWERS`` relays per sandbox (each costs QEMU an encoder a
 framebuffer copy); reads are ``CHUNK`` bytes and each is handed on before the next is
 read, in both directions (the socket's ``drain``, the WebSocket's own send), so a slow
 viewer slows QEMU's updates instead of growing a buffer here. A closed socket on
-either side ends the other.
+either side ends the other. Opening a view is a request to the sandbox (it resets its
+idle TTL, and resumes a paused one); what flows afterwards does not count as activity,
+since a viewer keeps asking for updates while it merely watches, and a forgotten tab
+should not keep a VM alive.
 """
 
 from __future__ import annotations
