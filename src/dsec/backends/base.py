@@ -164,6 +164,7 @@ class Capability(StrEnum):
     DISK_LIMIT = "disk_limit"  # spec.disk_limit_mb
     SNAPSHOT = "snapshot"  # snapshot
     COMPUTER_USE = "computer_use"  # screenshot, computer_input: the VM's display and input
+    QOS = "qos"  # spec.qos == "best_effort" enforced (SCHED_IDLE, low CPU weight)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ def create(
     user: Annotated[str | None, typer.Option("--user", "-u", help="user or uid[:gid]")] = None,
     workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait")] = 120,
+    qos: Annotated[
+        str | None,
+        typer.Option(
+            "--qos", help="CPU class: latency (default) or best_effort (SCHED_IDLE, low weight)"
+        ),
+    ] = None,
     allow: AllowOpt = [],  # noqa: B006
     deny: DenyOpt = [],  # noqa: B006
     protect: Annotated[
@@ -131,6 +137,8 @@ def create(
         extra["init_user"] = user
     if workdir is not None:
         extra["workdir"] = workdir
+    if qos is not None:
+        extra["qos"] = qos
     if protect:
         pairs = parse_pairs(protect, "--protect")
         extra["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]

@@ -14,6 +14,7 @@ from typing import Any
 
 from dsec.api.spec import DSecRunArgs
 from dsec.hostlimits import sandbox_nofile
+from dsec.resources.qos import NICE_RLIMIT, cpu_shares
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
 AGENT_PATH_IN_SANDBOX = "/.dsec/init"
@@ -235,6 +236,8 @@ def build_config(
                 # 4096, or the host's hard limit if lower: crun cannot raise it
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+                # no raising of priority: a best-effort sandbox cannot leave SCHED_IDLE
+                {"type": "RLIMIT_NICE", "hard": NICE_RLIMIT, "soft": NICE_RLIMIT},
             ],
             "noNewPrivileges": True,
         },
@@ -253,7 +256,11 @@ def build_config(
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
                 "memory": {"limit": memory},
-                "cpu": {"quota": int(cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
+                "cpu": {
+                    "quota": int(cpus * CPU_PERIOD_US),
+                    "period": CPU_PERIOD_US,
+                    "shares": cpu_shares(spec.qos),  # the QoS class's weight
+                },
                 "pids": {"limit": spec.pids_limit},
             },
             "maskedPaths": masked_paths(),
