@@ -389,8 +389,9 @@ async def test_best_effort_qos_needs_the_qos_capability(
 
 
 def test_qos_capability_of_each_backend() -> None:
-    """Containers enforce best_effort; VMs declare they do not (so the edge refuses it)."""
+    """Containers and microVMs enforce best_effort; full VMs declare they do not (so
+    the edge refuses it)."""
     registry = BackendRegistry()
-    assert Capability.QOS in registry.load(BackendKind.CONTAINER).capabilities
-    for kind in (BackendKind.MICROVM, BackendKind.FULLVM):
-        assert Capability.QOS not in registry.load(kind).capabilities
+    for kind in (BackendKind.CONTAINER, BackendKind.MICROVM):
+        assert Capability.QOS in registry.load(kind).capabilities
+    assert Capability.QOS not in registry.load(BackendKind.FULLVM).capabilities

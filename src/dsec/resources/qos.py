@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Literal
 
+from dsec.resources.cgroups import v2_weight
+
 QoS = Literal["latency", "best_effort"]
 DEFAULT_QOS: QoS = "latency"
 
@@ -56,9 +58,9 @@ def cpu_shares(qos: str) -> int:
 
 
 def cgroup_v2_weight(shares: int) -> int:
-    """crun's shares -> v2 cpu.weight conversion (the one in its cgroup v2 code), for
-    hosts whose cpu controller is on v2 when the platform writes the weight itself."""
-    return 1 + ((shares - 2) * 9999) // 262142
+    """The v2 cpu.weight a class's shares become (crun's conversion, which
+    CgroupHost.create_limited uses too)."""
+    return v2_weight(shares)
 
 
 @cache
@@ -102,15 +104,20 @@ def threads_of(pid: int) -> list[int]:
 
 def set_idle(pids: Iterable[int]) -> int:
     """Put every thread of every process in ``pids`` at SCHED_IDLE; what they fork from
-    now on inherits it. The main thread first, then the rest, so that a thread created
-    in between inherits it too. Returns how many threads were set (gone ones skipped)."""
-    done = 0
+    now on inherits it. The main thread first, then the others, again until a pass
+    finds no thread it has not set: a thread started meanwhile by one not yet set (a
+    QEMU starting its vCPU threads) is caught by the next pass. Returns how many
+    threads were set (gone ones skipped)."""
+    done: set[int] = set()
     for pid in pids:
-        for tid in [pid, *(t for t in threads_of(pid) if t != pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                done += 1
-    return done
+        todo = [pid]
+        while todo:
+            for tid in todo:
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                done.add(tid)
+            todo = [t for t in threads_of(pid) if t not in done]
+    return len(done)
 
 
 def acts_on(qos: str) -> bool:
