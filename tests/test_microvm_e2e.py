@@ -37,6 +37,7 @@ from dsec.resources import cgroups, qos
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fakenet import FakeService, fake_service
 from tests.test_network import fetch, host_service
+from tests.test_qos import cpu_class
 
 pytestmark = [
     pytest.mark.root,
@@ -599,16 +600,6 @@ async def test_hostile_guest_hurts_only_itself(vmp: VMPlatform, client: DSecClie
     assert nothing_left(vmp, bid) == []
 
 
-def vm_cpu_shares(vmp: VMPlatform, sid: str) -> int:
-    host = cgroups.detect()
-    rel = vmp.cgroup(sid).strip("/")
-    if "cpu" in host.v1:
-        return int((host.v1["cpu"] / rel / "cpu.shares").read_text())
-    assert host.v2 is not None
-    weight = int((host.v2 / rel / "cpu.weight").read_text())
-    return {cgroups.v2_weight(s): s for s in qos.CPU_SHARES.values()}[weight]
-
-
 async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient) -> None:
     """A best-effort microVM's QEMU, every thread of it (vCPUs included), runs at
     SCHED_IDLE in a cgroup of the lowest weight, also the new QEMU a resume from its
@@ -620,7 +611,7 @@ async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient)
         tids = qos.threads_of(pids[0])
         assert len(tids) > 1  # QEMU's vCPU and I/O threads
         assert {qos.policy_of(t) for t in tids} == {policy}, cls
-        assert vm_cpu_shares(vmp, sid) == qos.CPU_SHARES[cls]
+        assert cpu_class(vmp.cgroup(sid)) == cls
 
     job = "vmqos-" + secrets.token_hex(4)
     for cls, policy in (("best_effort", os.SCHED_IDLE), ("latency", os.SCHED_OTHER)):

@@ -51,14 +51,30 @@ def cgroup_rel(plat: PlatformProcess, sid: str) -> str:
     return f"/dsec/{plat.edge_id}/{sid}"
 
 
-def cpu_shares(plat: PlatformProcess, sid: str) -> int:
+def cpu_class(rel: str) -> str:
+    """Which class cgroup ``rel``'s CPU settings are: ``best_effort`` (idle where the
+    kernel has cpu.idle, else the lowest weight), ``latency`` (the high weight)."""
     host = cgroups.detect()
-    rel = cgroup_rel(plat, sid).strip("/")
+    rel = rel.strip("/")
     if "cpu" in host.v1:
-        return int((host.v1["cpu"] / rel / "cpu.shares").read_text())
-    assert host.v2 is not None
-    weight = int((host.v2 / rel / "cpu.weight").read_text())
-    return {qos.cgroup_v2_weight(s): s for s in qos.CPU_SHARES.values()}[weight]
+        cpu = host.v1["cpu"] / rel
+        weight, high = int((cpu / "cpu.shares").read_text()), qos.CPU_SHARES["latency"]
+    else:
+        assert host.v2 is not None
+        cpu = host.v2 / rel
+        weight = int((cpu / "cpu.weight").read_text())
+        high = qos.cgroup_v2_weight(qos.CPU_SHARES["latency"])
+    idle = host.has_cpu_idle and (cpu / "cpu.idle").read_text().strip() == "1"
+    if weight == high and not idle:
+        return "latency"
+    # An idle group reports the kernel's idle weight (3 as shares) instead of ours.
+    if weight <= 3 and idle == host.has_cpu_idle:
+        return "best_effort"
+    return f"neither (weight {weight}, idle {idle})"
+
+
+def class_of(plat: PlatformProcess, sid: str) -> str:
+    return cpu_class(cgroup_rel(plat, sid))
 
 
 def host_pids(plat: PlatformProcess, sid: str) -> set[int]:
@@ -77,7 +93,7 @@ def test_best_effort_runs_idle_with_the_lowest_weight(
     pids = host_pids(plat, sb.id)
     assert len(pids) >= 2  # the agent and the background sleep
     assert {qos.policy_of(p) for p in pids} == {os.SCHED_IDLE}
-    assert cpu_shares(plat, sb.id) == qos.CPU_SHARES["best_effort"]
+    assert class_of(plat, sb.id) == "best_effort"
 
 
 def test_latency_runs_normally_with_a_high_weight(
@@ -87,7 +103,7 @@ def test_latency_runs_normally_with_a_high_weight(
     res = sb.run_shell("grep policy /proc/self/sched")
     assert res.stdout.split()[-1] == str(os.SCHED_OTHER), res.stdout
     assert {qos.policy_of(p) for p in host_pids(plat, sb.id)} == {os.SCHED_OTHER}
-    assert cpu_shares(plat, sb.id) == qos.CPU_SHARES["latency"]
+    assert class_of(plat, sb.id) == "latency"
     assert qos.CPU_SHARES["latency"] > 1024 > qos.CPU_SHARES["best_effort"]
 
 
@@ -106,6 +122,9 @@ def test_a_best_effort_sandbox_cannot_leave_sched_idle(
         "cgroup weight": "echo 100000 > /sys/fs/cgroup/cpu/cpu.shares"
         if "cpu" in cgroups.detect().v1
         else "echo 10000 > /sys/fs/cgroup/cpu.weight",
+        "cgroup idle": "echo 0 > /sys/fs/cgroup/cpu/cpu.idle"
+        if "cpu" in cgroups.detect().v1
+        else "echo 0 > /sys/fs/cgroup/cpu.idle",
     }
     for name, attempt in attempts.items():
         res = sb.run_shell(f"{attempt}; rc=$?; grep policy /proc/self/sched; exit $rc")
@@ -113,7 +132,7 @@ def test_a_best_effort_sandbox_cannot_leave_sched_idle(
     res = sb.run_shell("ulimit -e; grep policy /proc/self/sched")
     assert res.stdout.split() == ["0", "policy", ":", str(os.SCHED_IDLE)], res.stdout
     assert {qos.policy_of(p) for p in host_pids(plat, sb.id)} == {os.SCHED_IDLE}
-    assert cpu_shares(plat, sb.id) == qos.CPU_SHARES["best_effort"]
+    assert class_of(plat, sb.id) == "best_effort"
 
 
 def test_health_reports_core_scheduling_as_detected(client: DSecSyncClient) -> None:

@@ -53,6 +53,17 @@ class CgroupHost:
         except OSError:
             return False
 
+    @property
+    def has_cpu_idle(self) -> bool:
+        """Whether the cpu controller has ``cpu.idle`` (kernel >= 5.15): a cgroup that
+        competes with its siblings as one SCHED_IDLE entity (dsec.resources.qos)."""
+        if "cpu" in self.v1:
+            return (self.v1["cpu"] / "cpu.idle").exists()
+        if self.layout is Layout.V2:
+            major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+            return (major, minor) >= (5, 15)
+        return False
+
     def dirs(self, rel: str) -> list[Path]:
         """Every directory that holds the cgroup ``rel`` (one per hierarchy)."""
         rel = rel.strip("/")
@@ -184,10 +195,12 @@ class CgroupHost:
         cpu_cores: float,
         pids: int | None = None,
         cpu_shares: int | None = None,
+        cpu_idle: bool = False,
     ) -> list[Path]:
         """Make the cgroup ``rel`` in every hierarchy with a hard memory limit (no swap
         beyond it), a CPU quota of ``cpu_cores``, optionally a pids limit and a CPU
-        weight (``cpu_shares`` as v1 shares, converted for v2 as crun does), for a
+        weight (``cpu_shares`` as v1 shares, converted for v2 as crun does; ``cpu_idle``:
+        the whole cgroup a SCHED_IDLE entity, where ``has_cpu_idle``), for a
         process the platform starts itself (a microVM's QEMU: crun makes containers'
         cgroups). Returns the ``cgroup.procs`` files to write the process into, one
         per hierarchy. On failure leaves nothing behind."""
@@ -219,6 +232,8 @@ class CgroupHost:
                 (c / "cpu.cfs_quota_us").write_text(str(quota))
                 if cpu_shares is not None:
                     (c / "cpu.shares").write_text(str(cpu_shares))
+                if cpu_idle:  # after the shares: an idle group refuses a weight
+                    (c / "cpu.idle").write_text("1")
             if pids is not None and "pids" in self.v1:
                 (self.v1["pids"] / rel / "pids.max").write_text(str(pids))
             if self.layout is Layout.V2 and self.v2 is not None:
@@ -229,6 +244,8 @@ class CgroupHost:
                 (u / "cpu.max").write_text(f"{quota} {period}")
                 if cpu_shares is not None:
                     (u / "cpu.weight").write_text(str(v2_weight(cpu_shares)))
+                if cpu_idle:
+                    (u / "cpu.idle").write_text("1")
                 if pids is not None:
                     (u / "pids.max").write_text(str(pids))
         except BaseException:

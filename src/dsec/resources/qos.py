@@ -9,8 +9,13 @@ Two classes (``DSecRunArgs.qos``):
   sandbox's task runs on the sibling hyperthread at the same time.
 - ``best_effort``: batch work that only needs throughput (builds, test suites, RL
   rollouts nobody waits on). Every process at SCHED_IDLE (it runs when a core would
-  otherwise idle) and the lowest CPU weight. The policy is set on the sandbox's init
-  from the host right after it starts; every process it forks inherits it, and a
+  otherwise idle) and the lowest CPU weight; where the kernel has cgroup ``cpu.idle``
+  (>= 5.15), the sandbox's cgroup is an idle entity too. That part matters: a task's
+  SCHED_IDLE only ranks it within its own cgroup, and the scheduler compares sibling
+  sandboxes as cgroup entities, so only an idle cgroup is preempted at once when a
+  latency sandbox's task wakes (measured: bench/bench_qos.py). The policy is set on
+  the sandbox's init from the host right after it starts; every process it forks
+  inherits it, and a
   sandbox cannot leave it: leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE
   that permits it (sched(7)), and sandboxes have neither (``NICE_RLIMIT``).
 

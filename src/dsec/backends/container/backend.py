@@ -363,6 +363,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 extra_mounts=protected_paths.decoy_mounts(prepared) + net_mounts(net),
                 seccomp=self.seccomp_profile(sid),
                 netns_path=net["netns"] if net else None,
+                cpu_idle=self.cgroups.has_cpu_idle,
             )
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -205,10 +205,12 @@ def build_config(
     extra_mounts: list[dict[str, Any]] | None = None,
     seccomp: dict[str, Any] | None = None,
     netns_path: str | None = None,
+    cpu_idle: bool = False,
 ) -> dict[str, Any]:
     """``seccomp``: the ``linux.seccomp`` object (dsec.security.seccomp), None = none.
     ``netns_path``: join this network namespace (egress rules, dsec.net) instead of a
-    new empty one."""
+    new empty one. ``cpu_idle``: the host has cgroup ``cpu.idle`` (a best-effort
+    sandbox's cgroup is then a SCHED_IDLE entity among its siblings)."""
     memory = spec.memory_limit_mb * 1024 * 1024
     cpus = min(spec.cpu_cores_limit, float(host_cpus))
     bpf = precompiled(seccomp) if seccomp else None
@@ -260,6 +262,7 @@ def build_config(
                     "quota": int(cpus * CPU_PERIOD_US),
                     "period": CPU_PERIOD_US,
                     "shares": cpu_shares(spec.qos),  # the QoS class's weight
+                    **({"idle": 1} if cpu_idle and spec.qos == "best_effort" else {}),
                 },
                 "pids": {"limit": spec.pids_limit},
             },

@@ -385,6 +385,7 @@ class MicroVMBackend(AgentDataPath, Backend):
                 cpu_cores=spec.cpu_cores_limit,
                 pids=QEMU_PIDS,
                 cpu_shares=qos.cpu_shares(spec.qos),
+                cpu_idle=spec.qos == "best_effort" and self.cgroups.has_cpu_idle,
             )
             if inp.net is not None:
                 net = attach_vm(dict(inp.net))
