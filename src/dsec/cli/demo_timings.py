@@ -148,7 +148,8 @@ def show_timings(timings: Timings) -> None:
                 f"{percentile(samples, 99):.1f}",
                 str(len(samples)),
             )
-    out.print(table)
+    if table.row_count:
+        out.print(table)
     if timings.ratio is not None:
         out.print(f"create / raw crun (p50): {timings.ratio:.2f}x")
     elif timings.raw_note:
