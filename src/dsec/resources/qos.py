@@ -10,13 +10,12 @@ Two classes (``DSecRunArgs.qos``):
 - ``best_effort``: batch work that only needs throughput (builds, test suites, RL
   rollouts nobody waits on). Every process at SCHED_IDLE (it runs when a core would
   otherwise idle) and the lowest CPU weight; where the kernel has cgroup ``cpu.idle``
-  (>= 5.15), the sandbox's cgroup is an idle entity too. That part matters: a task's
-  SCHED_IDLE only ranks it within its own cgroup, and the scheduler compares sibling
-  sandboxes as cgroup entities, so only an idle cgroup is preempted at once when a
-  latency sandbox's task wakes (measured: bench/bench_qos.py). The policy is set on
-  the sandbox's init from the host right after it starts; every process it forks
-  inherits it, and a
-  sandbox cannot leave it: leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE
+  (>= 5.15), the sandbox's cgroup is an idle entity too, because a task's SCHED_IDLE
+  only ranks it within its own cgroup while the scheduler compares sibling sandboxes
+  as cgroup entities. (That is the reasoning; bench/bench_qos.py could not tell the
+  idle cgroup's effect from its shared host's noise.) The policy is set on the
+  sandbox's init from the host right after it starts, and every process it forks
+  inherits it. A sandbox cannot leave it: that needs CAP_SYS_NICE or an RLIMIT_NICE
   that permits it (sched(7)), and sandboxes have neither (``NICE_RLIMIT``).
 
 The weights are OCI ``cpu.shares`` values (cgroup v1 ``cpu.shares``; crun converts
@@ -38,8 +37,8 @@ from typing import Literal
 
 from dsec.resources.cgroups import v2_weight
 
+#: The classes (the wire's ``DSecRunArgs.qos``; dsec.api does not import this module).
 QoS = Literal["latency", "best_effort"]
-DEFAULT_QOS: QoS = "latency"
 
 #: cgroup v1 cpu.shares (the OCI ``linux.resources.cpu.shares``) per class. 1024 is
 #: the kernel's default; 2 is v1's minimum (v2 weight 1 after crun's conversion).
