@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dsec import (
     DSecContainerRunArgs,
     DSecSyncClient,
     SandboxState,
+    linux,
 )
 from dsec.errors import (
     ImageNotFound,
@@ -31,7 +33,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.resources import cgroups
-from tests.conftest import PlatformProcess
+from tests.conftest import PlatformProcess, free_port
 
 pytestmark = pytest.mark.root
 
@@ -350,6 +352,35 @@ def test_cli_against_the_real_platform(platform: PlatformProcess, busybox_image:
     )  # fmt: skip
     assert demo.returncode == 0, demo.stdout + demo.stderr
     check_demo_figures(demo.stdout, count=3, creates=10, execs=30)
+
+
+def test_demo_with_its_own_platform_compares_with_raw_crun(tmp_path: Path) -> None:
+    """`dsec demo --temp-data -n 3 --no-microvm` as a new user runs it: no platform
+    configured, so it starts one on a throwaway data dir, where the raw crun baseline
+    finds the layer; everything is gone afterwards."""
+    edge_id = "demo" + secrets.token_hex(3)
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_API_KEY")} | {
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+        "DSEC_EDGE_ID": edge_id,
+    }
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing answers: the demo starts its own
+    demo = subprocess.run(
+        [
+            sys.executable, "-m", "dsec.cli.main", "--url", dead, "demo", "--temp-data",
+            "-n", "3", "--no-microvm", "--image", "busybox:latest",
+            "--creates", "10", "--execs", "30",
+        ],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    try:
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        check_demo_figures(demo.stdout, count=3, creates=10, execs=30)
+    finally:
+        host = cgroups.detect()
+        leftover = host.children(f"/dsec/{edge_id}") or host.pids(f"/dsec/{edge_id}")
+        host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
+        assert not leftover, leftover
+        assert not [m for m in linux.mounts(Path("/tmp")) if "dsec-demo-" in str(m.mount_point)]
 
 
 def demo_row(text: str, label: str) -> tuple[float, float, int]:
