@@ -613,6 +613,8 @@ async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient)
         assert {qos.policy_of(t) for t in tids} == {policy}, cls
         assert cpu_class(vmp.cgroup(sid)) == cls
 
+    detail = (await client.health()).backend_details["microvm"]["core_scheduling"]
+    assert detail == qos.health_detail()["core_scheduling"]  # detected, never assumed
     job = "vmqos-" + secrets.token_hex(4)
     for cls, policy in (("best_effort", os.SCHED_IDLE), ("latency", os.SCHED_OTHER)):
         async with vm(client, qos=cls, job_id=job) as sb:

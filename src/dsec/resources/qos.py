@@ -89,6 +89,12 @@ def core_scheduling() -> str | None:
     return f"core scheduling unavailable: {os.strerror(err)}"
 
 
+def health_detail() -> dict[str, str]:
+    """What /v1/health's backend details say about QoS on this host."""
+    why_not = core_scheduling()
+    return {"core_scheduling": "on" if why_not is None else f"off: {why_not}"}
+
+
 def give_core_cookie(pid: int) -> bool:
     """A core-scheduling cookie of its own for ``pid``'s thread group (its future
     children inherit it), where the kernel has core scheduling; False where not."""

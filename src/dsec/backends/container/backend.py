@@ -302,8 +302,7 @@ class ContainerBackend(AgentDataPath, Backend):
     def details(self) -> Mapping[str, str]:
         """QoS support of this host: core scheduling for latency sandboxes where the
         kernel has it (detected once; not faked where it does not)."""
-        why_not = qos.core_scheduling()
-        return {"core_scheduling": "on" if why_not is None else f"off: {why_not}"}
+        return qos.health_detail()
 
     async def close(self) -> None:
         """Remove this edge's parent cgroup if no sandbox is left in it."""

@@ -234,6 +234,10 @@ class MicroVMBackend(AgentDataPath, Backend):
         return (await self.guest())[2]
 
     def details(self) -> Mapping[str, str]:
+        """The accelerator (and why), and core scheduling for latency-class VMs."""
+        return self._accel_details() | qos.health_detail()
+
+    def _accel_details(self) -> dict[str, str]:
         if self._accel is None:
             if self._ready is None:
                 return {"accelerator": "not probed yet (at the first microVM create)"}
