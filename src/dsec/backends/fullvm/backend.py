@@ -14,7 +14,7 @@ file through QMP and QEMU ended; resume starts the same command line again
 
 What a full VM does not have (yet): sessions, PTYs, streaming and background
 processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), network rules, snapshots as images, verify steps.
+refuses them with 501), verify steps, snapshots of a VM with network rules.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dsec.backends.base import (
     ReclaimFigures,
     SandboxRecord,
 )
-from dsec.backends.fullvm import capture, guestops, restore
+from dsec.backends.fullvm import capture, guestops, nic, restore
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
 from dsec.backends.fullvm.facts import FullVMFacts
@@ -71,6 +71,7 @@ from dsec.errors import (
 )
 from dsec.images.mounts import LayerMounts
 from dsec.images.vmdisk import DiskInfo, VMImage, VMMachine
+from dsec.net.vmtap import VMNetAttachment, attach_vm
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 
@@ -162,6 +163,7 @@ class FullVMBackend(Backend):
             Capability.COMPUTER_USE,
             Capability.PAUSE,
             Capability.SNAPSHOT,
+            Capability.NETWORK_RULES,
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
@@ -281,9 +283,17 @@ class FullVMBackend(Backend):
         sid, spec = inp.id, fullvm_spec(inp)
         image = VMImage.of(inp.image.config, spec.vm_image)
         saved = restore.check(image, spec)  # a snapshot image: its machine, checked
+        if saved is not None and inp.net is not None:
+            raise Unsupported(
+                "a sandbox started from a snapshot has no NIC (the saved machine had "
+                "none): network_rules are not supported with it",
+                backend=self.kind.value,
+                capability="snapshot_network_rules",
+            )
         root = self.vm_dir(sid)
         facts = FullVMFacts(dir=root)
         vm: _VM | None = None
+        tap: VMNetAttachment | None = None
         try:
             accel = await self.accelerator()
             if saved is not None:
@@ -313,7 +323,10 @@ class FullVMBackend(Backend):
             boot = None
             if image.kernel is not None:
                 initrd = blobs[image.initrd] if image.initrd is not None else None
-                boot = DirectBoot(blobs[image.kernel], initrd, image.cmdline or "")
+                cmdline = image.cmdline or ""
+                if inp.net is not None:  # the guest's address (nic.py)
+                    cmdline = f"{cmdline} {nic.guest_cmdline(inp.net)}".strip()
+                boot = DirectBoot(blobs[image.kernel], initrd, cmdline)
             config = FullVMConfig(
                 disk=overlay,
                 ga_socket=root / "q" / "ga.sock",
@@ -326,6 +339,7 @@ class FullVMBackend(Backend):
                 boot=boot,
                 efi_vars=efi_vars,
                 display=spec.display,
+                nic_mac=str(inp.net["mac"]) if inp.net is not None else None,
             )
             if saved is not None:
                 config = restore.shaped(config, saved)
@@ -336,7 +350,16 @@ class FullVMBackend(Backend):
                 rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
             )
             await asyncio.to_thread(launch.save, root / LAUNCH_FILE)
-            proc = launch.spawn(self.jail_for(sid), incoming=saved is not None)
+            tap = attach_vm(dict(inp.net)) if inp.net is not None else None
+            try:
+                proc = launch.spawn(
+                    self.jail_for(sid),
+                    incoming=saved is not None,
+                    tap_fd=tap.tap_fd if tap is not None else None,
+                )
+            finally:
+                if tap is not None:
+                    tap.close()  # QEMU holds its own copy
             facts.pid, facts.pid_start = proc.pid, proc.start_time
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             self._vms[sid] = vm
@@ -585,7 +608,16 @@ class FullVMBackend(Backend):
         if not vm.snapshot.is_file():
             return
         facts = self.facts(rec)
-        proc = vm.launch.spawn(self.jail_for(rec.id), incoming=True)
+        tap = attach_vm(dict(rec.net)) if rec.net is not None else None
+        try:
+            proc = vm.launch.spawn(
+                self.jail_for(rec.id),
+                incoming=True,
+                tap_fd=tap.tap_fd if tap is not None else None,
+            )
+        finally:
+            if tap is not None:
+                tap.close()
         vm.proc = proc
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
         vm.restoring = asyncio.get_running_loop().create_task(
@@ -612,6 +644,13 @@ class FullVMBackend(Backend):
     async def snapshot(self, rec: SandboxRecord, *, state_out: Path, disk_out: Path) -> VMMachine:
         """The running VM's state and flattened disk, captured with the VM frozen
         across both (capture.py); the VM runs on after, unaware."""
+        if rec.net is not None:
+            raise Unsupported(
+                "a VM with network rules cannot be snapshotted yet (its NIC and address "
+                "belong to its own network slot)",
+                backend=self.kind.value,
+                capability="snapshot_network_rules",
+            )
         vm = await self._vm(rec)
         spec, facts = fullvm_spec(rec), self.facts(rec)
         image = VMImage.of(rec.image.config, spec.vm_image)
