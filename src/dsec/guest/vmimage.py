@@ -4,7 +4,7 @@ Why this image and not a distribution install: the FullVM backend's tests need a
 that boots to a responding QEMU guest agent within seconds under TCG, and a
 debootstrap'd Debian with systemd takes minutes there. This one is the pieces the
 project already trusts: Debian's cloud kernel (dsec.guest.kernel, direct kernel boot),
-a tiny initramfs (busybox and the four virtio modules the cloud kernel lacks) that
+a tiny initramfs (busybox and the virtio modules the cloud kernel lacks) that
 mounts the virtio disk and switches to it, and an ext4 root with the host's static
 busybox (dsec.images.builders.busybox_tree) plus Debian's ``qemu-guest-agent`` binary
 and the libraries it links (fetched with ``apt-get download``, never installed on the
