@@ -66,8 +66,9 @@ def _check_overlay(overlay: Path) -> None:
         raise BackendError("the VM's overlay names an external data file: not captured")
 
 
-def _convert(overlay: Path, base: Path, base_format: DiskFormat, out: Path) -> None:
-    """The overlay over ``base`` (forced, not read from the overlay) as one qcow2."""
+def convert_argv(overlay: Path, base: Path, base_format: DiskFormat, out: Path) -> list[str]:
+    """``qemu-img convert`` of the overlay over ``base`` (forced on the command line,
+    never read from the overlay's header) into the standalone qcow2 ``out``."""
     for path in (overlay, base):
         if "," in str(path):
             raise BackendError(f"a VM path contains a comma: {path}")
@@ -76,12 +77,31 @@ def _convert(overlay: Path, base: Path, base_format: DiskFormat, out: Path) -> N
         f"backing.driver={base_format},backing.file.driver=file,"
         f"backing.file.filename={base},backing.read-only=on"
     )
-    qemu_img(
-        ["convert", "-q", "-U", "--image-opts", source, "-O", "qcow2", str(out)],
-        "capture the VM's disk",
-        timeout=CONVERT_TIMEOUT,
+    # -U: QEMU released its image locks when the migration completed (its nodes are
+    # inactive), but a lock left by a VMM we cannot see must not fail the capture.
+    return ["qemu-img", "convert", "-q", "-U", "--image-opts", source, "-O", "qcow2", str(out)]
+
+
+async def _convert(argv: list[str], out: Path) -> None:
+    """Run ``argv`` as a child we can end: a cancelled snapshot kills the copy at once
+    instead of leaving a thread writing a file nobody will remove."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
-    os.chmod(out, 0o444)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), CONVERT_TIMEOUT)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.shield(proc.wait())
+        raise
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()[-400:]
+        raise BackendError(f"qemu-img could not capture the VM's disk: {text}")
+    await asyncio.to_thread(os.chmod, out, 0o444)
 
 
 async def capture(
@@ -108,8 +128,11 @@ async def capture(
         await qmp.execute("migrate", {"uri": f"fd:{SNAPSHOT_FD}"})
         await wait_migration(qmp, timeout, "snapshot of the VM's state")
         await asyncio.to_thread(os.fsync, fd)
-        await asyncio.to_thread(_convert, overlay, base, base_format, disk_out)
+        await _convert(convert_argv(overlay, base, base_format, disk_out), disk_out)
     except BaseException:
+        if stopped:  # a migration in flight must not complete once the VM runs on
+            with contextlib.suppress(QmpError):
+                await asyncio.shield(qmp.execute("migrate_cancel"))
         for partial in (state_out, disk_out):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)  # cheap, and must run even when cancelled
