@@ -153,6 +153,12 @@ def test_a_snapshot_restores_processes_ram_and_disk_without_booting(snap: Snap) 
         assert len(qemus(snap.plat.data_dir)) == 2
         clone_dir = snap.plat.data_dir / "fullvms" / clone.id
         assert clone_dir.is_dir()
+        # a snapshot of a VM started from a snapshot: its processes go on again
+        clone.snapshot("fvm-snap-of-snap:1")
+        spec2 = DSecFullVMRunArgs(vm_image="fvm-snap-of-snap:1", memory_limit_mb=256)
+        with snap.client.run_fullvm(spec2, timeout=BOOT) as grandchild:
+            assert grandchild.read_text("/tmp/clone-only") == "clone"
+            _counting(grandchild)
     assert not clone_dir.exists()
     assert len(qemus(snap.plat.data_dir)) == 1
     _counting(src)

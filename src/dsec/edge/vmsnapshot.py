@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol, cast
 
 from dsec.api.events import AuditKind
 from dsec.api.fields import parse_image_ref
@@ -35,9 +37,39 @@ from dsec.errors import (
 from dsec.images.service import LayerBuilder, VMSnapshotStore
 from dsec.images.vmdisk import VMImage
 
-# One snapshot per target name at a time on this edge: the free-name check and the
-# registration must not interleave with another snapshot to the same name.
-_names: dict[str, asyncio.Lock] = {}
+
+class _Store(LayerBuilder, VMSnapshotStore, Protocol):
+    """What a snapshot needs of the image service: blobs in, a snapshot image tagged."""
+
+
+class NameLocks:
+    """One snapshot per target name at a time on this edge (the free-name check and
+    the registration must not interleave with another snapshot to that name); an
+    entry lives while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def __len__(self) -> int:
+        """How many names are held or waited for."""
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
+
+
+_names = NameLocks()
 
 
 async def snapshot(edge: Edge, sandbox_id: str, ref: str) -> ImageInfo:
@@ -53,10 +85,11 @@ async def snapshot(edge: Edge, sandbox_id: str, ref: str) -> ImageInfo:
     images = edge.images
     if not isinstance(images, LayerBuilder) or not isinstance(images, VMSnapshotStore):
         raise Unsupported("this edge's image service cannot store VM snapshots")
+    store = cast(_Store, images)
     source = VMImage.of(rec.image.config, rec.spec.image_ref)
-    async with _names.setdefault(full, asyncio.Lock()):
+    async with _names.hold(full):
         await _check_free(edge, full)
-        state_out, disk_out = images.temp_layer_path(), images.temp_layer_path()
+        state_out, disk_out = store.temp_layer_path(), store.temp_layer_path()
         try:
             async with edge.exclusive(sandbox_id):
                 if rec.state is not SandboxState.RUNNING:
@@ -68,10 +101,10 @@ async def snapshot(edge: Edge, sandbox_id: str, ref: str) -> ImageInfo:
                     lambda r: backend.snapshot(r, state_out=state_out, disk_out=disk_out),
                 )
             async with (
-                images.adding_layer(disk_out) as (disk, _),
-                images.adding_layer(state_out) as (state, _),
+                store.adding_layer(disk_out) as (disk, _),
+                store.adding_layer(state_out) as (state, _),
             ):
-                info = await images.register_vm_snapshot(
+                info = await store.register_vm_snapshot(
                     full,
                     disk=disk,
                     kernel=source.kernel,
