@@ -164,6 +164,23 @@ def test_a_snapshot_restores_processes_ram_and_disk_without_booting(snap: Snap) 
     _counting(src)
 
 
+def test_a_vm_from_a_snapshot_pauses_and_resumes_and_survives_an_edge_crash(
+    snap: Snap,
+) -> None:
+    """Its saved launch is the snapshot's machine (-incoming again on resume)."""
+    spec = DSecFullVMRunArgs(vm_image=SNAP, memory_limit_mb=256, job_id="fvm-snap-job")
+    with snap.client.run_fullvm(spec, timeout=BOOT) as clone:
+        _counting(clone)
+        assert snap.client.pause_job("fvm-snap-job").paused == 1
+        assert clone.refresh().state.value == "paused"
+        assert clone.read_text("/tmp/ram-only") == "in-ram"  # a request resumes it
+        _counting(clone)
+        snap.plat.kill()  # SIGKILL: the restarted edge re-adopts both VMs
+        snap.plat.start()
+        _counting(clone)
+        _counting(snap.sb)
+
+
 def test_snapshot_names_are_checked_and_never_replaced(snap: Snap) -> None:
     with pytest.raises(InvalidArgument):
         snap.sb.snapshot("Bad Name!")
