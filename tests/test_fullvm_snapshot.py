@@ -19,11 +19,13 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -179,6 +181,36 @@ def test_a_vm_from_a_snapshot_pauses_and_resumes_and_survives_an_edge_crash(
         snap.plat.start()
         _counting(clone)
         _counting(snap.sb)
+
+
+def _qmp(sock_path: Path, *commands: str) -> list[dict[str, object]]:
+    """A few QMP commands on a VM's socket (free while its edge is dead)."""
+    answers: list[dict[str, object]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(sock_path))
+        reader = sock.makefile("rb")
+        reader.readline()  # the greeting
+        for cmd in ("qmp_capabilities", *commands):
+            sock.sendall(json.dumps({"execute": cmd}).encode() + b"\n")
+            while True:
+                msg = json.loads(reader.readline())
+                if "return" in msg or "error" in msg:
+                    answers.append(msg)
+                    break
+    return answers
+
+
+def test_a_vm_frozen_by_an_edge_that_died_mid_snapshot_runs_on_after_restart(
+    snap: Snap,
+) -> None:
+    snap.plat.kill()  # SIGKILL as if between the capture's stop and its cont
+    sock = snap.plat.data_dir / "fullvms" / snap.sb.id / "q" / "qmp.sock"
+    status = _qmp(sock, "stop", "query-status")[-1]["return"]
+    assert isinstance(status, dict) and status["status"] == "paused"
+    snap.plat.start()
+    assert snap.sb.refresh().state.value == "running"
+    _counting(snap.sb)
 
 
 def test_snapshot_names_are_checked_and_never_replaced(snap: Snap) -> None:

@@ -454,6 +454,7 @@ class FullVMBackend(Backend):
         vm = self._adopt(rec)
         if vm is None:
             return False
+        await self._resume_interrupted_capture(rec.id, vm)
         try:
             await vm.agent.sync(20)
         except GuestAgentError as exc:
@@ -462,6 +463,17 @@ class FullVMBackend(Backend):
             return False
         self._vms[rec.id] = vm
         return True
+
+    async def _resume_interrupted_capture(self, sid: str, vm: _VM) -> None:
+        """An edge that died during a snapshot left its VM frozen: let it run on."""
+        if vm.proc is None:
+            return
+        try:
+            if await capture.resume_interrupted(await vm.connect_qmp()):
+                log.warning("fullvm %s: continued after a snapshot the edge never ended", sid)
+                self.audit.record(sid, AuditKind.LIFECYCLE, "snapshot_interrupted")
+        except QmpError as exc:
+            log.warning("fullvm %s: run state unknown after the restart: %s", sid, exc)
 
     def _adopt(self, rec: SandboxRecord) -> _VM | None:
         """The VM of ``rec`` rebuilt after an edge restart from its facts and its

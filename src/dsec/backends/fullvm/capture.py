@@ -145,3 +145,20 @@ async def capture(
     frozen = time.monotonic() - t0
     state_size = (await asyncio.to_thread(state_out.stat)).st_size
     return Captured(frozen, state_size, (await asyncio.to_thread(disk_out.stat)).st_size)
+
+
+# What a VM an edge left between ``stop`` and ``cont`` reports (QMP query-status):
+# stopped, mid-way through its state's save, or after it.
+INTERRUPTED = frozenset({"paused", "finish-migrate", "postmigrate"})
+
+
+async def resume_interrupted(qmp: Qmp) -> bool:
+    """Continue a VM whose capture never reached its ``cont`` (the edge died between):
+    a migration still in flight is cancelled first. True if it was frozen. For a VM
+    that should be running (not a job-paused one: that is SIGSTOPped, not stopped)."""
+    if await qmp.status() not in INTERRUPTED:
+        return False
+    with contextlib.suppress(QmpError):
+        await qmp.execute("migrate_cancel")
+    await qmp.execute("cont")
+    return True
