@@ -8,9 +8,12 @@ boot (its uptime goes on from the source's) and finds the counter's process stil
 running and counting, the RAM value and the disk file; the source runs on unaware and
 independent of it (what each writes afterwards the other never sees); the captured
 disk is a standalone, read-only blob of the image store (no backing file), not a file
-either VM can write; a bad name is a 422, an existing one a 409 (never replaced), a
-container a 501 naming the capability; the CLI saves one too; every QEMU, directory
-and cgroup is gone at the end (and tests/conftest.py leak-checks the platform).
+either VM can write; a snapshot of a snapshot, a job pause/resume and an edge SIGKILL of
+a VM from a snapshot, a VM frozen by an edge that died mid-snapshot continued after
+the restart, a UEFI VM's snapshot (restored under UEFI only); a bad name is a 422, an
+existing one a 409 (never replaced), a container a 501 naming the capability; the CLI
+saves one too; every QEMU, directory and cgroup is gone at the end (and
+tests/conftest.py leak-checks the platform).
 """
 
 from __future__ import annotations
@@ -211,6 +214,23 @@ def test_a_vm_frozen_by_an_edge_that_died_mid_snapshot_runs_on_after_restart(
     snap.plat.start()
     assert snap.sb.refresh().state.value == "running"
     _counting(snap.sb)
+
+
+@pytest.mark.skipif(not Path("/usr/share/OVMF/OVMF_CODE_4M.fd").is_file(), reason="no ovmf")
+def test_a_uefi_vm_snapshot_restores_under_uefi(snap: Snap) -> None:
+    spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256, firmware="uefi")
+    with snap.client.run_fullvm(spec, timeout=BOOT) as src:
+        src.write_file("/tmp/uefi-ram", "uefi")
+        image = src.snapshot("fvm-snap-uefi:1")
+        assert image.config["vm"]["machine"]["firmware"] == "uefi"  # type: ignore[index]
+        with pytest.raises(InvalidArgument, match="firmware"):
+            snap.client.run_fullvm(
+                DSecFullVMRunArgs(vm_image="fvm-snap-uefi:1", memory_limit_mb=256)
+            )
+        again = DSecFullVMRunArgs(vm_image="fvm-snap-uefi:1", memory_limit_mb=256, firmware="uefi")
+        with snap.client.run_fullvm(again, timeout=BOOT) as clone:
+            assert clone.read_text("/tmp/uefi-ram") == "uefi"
+            assert clone.run_shell("test -d /sys/firmware/efi && echo efi").stdout == "efi\n"
 
 
 def test_snapshot_names_are_checked_and_never_replaced(snap: Snap) -> None:
