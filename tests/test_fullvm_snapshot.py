@@ -247,6 +247,14 @@ def test_snapshot_names_are_checked_and_never_replaced(snap: Snap) -> None:
     # a restore must fit its saved RAM
     with pytest.raises(LimitExceeded):
         snap.client.run_fullvm(DSecFullVMRunArgs(vm_image=target, memory_limit_mb=128))
+    # the saved machine has no NIC: a sandbox from it cannot have network rules
+    ruled = DSecFullVMRunArgs(
+        vm_image=target, memory_limit_mb=256, network_rules={"198.18.0.1:80": True}
+    )
+    with pytest.raises(Unsupported) as err:
+        snap.client.run_fullvm(ruled, timeout=BOOT)
+    assert err.value.details.get("capability") == "snapshot_network_rules"
+    assert [p.name for p in (snap.plat.data_dir / "fullvms").iterdir()] == [snap.sb.id]
 
 
 def test_snapshot_of_a_container_is_a_501(snap: Snap) -> None:
