@@ -293,6 +293,21 @@ def network(
         out.print("allowed: " + (inert(", ".join(allowed)) if allowed else "nothing"))
 
 
+@app.command("snapshot")
+def snapshot(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID")],
+    ref: Annotated[str, typer.Argument(metavar="NAME:TAG", help="the new VM image's name")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Save a running full VM (memory and disk, frozen across both) as a VM image that
+    `dsec sandbox create --backend fullvm --image NAME:TAG` starts without booting. The
+    VM runs on; an existing NAME:TAG is refused (remove it first)."""
+    with sync_client(ctx) as client, err.status(f"saving {sandbox_id} as {ref} ..."):
+        info = client.get(sandbox_id).snapshot(ref)
+    emit(info, f"saved {sandbox_id} as {info.ref}  {info.digest[:19]}", as_json)
+
+
 @app.command("ls")
 def list_(
     ctx: typer.Context,
