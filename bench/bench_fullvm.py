@@ -1,7 +1,7 @@
 """FullVM backend benchmark (issue 17), one run, accelerator named.
 
     .venv/bin/python bench/bench_fullvm.py [--boots 3] [--uefi-boots 1] [--shots 30]
-        [--keys 10] [--execs 50] [--settle 5]
+        [--keys 10] [--execs 50] [--settle 5] [--restores 3]
 
 Starts the platform in this process (dsec.roots.platform, as the conformance suite's
 PlatformHarness does) with only the fullvm backend on a fresh data dir, imports the
@@ -16,10 +16,13 @@ API makes):
 4. input-to-screen latency: one typed key (QMP input-send-event) until a screenshot
    differs from the one before (the guest's shell echoes it on tty1);
 5. host memory per idle VM after ``--settle`` seconds: QEMU's RSS and PSS, the
-   cgroup's usage, the overlay's allocated bytes.
+   cgroup's usage, the overlay's allocated bytes;
+6. snapshots (``--restores``): ``sb.snapshot`` of a running VM (frozen time and the
+   whole call: state, flattened disk, into the store), then a start from that snapshot
+   to an answering guest agent (restore, no boot), ``--restores`` times.
 
-Not measured yet (not built yet): start from a snapshot. Everything is stopped and
-removed at the end, also on failure. Prints a summary, writes bench/results/fullvm.json.
+Everything is stopped and removed at the end, also on failure. Prints a summary,
+writes bench/results/fullvm.json.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from dsec.api.exec import ExecRequest  # noqa: E402
 from dsec.api.spec import BackendKind, DSecFullVMRunArgs  # noqa: E402
 from dsec.backends.microvm.qemu import qemu_version  # noqa: E402
 from dsec.config import PlatformConfig  # noqa: E402
-from dsec.edge import desktop  # noqa: E402
+from dsec.edge import desktop, vmsnapshot  # noqa: E402
 from dsec.edge.edge import Edge  # noqa: E402
 from dsec.roots.platform import running_platform  # noqa: E402
 
@@ -137,6 +140,28 @@ async def kept_vm(edge: Edge, opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def snapshots(edge: Edge, n: int) -> dict[str, Any]:
+    info = await edge.create(
+        DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=VM_MB), timeout=TIMEOUT
+    )
+    saves: list[float] = []
+    starts: list[float] = []
+    try:
+        for i in range(n):
+            ref = f"fvm-bench-snap:{i}-{secrets.token_hex(3)}"
+            t0 = time.perf_counter()
+            await vmsnapshot.snapshot(edge, info.id, ref)
+            saves.append(time.perf_counter() - t0)
+            spec = DSecFullVMRunArgs(vm_image=ref, memory_limit_mb=VM_MB)
+            t0 = time.perf_counter()
+            clone = await edge.create(spec, timeout=TIMEOUT)
+            starts.append(time.perf_counter() - t0)
+            await edge.stop(clone.id)
+    finally:
+        await edge.stop(info.id)
+    return {"snapshot": summary(saves), "start_from_snapshot": summary(starts)}
+
+
 async def run(opts: argparse.Namespace, config: PlatformConfig) -> dict[str, Any]:
     async with running_platform(config) as plat:
         t0 = time.perf_counter()
@@ -146,6 +171,8 @@ async def run(opts: argparse.Namespace, config: PlatformConfig) -> dict[str, Any
         if opts.uefi_boots:
             res["uefi"] = await boots(plat.edge, opts.uefi_boots, "uefi")
         res["kept"] = await kept_vm(plat.edge, opts)
+        if opts.restores:
+            res["snapshots"] = await snapshots(plat.edge, opts.restores)
         res["backend_details"] = dict(plat.edge.backend_for(BackendKind.FULLVM).details())
     return res
 
@@ -168,12 +195,15 @@ def print_summary(res: dict[str, Any]) -> None:
         print(f"  {key}: p50 {f['p50_ms']:.1f} ms, p99 {f['p99_ms']:.1f} ms (n={f['n']})")
     print(f"  screenshot size: {kept['screenshot_bytes']} bytes (720x400 text console)")
     print(f"  idle VM memory: {kept['memory_idle']}")
+    for key, f in res.get("snapshots", {}).items():
+        print(f"  {key}: p50 {f['p50_ms']:.0f} ms, p99 {f['p99_ms']:.0f} ms (n={f['n']})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--boots", type=int, default=3)
     ap.add_argument("--uefi-boots", type=int, default=1)
+    ap.add_argument("--restores", type=int, default=3)
     ap.add_argument("--shots", type=int, default=30)
     ap.add_argument("--keys", type=int, default=10)
     ap.add_argument("--execs", type=int, default=50)

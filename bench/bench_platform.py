@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import platform_process  # noqa: E402
 
-from bench.raw_crun import RawCrun  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.crun_baseline import RawCrun, blob_path  # noqa: E402
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -135,7 +135,7 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
 
         # 5. baseline: raw crun run on the same layer, same host, same run
         layer = image.layers[0]
-        raw = RawCrun(layer_blob=data_dir / "images" / "blobs" / "sha256" / layer.split(":")[-1])
+        raw = RawCrun(layer_blob=blob_path(data_dir, layer))
         with raw:
             results["raw_crun_run"] = summary(raw.measure(opts.creates))
         results["ratio_create_ours_over_raw"] = (

@@ -373,3 +373,25 @@ def test_placement_filters_on_the_reported_backends() -> None:
     assert [v.edge_id for v in got] == ["e1"]
     with pytest.raises(ClusterFull):
         placer.candidates(Demand(backend=BackendKind.MICROVM.value))
+
+
+async def test_best_effort_qos_needs_the_qos_capability(
+    edge_with: tuple[Edge, MinimalBackend],
+) -> None:
+    """A backend that cannot run a sandbox at SCHED_IDLE refuses a best_effort spec with
+    a typed 501 before any work: never a silent latency-class sandbox."""
+    edge, backend = edge_with
+    spec = DSecContainerRunArgs(container_image="busybox", qos="best_effort")
+    with pytest.raises(Unsupported) as err:
+        await edge.create(spec, timeout=5)
+    _refused(err, Capability.QOS)
+    assert backend.calls == []
+
+
+def test_qos_capability_of_each_backend() -> None:
+    """Containers and microVMs enforce best_effort; full VMs declare they do not (so
+    the edge refuses it)."""
+    registry = BackendRegistry()
+    for kind in (BackendKind.CONTAINER, BackendKind.MICROVM):
+        assert Capability.QOS in registry.load(kind).capabilities
+    assert Capability.QOS not in registry.load(BackendKind.FULLVM).capabilities

@@ -23,6 +23,7 @@ from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.apiserver import ApiServices, create_app
 from dsec.cli import demo as demo_mod
+from dsec.cli import demo_timings
 from dsec.cli.common import percentile
 from dsec.cli.main import run
 from dsec.config import PlatformConfig
@@ -249,7 +250,24 @@ def test_demo_against_running_platform(dsec: Callable[..., Result], live: LiveSe
     assert code == 0, out + err
     assert "6/6" in out and "p50" in out and "p99" in out
     assert "uname -a" in out
+    # The comparable figures, and a note instead of a raw crun number: the fake
+    # platform's layer has no blob on this host.
+    for label in ("create, sequential", "exec run_shell", "burst: 6 concurrent creates"):
+        assert label in out, out
+    assert "raw crun baseline: skipped" in out and "raw crun run," not in out, out
     assert not [b for b in live.fake.boxes.values() if b.state is SandboxState.RUNNING]
+
+
+def test_demo_raw_baseline_only_on_this_host() -> None:
+    assert demo_timings.is_local("http://127.0.0.1:8470")
+    assert demo_timings.is_local("http://localhost:1")
+    assert not demo_timings.is_local("https://dsec.example.com")
+    timings = demo_timings.Timings()
+    asyncio.run(
+        demo_timings.measure_raw(timings, "http://10.1.2.3:8470", ["sha256:" + "a" * 64], [], 5)
+    )
+    assert timings.raw_ms == [] and timings.raw_note is not None
+    assert "not on this host" in timings.raw_note
 
 
 def test_demo_builds_missing_image(dsec: Callable[..., Result], live: LiveServer) -> None:

@@ -6,8 +6,8 @@ driven through the SDK as a user would, and looked at from the host.
 What is shown: commands and files through the standard QEMU guest agent, the disk
 limit as the overlay's size, screenshots and typed keys through QMP (the keys reach
 the guest's shell on its VGA console), a second VM under UEFI (OVMF) whose framebuffer
-has the display size asked for, 501s for what the backend does not declare (sessions,
-network rules) and for computer use on a container, a guest that garbles its agent
+has the display size asked for, 501s for what the backend does not declare (sessions)
+and for computer use on a container, a guest that garbles its agent
 port without breaking the edge, an edge SIGKILLed and restarted re-adopting the running
 VM, a job pause saving the VM to a file (kept across an edge crash) and a request
 restoring it, a guest that powers off failing its sandbox with that reason, and a stop that
@@ -151,11 +151,6 @@ def test_what_the_backend_lacks_is_a_501_naming_it(fvm: FVM) -> None:
         fvm.sb.start("sleep 1")
     assert err.value.details.get("capability") == "sessions"
     assert err.value.details.get("backend") == "fullvm"
-    with pytest.raises(Unsupported) as err:
-        fvm.client.run_fullvm(
-            DSecFullVMRunArgs(vm_image=IMAGE, network_rules={"pypi": True}), timeout=30
-        )
-    assert err.value.details.get("capability") == "network_rules"
 
 
 @pytest.mark.skipif(not Path("/usr/share/OVMF/OVMF_CODE_4M.fd").is_file(), reason="no ovmf")

@@ -33,10 +33,11 @@ import pytest
 from dsec import DSecClient, DSecMicroVMRunArgs, Sandbox, SandboxState
 from dsec.api.events import AuditKind
 from dsec.errors import DSecError, InvalidArgument
-from dsec.resources import cgroups
+from dsec.resources import cgroups, qos
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fakenet import FakeService, fake_service
 from tests.test_network import fetch, host_service
+from tests.test_qos import cpu_class
 
 pytestmark = [
     pytest.mark.root,
@@ -597,3 +598,31 @@ async def test_hostile_guest_hurts_only_itself(vmp: VMPlatform, client: DSecClie
         assert (await good.run_shell("echo unaffected")).stdout == "unaffected\n"
         bid = bad.id
     assert nothing_left(vmp, bid) == []
+
+
+async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient) -> None:
+    """A best-effort microVM's QEMU, every thread of it (vCPUs included), runs at
+    SCHED_IDLE in a cgroup of the lowest weight, also the new QEMU a resume from its
+    snapshot starts; a latency one normally, weight high."""
+
+    def check(sid: str, cls: str, policy: int) -> None:
+        pids = qemu_of(vmp, sid)
+        assert len(pids) == 1, pids
+        tids = qos.threads_of(pids[0])
+        assert len(tids) > 1  # QEMU's vCPU and I/O threads
+        assert {qos.policy_of(t) for t in tids} == {policy}, cls
+        assert cpu_class(vmp.cgroup(sid)) == cls
+
+    detail = (await client.health()).backend_details["microvm"]["core_scheduling"]
+    assert detail == qos.health_detail()["core_scheduling"]  # detected, never assumed
+    job = "vmqos-" + secrets.token_hex(4)
+    for cls, policy in (("best_effort", os.SCHED_IDLE), ("latency", os.SCHED_OTHER)):
+        async with vm(client, qos=cls, job_id=job) as sb:
+            assert (await sb.run_shell("true")).exit_code == 0
+            check(sb.id, cls, policy)
+            if cls == "best_effort":  # paused to its snapshot: a new QEMU on resume
+                assert (await client.pause_job(job)).paused == 1
+                assert qemu_of(vmp, sb.id) == []
+                assert (await client.resume_job(job)).resumed == 1
+                assert (await sb.run_shell("true")).exit_code == 0
+                check(sb.id, cls, policy)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from dsec import (
     DSecContainerRunArgs,
     DSecSyncClient,
     SandboxState,
+    linux,
 )
 from dsec.errors import (
     ImageNotFound,
@@ -30,7 +33,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.resources import cgroups
-from tests.conftest import PlatformProcess
+from tests.conftest import PlatformProcess, free_port
 
 pytestmark = pytest.mark.root
 
@@ -341,9 +344,77 @@ def test_cli_against_the_real_platform(platform: PlatformProcess, busybox_image:
     bad = dsec("sandbox", "exec", "e0-0123456789abcdef", "--", "true")
     assert bad.returncode == 1 and "sandbox_not_found" in bad.stderr
     assert "Traceback" not in bad.stderr
-    demo = dsec("demo", "--count", "3", "--image", busybox_image)
+    # --data-dir: where the raw crun baseline finds the layer blob (the platform answers,
+    # so none is started there).
+    demo = dsec(
+        "demo", "-n", "3", "--image", busybox_image, "--no-microvm",
+        "--data-dir", str(platform.data_dir), "--creates", "10", "--execs", "30",
+    )  # fmt: skip
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert "3/3 sandboxes created, ran and removed" in demo.stdout
+    check_demo_figures(demo.stdout, count=3, creates=10, execs=30)
+
+
+def test_demo_with_its_own_platform_compares_with_raw_crun(tmp_path: Path) -> None:
+    """`dsec demo --temp-data -n 3 --no-microvm` as a new user runs it: no platform
+    configured, so it starts one on a throwaway data dir, where the raw crun baseline
+    finds the layer; everything is gone afterwards."""
+    edge_id = "demo" + secrets.token_hex(3)
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_API_KEY")} | {
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+        "DSEC_EDGE_ID": edge_id,
+    }
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing answers: the demo starts its own
+    demo = subprocess.run(
+        [
+            sys.executable, "-m", "dsec.cli.main", "--url", dead, "demo", "--temp-data",
+            "-n", "3", "--no-microvm", "--image", "busybox:latest",
+            "--creates", "10", "--execs", "30",
+        ],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    try:
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        check_demo_figures(demo.stdout, count=3, creates=10, execs=30)
+    finally:
+        host = cgroups.detect()
+        leftover = host.children(f"/dsec/{edge_id}") or host.pids(f"/dsec/{edge_id}")
+        host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
+        assert not leftover, leftover
+        assert not [m for m in linux.mounts(Path("/tmp")) if "dsec-demo-" in str(m.mount_point)]
+
+
+def demo_row(text: str, label: str) -> tuple[float, float, int]:
+    """(p50, p99, n) of the demo's timing table row starting with ``label``."""
+    for line in text.splitlines():
+        if line.strip().startswith(label):
+            p50, p99, n = line.split()[-3:]
+            return float(p50), float(p99), int(n)
+    raise AssertionError(f"no {label!r} row in:\n{text}")
+
+
+def check_demo_figures(text: str, *, count: int, creates: int, execs: int) -> None:
+    """The demo's comparable figures are there and sane (no timing targets: the
+    machines are noisy): ordered percentiles, the asked-for counts, a burst rate and a
+    create / raw crun ratio that agrees with the two p50s it divides."""
+    assert f"{count}/{count} sandboxes created at once, ran and removed" in text, text
+    figures = {
+        "create": demo_row(text, "create, sequential"),
+        "exec": demo_row(text, "exec run_shell"),
+        "raw": demo_row(text, "raw crun run"),
+    }
+    for name, (p50, p99, _n) in figures.items():
+        assert 0 < p50 <= p99 < 10_000, (name, p50, p99)
+    assert figures["create"][2] == creates and figures["raw"][2] == creates
+    assert figures["exec"][2] == execs
+    burst = re.search(
+        rf"burst: {count} concurrent creates in [0-9.]+ s = ([0-9.]+) sandboxes/s", text
+    )
+    assert burst and 0 < float(burst.group(1)) < 100_000, text
+    ratio = re.search(r"create / raw crun \(p50\): ([0-9.]+)x", text)
+    assert ratio, text
+    assert float(ratio.group(1)) == pytest.approx(
+        figures["create"][0] / figures["raw"][0], rel=0.03
+    )
 
 
 async def test_init_user_runs_commands_unprivileged(client: DSecClient, busybox_image: str) -> None:

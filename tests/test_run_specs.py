@@ -81,7 +81,9 @@ def _old_spec() -> DSecContainerRunArgs:
 
 
 def test_container_spec_is_wire_unchanged() -> None:
-    assert json.loads(_old_spec().model_dump_json()) == json.loads(OLD_SPEC_ROW)
+    # Fields added since (with defaults that keep the old behaviour) are all it gains.
+    added = {"qos": "latency"}
+    assert json.loads(_old_spec().model_dump_json()) == json.loads(OLD_SPEC_ROW) | added
     assert run_args_adapter.validate_json(OLD_SPEC_ROW) == _old_spec()
 
 

@@ -47,3 +47,10 @@ class RegisterVMRequest(Strict):
     kernel: str | None = Field(None, description="digest of a kernel (direct boot)")
     initrd: str | None = Field(None, description="digest of an initrd")
     cmdline: str | None = Field(None, max_length=2048, description="kernel command line")
+
+
+class SnapshotRequest(Strict):
+    """Save a running full VM as a VM image (``POST {EDGE_PREFIX}/{id}/snapshot``):
+    ``ref`` must not name an existing image (409 ``already_exists``)."""
+
+    ref: str = Field(description="name:tag of the new VM image")

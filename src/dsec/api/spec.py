@@ -96,6 +96,14 @@ class DSecRunArgs(Strict):
         description="project charged for this sandbox (a path like 'rl/math'); None: the "
         "caller's default project",
     )
+    qos: Literal["latency", "best_effort"] = Field(
+        "latency",
+        description="CPU class (dsec.resources.qos). latency (default: interactive "
+        "sandboxes, where someone waits on every command): normal scheduling and a high "
+        "CPU weight. best_effort (batch work nobody waits on): every process at "
+        "SCHED_IDLE with the lowest weight, so it only uses cores latency sandboxes leave "
+        "idle. Backends that cannot enforce best_effort refuse it (501)",
+    )
     # Grader/answer content that only verify() runs see (dsec.api.protected).
     protected: list[ProtectedMount] = Field(
         default_factory=list, description="paths only verifier runs can read"

@@ -30,6 +30,7 @@ from dsec.api.files import (
     MoveRequest,
     RemoveRequest,
 )
+from dsec.api.images import ImageInfo, SnapshotRequest
 from dsec.api.sandbox import DataPathInfo
 from dsec.apiserver.auth import MISSING_KEY, Authenticator, KeyVerifier
 from dsec.apiserver.errors import ErrorBody
@@ -241,6 +242,27 @@ def desktop_router(plane: DataPlane, auth: Callable[..., object]) -> APIRouter:
     return router
 
 
+def snapshot_router(plane: DataPlane, auth: Callable[..., object]) -> APIRouter:
+    """A running VM saved as a VM image (a backend with snapshots: dsec.edge.vmsnapshot)."""
+    from dsec.edge import vmsnapshot
+
+    router = APIRouter(
+        dependencies=[Depends(auth)],
+        responses={"default": {"model": ErrorBody, "description": "typed error"}},
+        tags=["sandboxes"],
+    )
+
+    @router.post(
+        "/snapshot", status_code=201, response_model=ImageInfo, summary="Save as a VM image"
+    )
+    async def snapshot(sandbox_id: str, body: SnapshotRequest) -> Response:
+        """Memory and disk, consistent (the VM frozen across both); 409 if the name exists."""
+        info = await vmsnapshot.snapshot(plane.edge, sandbox_id, body.ref)
+        return model_response(info, status_code=201)
+
+    return router
+
+
 def install_data_path(
     app: FastAPI,
     plane: DataPlane,
@@ -265,6 +287,7 @@ def install_data_path(
     app.include_router(stream_router(plane, limits, data_auth), prefix=prefix)
     app.include_router(file_router(plane, limits, data_auth), prefix=prefix)
     app.include_router(desktop_router(plane, data_auth), prefix=prefix)
+    app.include_router(snapshot_router(plane, data_auth), prefix=prefix)
     app.include_router(file_router(plane, limits, api_auth), prefix="/v1/sandboxes/{sandbox_id}")
 
     @app.websocket(RPC_PATH)

@@ -28,6 +28,7 @@ from dsec.sessions.agent_client import AgentClient
 if TYPE_CHECKING:
     from dsec.config import PlatformConfig
     from dsec.images.mounts import LayerMounts
+    from dsec.images.vmdisk import VMMachine
     from dsec.resources.cgroups import CgroupHost
     from dsec.security.audit import AuditSink
 
@@ -162,8 +163,9 @@ class Capability(StrEnum):
     FORK = "fork"  # pack_writable + create: fork
     NETWORK_RULES = "network_rules"  # spec.network_rules (egress allow-rules), updates
     DISK_LIMIT = "disk_limit"  # spec.disk_limit_mb
-    SNAPSHOT = "snapshot"  # snapshot
+    SNAPSHOT = "snapshot"  # snapshot: a running VM saved as a VM image (memory + disk)
     COMPUTER_USE = "computer_use"  # screenshot, computer_input: the VM's display and input
+    QOS = "qos"  # spec.qos == "best_effort" enforced (SCHED_IDLE, low CPU weight)
 
 
 @dataclass(frozen=True)
@@ -359,7 +361,12 @@ class Backend(ABC):
         Raises Unsupported for a sandbox without a writable layer."""
         raise Unsupported(f"the {self.kind} backend cannot pack a sandbox")
 
-    async def snapshot(self, rec: SandboxRecord) -> str:
+    async def snapshot(self, rec: SandboxRecord, *, state_out: Path, disk_out: Path) -> VMMachine:
+        """Save the running sandbox (a VM) as the parts of a snapshot VM image: its
+        memory and device state into ``state_out``, its disk flattened into the
+        standalone qcow2 ``disk_out`` (both new files no sandbox can write), with the
+        VM frozen across both and running on after; returns the machine shape a
+        restore needs. On failure neither file is left and the VM runs on."""
         raise Unsupported(f"the {self.kind} backend cannot snapshot sandboxes yet")
 
     # -- computer use: the sandbox's screen and input devices ---------------------------

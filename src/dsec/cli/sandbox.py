@@ -103,6 +103,12 @@ def create(
     user: Annotated[str | None, typer.Option("--user", "-u", help="user or uid[:gid]")] = None,
     workdir: Annotated[str | None, typer.Option("--workdir", "-w")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait")] = 120,
+    qos: Annotated[
+        str | None,
+        typer.Option(
+            "--qos", help="CPU class: latency (default) or best_effort (SCHED_IDLE, low weight)"
+        ),
+    ] = None,
     allow: AllowOpt = [],  # noqa: B006
     deny: DenyOpt = [],  # noqa: B006
     protect: Annotated[
@@ -131,6 +137,8 @@ def create(
         extra["init_user"] = user
     if workdir is not None:
         extra["workdir"] = workdir
+    if qos is not None:
+        extra["qos"] = qos
     if protect:
         pairs = parse_pairs(protect, "--protect")
         extra["protected"] = [{"path": p, "layer": layer} for p, layer in pairs.items()]
@@ -283,6 +291,21 @@ def network(
     else:
         allowed = sorted(k for k, v in rules.items() if v)
         out.print("allowed: " + (inert(", ".join(allowed)) if allowed else "nothing"))
+
+
+@app.command("snapshot")
+def snapshot(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID")],
+    ref: Annotated[str, typer.Argument(metavar="NAME:TAG", help="the new VM image's name")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Save a running full VM (memory and disk, frozen across both) as a VM image that
+    `dsec sandbox create --backend fullvm --image NAME:TAG` starts without booting. The
+    VM runs on; an existing NAME:TAG is refused (remove it first)."""
+    with sync_client(ctx) as client, err.status(f"saving {sandbox_id} as {ref} ..."):
+        info = client.get(sandbox_id).snapshot(ref)
+    emit(info, f"saved {sandbox_id} as {info.ref}  {info.digest[:19]}", as_json)
 
 
 @app.command("ls")

@@ -411,6 +411,8 @@ class Edge:
             backend.require(Capability.PROTECTED_PATHS)
         if spec.disk_limit_mb is not None:
             backend.require(Capability.DISK_LIMIT)
+        if spec.qos != "latency":  # latency is every backend's normal scheduling
+            backend.require(Capability.QOS)
         if self.network is not None and spec.network_rules:
             self.network.check(spec.network_rules)  # a bad rule is a 422 before any work
         elif allowed:

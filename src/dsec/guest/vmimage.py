@@ -4,7 +4,7 @@ Why this image and not a distribution install: the FullVM backend's tests need a
 that boots to a responding QEMU guest agent within seconds under TCG, and a
 debootstrap'd Debian with systemd takes minutes there. This one is the pieces the
 project already trusts: Debian's cloud kernel (dsec.guest.kernel, direct kernel boot),
-a tiny initramfs (busybox and the four virtio modules the cloud kernel lacks) that
+a tiny initramfs (busybox and the virtio modules the cloud kernel lacks) that
 mounts the virtio disk and switches to it, and an ext4 root with the host's static
 busybox (dsec.images.builders.busybox_tree) plus Debian's ``qemu-guest-agent`` binary
 and the libraries it links (fetched with ``apt-get download``, never installed on the
@@ -34,12 +34,13 @@ from dsec.guest.kernel import guest_kernel
 from dsec.images.builders import HOST_BUSYBOX, busybox_tree
 from dsec.native import cache_dir
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 AGENT_PACKAGE = "qemu-guest-agent"
 DISK_MB = 96
 # What the cloud kernel has as modules and this guest needs before its root exists:
-# the PCI transport, the disk, the agent's serial port, the tablet.
-MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_input")
+# the PCI transport, the disk, the agent's serial port, the tablet, the NIC (a sandbox
+# with network rules: dsec.backends.fullvm.nic).
+MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_input", "virtio_net")
 CMDLINE = "console=ttyS0 quiet panic=-1"
 READY_LINE = "dsec-fullvm: guest agent started"
 
@@ -65,6 +66,15 @@ mount -t tmpfs -o mode=0755 run /run
 mount -t tmpfs -o mode=1777 tmp /tmp
 mkdir -p /dev/pts && mount -t devpts devpts /dev/pts
 hostname dsec-fullvm
+ip link set lo up
+# A sandbox with network rules: its address on the kernel command line (fullvm/nic.py).
+for a in $(cat /proc/cmdline); do
+  case "$a" in dsec.ip=*) addr=${{a#dsec.ip=}};; dsec.gw=*) gw=${{a#dsec.gw=}};; esac
+done
+if [ -n "$addr" ] && [ -n "$gw" ]; then
+  ip link set eth0 up && ip addr add "$addr" dev eth0 && ip route add default via "$gw"
+  echo "nameserver $gw" >/etc/resolv.conf
+fi
 port=
 for p in /sys/class/virtio-ports/*; do
   [ "$(cat "$p/name" 2>/dev/null)" = org.qemu.guest_agent.0 ] && port=/dev/${{p##*/}}

@@ -11,6 +11,7 @@ from typing import Literal, Protocol, runtime_checkable
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.spec import LayeredRunArgs
+from dsec.images.vmdisk import VMMachine
 
 # Called with (step description, done units, total units or None) during long work.
 Progress = Callable[[str, int, int | None], None]
@@ -111,4 +112,25 @@ class LayerBuilder(Protocol):
 
     async def gc(self) -> builtins.list[str]:
         """Remove blobs nothing refers to; returns their digests."""
+        ...
+
+
+@runtime_checkable
+class VMSnapshotStore(Protocol):
+    """An image service that can register a snapshot VM image (``sb.snapshot``:
+    dsec.edge.vmsnapshot). Apart from ImageService, so a service without it still
+    serves (and refuses snapshots with 501)."""
+
+    async def register_vm_snapshot(
+        self,
+        ref: str,
+        *,
+        disk: str,
+        state: str,
+        machine: VMMachine,
+        kernel: str | None,
+        initrd: str | None,
+        cmdline: str | None,
+    ) -> ImageInfo:
+        """Tag stored blobs as a VM image that restores ``state`` instead of booting."""
         ...

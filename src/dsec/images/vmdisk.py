@@ -78,8 +78,48 @@ def inspect(path: Path, fmt: DiskFormat) -> DiskInfo:
 
 
 @dataclass(frozen=True)
+class VMMachine:
+    """The shape of the machine a VM snapshot was saved from. QEMU restores a saved
+    state only into an identical machine (guest RAM, vCPUs, display adapter, firmware,
+    accelerator), so a sandbox started from a snapshot gets this shape, not its spec's."""
+
+    memory_mb: int
+    vcpus: int
+    firmware: Literal["bios", "uefi"]
+    display: tuple[int, int]
+    accel: Literal["kvm", "tcg"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "display": list(self.display)}
+
+    @classmethod
+    def from_json(cls, data: object, ref: str) -> VMMachine:
+        """Checked field by field: the config came from a registry (InvalidArgument)."""
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"VM image {ref} has an invalid saved machine")
+        mem, cpus, fw = data.get("memory_mb"), data.get("vcpus"), data.get("firmware")
+        disp, accel = data.get("display"), data.get("accel")
+        if (
+            not isinstance(mem, int)
+            or not isinstance(cpus, int)
+            or mem < 64
+            or not 1 <= cpus <= 1024
+            or fw not in ("bios", "uefi")
+            or accel not in ("kvm", "tcg")
+            or not isinstance(disp, list)
+            or len(disp) != 2
+            or not all(isinstance(v, int) and 0 < v <= 16384 for v in disp)
+        ):
+            raise InvalidArgument(f"VM image {ref} has an invalid saved machine")
+        return cls(mem, cpus, fw, (disp[0], disp[1]), accel)
+
+
+@dataclass(frozen=True)
 class VMImage:
-    """Which blobs of an image make a VM: ``config["vm"]`` of its manifest."""
+    """Which blobs of an image make a VM: ``config["vm"]`` of its manifest.
+
+    A *snapshot* VM image (``sb.snapshot``) also names ``state``: the saved memory and
+    device state a new VM restores instead of booting, and the ``machine`` it needs."""
 
     disk: str  # digest
     format: DiskFormat
@@ -87,13 +127,18 @@ class VMImage:
     kernel: str | None = None  # digests, for a direct kernel boot
     initrd: str | None = None
     cmdline: str | None = None
+    state: str | None = None  # digest of a saved VM state (a snapshot image)
+    machine: VMMachine | None = None  # with ``state``: the shape to restore into
 
     def blobs(self) -> list[str]:
         """Every blob the VM reads, the disk first (the image's ``layers``)."""
-        return [d for d in (self.disk, self.kernel, self.initrd) if d is not None]
+        return [d for d in (self.disk, self.kernel, self.initrd, self.state) if d is not None]
 
     def to_config(self) -> dict[str, Any]:
-        return {"vm": {k: v for k, v in asdict(self).items() if v is not None}}
+        vm = {k: v for k, v in asdict(self).items() if v is not None and k != "machine"}
+        if self.machine is not None:
+            vm["machine"] = self.machine.to_json()
+        return {"vm": vm}
 
     @classmethod
     def of(cls, config: Mapping[str, object], ref: str) -> VMImage:
@@ -124,7 +169,9 @@ class VMImage:
             raise InvalidArgument(f"VM image {ref} has an invalid kernel command line")
         disk = digest("disk", required=True)
         assert disk is not None
-        return cls(disk, fmt, size, digest("kernel"), digest("initrd"), cmdline)
+        state = digest("state")
+        machine = VMMachine.from_json(vm.get("machine"), ref) if state is not None else None
+        return cls(disk, fmt, size, digest("kernel"), digest("initrd"), cmdline, state, machine)
 
 
 def check_cmdline(cmdline: str) -> str:

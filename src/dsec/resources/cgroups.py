@@ -53,6 +53,17 @@ class CgroupHost:
         except OSError:
             return False
 
+    @property
+    def has_cpu_idle(self) -> bool:
+        """Whether the cpu controller has ``cpu.idle`` (kernel >= 5.15): a cgroup that
+        competes with its siblings as one SCHED_IDLE entity (dsec.resources.qos)."""
+        if "cpu" in self.v1:
+            return (self.v1["cpu"] / "cpu.idle").exists()
+        if self.layout is Layout.V2:
+            major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+            return (major, minor) >= (5, 15)
+        return False
+
     def dirs(self, rel: str) -> list[Path]:
         """Every directory that holds the cgroup ``rel`` (one per hierarchy)."""
         rel = rel.strip("/")
@@ -177,10 +188,19 @@ class CgroupHost:
         return ok
 
     def create_limited(
-        self, rel: str, *, memory_bytes: int, cpu_cores: float, pids: int | None = None
+        self,
+        rel: str,
+        *,
+        memory_bytes: int,
+        cpu_cores: float,
+        pids: int | None = None,
+        cpu_shares: int | None = None,
+        cpu_idle: bool = False,
     ) -> list[Path]:
         """Make the cgroup ``rel`` in every hierarchy with a hard memory limit (no swap
-        beyond it), a CPU quota of ``cpu_cores`` and optionally a pids limit, for a
+        beyond it), a CPU quota of ``cpu_cores``, optionally a pids limit and a CPU
+        weight (``cpu_shares`` as v1 shares, converted for v2 as crun does; ``cpu_idle``:
+        the whole cgroup a SCHED_IDLE entity, where ``has_cpu_idle``), for a
         process the platform starts itself (a microVM's QEMU: crun makes containers'
         cgroups). Returns the ``cgroup.procs`` files to write the process into, one
         per hierarchy. On failure leaves nothing behind."""
@@ -210,6 +230,10 @@ class CgroupHost:
                 c = self.v1["cpu"] / rel
                 (c / "cpu.cfs_period_us").write_text(str(period))
                 (c / "cpu.cfs_quota_us").write_text(str(quota))
+                if cpu_shares is not None:
+                    (c / "cpu.shares").write_text(str(cpu_shares))
+                if cpu_idle:  # after the shares: an idle group refuses a weight
+                    (c / "cpu.idle").write_text("1")
             if pids is not None and "pids" in self.v1:
                 (self.v1["pids"] / rel / "pids.max").write_text(str(pids))
             if self.layout is Layout.V2 and self.v2 is not None:
@@ -218,6 +242,10 @@ class CgroupHost:
                 with contextlib.suppress(OSError):
                     (u / "memory.swap.max").write_text("0")
                 (u / "cpu.max").write_text(f"{quota} {period}")
+                if cpu_shares is not None:
+                    (u / "cpu.weight").write_text(str(v2_weight(cpu_shares)))
+                if cpu_idle:
+                    (u / "cpu.idle").write_text("1")
                 if pids is not None:
                     (u / "pids.max").write_text(str(pids))
         except BaseException:
@@ -232,6 +260,11 @@ class CgroupHost:
             with contextlib.suppress(OSError):
                 names.update(e.name for e in os.scandir(d) if e.is_dir())
         return names
+
+
+def v2_weight(shares: int) -> int:
+    """crun's conversion of v1 cpu.shares (2..262144) to v2 cpu.weight (1..10000)."""
+    return 1 + ((max(2, min(shares, 262144)) - 2) * 9999) // 262142
 
 
 def favor_dynamic_modifications(host: CgroupHost) -> bool:

@@ -37,7 +37,9 @@ from dsec.api.exec import (
     SessionInfo,
     signal_number,
 )
+from dsec.api.fields import parse_image_ref
 from dsec.api.files import FileInfo, FileList
+from dsec.api.images import ImageInfo
 from dsec.api.sandbox import DataPathInfo, SandboxInfo
 from dsec.errors import (
     DSecError,
@@ -819,6 +821,26 @@ class SandboxDataMixin:
             query["command"] = command
         ws = await self._data.pty_connection(self.id, query)
         return Pty(ws)
+
+    # -- snapshot (a full VM saved as a VM image) -----------------------------------------
+    async def snapshot(self, ref: str, *, timeout: float | None = 600.0) -> ImageInfo:
+        """Save this running VM (memory and disk, consistent: frozen across both) as the
+        VM image ``ref`` ("name:tag"), which ``run_fullvm(vm_image=ref)`` starts from
+        without booting, its processes still running. The VM runs on. ``AlreadyExists``
+        (409) if ``ref`` names an image; ``Unsupported`` (501) on a backend without
+        snapshots."""
+        try:
+            parse_image_ref(ref)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        resp = await self._data.http_request(
+            self.id,
+            "POST",
+            "/snapshot",
+            json_body={"ref": ref},
+            timeout=httpx.Timeout(timeout) if timeout is not None else None,
+        )
+        return ImageInfo.model_validate_json(resp.content)
 
     # -- computer use (a sandbox with a display: the fullvm backend) ----------------------
     async def screenshot(self) -> bytes:

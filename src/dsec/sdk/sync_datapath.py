@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 from dsec.api.exec import ExitInfo, ProcessInfo, SessionInfo
 from dsec.api.files import FileInfo, FileList
+from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxInfo
 from dsec.sdk._portal import Portal
 from dsec.sdk.datapath import (
@@ -369,6 +370,11 @@ class SyncSandboxDataMixin:
     ) -> SyncPty:
         pty = self._run(self._a().pty(rows=rows, cols=cols, command=command, term=term))
         return SyncPty(self._client._portal(), pty)
+
+    # -- snapshot -----------------------------------------------------------------------
+    def snapshot(self, ref: str, *, timeout: float | None = 600.0) -> ImageInfo:
+        """Save this running VM as the VM image ``ref`` (see ``Sandbox.snapshot``)."""
+        return self._run(self._a().snapshot(ref, timeout=timeout))
 
     # -- computer use -------------------------------------------------------------------
     def screenshot(self) -> bytes:

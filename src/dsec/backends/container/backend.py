@@ -47,6 +47,7 @@ from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
 from dsec.net.oci import net_mounts
+from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.resources.disk import GiB, MiB, SandboxDisk
 from dsec.security import protected as protected_paths
@@ -147,6 +148,7 @@ class ContainerBackend(AgentDataPath, Backend):
             Capability.FORK,
             Capability.NETWORK_RULES,
             Capability.DISK_LIMIT,
+            Capability.QOS,
         }
     )
     # The OCI runtime the platform runs by default (PlatformConfig.runtime).
@@ -297,6 +299,11 @@ class ContainerBackend(AgentDataPath, Backend):
             spawn.reap_orphans(names)
             await asyncio.sleep(0.5)
 
+    def details(self) -> Mapping[str, str]:
+        """QoS support of this host: core scheduling for latency sandboxes where the
+        kernel has it (detected once; not faked where it does not)."""
+        return qos.health_detail()
+
     async def close(self) -> None:
         """Remove this edge's parent cgroup if no sandbox is left in it."""
         if self._reaper is not None:
@@ -355,6 +362,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 extra_mounts=protected_paths.decoy_mounts(prepared) + net_mounts(net),
                 seccomp=self.seccomp_profile(sid),
                 netns_path=net["netns"] if net else None,
+                cpu_idle=self.cgroups.has_cpu_idle,
             )
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -373,6 +381,9 @@ class ContainerBackend(AgentDataPath, Backend):
                 # The agent holds its own copy now; ours would only cost an fd per sandbox.
                 listener.close()
             facts.pid = int((root / "init.pid").read_text().strip())
+            # Before any command runs: what the agent forks from now on inherits it.
+            if qos.acts_on(spec.qos):
+                qos.apply(spec.qos, self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid})
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
             self.init_signals.watch(sid, self.agent_socket(sid))

@@ -14,6 +14,7 @@ from typing import Any
 
 from dsec.api.spec import DSecRunArgs
 from dsec.hostlimits import sandbox_nofile
+from dsec.resources.qos import NICE_RLIMIT, cpu_shares
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
 AGENT_PATH_IN_SANDBOX = "/.dsec/init"
@@ -204,10 +205,12 @@ def build_config(
     extra_mounts: list[dict[str, Any]] | None = None,
     seccomp: dict[str, Any] | None = None,
     netns_path: str | None = None,
+    cpu_idle: bool = False,
 ) -> dict[str, Any]:
     """``seccomp``: the ``linux.seccomp`` object (dsec.security.seccomp), None = none.
     ``netns_path``: join this network namespace (egress rules, dsec.net) instead of a
-    new empty one."""
+    new empty one. ``cpu_idle``: the host has cgroup ``cpu.idle`` (a best-effort
+    sandbox's cgroup is then a SCHED_IDLE entity among its siblings)."""
     memory = spec.memory_limit_mb * 1024 * 1024
     cpus = min(spec.cpu_cores_limit, float(host_cpus))
     bpf = precompiled(seccomp) if seccomp else None
@@ -235,6 +238,8 @@ def build_config(
                 # 4096, or the host's hard limit if lower: crun cannot raise it
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+                # no raising of priority: a best-effort sandbox cannot leave SCHED_IDLE
+                {"type": "RLIMIT_NICE", "hard": NICE_RLIMIT, "soft": NICE_RLIMIT},
             ],
             "noNewPrivileges": True,
         },
@@ -253,7 +258,12 @@ def build_config(
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
                 "memory": {"limit": memory},
-                "cpu": {"quota": int(cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
+                "cpu": {
+                    "quota": int(cpus * CPU_PERIOD_US),
+                    "period": CPU_PERIOD_US,
+                    "shares": cpu_shares(spec.qos),  # the QoS class's weight
+                    **({"idle": 1} if cpu_idle and spec.qos == "best_effort" else {}),
+                },
                 "pids": {"limit": spec.pids_limit},
             },
             "maskedPaths": masked_paths(),

@@ -14,7 +14,7 @@ file through QMP and QEMU ended; resume starts the same command line again
 
 What a full VM does not have (yet): sessions, PTYs, streaming and background
 processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), network rules, snapshots as images, verify steps.
+refuses them with 501), verify steps, snapshots of a VM with network rules.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dsec.backends.base import (
     ReclaimFigures,
     SandboxRecord,
 )
-from dsec.backends.fullvm import guestops
+from dsec.backends.fullvm import capture, guestops, nic, restore
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
 from dsec.backends.fullvm.facts import FullVMFacts
@@ -71,7 +71,8 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.images.mounts import LayerMounts
-from dsec.images.vmdisk import DiskInfo, VMImage
+from dsec.images.vmdisk import DiskInfo, VMImage, VMMachine
+from dsec.net.vmtap import VMNetAttachment, attach_vm
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 
@@ -157,7 +158,14 @@ class _VM:
 class FullVMBackend(Backend):
     kind = BackendKind.FULLVM
     capabilities = frozenset(
-        {Capability.FILES, Capability.DISK_LIMIT, Capability.COMPUTER_USE, Capability.PAUSE}
+        {
+            Capability.FILES,
+            Capability.DISK_LIMIT,
+            Capability.COMPUTER_USE,
+            Capability.PAUSE,
+            Capability.SNAPSHOT,
+            Capability.NETWORK_RULES,
+        }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
     destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
@@ -275,16 +283,29 @@ class FullVMBackend(Backend):
     async def create(self, inp: CreateInput) -> FullVMFacts:
         sid, spec = inp.id, fullvm_spec(inp)
         image = VMImage.of(inp.image.config, spec.vm_image)
+        saved = restore.check(image, spec)  # a snapshot image: its machine, checked
+        if saved is not None and inp.net is not None:
+            raise Unsupported(
+                "a sandbox started from a snapshot has no NIC (the saved machine had "
+                "none): network_rules are not supported with it",
+                backend=self.kind.value,
+                capability="snapshot_network_rules",
+            )
         root = self.vm_dir(sid)
         facts = FullVMFacts(dir=root)
         vm: _VM | None = None
+        tap: VMNetAttachment | None = None
         try:
             accel = await self.accelerator()
+            if saved is not None:
+                restore.check_accel(saved, accel.accel)
             root.mkdir(mode=0o700)
             (root / "q").mkdir(mode=0o700)
             await self.layers.prepare(image.blobs(), "eager")
             blobs = {d: await asyncio.to_thread(self.layers.store.verify, d) for d in image.blobs()}
             size = overlay_size(DiskInfo(image.format, image.virtual_size), spec.disk_limit_mb)
+            if saved is not None:  # the restored guest knows its disk's size already
+                size = image.virtual_size
             overlay = root / "disk.qcow2"
             await asyncio.to_thread(create_overlay, overlay, blobs[image.disk], image.format, size)
             facts.disk_bytes = size
@@ -296,13 +317,17 @@ class FullVMBackend(Backend):
                 pids=QEMU_PIDS,
             )
             efi_vars = None
-            if spec.firmware == "uefi":
+            firmware = saved.firmware if saved is not None else spec.firmware
+            if firmware == "uefi":
                 efi_vars = root / "efivars.fd"
                 await asyncio.to_thread(shutil.copyfile, OVMF_VARS, efi_vars)
             boot = None
             if image.kernel is not None:
                 initrd = blobs[image.initrd] if image.initrd is not None else None
-                boot = DirectBoot(blobs[image.kernel], initrd, image.cmdline or "")
+                cmdline = image.cmdline or ""
+                if inp.net is not None:  # the guest's address (nic.py)
+                    cmdline = f"{cmdline} {nic.guest_cmdline(inp.net)}".strip()
+                boot = DirectBoot(blobs[image.kernel], initrd, cmdline)
             config = FullVMConfig(
                 disk=overlay,
                 ga_socket=root / "q" / "ga.sock",
@@ -311,12 +336,15 @@ class FullVMBackend(Backend):
                 vcpus=max(1, min(self.host_cpus, math.ceil(spec.cpu_cores_limit))),
                 memory_mb=spec.memory_limit_mb,
                 accel=accel.accel,
-                firmware=spec.firmware,
+                firmware=firmware,
                 boot=boot,
                 efi_vars=efi_vars,
                 display=spec.display,
                 vnc_socket=root / "q" / VNC_SOCKET,
+                nic_mac=str(inp.net["mac"]) if inp.net is not None else None,
             )
+            if saved is not None:
+                config = restore.shaped(config, saved)
             facts.accel, facts.vcpus, facts.memory_mb = accel.accel, config.vcpus, config.memory_mb
             launch = Launch.of(
                 config,
@@ -324,10 +352,23 @@ class FullVMBackend(Backend):
                 rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
             )
             await asyncio.to_thread(launch.save, root / LAUNCH_FILE)
-            proc = launch.spawn(self.jail_for(sid))
+            tap = attach_vm(dict(inp.net)) if inp.net is not None else None
+            try:
+                proc = launch.spawn(
+                    self.jail_for(sid),
+                    incoming=saved is not None,
+                    tap_fd=tap.tap_fd if tap is not None else None,
+                )
+            finally:
+                if tap is not None:
+                    tap.close()  # QEMU holds its own copy
             facts.pid, facts.pid_start = proc.pid, proc.start_time
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             self._vms[sid] = vm
+            if image.state is not None:  # no boot: the saved guest runs on
+                await snapshot.load_into(
+                    await vm.connect_qmp(), blobs[image.state], timeout=BOOT_TIMEOUT
+                )
             await self._wait_agent(vm, BOOT_TIMEOUT)
         except BaseException as exc:
             tail = await self._console_tail(vm)
@@ -338,7 +379,12 @@ class FullVMBackend(Backend):
                     f"{exc.message}; the guest console's last line: {tail!r}"
                 ) from exc
             raise
-        self.audit.record(sid, AuditKind.LIFECYCLE, "fullvm_started", accel=facts.accel)
+        self.audit.record(
+            sid,
+            AuditKind.LIFECYCLE,
+            "fullvm_restored" if saved is not None else "fullvm_started",
+            accel=facts.accel,
+        )
         return facts
 
     def jail_for(self, sid: str) -> Jail:
@@ -410,6 +456,7 @@ class FullVMBackend(Backend):
         vm = self._adopt(rec)
         if vm is None:
             return False
+        await self._resume_interrupted_capture(rec.id, vm)
         try:
             await vm.agent.sync(20)
         except GuestAgentError as exc:
@@ -418,6 +465,17 @@ class FullVMBackend(Backend):
             return False
         self._vms[rec.id] = vm
         return True
+
+    async def _resume_interrupted_capture(self, sid: str, vm: _VM) -> None:
+        """An edge that died during a snapshot left its VM frozen: let it run on."""
+        if vm.proc is None:
+            return
+        try:
+            if await capture.resume_interrupted(await vm.connect_qmp()):
+                log.warning("fullvm %s: continued after a snapshot the edge never ended", sid)
+                self.audit.record(sid, AuditKind.LIFECYCLE, "snapshot_interrupted")
+        except QmpError as exc:
+            log.warning("fullvm %s: run state unknown after the restart: %s", sid, exc)
 
     def _adopt(self, rec: SandboxRecord) -> _VM | None:
         """The VM of ``rec`` rebuilt after an edge restart from its facts and its
@@ -564,7 +622,16 @@ class FullVMBackend(Backend):
         if not vm.snapshot.is_file():
             return
         facts = self.facts(rec)
-        proc = vm.launch.spawn(self.jail_for(rec.id), incoming=True)
+        tap = attach_vm(dict(rec.net)) if rec.net is not None else None
+        try:
+            proc = vm.launch.spawn(
+                self.jail_for(rec.id),
+                incoming=True,
+                tap_fd=tap.tap_fd if tap is not None else None,
+            )
+        finally:
+            if tap is not None:
+                tap.close()
         vm.proc = proc
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
         vm.restoring = asyncio.get_running_loop().create_task(
@@ -586,6 +653,51 @@ class FullVMBackend(Backend):
             await vm.close()
             if vm.proc is not None:  # the edge's init watch fails the sandbox
                 await asyncio.to_thread(vm.proc.kill)
+
+    # -- snapshots as VM images (capture.py; restored by create, restore.py) ------------
+    async def snapshot(self, rec: SandboxRecord, *, state_out: Path, disk_out: Path) -> VMMachine:
+        """The running VM's state and flattened disk, captured with the VM frozen
+        across both (capture.py); the VM runs on after, unaware."""
+        if rec.net is not None:
+            raise Unsupported(
+                "a VM with network rules cannot be snapshotted yet (its NIC and address "
+                "belong to its own network slot)",
+                backend=self.kind.value,
+                capability="snapshot_network_rules",
+            )
+        vm = await self._vm(rec)
+        spec, facts = fullvm_spec(rec), self.facts(rec)
+        image = VMImage.of(rec.image.config, spec.vm_image)
+        base = await asyncio.to_thread(self.layers.store.verify, image.disk)
+        qmp = await vm.connect_qmp()
+        vm.stopped = True  # the guest-end watcher must not read a migrated VM as ended
+        try:
+            done = await capture.capture(
+                qmp,
+                overlay=self.vm_dir(rec.id) / "disk.qcow2",
+                base=base,
+                base_format=image.format,
+                state_out=state_out,
+                disk_out=disk_out,
+            )
+        finally:
+            vm.stopped = False
+        self.audit.record(
+            rec.id,
+            AuditKind.LIFECYCLE,
+            "fullvm_snapshot",
+            frozen=round(done.frozen_seconds, 3),
+            state_bytes=done.state_bytes,
+            disk_bytes=done.disk_bytes,
+        )
+        machine = image.machine
+        return VMMachine(
+            memory_mb=facts.memory_mb,
+            vcpus=facts.vcpus,
+            firmware=machine.firmware if machine is not None else spec.firmware,
+            display=machine.display if machine is not None else spec.display,
+            accel="kvm" if facts.accel == "kvm" else "tcg",
+        )
 
     # -- data path: the guest agent ---------------------------------------------------
     async def _vm(self, rec: SandboxRecord) -> _VM:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from dsec.backends.fullvm import nic
 from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.qemu import (
     CONSOLE_RING_BYTES,
@@ -71,6 +72,7 @@ class FullVMConfig:
     efi_vars: Path | None = None  # the VM's own copy of OVMF_VARS (firmware="uefi")
     display: tuple[int, int] = DEFAULT_DISPLAY
     vnc_socket: Path | None = None  # the live view's VNC server (unix socket), if any
+    nic_mac: str | None = None  # a virtio-net NIC on the sandbox's tap (dsec.net.vmtap)
 
     def readable_files(self) -> list[Path]:
         """What QEMU reads besides the disk chain (for the jail's read-only binds);
@@ -120,6 +122,8 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         "-device", f"virtserialport,chardev=ga,name={GA_PORT}",
         "-device", "virtio-tablet-pci",
     ]  # fmt: skip
+    if config.nic_mac is not None:
+        argv += nic.qemu_args(config.nic_mac)
     if config.firmware == "uefi":
         assert config.efi_vars is not None
         argv += [
@@ -189,16 +193,21 @@ class Launch:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def spawn(self, jail: Jail, *, incoming: bool = False) -> QemuProcess:
+    def spawn(
+        self, jail: Jail, *, incoming: bool = False, tap_fd: int | None = None
+    ) -> QemuProcess:
         """Start this QEMU jailed (``incoming``: waiting for a restore, see
-        dsec.backends.microvm.snapshot.load_into)."""
+        dsec.backends.microvm.snapshot.load_into); ``tap_fd``: the sandbox's tap,
+        opened for this launch (a VM with a NIC needs one, see nic.py)."""
         prefix = jail.prefix_for(
             ro=[Path(p) for p in self.ro], rw=[Path(p) for p in self.rw], kvm=self.kvm
         )
-        argv = [*prefix, *self.argv, *(["-incoming", "defer"] if incoming else [])]
+        argv = [*prefix, *nic.with_fd(self.argv, tap_fd)]
+        argv += ["-incoming", "defer"] if incoming else []
         return QemuProcess.spawn(
             argv,
             qmp_socket=Path(self.qmp_socket),
             log_path=Path(self.log_path),
             stale=(Path(self.qmp_socket), Path(self.ga_socket)),
+            pass_fds=[tap_fd] if tap_fd is not None else [],
         )

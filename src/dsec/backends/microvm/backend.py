@@ -61,6 +61,7 @@ from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.guest.channel import GuestChannel
 from dsec.images.mounts import LayerMounts
 from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
+from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 from dsec.security.init_signals import InitSignalWatcher
@@ -134,6 +135,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             Capability.PAUSE,
             Capability.NETWORK_RULES,
             Capability.DISK_LIMIT,
+            Capability.QOS,
             Capability.VERIFY,
             Capability.PROTECTED_PATHS,
             Capability.PACK,
@@ -232,6 +234,10 @@ class MicroVMBackend(AgentDataPath, Backend):
         return (await self.guest())[2]
 
     def details(self) -> Mapping[str, str]:
+        """The accelerator (and why), and core scheduling for latency-class VMs."""
+        return self._accel_details() | qos.health_detail()
+
+    def _accel_details(self) -> dict[str, str]:
         if self._accel is None:
             if self._ready is None:
                 return {"accelerator": "not probed yet (at the first microVM create)"}
@@ -382,6 +388,8 @@ class MicroVMBackend(AgentDataPath, Backend):
                 memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
                 cpu_cores=spec.cpu_cores_limit,
                 pids=QEMU_PIDS,
+                cpu_shares=qos.cpu_shares(spec.qos),
+                cpu_idle=spec.qos == "best_effort" and self.cgroups.has_cpu_idle,
             )
             if inp.net is not None:
                 net = attach_vm(dict(inp.net))
@@ -397,6 +405,8 @@ class MicroVMBackend(AgentDataPath, Backend):
                 machine.listen()
                 proc = machine.launch(prefix=self.jail_for(sid).prefix(config), incoming=restored)
                 facts.pid, facts.pid_start = proc.pid, proc.start_time
+                if qos.acts_on(spec.qos):  # before the guest runs: its threads inherit it
+                    qos.apply(spec.qos, [proc.pid])
                 if net is not None:
                     net.close()
                     net = None
@@ -865,6 +875,8 @@ class MicroVMBackend(AgentDataPath, Backend):
                 config = dataclasses.replace(config, net=NetAttachment(net.tap_fd, net.mac))
                 machine.config = config
             proc = machine.launch(prefix=self.jail_for(rec.id).prefix(config), incoming=True)
+            if qos.acts_on(rec.spec.qos):  # a new QEMU: the class goes with the sandbox
+                qos.apply(rec.spec.qos, [proc.pid])
         finally:
             if net is not None:
                 net.close()

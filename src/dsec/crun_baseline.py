@@ -1,4 +1,9 @@
-"""Baseline: the same create path done by hand with raw `crun run`.
+"""The baseline a sandbox create is compared to: the same path done by hand with raw
+`crun run`, on the same host and the same EROFS layer.
+
+One implementation for `dsec demo` (which prints create / raw as a ratio) and the
+benchmarks (bench/bench_platform.py), so the figure a user sees and the one the
+README quotes are measured the same way. Needs root and the layer's blob file.
 
 Per run: overlay (own upper) on the same mounted EROFS layer, `crun spec`'s default
 config (all namespaces, cgroups), `crun run` of /bin/true in the foreground, unmount.
@@ -9,6 +14,8 @@ wrapper the platform uses, since plain crun cannot run here at all without it.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -21,9 +28,30 @@ from dsec.agent.build import agent_binary
 from dsec.resources import cgroups
 
 
+def unavailable(layer_blob: Path) -> str | None:
+    """Why the baseline cannot run here (not root, no crun, no blob), or None."""
+    if os.geteuid() != 0:
+        return "needs root (mounts, cgroups)"
+    if shutil.which("crun") is None:
+        return "no crun on PATH"
+    if not layer_blob.is_file():
+        return f"layer blob {layer_blob} not found on this host"
+    return None
+
+
+def blob_path(data_dir: Path, digest: str) -> Path:
+    """Where a platform with data dir ``data_dir`` keeps layer ``digest``'s EROFS blob."""
+    return data_dir / "images" / "blobs" / "sha256" / digest.split(":")[-1]
+
+
 class RawCrun:
+    """``with RawCrun(blob) as raw: raw.measure(n)``: seconds per `crun run`, each on an
+    overlay of its own over the one mounted layer; everything removed on exit."""
+
     def __init__(self, layer_blob: Path) -> None:
         self.layer_blob = layer_blob
+        # Its own cgroup parent: a demo and a bench may run at once.
+        self.cgroup_parent = f"/dsec-baseline-{secrets.token_hex(4)}"
         self.base = Path(tempfile.mkdtemp(prefix="dsec-rawcrun-", dir="/tmp"))
         self.lower = self.base / "lower"
         self.crun = shutil.which("crun") or "crun"
@@ -41,7 +69,7 @@ class RawCrun:
         config["process"]["terminal"] = False
         config["process"]["args"] = ["/bin/true"]
         config["root"] = {"path": str(self.base / "rootfs"), "readonly": False}
-        config["linux"]["cgroupsPath"] = "/dsec-bench/raw"
+        config["linux"]["cgroupsPath"] = f"{self.cgroup_parent}/raw"
         config["linux"]["resources"] = {"memory": {"limit": 64 * 2**20}, "pids": {"limit": 1024}}
         self.config = config
         return self
@@ -62,16 +90,17 @@ class RawCrun:
             cid,
         ]
 
-    def measure(self, n: int) -> list[float]:
+    def measure(self, n: int, warmup: int = 5) -> list[float]:
+        """``n`` timed runs (seconds) after ``warmup`` untimed ones."""
         out = []
-        for i in range(n + 5):
+        for i in range(n + warmup):
             run = self.base / f"r{i}"
             rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
             for d in (rootfs, upper, work):
                 d.mkdir(parents=True)
             cfg = dict(self.config)
             cfg["root"] = {"path": str(rootfs), "readonly": False}
-            cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"/dsec-bench/r{i}")
+            cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/r{i}")
             (run / "config.json").write_text(json.dumps(cfg))
             t = time.perf_counter()
             linux.mount(
@@ -85,7 +114,7 @@ class RawCrun:
             linux.umount(rootfs)
             elapsed = time.perf_counter() - t
             shutil.rmtree(run)
-            if i >= 5:  # the first runs warm caches
+            if i >= warmup:  # the first runs warm caches
                 out.append(elapsed)
         return out
 
@@ -97,5 +126,5 @@ class RawCrun:
     ) -> None:
         for m in reversed(linux.mounts(self.base)):
             linux.umount(m.mount_point, detach=True)
-        cgroups.detect().kill_and_remove("/dsec-bench", timeout=2)
+        cgroups.detect().kill_and_remove(self.cgroup_parent, timeout=2)
         shutil.rmtree(self.base, ignore_errors=True)

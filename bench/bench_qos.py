@@ -1,0 +1,164 @@
+"""CPU QoS classes (issue 19, item 1): a latency sandbox's command loop under 50%
+best-effort CPU load, with and without QoS, one run, interleaved.
+
+    .venv/bin/python bench/bench_qos.py [--rounds 20] [--batch 10] [--burners 2]
+
+Starts its own `dsec up` on a fresh data directory. One latency-class sandbox runs
+``run_shell("true")`` in a loop; ``--burners`` sandboxes of 0.5 core each run a busy
+loop (together about one of this host's two cores: 50% load). Three conditions, their
+batches interleaved so all see the same host load:
+
+- idle: no burner runs;
+- with QoS: the burners are ``qos="best_effort"`` (SCHED_IDLE, cpu.shares 2);
+- without QoS: the same burners as ``qos="latency"`` (what every sandbox was before);
+- tasks only: the best-effort burners with their cgroup's ``cpu.idle`` turned off by
+  this bench (SCHED_IDLE tasks and the lowest weight only), to show what the idle
+  cgroup adds (where the kernel has ``cpu.idle``).
+
+Reports p50/p99 of each and the inflation over idle (loaded p50 / idle p50 - 1).
+Writes bench/results/qos.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import platform_process  # noqa: E402
+
+from bench.stats import summary  # noqa: E402
+from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.resources import cgroups  # noqa: E402
+
+BURN = "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $! > /tmp/burn.pid"
+UNBURN = "kill $(cat /tmp/burn.pid)"
+CONDITIONS = ("idle", "with_qos", "without_qos", "tasks_only")
+
+
+def spec(qos: str, cpus: float) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(
+        container_image="busybox:latest",
+        memory_limit_mb=64,
+        cpu_cores_limit=cpus,
+        ttl_running_stop=None,
+        qos=qos,
+    )
+
+
+async def loop(sb: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await sb.run_shell("true")
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def set_cgroup_idle(edge_id: str, sid: str, on: bool) -> None:
+    """The bench's knob for the ``tasks_only`` condition (the platform sets it on)."""
+    host = cgroups.detect()
+    rel = f"dsec/{edge_id}/{sid}"
+    cpu = host.v1["cpu"] / rel if "cpu" in host.v1 else host.v2 / rel  # type: ignore[operator]
+    (cpu / "cpu.idle").write_text("1" if on else "0")
+
+
+async def run(opts: argparse.Namespace, url: str, key: str, edge_id: str) -> dict[str, Any]:
+    made: list[Any] = []
+    async with DSecClient(url, key, timeout=300) as client:
+        await client.build_image("busybox")
+        try:
+            probe = await client.run_container(spec("latency", 1.0))
+            made.append(probe)
+            burners = {
+                "with_qos": [
+                    await client.run_container(spec("best_effort", 0.5))
+                    for _ in range(opts.burners)
+                ],
+                "without_qos": [
+                    await client.run_container(spec("latency", 0.5)) for _ in range(opts.burners)
+                ],
+            }
+            made += burners["with_qos"] + burners["without_qos"]
+            conditions = CONDITIONS if cgroups.detect().has_cpu_idle else CONDITIONS[:3]
+            if "tasks_only" in conditions:
+                burners["tasks_only"] = burners["with_qos"]
+            await loop(probe, 20)  # warm the connection and the agent
+            samples: dict[str, list[float]] = {c: [] for c in conditions}
+            for r in range(opts.rounds):
+                # rotate the order so no condition always follows another
+                k = r % len(conditions)
+                for cond in conditions[k:] + conditions[:k]:
+                    load = burners.get(cond, [])
+                    for sb in burners["with_qos"]:
+                        set_cgroup_idle(edge_id, sb.id, cond != "tasks_only")
+                    for sb in load:
+                        await sb.run_shell(BURN)
+                    await asyncio.sleep(0.3)  # let the loops take their share
+                    samples[cond] += await loop(probe, opts.batch)
+                    for sb in load:
+                        await sb.run_shell(UNBURN)
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+    res: dict[str, Any] = {c: summary(s) for c, s in samples.items()}
+    idle = res["idle"]["p50_ms"]
+    for cond in samples.keys() - {"idle"}:
+        res[cond]["inflation_p50"] = res[cond]["p50_ms"] / idle - 1
+        res[cond]["inflation_p99"] = res[cond]["p99_ms"] / res["idle"]["p99_ms"] - 1
+    return res
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg", encoding="ascii") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=10)
+    ap.add_argument("--burners", type=int, default=2)
+    opts = ap.parse_args()
+    load_start = loadavg()
+    with platform_process() as plat:
+        res = asyncio.run(run(opts, plat.url, plat.api_key, plat.edge_id))
+    res["host"] = {
+        "cpus": os.cpu_count(),
+        "kernel": os.uname().release,
+        "loadavg_start": load_start,  # shared host: other work moves every figure
+        "loadavg_end": loadavg(),
+        "burners": opts.burners,
+    }
+    out = REPO / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "qos.json").write_text(json.dumps(res, indent=2))
+    print(f"\n{'run_shell(true) of a latency sandbox':40} {'n':>5} {'p50 ms':>8} {'p99 ms':>8}")
+    labels = {
+        "idle": "no load",
+        "with_qos": "50% load, best_effort burners (QoS)",
+        "without_qos": "50% load, latency burners (no QoS)",
+        "tasks_only": "50% load, best_effort, cgroup not idle",
+    }
+    for cond in (c for c in CONDITIONS if c in res):
+        s = res[cond]
+        extra = (
+            f"   inflation p50 {s['inflation_p50']:+.1%}, p99 {s['inflation_p99']:+.1%}"
+            if "inflation_p50" in s
+            else ""
+        )
+        print(f"{labels[cond]:40} {s['n']:>5} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f}{extra}")
+    print(f"host load {load_start} -> {res['host']['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = "/tmp"
+    main()

@@ -1,0 +1,61 @@
+"""A full VM's NIC: virtio-net-pci on the sandbox's tap (dsec.net.vmtap), only for a
+sandbox with network rules (a VM without rules has no NIC at all).
+
+The tap is the microVM's: the edge's NetworkManager makes one persistent tap per slot
+in the host namespace, behind the same nftables egress rules, DNS responder and
+NFLOG; the backend opens it for each QEMU launch (create, and every resume from a
+pause file) and hands QEMU the fd, so the jailed QEMU needs no network privilege.
+
+The fd's number differs per launch while the command line is saved once
+(``machine.Launch``, for resumes after an edge restart): the saved argv holds
+``TAP_FD`` where the number goes, and ``with_fd`` fills it in at spawn. The device
+set does not change between launches, which is what a restore needs.
+
+The guest's address: the platform tells a guest that carries its kernel (direct
+boot) ``dsec.ip=A.B.C.D/30 dsec.gw=G`` on its kernel command line (the gateway is also
+its DNS server: every UDP 53 goes to the responder); the project's test image
+configures eth0 from it (dsec.guest.vmimage). A guest booting from its own disk gets
+no address from the platform (no DHCP reply on the tap yet): it must be configured
+with the slot's static address by whoever built the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dsec.errors import BackendError
+from dsec.net.vmtap import PREFIXLEN
+
+TAP_FD = "@TAP_FD@"  # in a saved argv: where the launch's tap fd number goes
+NETDEV = "n0"
+
+
+def qemu_args(mac: str) -> list[str]:
+    """``-netdev``/``-device`` for q35 (PCI), the fd left as ``TAP_FD``."""
+    return [
+        "-netdev", f"tap,id={NETDEV},fd={TAP_FD}",
+        "-device", f"virtio-net-pci,netdev={NETDEV},mac={mac}",
+    ]  # fmt: skip
+
+
+def with_fd(argv: Sequence[str], tap_fd: int | None) -> list[str]:
+    """``argv`` with the tap's fd number filled in (BackendError: a VM with a NIC
+    launched without its tap, or a tap for a VM without a NIC)."""
+    wants = any(TAP_FD in a for a in argv)
+    if wants != (tap_fd is not None):
+        raise BackendError(
+            "this VM has a NIC but no tap was opened for it"
+            if wants
+            else "a tap was opened for a VM without a NIC"
+        )
+    if tap_fd is None:
+        return list(argv)
+    return [a.replace(TAP_FD, str(tap_fd)) for a in argv]
+
+
+def guest_cmdline(net: Mapping[str, Any]) -> str:
+    """The kernel parameters telling a direct-boot guest its address (the boot
+    contract of microVM guests: ``dsec.ip=`` and ``dsec.gw=``), from the network
+    record the edge attached (its slot's address, stable across resumes)."""
+    return f"dsec.ip={net['ip']}/{PREFIXLEN} dsec.gw={net['gateway']}"

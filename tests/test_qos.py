@@ -1,0 +1,143 @@
+"""CPU QoS classes on a real platform: a best-effort sandbox's processes run at
+SCHED_IDLE with the lowest CPU weight and cannot leave it; a latency one runs normally
+with a high weight. (core scheduling: reported as detected, never faked.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec.resources import cgroups, qos
+from tests.conftest import PlatformProcess, platform_process
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module")
+def plat() -> Iterator[PlatformProcess]:
+    with platform_process() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def client(plat: PlatformProcess) -> Iterator[DSecSyncClient]:
+    with DSecSyncClient(plat.url, plat.api_key) as c:
+        c.build_image("busybox")
+        yield c
+
+
+@pytest.fixture
+def sandboxes(client: DSecSyncClient) -> Iterator[list[Any]]:
+    """Every sandbox a test makes, stopped whatever the test's outcome."""
+    made: list[Any] = []
+    yield made
+    for sb in made:
+        sb.stop()
+
+
+def create(client: DSecSyncClient, made: list[Any], cls: str) -> Any:
+    args = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64, qos=cls)
+    sb = client.run_container(args, timeout=60)
+    made.append(sb)
+    return sb
+
+
+def cgroup_rel(plat: PlatformProcess, sid: str) -> str:
+    return f"/dsec/{plat.edge_id}/{sid}"
+
+
+def cpu_class(rel: str) -> str:
+    """Which class cgroup ``rel``'s CPU settings are: ``best_effort`` (idle where the
+    kernel has cpu.idle, else the lowest weight), ``latency`` (the high weight)."""
+    host = cgroups.detect()
+    rel = rel.strip("/")
+    if "cpu" in host.v1:
+        cpu = host.v1["cpu"] / rel
+        weight, high = int((cpu / "cpu.shares").read_text()), qos.CPU_SHARES["latency"]
+    else:
+        assert host.v2 is not None
+        cpu = host.v2 / rel
+        weight = int((cpu / "cpu.weight").read_text())
+        high = qos.cgroup_v2_weight(qos.CPU_SHARES["latency"])
+    idle = host.has_cpu_idle and (cpu / "cpu.idle").read_text().strip() == "1"
+    if weight == high and not idle:
+        return "latency"
+    # An idle group reports the kernel's idle weight (3 as shares) instead of ours.
+    if weight <= 3 and idle == host.has_cpu_idle:
+        return "best_effort"
+    return f"neither (weight {weight}, idle {idle})"
+
+
+def class_of(plat: PlatformProcess, sid: str) -> str:
+    return cpu_class(cgroup_rel(plat, sid))
+
+
+def host_pids(plat: PlatformProcess, sid: str) -> set[int]:
+    return cgroups.detect().pids(cgroup_rel(plat, sid))
+
+
+def test_best_effort_runs_idle_with_the_lowest_weight(
+    plat: PlatformProcess, client: DSecSyncClient, sandboxes: list[Any]
+) -> None:
+    sb = create(client, sandboxes, "best_effort")
+    assert sb.info.spec.qos == "best_effort"
+    # A command started after create (forked by the agent) inherits the policy.
+    res = sb.run_shell("sleep 30 >/dev/null 2>&1 & grep policy /proc/self/sched")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.split()[-1] == str(os.SCHED_IDLE), res.stdout
+    pids = host_pids(plat, sb.id)
+    assert len(pids) >= 2  # the agent and the background sleep
+    assert {qos.policy_of(p) for p in pids} == {os.SCHED_IDLE}
+    assert class_of(plat, sb.id) == "best_effort"
+
+
+def test_latency_runs_normally_with_a_high_weight(
+    plat: PlatformProcess, client: DSecSyncClient, sandboxes: list[Any]
+) -> None:
+    sb = create(client, sandboxes, "latency")
+    res = sb.run_shell("grep policy /proc/self/sched")
+    assert res.stdout.split()[-1] == str(os.SCHED_OTHER), res.stdout
+    assert {qos.policy_of(p) for p in host_pids(plat, sb.id)} == {os.SCHED_OTHER}
+    assert class_of(plat, sb.id) == "latency"
+    assert qos.CPU_SHARES["latency"] > 1024 > qos.CPU_SHARES["best_effort"]
+
+
+def test_a_best_effort_sandbox_cannot_leave_sched_idle(
+    plat: PlatformProcess, client: DSecSyncClient, sandboxes: list[Any]
+) -> None:
+    """Root inside has no CAP_SYS_NICE and RLIMIT_NICE 0: neither chrt nor raising the
+    nice limit nor writing its cgroup's weight gets it out."""
+    sb = create(client, sandboxes, "best_effort")
+    attempts = {
+        "chrt other": "chrt -o -p 0 $$",
+        "chrt batch": "chrt -b -p 0 $$",
+        "chrt fifo": "chrt -f -p 1 $$",
+        "renice": "renice -n -5 -p $$",
+        "nice limit": "ulimit -e 40",
+        "cgroup weight": "echo 100000 > /sys/fs/cgroup/cpu/cpu.shares"
+        if "cpu" in cgroups.detect().v1
+        else "echo 10000 > /sys/fs/cgroup/cpu.weight",
+        "cgroup idle": "echo 0 > /sys/fs/cgroup/cpu/cpu.idle"
+        if "cpu" in cgroups.detect().v1
+        else "echo 0 > /sys/fs/cgroup/cpu.idle",
+    }
+    for name, attempt in attempts.items():
+        res = sb.run_shell(f"{attempt}; rc=$?; grep policy /proc/self/sched; exit $rc")
+        assert res.exit_code != 0, f"{name}: {res.stdout} {res.stderr}"
+    res = sb.run_shell("ulimit -e; grep policy /proc/self/sched")
+    assert res.stdout.split() == ["0", "policy", ":", str(os.SCHED_IDLE)], res.stdout
+    assert {qos.policy_of(p) for p in host_pids(plat, sb.id)} == {os.SCHED_IDLE}
+    assert class_of(plat, sb.id) == "best_effort"
+
+
+def test_health_reports_core_scheduling_as_detected(client: DSecSyncClient) -> None:
+    detail = client.health().backend_details["container"]["core_scheduling"]
+    why_not = qos.core_scheduling()
+    assert detail == ("on" if why_not is None else f"off: {why_not}")
+    if not Path("/proc/sys/kernel/sched_core_enabled").exists() and why_not is None:
+        pytest.fail("core scheduling reported on a kernel that may not have it")
