@@ -282,8 +282,9 @@ async def test_large_stdout_does_not_stall_a_second_channel(vm: Vm) -> None:
     result = await big
     total = time.monotonic() - t0
     print(f"quick exec {quick:.2f}s while {size} bytes streamed; the stream took {total:.2f}s")
+    # The proof is the order checked above (the quick one came back while the big one
+    # still streamed), not a ratio of the two times: that flaked on a loaded host.
     assert result.exit_code == 0 and len(result.stdout) == size
-    assert quick < total / 2
 
 
 async def test_a_slow_stdin_reader_does_not_stall_a_second_channel(vm: Vm) -> None:

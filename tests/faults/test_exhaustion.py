@@ -198,14 +198,38 @@ def small_fs(size_mb: int) -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def settle(path: Path, timeout: float = 10.0) -> None:
+    """Wait until ``path``'s free space stops moving: the sandbox disk is a sparse image
+    on it, and btrfs punches what a sandbox deleted back into the image *asynchronously*
+    (async discard), so space freed inside a sandbox a moment ago would come back to
+    the host after ``fill`` measured it (seen under load: a data dir filled to leave
+    532 MiB had more a second later, and a create the test expected refused went on)."""
+    os.sync()
+    deadline = time.monotonic() + timeout
+    last = free_bytes(path)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = free_bytes(path)
+        if abs(now - last) < 1 << 20:
+            return
+        last = now
+
+
 def fill(path: Path, leave: int = 0) -> Path:
-    """Take every free byte of ``path``'s file system but ``leave`` (one file)."""
+    """Take every free byte of ``path``'s file system but ``leave`` (one file); called
+    again, tops the filler up to ``leave`` (it never shrinks it)."""
+    settle(path)
     filler = path / "filler"
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize - leave
     subprocess.run(["fallocate", "-l", str(max(free, 4096)), str(filler)], check=False)
     # fallocate rounds; top up with small writes until ENOSPC
-    with contextlib.suppress(OSError), open(path / "filler2", "wb") as fh:
+    with contextlib.suppress(OSError), open(path / "filler2", "ab") as fh:
         while os.statvfs(path).f_bavail * os.statvfs(path).f_frsize > leave:
             fh.write(b"\0" * 65536)
             fh.flush()
@@ -429,6 +453,8 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 try:
                     fill(mnt, leave=512 * MiB + 20 * MiB)
                     wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    fill(mnt, leave=512 * MiB + 20 * MiB)  # what came back meanwhile
+                    time.sleep(1.0)  # two of the guard's looks (every 0.5 s)
                     resp = create_raw(http)
                     assert resp.status_code == 507, resp.text
                     assert resp.json()["error"]["code"] == "insufficient_storage"
