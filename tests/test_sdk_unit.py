@@ -430,8 +430,13 @@ def test_sync_twin_has_the_same_api(async_cls: type, sync_cls: type) -> None:
     for name, member in inspect.getmembers(async_cls, inspect.isfunction):
         if not name.startswith("_") and name != "__init__":
             # Streams are async generators; ``stream`` and ``trajectory`` return handles
-            # (to iterate with async for, to send steps through) without I/O.
-            handle = inspect.isasyncgenfunction(member) or name in ("stream", "trajectory")
+            # (to iterate with async for, to send steps through) and ``vnc_url`` a page's
+            # address, all without I/O.
+            handle = inspect.isasyncgenfunction(member) or name in (
+                "stream",
+                "trajectory",
+                "vnc_url",
+            )
             assert inspect.iscoroutinefunction(member) or handle, name
 
 
