@@ -153,3 +153,41 @@ async def test_hostile_guest_frames_close_the_link(
     assert not listen.exists()
     assert "protocol violation" in caplog.text
     assert "Traceback" not in caplog.text
+
+
+def test_sockets_in_a_vmm_writable_directory_are_never_reached_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """``linux.socket_path_nofollow``: the edge connects to what a jailed QEMU creates
+    in a directory QEMU can write; a symlink planted there (to any other socket of the
+    host) or a file in the socket's place is refused, a real socket connects."""
+    import errno
+    import socket as socketmod
+
+    from dsec.linux import socket_path_nofollow
+
+    target = tmp_path / "elsewhere.sock"
+    server = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    server.bind(str(target))
+    server.listen(1)
+    try:
+        planted = tmp_path / "qmp.sock"
+        planted.symlink_to(target)
+        with pytest.raises(OSError) as link, socket_path_nofollow(planted):
+            pass  # O_PATH|O_NOFOLLOW opens the link itself: not a socket
+        assert link.value.errno == errno.ENOTSOCK
+        regular = tmp_path / "vnc.sock"
+        regular.write_bytes(b"")
+        with pytest.raises(OSError) as notsock, socket_path_nofollow(regular):
+            pass
+        assert notsock.value.errno == errno.ENOTSOCK
+        with socket_path_nofollow(target) as safe:
+            client = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+            client.connect(safe)
+        conn, _ = server.accept()
+        client.sendall(b"hi")
+        assert conn.recv(2) == b"hi"
+        conn.close()
+        client.close()
+    finally:
+        server.close()

@@ -260,7 +260,7 @@ async def test_files(vm: Vm) -> None:
 
 async def test_large_stdout_does_not_stall_a_second_channel(vm: Vm) -> None:
     agent = AgentClient(vm.channel.listen)
-    size = 8 << 20
+    size = 48 << 20  # long enough to still stream while a quick command runs, loaded too
     big = asyncio.create_task(
         agent.exec(
             ["/bin/sh", "-c", f"head -c {size} /dev/zero"],

@@ -6,10 +6,13 @@ A mount through the syscall costs ~0.4 ms; through the `mount` command ~2 ms
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +116,25 @@ def mounts(under: str | os.PathLike[str] | None = None) -> list[MountEntry]:
 def is_mounted(path: str | os.PathLike[str]) -> bool:
     target = str(Path(path).resolve())
     return any(m.mount_point == target for m in mounts(target))
+
+
+@contextlib.contextmanager
+def socket_path_nofollow(path: Path | str) -> Iterator[str]:
+    """A path to ``connect()`` to the unix socket at ``path`` that never follows a link
+    in its last component: yields ``/proc/self/fd/N`` of an ``O_PATH|O_NOFOLLOW`` fd
+    checked to be a socket (valid while the block runs).
+
+    Why: the edge (root, the host's mount namespace) connects to sockets that a jailed
+    VMM creates in a directory it can write (QMP, the guest agent, the agent channel,
+    VNC). A VMM taken over by its guest could put a symlink there, and a plain
+    ``connect(path)`` would follow it to any socket of the host (another sandbox's
+    agent, a daemon's control socket) and relay our bytes, or a viewer's, to it.
+    Raises OSError: ENOTSOCK for a link (``O_PATH|O_NOFOLLOW`` opens the link itself)
+    or anything else that is not a socket, ENOENT while it does not exist yet."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOTSOCK, "not a socket", str(path))
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)

@@ -30,6 +30,7 @@ from dsec.api.events import AuditKind
 from dsec.backends.base import Capability
 from dsec.edge.edge import Edge
 from dsec.errors import BackendError, TooManyViewers
+from dsec.linux import socket_path_nofollow
 
 MAX_VIEWERS = 4
 CHUNK = 64 << 10
@@ -73,9 +74,10 @@ class LiveViews:
         try:
             path = await self.edge.call_running(sandbox_id, backend.desktop_socket)
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(str(path), limit=CHUNK), CONNECT_TIMEOUT
-                )
+                with socket_path_nofollow(path) as safe:  # QEMU can write its directory
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_unix_connection(safe, limit=CHUNK), CONNECT_TIMEOUT
+                    )
             except (OSError, TimeoutError) as exc:
                 raise BackendError(
                     f"the live view of {sandbox_id} does not answer: {exc}"

@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dsec.errors import BackendError
+from dsec.linux import socket_path_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class GuestChannel:
         deadline = loop.time() + self.connect_timeout
         while True:
             try:
-                self._reader, self._writer = await asyncio.open_unix_connection(str(self.chardev))
+                with socket_path_nofollow(self.chardev) as safe:  # QEMU can write there
+                    self._reader, self._writer = await asyncio.open_unix_connection(safe)
                 break
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 if loop.time() > deadline:
@@ -171,6 +173,8 @@ class GuestChannel:
                         f"the VM's agent channel {self.chardev} does not accept: {exc}"
                     ) from exc
                 await asyncio.sleep(0.02)
+            except OSError as exc:  # a link or a file in the socket's place: never retried
+                raise BackendError(f"the VM's agent channel {self.chardev}: {exc}") from exc
         self._writer.write(PREAMBLE + frame(T_RESET, 0, RESET_MAGIC + self._nonce))
         self._read_task = asyncio.create_task(self._read_loop(), name="guest-channel-read")
         if self._sock is not None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import BackendError
+from dsec.linux import socket_path_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +246,11 @@ class GuestAgent:
 
     async def _open(self, deadline: float) -> None:
         try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(self.socket)),
-                max(0.01, deadline - time.monotonic()),
-            )
+            with socket_path_nofollow(self.socket) as safe:  # QEMU can write its directory
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(safe),
+                    max(0.01, deadline - time.monotonic()),
+                )
         except (OSError, TimeoutError) as exc:
             raise GuestAgentError(
                 f"cannot connect to the guest agent at {self.socket}: {exc}"

@@ -21,6 +21,7 @@ from typing import Any
 
 from qemu.qmp import ConnectError, ExecInterruptedError, ExecuteError, QMPClient, QMPError
 
+from dsec import linux
 from dsec.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class Qmp:
                 await asyncio.sleep(0.005)
                 continue
             try:
-                await asyncio.wait_for(qmp._client.connect(str(socket)), timeout)
+                with linux.socket_path_nofollow(socket) as safe:  # QEMU can write there
+                    await asyncio.wait_for(qmp._client.connect(safe), timeout)
                 return qmp
             except (ConnectError, OSError, TimeoutError) as exc:
                 with_msg = str(exc)
