@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -37,17 +36,10 @@ from dsec.guest.vmimage import busybox_vm_image
 from dsec.resources import cgroups
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
+from tests.fullvm_env import BOOT, FULLVM_MARKS
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(
-        shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None,
-        reason="QEMU is not installed (scripts/install.sh installs it)",
-    ),
-]
+pytestmark = FULLVM_MARKS
 
-BOOT = 240  # seconds a create may take under TCG on a loaded 2-core host
 IMAGE = "fvm-test:1"
 JOB = "fvm-test-job"
 PNG = b"\x89PNG\r\n\x1a\n"

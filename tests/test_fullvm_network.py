@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import secrets
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,18 +33,11 @@ from dsec.net.vmtap import is_tap
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fakenet import FakeService, fake_service
+from tests.fullvm_env import BOOT, FULLVM_MARKS
 from tests.test_network import host_service
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(
-        shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None,
-        reason="QEMU is not installed (scripts/install.sh installs it)",
-    ),
-]
+pytestmark = FULLVM_MARKS
 
-BOOT = 240
 IMAGE = "fvm-net:1"
 JOB = "fvm-net-job"
 

@@ -14,7 +14,6 @@ the socket of a viewer still attached.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import struct
 import time
@@ -34,18 +33,11 @@ from dsec.errors import DSecError
 from dsec.guest.vmimage import busybox_vm_image
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process
+from tests.fullvm_env import BOOT, FULLVM_MARKS
 from tests.rfb import Rfb
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(
-        shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None,
-        reason="QEMU is not installed (scripts/install.sh installs it)",
-    ),
-]
+pytestmark = FULLVM_MARKS
 
-BOOT = 240
 IMAGE = "fvm-vnc:1"
 SCREEN = (720, 400)  # the test image's VGA text console (SeaBIOS)
 
