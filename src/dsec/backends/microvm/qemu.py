@@ -39,7 +39,11 @@ QEMU = "qemu-system-x86_64"
 # these the guest hangs at boot (measured). Under KVM the kvm-clock replaces them.
 TCG_CMDLINE = ("tsc_early_khz=2000000", "lpj=4000000")
 TCG_TB_SIZE_MB = 64  # TCG translation cache (MiB)
-BASE_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "pci=off")
+# reboot=t: a guest reboot is a triple fault, which -no-reboot turns into a shutdown
+# event at once. The kernel's default order (ACPI, then the keyboard controller, EFI,
+# PCI port 0xcf9, then triple fault) depends on devices the microvm machine lacks or
+# emulates partially; the guest-death test saw a sysrq 'b' guest hang in that chain.
+BASE_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off")
 # -sandbox: QEMU's own seccomp filter. spawn=deny also rules out `exec:` migration,
 # which is why snapshots go through a passed fd.
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
