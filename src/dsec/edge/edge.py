@@ -57,6 +57,7 @@ from dsec.images.service import ImageService
 from dsec.images.vmdisk import VMImage
 from dsec.net.manager import NetworkManager
 from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
+from dsec.resources import cgroups
 from dsec.rl.jobs import JobControl
 from dsec.rl.pack import fork_sandbox, pack_sandbox
 from dsec.security.audit import AuditLog
@@ -131,7 +132,10 @@ class Edge:
         self.tamper = TamperWatch()
         self.detectors = DetectorGuard(self.audit)  # a detector that raises never stops a hook
         # resource-limit events (OOM, pids, disk quota, output, timeout): dsec.security.limits
-        self.limits = LimitWatcher(self.audit, self._limit_counters)
+        # Event-driven: the kernel's cgroup notifications say which sandbox to read.
+        self.limits = LimitWatcher(
+            self.audit, self._limit_counters, host=cgroups.detect(), cgroup_of=self._limit_cgroup
+        )
         self.edge_id = edge_id
         # One backend per enabled kind (dsec.backends.registry); the others, and why
         # not, for /v1/health.
@@ -224,8 +228,11 @@ class Edge:
         if self.network is not None:  # rebuilds the rules of adopted sandboxes, sweeps the rest
             await self.network.start()
         self.admission.reset(r.spec for r in self._records.values() if r.state in LIVE_STATES)
+        self.limits.start()
         for sid in report["adopted"]:  # once recovery is done: a death now fails it
             self._watch_init(self._records[sid])
+            if self._records[sid].state is SandboxState.RUNNING:
+                self.limits.watch(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
         network = self.network.supervised() if self.network is not None else []
         backends = list(self.backends.values())
@@ -233,9 +240,6 @@ class Edge:
             self.supervisor.watch(name, healthy, restart)
         for name, loop in (entry for b in backends for entry in b.loops()):
             self.supervisor.spawn(name, loop)
-        self.limits.start(
-            lambda: [r for r in self._records.values() if r.state is SandboxState.RUNNING]
-        )
         if any(report.values()):
             log.info("edge %s recovery: %s", self.edge_id, {k: len(v) for k, v in report.items()})
         return report
@@ -493,6 +497,7 @@ class Edge:
             raise
         self._set(rec, SandboxState.RUNNING)
         self.limits.track(rec.id)
+        self.limits.watch(rec)
         self.clocks.started(rec)
         self._watch_init(rec)
         return rec.info()
@@ -672,6 +677,11 @@ class Edge:
         """The limit watcher's probe: None for a sandbox no backend here runs."""
         backend = self.backends.get(rec.kind)
         return backend.limit_counters(rec) if backend is not None else None
+
+    def _limit_cgroup(self, rec: SandboxRecord) -> str | None:
+        """The cgroup whose notifications tell the limit watcher when to read ``rec``."""
+        backend = self.backends.get(rec.kind)
+        return backend.limit_cgroup(rec) if backend is not None else None
 
     # -- queries --------------------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxRecord:
