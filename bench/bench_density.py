@@ -59,6 +59,11 @@ TARGETS = {
 }
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg", encoding="ascii") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in KiB."""
     out: dict[str, int] = {}
@@ -278,6 +283,7 @@ def main() -> None:
     plat.data_dir.mkdir()
     print(f"DSEC_MAX_SANDBOXES={limit} for this run (the default, 2000, would stop it)")
     res: dict[str, Any] = {}
+    load_start = loadavg()
     try:
         plat.start()
         res = asyncio.run(run(opts, plat))
@@ -295,6 +301,9 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "kernel": os.uname().release,
         "max_sandboxes_env": limit,
+        # A shared host: other work moves every figure; the raw ratio is the steadier one.
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
         "argv": sys.argv[1:],
     }
     out = REPO / "bench" / "results"
