@@ -171,6 +171,24 @@ def test_memory_bomb_oom_killed(
         sb.stop()
 
 
+def test_background_oom_noticed_by_the_kernel_event(
+    plat: PlatformProcess, client: DSecSyncClient
+) -> None:
+    """An OOM kill of a background process (its command exited 0, so no command
+    reports it) is noticed from the kernel's notification, not a scan of every
+    sandbox (dsec.resources.cgevents): well within the old 2 s scan period."""
+    sb = client.run_container(run_args(memory_limit_mb=64), timeout=60)
+    try:
+        r = sb.run_shell("(dd if=/dev/zero of=/dev/null bs=256M count=1) >/dev/null 2>&1 &")
+        assert r.exit_code == 0, r
+        t = time.monotonic()
+        (ev,) = limit_events(plat, sb.id, "memory")
+        assert ev["value"] == 64 and ev["oom_kills"] >= 1
+        assert time.monotonic() - t < 1.5
+    finally:
+        sb.stop()
+
+
 def test_output_flood_truncated_and_timeout(
     plat: PlatformProcess, client: DSecSyncClient, neighbour: Any
 ) -> None:

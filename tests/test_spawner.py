@@ -117,3 +117,32 @@ async def test_survives_clients_that_vanish_or_send_garbage(spawner: spawn.HostS
     assert (await spawn.run(["/bin/true"])).returncode == 0
     spawner.stop()
     assert spawner.pid is None and not spawner.path.exists()
+
+
+async def test_reaping_under_many_children(spawner: spawn.HostSpawner) -> None:
+    """Many long-lived adopted children (as every sandbox's init is) and deaths that
+    arrive together (their SIGCHLDs merge): every exit status reaches its client, and
+    every orphan is reaped, without a waitpid(-1) pass per death (dsec-init.c)."""
+    assert spawner.pid is not None
+    # 300 orphans that live on (like idle sandboxes' inits), adopted by the spawner.
+    await spawn.run(["/bin/sh", "-c", "for i in $(seq 300); do (sleep 30 &); done"])
+    assert sum(1 for _pid, st in _children(spawner.pid) if st != "Z") >= 300
+    # 40 concurrent runs, each with its own status and a short-lived orphan that dies
+    # at about the same time as its parent.
+    results = await asyncio.gather(
+        *(spawn.run(["/bin/sh", "-c", f"(sleep 0.1 &); exit {i}"]) for i in range(40))
+    )
+    assert [r.returncode for r in results] == list(range(40))
+    for _ in range(50):
+        if not [pid for pid, st in _children(spawner.pid) if st == "Z"]:
+            break
+        await asyncio.sleep(0.1)
+    assert [pid for pid, st in _children(spawner.pid) if st == "Z"] == []
+    for pid, _st in _children(spawner.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if not _children(spawner.pid):
+            break
+        await asyncio.sleep(0.1)
+    assert _children(spawner.pid) == []

@@ -3011,20 +3011,59 @@ bad:
 	return 0;
 }
 
-/* Reap every exited child; the ones a client waits for get their status sent. */
-static void sp_reap(void)
+/* Reaping is O(1) per death, not O(children): every sandbox's init is our child (we  */
+/* adopt them as subreaper), and the kernel answers waitpid(-1) by walking all of our */
+/* children: measured 0.39 ms a call at 3,000 children (0.6 us at 10), and a reap     */
+/* pass makes one call per zombie plus one, so at 10,000 sandboxes every create and   */
+/* delete paid milliseconds here, serialising the spawns behind it. waitpid(pid) looks */
+/* at one child. So a SIGCHLD's own pid (signalfd's ssi_pid) and the pids clients wait */
+/* for are reaped by pid; and since SIGCHLDs that arrive while one is pending merge   */
+/* into it, a full pass (sp_reap_all) still runs, but at most every SP_SWEEP_MS after */
+/* a SIGCHLD, not on every one: a death whose signal merged is reaped within it.       */
+#define SP_SWEEP_MS 200
+
+static void sp_reaped(pid_t pid, int status)
+{
+	for (size_t i = 0; i < sp_count; i++) {
+		if (sp_clients[i].pid == pid) {
+			sp_reply(sp_clients[i].fd, SP_EXIT, status);
+			sp_drop(i);
+			return;
+		}
+	}
+}
+
+static void sp_reap_pid(pid_t pid)
+{
+	int status;
+	if (pid > 0 && waitpid(pid, &status, WNOHANG) == pid)
+		sp_reaped(pid, status);
+}
+
+/* The SIGCHLD's child and the children clients wait for (a handful in flight). */
+static void sp_reap_known(pid_t hint)
+{
+	sp_reap_pid(hint);
+	/* From the back: sp_drop() moves the last client into the freed slot. */
+	for (size_t i = sp_count; i-- > 0;)
+		if (i < sp_count && sp_clients[i].pid > 0)
+			sp_reap_pid(sp_clients[i].pid);
+}
+
+/* Reap every exited child (the sweep for merged SIGCHLDs). */
+static void sp_reap_all(void)
 {
 	int status;
 	pid_t pid;
-	while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-		for (size_t i = 0; i < sp_count; i++) {
-			if (sp_clients[i].pid == pid) {
-				sp_reply(sp_clients[i].fd, SP_EXIT, status);
-				sp_drop(i);
-				break;
-			}
-		}
-	}
+	while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+		sp_reaped(pid, status);
+}
+
+static long long sp_now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 static int spawner_main(int argc, char **argv)
@@ -3066,6 +3105,7 @@ static int spawner_main(int argc, char **argv)
 		return 1;
 	struct pollfd *pfd = NULL;
 	size_t pcap = 0;
+	long long sweep_at = -1; /* when the next full reap pass is due (-1: none) */
 	for (;;) {
 		if (pcap < sp_count + 2) {
 			pcap = (sp_count + 2) * 2;
@@ -3078,17 +3118,30 @@ static int spawner_main(int argc, char **argv)
 		size_t polled = sp_count;
 		for (size_t i = 0; i < polled; i++)
 			pfd[i + 2] = (struct pollfd){.fd = sp_clients[i].fd, .events = POLLIN};
-		if (poll(pfd, polled + 2, -1) < 0) {
+		int wait_ms = -1;
+		if (sweep_at >= 0) {
+			long long left = sweep_at - sp_now_ms();
+			wait_ms = left > 0 ? (int)left : 0;
+		}
+		int ready = poll(pfd, polled + 2, wait_ms);
+		if (ready < 0) {
 			if (errno == EINTR)
 				continue;
 			return 1;
 		}
 		if (pfd[1].revents) {
 			struct signalfd_siginfo si;
-			while (read(sfd, &si, sizeof si) > 0)
-				;
-			sp_reap();
+			while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
+				sp_reap_known((pid_t)si.ssi_pid);
+			if (sweep_at < 0)
+				sweep_at = sp_now_ms() + SP_SWEEP_MS;
 		}
+		if (sweep_at >= 0 && sp_now_ms() >= sweep_at) {
+			sp_reap_all();
+			sweep_at = -1;
+		}
+		if (ready == 0)
+			continue;
 		/* Clients from the back: sp_drop() moves the last one into a freed slot. */
 		for (size_t i = polled; i-- > 0;) {
 			if (!pfd[i + 2].revents || i >= sp_count || sp_clients[i].fd != pfd[i + 2].fd)

@@ -325,6 +325,11 @@ class Backend(ABC):
         or None when this backend has none to offer."""
         return None
 
+    def limit_cgroup(self, rec: SandboxRecord) -> str | None:
+        """The cgroup (relative to the hierarchies' roots) whose kernel notifications
+        say when :meth:`limit_counters` moved, or None when this backend has none."""
+        return None
+
     async def verify(self, rec: SandboxRecord, req: VerifyRequest) -> VerifyResult:
         """Run a grader where the spec's protected paths and snapshots of the graded
         paths are visible, from the pristine image (a verifier step). Bad input is

@@ -11,14 +11,20 @@ from "the agent fork-bombed". Signals, all counters the kernel keeps anyway:
 * output: a command's output was truncated at ``max_output_bytes``; timeout: it was
   killed at its ``timeout``.
 
-Cheap by construction: a normal command (exit 0, not truncated, not timed out) costs a
-dict lookup; counters are read after a command that ended abnormally, when a sandbox
-stops, and by a periodic scan (in a thread) for what background processes do. An event
+Cheap by construction, and flat in the number of sandboxes: a normal command (exit 0,
+not truncated, not timed out) costs a dict lookup; counters are read after a command
+that ended abnormally, when a sandbox stops, and when the kernel says a sandbox's OOM or
+refused-fork counter moved (dsec.resources.cgevents: inotify on ``pids.events`` and v2
+``memory.events``, shared eventfds for v1 OOM notifications), which is how what
+background processes do is noticed. No scan reads every sandbox every few seconds any
+more (at 10,000 sandboxes that was 20,000 file reads every 2 s): a bounded sweep reads
+at most ``per_tick`` sandboxes per ``interval``, round robin, the safety net for the
+disk quota (btrfs does not notify) and for a sandbox that could not be watched. An event
 is raised only when a counter *increased* since it was last seen (disk: when usage
 reaches the limit after having been below it), so a sandbox that keeps hitting a limit
 raises one event per new hit, not one per scan.
 
-Never in the way: every entry point (``after_exec``, ``check``, the periodic scan, per
+Never in the way: every entry point (``after_exec``, ``check``, an event, the sweep, per
 sandbox) runs under a ``DetectorGuard``, so a failure is a ``detector_error`` event and
 the command's audit record, its process-end record and the other sandboxes' checks
 still happen.
@@ -30,12 +36,14 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.api.events import EventKind, Severity
 from dsec.exhaustion import classify
+from dsec.resources.cgevents import CgroupEvents
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.resources.disk import DiskUsage
 from dsec.security.audit import AuditSink
@@ -44,6 +52,9 @@ from dsec.security.guard import DetectorGuard
 log = logging.getLogger(__name__)
 
 DEFAULT_SCAN_INTERVAL = 2.0
+SWEEP_PER_TICK = 32  # sandboxes the safety-net sweep reads per interval, whatever N is
+# After a kernel notification: v1 signals an OOM before its kill counts, so look again.
+RECHECK_AFTER = (0.05, 0.5)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,9 @@ class LimitWatcher:
 
     ``probe(rec)`` reads a sandbox's counters (the backend knows where they are);
     ``rec`` is anything with ``.id`` and ``.spec`` (a ``SandboxRecord``).
+    ``cgroup_of(rec)`` names the cgroup whose notifications say when to probe (None:
+    the sandbox has none, it is read after abnormal commands, at its end and by the
+    sweep); ``host`` is the cgroup layout (None: no notifications at all).
     """
 
     def __init__(
@@ -108,11 +122,20 @@ class LimitWatcher:
         probe: Probe,
         *,
         interval: float = DEFAULT_SCAN_INTERVAL,
+        per_tick: int = SWEEP_PER_TICK,
+        host: CgroupHost | None = None,
+        cgroup_of: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.audit = audit
         self.probe = probe
         self.interval = interval
+        self.per_tick = per_tick
+        self.cgroup_of = cgroup_of
         self._seen: dict[str, _Seen] = {}
+        # Watched sandboxes, in sweep order: the sweep takes from the front, puts back.
+        self._ring: OrderedDict[str, Any] = OrderedDict()
+        self._rechecks: dict[str, list[asyncio.TimerHandle]] = {}
+        self.events = CgroupEvents(host, self._kernel_event) if host is not None else None
         self._task: asyncio.Task[None] | None = None
         self.guard = DetectorGuard(audit)
 
@@ -122,9 +145,48 @@ class LimitWatcher:
         before the first scan is still reported."""
         self._seen[sandbox_id] = _Seen()
 
+    def watch(self, rec: Any) -> None:
+        """Notice ``rec``'s limit hits from now on (created, or adopted after a restart):
+        its cgroup's notifications, and a place in the sweep."""
+        self._ring[rec.id] = rec
+        rel = self.cgroup_of(rec) if self.cgroup_of is not None else None
+        if self.events is not None and rel is not None:
+            self.events.watch(rec.id, rel)
+
+    @property
+    def watched(self) -> int:
+        return len(self._ring)
+
     def forget(self, sandbox_id: str) -> None:
         self._seen.pop(sandbox_id, None)
+        self._ring.pop(sandbox_id, None)
+        for handle in self._rechecks.pop(sandbox_id, []):
+            handle.cancel()
+        if self.events is not None:
+            self.events.unwatch(sandbox_id)
         self.guard.forget(sandbox_id)
+
+    def _kernel_event(self, sandbox_id: str) -> None:
+        """The kernel says a counter of ``sandbox_id`` may have moved: read it now and
+        again shortly (v1 notifies an OOM before the kill is counted)."""
+        rec = self._ring.get(sandbox_id)
+        if rec is None:
+            return
+        self.check(rec)
+        if self._rechecks.get(sandbox_id):
+            return  # looks are already planned: they will see this one too
+        loop = asyncio.get_running_loop()
+        self._rechecks[sandbox_id] = [
+            loop.call_later(delay, self._recheck, sandbox_id, i == len(RECHECK_AFTER) - 1)
+            for i, delay in enumerate(RECHECK_AFTER)
+        ]
+
+    def _recheck(self, sandbox_id: str, last: bool) -> None:
+        if last:
+            self._rechecks.pop(sandbox_id, None)
+        rec = self._ring.get(sandbox_id)
+        if rec is not None:
+            self.check(rec)
 
     # -- hooks -----------------------------------------------------------------------------
     def after_exec(
@@ -245,12 +307,15 @@ class LimitWatcher:
             **detail,
         )
 
-    # -- periodic scan ---------------------------------------------------------------------
-    def start(self, running: Callable[[], Iterable[Any]]) -> None:
-        """Scan ``running()`` sandboxes every ``interval`` seconds (in a worker thread:
-        a thousand sandboxes are a few thousand small file reads)."""
-        if self._task is None and self.interval > 0:
-            self._task = asyncio.create_task(self._loop(running), name="dsec-limit-scan")
+    # -- notifications and the bounded sweep ---------------------------------------------
+    def start(self) -> None:
+        """Listen for the kernel's notifications and run the sweep: every ``interval``,
+        the next ``per_tick`` watched sandboxes are read (in a worker thread), so its cost
+        does not grow with the number of sandboxes."""
+        if self.events is not None:
+            self.events.start()
+        if self._task is None and self.interval > 0 and self.per_tick > 0:
+            self._task = asyncio.create_task(self._loop(), name="dsec-limit-sweep")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -258,20 +323,35 @@ class LimitWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for handles in self._rechecks.values():
+            for handle in handles:
+                handle.cancel()
+        self._rechecks.clear()
+        if self.events is not None:
+            self.events.close()
 
-    async def _loop(self, running: Callable[[], Iterable[Any]]) -> None:
+    def next_batch(self) -> list[Any]:
+        """The next ``per_tick`` sandboxes of the sweep, moved to the back (O(per_tick))."""
+        batch = []
+        for _ in range(min(self.per_tick, len(self._ring))):
+            sid, rec = self._ring.popitem(last=False)
+            self._ring[sid] = rec
+            batch.append(rec)
+        return batch
+
+    async def _loop(self) -> None:
         failing = False
         while True:
             await asyncio.sleep(self.interval)
             try:
-                await asyncio.to_thread(self.scan, list(running()))
+                await asyncio.to_thread(self.scan, self.next_batch())
             except Exception as exc:
                 # Once per streak (every interval otherwise); exhaustion without traceback.
                 if not failing:
                     if classify(exc) is not None:
-                        log.warning("resource-limit scan failed: %s", exc)
+                        log.warning("resource-limit sweep failed: %s", exc)
                     else:
-                        log.exception("resource-limit scan failed")
+                        log.exception("resource-limit sweep failed")
                 failing = True
             else:
                 failing = False

@@ -692,6 +692,9 @@ class ContainerBackend(AgentDataPath, Backend):
                 host_disk_mb=self.disk.capacity // MiB,
             )
 
+    def limit_cgroup(self, rec: SandboxRecord) -> str | None:
+        return self.cgroup_of(rec.id)
+
     def limit_counters(self, rec: SandboxRecord) -> LimitReading:
         oom, pids = read_cgroup_counters(self.cgroups, self.cgroup_of(rec.id))
         qgroup = self.facts(rec).disk_qgroup

@@ -931,6 +931,9 @@ class MicroVMBackend(AgentDataPath, Backend):
             await machine.kill()  # the edge's init watch fails the sandbox
 
     # -- data path ----------------------------------------------------------------------
+    def limit_cgroup(self, rec: SandboxRecord) -> str | None:
+        return self.cgroup_of(rec.id)
+
     def limit_counters(self, rec: SandboxRecord) -> LimitReading:
         oom, pids = read_cgroup_counters(self.cgroups, self.cgroup_of(rec.id))
         return LimitReading(oom_kills=oom, pids_refused=pids, disk=None)

@@ -1,0 +1,322 @@
+"""Density (issue 19): idle busybox sandboxes until ``--max`` or the first failure, with
+the host's raw ``crun run --detach`` of the same layer measured alongside at every step.
+
+    .venv/bin/python bench/bench_density.py [--max 10000] [--step 1000] [--burst 32]
+        [--raw 20] [--execs 300] [--qos] [--pause]
+
+Starts its own `dsec up` on a fresh data directory with default settings except
+``DSEC_MAX_SANDBOXES``, which is raised to what the run asks for (the constant would stop
+it at 2,000; the bench says so in its output). Every sandbox is busybox with a 64 MiB
+limit and no idle TTL. Per step (every ``--step`` sandboxes):
+
+- host memory per sandbox: the drop of ``MemAvailable`` since before the first sandbox,
+  divided by the count, and its kernel part (``Slab + KernelStack + PageTables`` growth);
+- sequential create p50/p99 of the creates of that step (each create is timed; they are
+  the step's sandboxes), and the ratio to raw crun measured right then;
+- the burst rate: ``--burst`` creates at once (they stay, counted in N);
+- raw ``crun run --detach`` of the same EROFS layer with an own overlay, ``--raw`` times
+  (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same).
+
+At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox, all sandboxes stopped
+(timed), the platform stopped and the host checked for leaks (mounts, cgroups,
+processes, runtime state, loop devices, netns/veths/nft, spawners). ``--qos`` adds the
+QoS run of bench/bench_qos.py on the same platform once the sandboxes are gone; the pause
+run (100 x 256 MiB paused and resumed) is bench/bench_pause.py, run by ``--pause`` when
+that module is present. Writes bench/results/density.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
+
+from bench.stats import summary  # noqa: E402
+from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.crun_baseline import RawCrun, blob_path, unavailable  # noqa: E402
+
+KERNEL_KEYS = ("Slab", "KernelStack", "PageTables")
+TARGETS = {
+    "host_mib_per_sandbox": 1.0,
+    "create_growth_1k_to_10k": 1.3,
+    "create_over_raw_p50": 1.25,
+    "exec_p50_ms": 1.4,
+    "qos_inflation_p50": 0.20,
+}
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg", encoding="ascii") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in KiB."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            name, _, rest = line.partition(":")
+            out[name] = int(rest.split()[0])
+    return out
+
+
+def spec() -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(
+        container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
+    )
+
+
+def memory_row(base: dict[str, int], count: int) -> dict[str, float]:
+    now = meminfo()
+    avail = (base["MemAvailable"] - now["MemAvailable"]) / 1024
+    kernel = sum(now[k] - base[k] for k in KERNEL_KEYS) / 1024
+    return {
+        "mem_available_drop_mib": round(avail, 1),
+        "host_mib_per_sandbox": round(avail / count, 3),
+        "kernel_mib_per_sandbox": round(kernel / count, 3),
+    }
+
+
+class Density:
+    """One run's state: the sandboxes made so far and what each step measured."""
+
+    def __init__(self, opts: argparse.Namespace, client: DSecClient, raw: RawCrun | None):
+        self.opts = opts
+        self.client = client
+        self.raw = raw
+        self.made: list[Any] = []
+        self.steps: list[dict[str, Any]] = []
+        self.failure: str | None = None
+
+    async def create(self) -> float:
+        t = time.perf_counter()
+        self.made.append(await self.client.run_container(spec()))
+        return time.perf_counter() - t
+
+    async def burst(self) -> dict[str, float]:
+        n = min(self.opts.burst, self.opts.max - len(self.made))
+        if n <= 0:
+            return {}
+        t = time.perf_counter()
+        got = await asyncio.gather(
+            *(self.client.run_container(spec()) for _ in range(n)), return_exceptions=True
+        )
+        elapsed = time.perf_counter() - t
+        ok = [g for g in got if not isinstance(g, BaseException)]
+        self.made += ok
+        bad = [g for g in got if isinstance(g, BaseException)]
+        if bad:
+            self.failure = f"burst: {type(bad[0]).__name__}: {bad[0]}"
+        return {"burst_n": len(ok), "burst_s": round(elapsed, 3), "burst_per_s": len(ok) / elapsed}
+
+    async def raw_figure(self) -> dict[str, float]:
+        if self.raw is None or self.opts.raw <= 0:
+            return {}
+        raw = self.raw
+        samples = await asyncio.to_thread(raw.measure_detached, self.opts.raw, 2)
+        s = summary(samples)
+        return {"raw_p50_ms": s["p50_ms"], "raw_p99_ms": s["p99_ms"]}
+
+    async def run(self, base: dict[str, int]) -> None:
+        target = self.opts.step
+        while len(self.made) < self.opts.max and self.failure is None:
+            times: list[float] = []
+            while len(self.made) < min(target, self.opts.max) - self.opts.burst:
+                try:
+                    times.append(await self.create())
+                except Exception as exc:  # the first failure ends the run: say which
+                    self.failure = f"create #{len(self.made) + 1}: {type(exc).__name__}: {exc}"
+                    break
+            row: dict[str, Any] = {}
+            if self.failure is None:
+                row.update(await self.burst())
+            row["count"] = len(self.made)
+            row.update(memory_row(base, max(1, len(self.made))))
+            if times:
+                s = summary(times)
+                row.update(create_p50_ms=s["p50_ms"], create_p99_ms=s["p99_ms"], creates=len(times))
+            row.update(await self.raw_figure())
+            if "raw_p50_ms" in row and "create_p50_ms" in row:
+                row["create_over_raw_p50"] = round(row["create_p50_ms"] / row["raw_p50_ms"], 2)
+            self.steps.append(row)
+            print(json.dumps(row), flush=True)
+            target += self.opts.step
+
+    async def execs(self) -> dict[str, float]:
+        if not self.made:
+            return {}
+        sb = self.made[0]
+        for _ in range(20):
+            await sb.run_shell("true")
+        out = []
+        for _ in range(self.opts.execs):
+            t = time.perf_counter()
+            await sb.run_shell("true")
+            out.append(time.perf_counter() - t)
+        s = summary(out)
+        return {"exec_p50_ms": s["p50_ms"], "exec_p99_ms": s["p99_ms"], "n": s["n"]}
+
+    async def remove_all(self) -> dict[str, float]:
+        gate = asyncio.Semaphore(16)
+
+        async def stop(sb: Any) -> None:
+            async with gate:
+                await sb.stop()
+
+        t = time.perf_counter()
+        got = await asyncio.gather(*(stop(sb) for sb in self.made), return_exceptions=True)
+        failed = sum(isinstance(g, BaseException) for g in got)
+        return {
+            "removed": len(self.made) - failed,
+            "failed": failed,
+            "seconds": round(time.perf_counter() - t, 2),
+        }
+
+
+async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    async with DSecClient(plat.url, plat.api_key, timeout=600) as client:
+        await client.build_image("busybox")
+        layers = (await client.get_image("busybox:latest")).layers
+        blob = blob_path(plat.data_dir, layers[0]) if len(layers) == 1 else None
+        why = "busybox has more than one layer" if blob is None else unavailable(blob)
+        for _ in range(3):  # warm the platform's path before the baseline is taken
+            await (await client.run_container(spec())).stop()
+        await asyncio.sleep(1.0)
+        base = meminfo()
+        with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
+            dens = Density(opts, client, raw)
+            try:
+                await dens.run(base)
+                res["exec"] = await dens.execs()
+            finally:
+                res["remove"] = await dens.remove_all()
+        res["steps"] = dens.steps
+        res["failure"] = dens.failure
+        res["raw_note"] = why
+        if opts.qos:
+            qos = importlib.import_module("bench.bench_qos")
+            qopts = argparse.Namespace(rounds=opts.qos_rounds, batch=10, burners=2)
+            res["qos"] = await qos.run(qopts, plat.url, plat.api_key, plat.edge_id)
+    return res
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def pause_run(opts: argparse.Namespace) -> dict[str, Any]:
+    """The pause run lives in bench/bench_pause.py (issue 19 items 2-3)."""
+    try:
+        mod = importlib.import_module("bench.bench_pause")
+    except ImportError:
+        return {"note": "bench/bench_pause.py is not on this branch (branch densitymem)"}
+    main = getattr(mod, "main", None)
+    if main is None:
+        return {"note": "bench/bench_pause.py has no main()"}
+    saved = sys.argv
+    sys.argv = ["bench_pause.py"]
+    try:
+        main()
+    finally:
+        sys.argv = saved
+    return {"note": "see bench/results of bench_pause.py"}
+
+
+def verdicts(res: dict[str, Any]) -> dict[str, Any]:
+    steps = [s for s in res["steps"] if "create_p50_ms" in s]
+    out: dict[str, Any] = {}
+    if steps:
+        last = steps[-1]
+        out["host_mib_per_sandbox"] = last["host_mib_per_sandbox"]
+        out["count"] = last["count"]
+        out["create_growth_first_to_last_step"] = round(
+            last["create_p50_ms"] / steps[0]["create_p50_ms"], 2
+        )
+        ratios = [s["create_over_raw_p50"] for s in steps if "create_over_raw_p50" in s]
+        if ratios:
+            out["create_over_raw_p50"] = sorted(ratios)[len(ratios) // 2]
+    if res.get("exec"):
+        out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
+    if "qos" in res:
+        out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--max", type=int, default=10000)
+    ap.add_argument("--step", type=int, default=1000)
+    ap.add_argument("--burst", type=int, default=32)
+    ap.add_argument("--raw", type=int, default=20)
+    ap.add_argument("--execs", type=int, default=300)
+    ap.add_argument("--qos", action="store_true", help="also the QoS run (bench_qos)")
+    ap.add_argument("--qos-rounds", type=int, default=10)
+    ap.add_argument("--pause", action="store_true", help="also bench/bench_pause.py")
+    opts = ap.parse_args()
+    limit = max(opts.max + opts.burst + 16, 2000)
+    base_dir = Path(tempfile.mkdtemp(prefix="dsec-density-", dir="/tmp"))
+    edge_id = "b" + secrets.token_hex(4)
+    plat = PlatformProcess(
+        data_dir=base_dir / "d",
+        edge_id=edge_id,
+        extra_env={"DSEC_MAX_SANDBOXES": str(limit)},
+    )
+    plat.data_dir.mkdir()
+    print(f"DSEC_MAX_SANDBOXES={limit} for this run (the default, 2000, would stop it)")
+    res: dict[str, Any] = {}
+    load_start = loadavg()
+    try:
+        plat.start()
+        res = asyncio.run(run(opts, plat))
+    finally:
+        plat.stop()
+        leaks = host_leaks(plat.data_dir, edge_id)
+        clean_leftovers(plat.data_dir, edge_id)
+        shutil.rmtree(base_dir, ignore_errors=True)
+    res["leaks"] = leaks
+    if opts.pause:
+        res["pause"] = pause_run(opts)
+    res["verdicts"] = verdicts(res)
+    res["targets"] = TARGETS
+    res["host"] = {
+        "cpus": os.cpu_count(),
+        "kernel": os.uname().release,
+        "max_sandboxes_env": limit,
+        # A shared host: other work moves every figure; the raw ratio is the steadier one.
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+        "argv": sys.argv[1:],
+    }
+    out = REPO / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "density.json").write_text(json.dumps(res, indent=2))
+    print(
+        json.dumps(
+            {k: res[k] for k in ("verdicts", "exec", "remove", "failure", "leaks") if k in res},
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = "/tmp"
+    main()
