@@ -147,6 +147,8 @@ class Images:
         await self._reload()
         self.indexes.update(await self.layer_registry.indexes())
         if self.lazy is not None:
+            if self.remote is not None:
+                self.lazy.authorization = await self.remote.lazy_authorization()
             # Before adopting mounts: lazy layers are adopted only if their daemon is.
             await asyncio.to_thread(self.lazy.start)
         await asyncio.to_thread(self.mounts.adopt_existing)
