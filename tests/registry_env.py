@@ -6,12 +6,12 @@ and an htpasswd (bcrypt) user, so requests go through its own basic-auth setup.
 from __future__ import annotations
 
 import contextlib
-import crypt
 import secrets
 import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,10 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import free_port
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import crypt  # bcrypt for htpasswd; Python 3.11's stdlib has it (no new dependency)
 
 REGISTRY = "/usr/bin/docker-registry"
 
