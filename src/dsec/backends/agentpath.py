@@ -60,7 +60,7 @@ class AgentDataPath:
         res = await self.agent(rec).exec(
             argv,
             env=self.command_env(rec, req.env),
-            cwd=req.workdir or rec.spec.workdir,
+            cwd=req.workdir or rec.default_workdir,
             user=req.user or rec.spec.init_user,
             timeout=req.timeout,
             max_output=req.max_output_bytes,

@@ -109,6 +109,17 @@ class SandboxRecord:
     last_activity: float = field(default_factory=time.monotonic)
 
     @property
+    def default_workdir(self) -> str:
+        """Where commands run unless they say: the spec's workdir, or the image's
+        WORKDIR (a Dockerfile build's) when the spec leaves the default ``/``."""
+        if self.spec.workdir != "/":
+            return self.spec.workdir
+        image_dir = self.image.config.get("workdir")
+        if isinstance(image_dir, str) and image_dir.startswith("/") and "\x00" not in image_dir:
+            return image_dir
+        return "/"
+
+    @property
     def kind(self) -> BackendKind:
         """Which backend runs the sandbox (the spec's ``backend``)."""
         return BackendKind(self.spec.backend)
