@@ -123,10 +123,8 @@ async def resolve_base(client: DSecClient, ref: str) -> ImageInfo:
 def _parse(text: str) -> list[dict[str, Any]]:
     try:
         from dockerfile_parse import DockerfileParser
-    except ImportError:  # pragma: no cover - a dependency of dsec[server]
-        raise Unsupported(
-            "Dockerfile builds need dockerfile-parse (pip install dsec[server])"
-        ) from None
+    except ImportError:  # pragma: no cover - a dependency of dsec
+        raise Unsupported("Dockerfile builds need dockerfile-parse (pip install dsec)") from None
     parser = DockerfileParser(fileobj=io.BytesIO(text.encode()), env_replace=False)
     return list(parser.structure)
 
