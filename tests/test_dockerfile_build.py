@@ -37,6 +37,7 @@ RUN pwd > /srv/app/where.txt && rm /srv/app/remove-me.txt
 LABEL org.example.kind=test
 EXPOSE 8080
 CMD ["/usr/local/bin/run.sh"]
+USER 1000:1000
 """
 
 
@@ -62,6 +63,7 @@ async def test_dockerfile_build_cache_and_sandbox(
     assert len(first.image.layers) == len(base.layers) + 5
     cfg = first.image.config
     assert cfg["workdir"] == "/srv/app/sub" and cfg["cmd"] == ["/usr/local/bin/run.sh"]
+    assert cfg["user"] == "1000:1000"
     assert cfg["labels"] == {"org.example.kind": "test"} and cfg["exposed_ports"] == ["8080"]
 
     args = DSecContainerRunArgs(container_image="dfbuild:1", ttl_running_stop=120)
@@ -69,7 +71,7 @@ async def test_dockerfile_build_cache_and_sandbox(
         r = await sb.run_shell(
             'pwd; echo "$MODE $APP_HOME"; cat /srv/app/greeting.txt /srv/app/where.txt; '
             "cat /srv/app/main.txt /srv/app/lib/util.txt; ls /srv/app/remove-me.txt; "
-            "/usr/local/bin/run.sh"
+            "/usr/local/bin/run.sh; id -u"
         )
         assert r.stdout.splitlines() == [
             "/srv/app/sub",
@@ -79,6 +81,7 @@ async def test_dockerfile_build_cache_and_sandbox(
             "main",
             "util",
             "running",
+            "1000",
         ], r.stderr
         assert "remove-me.txt" in (await sb.read_text("/srv/app/listing.txt"))
 

@@ -61,7 +61,7 @@ class AgentDataPath:
             argv,
             env=self.command_env(rec, req.env),
             cwd=req.workdir or rec.default_workdir,
-            user=req.user or rec.spec.init_user,
+            user=req.user or rec.default_user,
             timeout=req.timeout,
             max_output=req.max_output_bytes,
             stdin=req.stdin.encode() if req.stdin is not None else None,

@@ -120,6 +120,18 @@ class SandboxRecord:
         return "/"
 
     @property
+    def default_user(self) -> str:
+        """Who commands run as unless they say: the spec's init_user, or the image's
+        USER (a Dockerfile build's) when the spec leaves the default ``root``. File
+        operations stay with init_user."""
+        if self.spec.init_user != "root":
+            return self.spec.init_user
+        image_user = self.image.config.get("user")
+        if isinstance(image_user, str) and image_user and "\x00" not in image_user:
+            return image_user
+        return "root"
+
+    @property
     def kind(self) -> BackendKind:
         """Which backend runs the sandbox (the spec's ``backend``)."""
         return BackendKind(self.spec.backend)

@@ -181,7 +181,7 @@ class DataPlane:
         sess = _Session(
             id="s" + secrets.token_hex(8),
             sandbox_id=sandbox_id,
-            user=args.user or rec.spec.init_user,
+            user=args.user or rec.default_user,
             workdir=args.workdir or rec.default_workdir,
             created_at=datetime.now(UTC),
         )
@@ -288,7 +288,7 @@ class DataPlane:
             argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
             env = backend.command_env(rec, args.env)
             cwd = args.workdir or rec.default_workdir
-            user = args.user or rec.spec.init_user
+            user = args.user or rec.default_user
         locked = session is not None and not background
         process_id = new_process_id()
         keep = None
