@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -118,13 +119,25 @@ class OCIStore:
 
     # -- HTTP with the registry's authentication --
 
-    async def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | Callable[[], AsyncIterator[bytes]] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One request, answering a 401 challenge once (a token may also expire in the
+        middle of a push). A streamed ``body`` is a factory, so it can be sent again."""
         headers: dict[str, str] = dict(kwargs.pop("headers", None) or {})
         for attempt in range(2):
             if self._auth:
                 headers["Authorization"] = self._auth
+            content = body() if callable(body) else body
             try:
-                resp = await self._http.request(method, url, headers=headers, **kwargs)
+                resp = await self._http.request(
+                    method, url, headers=headers, content=content, **kwargs
+                )
             except httpx.HTTPError as exc:
                 raise PlatformUnavailable(
                     f"registry {self.base} unreachable: {exc or type(exc).__name__}"
@@ -134,8 +147,6 @@ class OCIStore:
             challenge = resp.headers.get("www-authenticate", "")
             await resp.aclose()
             self._auth = await self._answer(challenge)
-            if "content" in kwargs and not isinstance(kwargs["content"], bytes | str):
-                return resp  # a streamed body cannot be sent twice: caller retries
         return resp
 
     async def _answer(self, challenge: str) -> str:
@@ -259,7 +270,7 @@ class OCIStore:
         if await self.blob_size(digest) is not None:
             return False
 
-        async def body() -> Any:
+        async def body() -> AsyncIterator[bytes]:
             fh = await asyncio.to_thread(open, src, "rb")
             try:
                 while data := await asyncio.to_thread(fh.read, PIECE):
@@ -267,10 +278,12 @@ class OCIStore:
             finally:
                 fh.close()
 
-        await self._put_blob(digest, body(), os.stat(src).st_size)
+        await self._put_blob(digest, body, os.stat(src).st_size)
         return True
 
-    async def _put_blob(self, digest: str, content: Any, size: int) -> None:
+    async def _put_blob(
+        self, digest: str, content: bytes | Callable[[], AsyncIterator[bytes]], size: int
+    ) -> None:
         resp = await self._request("POST", f"{self.url}/blobs/uploads/")
         if resp.status_code != 202 or "location" not in resp.headers:
             raise self._fail(resp, "start a blob upload")
@@ -279,7 +292,7 @@ class OCIStore:
         resp = await self._request(
             "PUT",
             str(upload),
-            content=content,
+            body=content,
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
             timeout=httpx.Timeout(None, connect=5.0),
         )
@@ -313,7 +326,7 @@ class OCIStore:
         resp = await self._request(
             "PUT",
             f"{self.url}/manifests/{tag}",
-            content=json.dumps(doc, sort_keys=True).encode(),
+            body=json.dumps(doc, sort_keys=True).encode(),
             headers={"Content-Type": MANIFEST},
         )
         if resp.status_code != 201:
