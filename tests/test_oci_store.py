@@ -23,7 +23,7 @@ from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from tests.conftest import PlatformProcess, platform_process
-from tests.registry_env import Registry, registry, registry_available
+from tests.registry_env import Registry, registry, registry_available, token_registry
 
 pytestmark = [
     pytest.mark.root,
@@ -104,6 +104,45 @@ async def test_registry_store_round_trip(reg: Registry, tmp_path: Path) -> None:
             await wrong.blob_size(info.digest)
     finally:
         await wrong.close()
+
+
+async def test_registry_with_a_token_service(tmp_path: Path) -> None:
+    """Bearer tokens, as Docker Hub and most private registries do: the registry's
+    challenge sends the store to the token service, with the basic credentials there;
+    the token it gets is what dsec-lazyfs would send for its range reads."""
+    with token_registry() as (reg, tokens):
+        tree = tmp_path / "t"
+        (tree / "d").mkdir(parents=True)
+        (tree / "d" / "f").write_bytes(os.urandom(300_000))
+        staging = DirStore(tmp_path / "staging")
+        info = publish_tree(staging, tree, "tok", "1")
+        store = OCIStore(reg.store_url(REPO), reg.credentials)
+        try:
+            assert await store.push_blob(info.digest, staging.blob_path(info.digest))
+            index = staging.get_index(info.digest)
+            assert index is not None
+            await store.push_index(info.digest, index)
+            await store.put_ref(info)
+            got = await store.get_ref("tok", "1")
+            assert got is not None and got.digest == info.digest
+            assert await store.fetch_blob(info.digest, tmp_path / "copy") == info.size_bytes
+            auth = await store.lazy_authorization()
+            assert auth is not None and auth.startswith("Bearer ")
+            async with httpx.AsyncClient() as http:
+                r = await http.get(
+                    f"{store.url}/blobs/{info.digest}",
+                    headers={"Range": "bytes=0-4095", "Authorization": auth},
+                )
+            assert r.status_code == 206 and len(r.content) == 4096
+            assert tokens.issued >= 1
+        finally:
+            await store.close()
+        anonymous = OCIStore(reg.store_url(REPO), None)
+        try:
+            with pytest.raises(PlatformUnavailable, match="token service"):
+                await anonymous.blob_size(info.digest)
+        finally:
+            await anonymous.close()
 
 
 async def test_sandbox_layers_lazily_loaded_from_the_registry(

@@ -150,7 +150,7 @@ class OCIStore:
         return resp
 
     async def _answer(self, challenge: str) -> str:
-        scheme, _, params = challenge.partition(" ")
+        scheme, _, challenge_params = challenge.partition(" ")
         if not self._credentials and scheme.lower() != "bearer":
             raise PlatformUnavailable(
                 f"registry {self.base} asks for credentials: give user:password as the "
@@ -162,15 +162,20 @@ class OCIStore:
             return basic
         if scheme.lower() != "bearer":
             raise Unsupported(f"registry {self.base}: unsupported auth scheme {scheme!r}")
-        fields = dict(_CHALLENGE_RE.findall(params))
+        fields = dict(_CHALLENGE_RE.findall(challenge_params))
         realm = fields.pop("realm", "")
         if not realm.startswith(("http://", "https://")):
             raise PlatformUnavailable(f"registry {self.base}: bad token realm {realm!r}")
-        fields.setdefault("scope", f"repository:{self.repo}:pull,push")
+        # The challenge names the scope of the request that failed (often pull only);
+        # ask for pull and push on our repository as well, so that a push does not
+        # need a second token. A token service grants what the account may have.
+        ours = f"repository:{self.repo}:pull,push"
+        scopes = [fields.pop("scope")] if "scope" in fields else []
+        query = [*fields.items(), *(("scope", x) for x in dict.fromkeys([*scopes, ours]))]
         try:
             resp = await self._http.get(
                 realm,
-                params=fields,
+                params=query,
                 headers={"Authorization": basic} if self._credentials else {},
             )
         except httpx.HTTPError as exc:
