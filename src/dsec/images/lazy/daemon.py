@@ -181,7 +181,7 @@ class LazyDaemon:
             "--nice",
             str(self.nice),
         ]
-        if self.blob_prefix != "/v1/blobs/":
+        if self.source.startswith("http") and self.blob_prefix != "/v1/blobs/":
             args += ["--blob-prefix", self.blob_prefix]
         if self.authorization:
             auth_file = self.root / "store-auth"
