@@ -131,6 +131,8 @@ async def test_unsupported_instruction_names_its_line(
         ("FROM busybox:latest\nCOPY --from=x /a /b\n", 2, "--from is not supported"),
         ("FROM busybox:latest\nCOPY ../secret /x\n", 2, "outside the build context"),
         ("FROM nope:1\n", 1, "nope:1 not found"),
+        ("FROM busybox:latest\nENV my-var=1\n", 2, "invalid environment variable"),
+        ("FROM busybox:latest\nENV A=${B:-x}\n", 2, "not supported"),
     ):
         (tmp_path / "Dockerfile").write_text(text)
         with pytest.raises(InvalidArgument, match=f"line {line}: .*{what}"):

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from dsec.api.fields import ENV_KEY_RE
 from dsec.api.images import ImageConfigSpec, ImageInfo
 from dsec.api.spec import DSecContainerRunArgs
 from dsec.errors import ImageBuildError, InvalidArgument, NotFound, Unsupported
@@ -414,7 +415,11 @@ class DockerfileBuild:
         if name == "ARG":
             state.args.update(self._arg(value, {**state.global_args, **subst}, line))
         elif name == "ENV":
-            state.env.update(_key_values(value, subst, line))
+            env = _key_values(value, subst, line)
+            for key in env:
+                if not ENV_KEY_RE.match(key):
+                    raise _fail(line, f"invalid environment variable name {key!r}")
+            state.env.update(env)
         elif name == "LABEL":
             state.labels.update(_key_values(value, subst, line))
         elif name == "MAINTAINER":
