@@ -114,7 +114,7 @@ class FakeImages:
         raise Unsupported("the fake image service keeps no VM images")
 
     async def register_layers(
-        self, ref: str, layers: list[str], config: dict[str, object]
+        self, ref: str, layers: builtins.list[str], config: dict[str, object]
     ) -> ImageInfo:
         raise Unsupported("the fake image service keeps no layers")
 
