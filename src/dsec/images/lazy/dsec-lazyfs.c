@@ -445,6 +445,10 @@ static int http_range(struct worker *w, const char *hex, uint64_t off, size_t le
                      g_prefix, g_blob_prefix, hex, g_host, g_port, (unsigned long long)off,
                      (unsigned long long)(off + len - 1), g_auth[0] ? "Authorization: " : "",
                      g_auth, g_auth[0] ? "\r\n" : "");
+    if (n < 0 || (size_t)n >= sizeof req) {
+        logmsg("dsec-lazyfs: request for %s does not fit (auth header too long?)", hex);
+        return -1;
+    }
     if (write_all(w->sock, req, (size_t)n) != 0) goto broken;
     size_t have = 0;
     char *end = NULL;
@@ -1007,11 +1011,17 @@ int main(int argc, char **argv) {
         ssize_t n = fd >= 0 ? read(fd, g_auth + off, sizeof g_auth - 1 - off) : -1;
         if (fd >= 0) close(fd);
         if (n < 0) { fprintf(stderr, "dsec-lazyfs: cannot read %s\n", cred_file); return 2; }
+        if ((size_t)n >= sizeof g_auth - 1 - off) {
+            fprintf(stderr, "dsec-lazyfs: %s is too long (at most %zu bytes)\n", cred_file,
+                    sizeof g_auth - 2 - off);
+            return 2;
+        }
         g_auth[off + (size_t)n] = 0;
         g_auth[strcspn(g_auth, "\r\n")] = 0;
         if (off + (size_t)n == 0 || g_auth[off] == 0) g_auth[0] = 0;
     }
-    if (g_blob_prefix[0] != '/' || strpbrk(g_blob_prefix, " \r\n")) return usage();
+    if (g_blob_prefix[0] != '/' || strlen(g_blob_prefix) > 256 || strpbrk(g_blob_prefix, " \r\n"))
+        return usage();
     sha256_init_impl();
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_term};
