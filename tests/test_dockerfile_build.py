@@ -137,6 +137,8 @@ async def test_unsupported_instruction_names_its_line(
         (tmp_path / "Dockerfile").write_text(text)
         with pytest.raises(InvalidArgument, match=f"line {line}: .*{what}"):
             await build_dockerfile(client, tmp_path / "Dockerfile", tmp_path, "dfbad:1")
+    with pytest.raises(InvalidArgument, match="not on this platform"):
+        await client.compose_image("dfbad:1", ["sha256:" + "0" * 64])
 
 
 def test_image_build_cli(platform: PlatformProcess, busybox_image: str, tmp_path: Path) -> None:
