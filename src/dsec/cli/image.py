@@ -119,7 +119,9 @@ def build(
     ] = None,
     allow: Annotated[
         list[str] | None,
-        typer.Option("--allow", help="egress the RUN steps may use: a service name (repeatable)"),
+        typer.Option(
+            "--allow", help="egress the RUN steps may use: a service name or IPv4 rule (repeatable)"
+        ),
     ] = None,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="with -f: run every step again")
