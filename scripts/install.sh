@@ -24,6 +24,8 @@ APT_PACKAGES=(
   ovmf            # UEFI firmware for full VMs (firmware="uefi")
   prometheus      # tests scrape /metrics with a real Prometheus server (started by the test)
   chromium chromium-driver # tests/test_ui.py drives the dashboard in headless Chromium (Selenium)
+  docker-registry # the CNCF distribution registry: tests of the OCI-registry layer store
+  skopeo          # fills test registries from archives (OCI pull tests)
   ca-certificates
 )
 

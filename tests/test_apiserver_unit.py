@@ -113,6 +113,11 @@ class FakeImages:
     ) -> tuple[str, int]:
         raise Unsupported("the fake image service keeps no VM images")
 
+    async def register_layers(
+        self, ref: str, layers: builtins.list[str], config: dict[str, object]
+    ) -> ImageInfo:
+        raise Unsupported("the fake image service keeps no layers")
+
     async def register_vm(
         self,
         ref: str,

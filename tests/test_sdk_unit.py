@@ -480,6 +480,7 @@ def test_sdk_imports_stay_light() -> None:
         "dsec.config",
         "dsec.sdk",
         "cloudpickle",  # client.call(fn) only, imported when called
+        "dockerfile_parse",  # dsec.sdk.dockerfile only, imported when a build parses
         "httpx",
         "pydantic",
         "websockets",  # the data path and the terminal

@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
+from dsec.api.fields import ENV_KEY_RE
+from dsec.api.layers import DIGEST_RE
 
 
 class ImageInfo(Reply):
@@ -28,6 +30,52 @@ class BuildImageRequest(Strict):
     recipe: Literal["busybox", "debian-python"]
     name: str | None = None
     rebuild: bool = False
+
+
+class ImageConfigSpec(Strict):
+    """What a sandbox started from an image inherits (a Dockerfile's ENV, WORKDIR,
+    USER, CMD, ENTRYPOINT; LABEL and EXPOSE are recorded)."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+    user: str = "root"
+    cmd: list[str] | None = None
+    entrypoint: list[str] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    exposed_ports: list[str] = Field(default_factory=list)
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        if not v.startswith("/") or "\x00" in v or len(v) > 4096:
+            raise ValueError(f"workdir must be an absolute path, got {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not ENV_KEY_RE.match(key) or "\x00" in val:
+                raise ValueError(f"invalid environment variable {key!r}: [A-Za-z_][A-Za-z0-9_]*")
+        return v
+
+
+class ComposeImageRequest(Strict):
+    """Tag layers already on the platform, bottom first, as an image with a config
+    (``POST /v1/images/compose``): how a Dockerfile build (dsec.sdk.dockerfile) stacks
+    the layer of each step on its base."""
+
+    ref: str = Field(description="name:tag")
+    layers: list[str] = Field(min_length=1, max_length=128, description="layer digests")
+    config: ImageConfigSpec = Field(default_factory=ImageConfigSpec)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[str]) -> list[str]:
+        for digest in v:
+            if not DIGEST_RE.match(digest):
+                raise ValueError(f"invalid layer digest {digest!r}: expected sha256:<64 hex>")
+        return v
 
 
 class VMBlobInfo(Reply):

@@ -12,7 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
-from dsec.api.images import BuildImageRequest, ImageInfo, RegisterVMRequest, VMBlobInfo
+from dsec.api.images import (
+    BuildImageRequest,
+    ComposeImageRequest,
+    ImageInfo,
+    RegisterVMRequest,
+    VMBlobInfo,
+)
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
@@ -94,6 +100,14 @@ def image_router(images: ImageService, auth: Authenticator, limits: ApiLimits) -
         info = await images.register_vm(
             ref, body.disk, kernel=body.kernel, initrd=body.initrd, cmdline=body.cmdline
         )
+        return model_response(info)
+
+    @router.post("/compose", response_model=ImageInfo, summary="Tag layers as an image")
+    async def compose_image(body: ComposeImageRequest) -> Response:
+        """Layers already on the platform (by digest, bottom first) plus a config:
+        what a Dockerfile build registers after each step."""
+        ref = check_image_ref(body.ref)
+        info = await images.register_layers(ref, body.layers, body.config.model_dump())
         return model_response(info)
 
     @router.get("/{ref:path}", response_model=ImageInfo, summary="Inspect an image")

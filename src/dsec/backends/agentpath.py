@@ -60,8 +60,8 @@ class AgentDataPath:
         res = await self.agent(rec).exec(
             argv,
             env=self.command_env(rec, req.env),
-            cwd=req.workdir or rec.spec.workdir,
-            user=req.user or rec.spec.init_user,
+            cwd=req.workdir or rec.default_workdir,
+            user=req.user or rec.default_user,
             timeout=req.timeout,
             max_output=req.max_output_bytes,
             stdin=req.stdin.encode() if req.stdin is not None else None,

@@ -109,6 +109,29 @@ class SandboxRecord:
     last_activity: float = field(default_factory=time.monotonic)
 
     @property
+    def default_workdir(self) -> str:
+        """Where commands run unless they say: the spec's workdir, or the image's
+        WORKDIR (a Dockerfile build's) when the spec leaves the default ``/``."""
+        if self.spec.workdir != "/":
+            return self.spec.workdir
+        image_dir = self.image.config.get("workdir")
+        if isinstance(image_dir, str) and image_dir.startswith("/") and "\x00" not in image_dir:
+            return image_dir
+        return "/"
+
+    @property
+    def default_user(self) -> str:
+        """Who commands run as unless they say: the spec's init_user, or the image's
+        USER (a Dockerfile build's) when the spec leaves the default ``root``. File
+        operations stay with init_user."""
+        if self.spec.init_user != "root":
+            return self.spec.init_user
+        image_user = self.image.config.get("user")
+        if isinstance(image_user, str) and image_user and "\x00" not in image_user:
+            return image_user
+        return "root"
+
+    @property
     def kind(self) -> BackendKind:
         """Which backend runs the sandbox (the spec's ``backend``)."""
         return BackendKind(self.spec.backend)

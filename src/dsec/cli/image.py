@@ -103,7 +103,29 @@ def import_vm(
 @app.command()
 def build(
     ctx: typer.Context,
-    recipe: Annotated[Recipe, typer.Argument(help="built-in image recipe")],
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="a built-in recipe (busybox, debian-python, debian-desktop), or with -f "
+            "the build context directory"
+        ),
+    ],
+    ref: Annotated[
+        str | None, typer.Argument(help="with -f: name:tag of the image to build")
+    ] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="build this Dockerfile")] = None,
+    build_arg: Annotated[
+        list[str] | None, typer.Option("--build-arg", help="KEY=VALUE for an ARG (repeatable)")
+    ] = None,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow", help="egress the RUN steps may use: a service name or IPv4 rule (repeatable)"
+        ),
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="with -f: run every step again")
+    ] = False,
     name: Annotated[
         str | None, typer.Option("--name", help="store as this name:tag instead")
     ] = None,
@@ -112,7 +134,25 @@ def build(
 ) -> None:
     """Build busybox:latest, debian-python:bookworm or the debian-desktop:bookworm VM
     image (minutes the first time; debian-desktop is built on this host, as root, and
-    imported like `dsec image import-vm`)."""
+    imported like `dsec image import-vm`), or with `-f Dockerfile CONTEXT NAME:TAG` an
+    image from a Dockerfile: every RUN in a sandbox of this platform (egress only to
+    --allow services), every step a cached layer."""
+    if file is not None:
+        if ref is None:
+            raise typer.BadParameter("usage: dsec image build -f Dockerfile CONTEXT NAME:TAG")
+        _build_dockerfile(
+            ctx, file, Path(target), ref, build_arg or [], allow or [], no_cache, as_json
+        )
+        return
+    if ref is not None:
+        raise typer.BadParameter("a recipe takes no NAME:TAG argument (use --name), or give -f")
+    try:
+        recipe = Recipe(target)
+    except ValueError:
+        raise typer.BadParameter(
+            f"unknown recipe {target!r}: busybox, debian-python, debian-desktop "
+            "(or -f Dockerfile CONTEXT NAME:TAG)"
+        ) from None
     if recipe is Recipe.debian_desktop:
         _build_desktop(ctx, name or "debian-desktop:bookworm", rebuild, as_json)
         return
@@ -121,6 +161,52 @@ def build(
         err.status(f"building {recipe.value} (cached images return at once)..."),
     ):
         info = client.build_image(recipe.value, name=name, rebuild=rebuild)
+    emit(info, f"built {_describe(info)}", as_json)
+
+
+def _build_dockerfile(
+    ctx: typer.Context,
+    dockerfile: Path,
+    context: Path,
+    ref: str,
+    build_args: list[str],
+    allow: list[str],
+    no_cache: bool,
+    as_json: bool,
+) -> None:
+    import asyncio
+
+    from dsec.cli.common import globals_of
+    from dsec.sdk.client import DSecClient
+    from dsec.sdk.dockerfile import StepReport, build_dockerfile
+
+    args: dict[str, str] = {}
+    for item in build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--build-arg {item!r}: expected KEY=VALUE")
+        args[key] = value
+    g = globals_of(ctx)
+
+    def on_step(step: StepReport) -> None:
+        what = "cached" if step.cached else f"{step.seconds:.1f}s"
+        err.print(f"  line {step.line}: {step.instruction} ({what})", markup=False)
+
+    async def run() -> ImageInfo:
+        async with DSecClient(g.url, g.api_key, timeout=None) as client:
+            result = await build_dockerfile(
+                client,
+                dockerfile,
+                context,
+                ref,
+                build_args=args,
+                network_rules={name: True for name in allow},
+                no_cache=no_cache,
+                on_step=on_step,
+            )
+            return result.image
+
+    info = asyncio.run(run())
     emit(info, f"built {_describe(info)}", as_json)
 
 

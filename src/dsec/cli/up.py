@@ -65,11 +65,16 @@ def up(
         str | None,
         typer.Option(
             "--layer-store",
-            help="shared layer store: http://host:port (dsec store serve) or a shared directory",
+            help="shared layer store: http://host:port (dsec store serve), a shared "
+            "directory, or an OCI registry: oci://host:port/repo (oci+http:// for plain HTTP)",
         ),
     ] = None,
     layer_store_token: Annotated[
-        str | None, typer.Option("--layer-store-token", help="token of the HTTP layer store")
+        str | None,
+        typer.Option(
+            "--layer-store-token",
+            help="token of the HTTP layer store; user:password for an OCI registry",
+        ),
     ] = None,
     layer_cache_gib: Annotated[
         float | None, typer.Option("--layer-cache-gib", help="host layer cache budget (GiB)")

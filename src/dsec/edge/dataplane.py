@@ -181,8 +181,8 @@ class DataPlane:
         sess = _Session(
             id="s" + secrets.token_hex(8),
             sandbox_id=sandbox_id,
-            user=args.user or rec.spec.init_user,
-            workdir=args.workdir or rec.spec.workdir,
+            user=args.user or rec.default_user,
+            workdir=args.workdir or rec.default_workdir,
             created_at=datetime.now(UTC),
         )
         # Write the initial state (environment, working directory) once, in the sandbox.
@@ -287,8 +287,8 @@ class DataPlane:
         else:
             argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
             env = backend.command_env(rec, args.env)
-            cwd = args.workdir or rec.spec.workdir
-            user = args.user or rec.spec.init_user
+            cwd = args.workdir or rec.default_workdir
+            user = args.user or rec.default_user
         locked = session is not None and not background
         process_id = new_process_id()
         keep = None

@@ -147,6 +147,8 @@ class Images:
         await self._reload()
         self.indexes.update(await self.layer_registry.indexes())
         if self.lazy is not None:
+            if self.remote is not None:
+                self.lazy.authorization = await self.remote.lazy_authorization()
             # Before adopting mounts: lazy layers are adopted only if their daemon is.
             await asyncio.to_thread(self.lazy.start)
         await asyncio.to_thread(self.mounts.adopt_existing)
@@ -483,6 +485,22 @@ class Images:
         ]
         self._pending.update(vm.blobs())
         return await self._commit(name, tag, layers, vm.to_config())
+
+    async def register_layers(
+        self, ref: str, layers: builtins.list[str], config: dict[str, object]
+    ) -> ImageInfo:
+        """Tag layers already on this host, bottom first, as image ``ref`` with
+        ``config``: a Dockerfile build stacks each step's packed layer on its base."""
+        name, tag = _parse_ref(ref)
+        new: builtins.list[NewLayer] = []
+        async with self._lock:  # so that gc() cannot take a layer before the commit
+            for digest in (normalize_digest(d) for d in layers):
+                size = self._local_size(digest)
+                if size is None:
+                    raise InvalidArgument(f"layer {digest} is not on this platform")
+                new.append(NewLayer(digest=digest, size_bytes=size, source=None))
+            self._pending.update(layer.digest for layer in new)
+        return await self._commit(name, tag, new, config)
 
     async def register_vm_snapshot(
         self,

@@ -295,7 +295,7 @@ class LayerService:
         if self.images.remote is None:
             raise Unsupported(
                 "no shared layer store is configured: start the platform with "
-                "--layer-store http://host:port or --layer-store /shared/path"
+                "--layer-store http://host:port, /shared/path or oci://registry/repo"
             )
         return self.images.remote
 

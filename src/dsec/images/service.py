@@ -48,6 +48,12 @@ class ImageService(Protocol):
         """A file of a VM image into the layer store as it is: (digest, size)."""
         ...
 
+    async def register_layers(
+        self, ref: str, layers: builtins.list[str], config: dict[str, object]
+    ) -> ImageInfo:
+        """Tag layers already on the platform, bottom first, as an image."""
+        ...
+
     async def register_vm(
         self,
         ref: str,

@@ -96,14 +96,19 @@ def layer_store_options(config: PlatformConfig) -> dict[str, Any]:
     from dsec.images.lazy.daemon import LazyDaemon
     from dsec.images.remote.client import open_remote
 
+    remote = open_remote(config.layer_store, config.layer_store_token)
     return {
-        "remote": open_remote(config.layer_store, config.layer_store_token),
+        "remote": remote,
+        # dsec-lazyfs speaks plain HTTP or reads a path: over TLS layers load eagerly.
         "lazy": LazyDaemon(
             config.images_dir / "lazy",
-            config.layer_store.rstrip("/"),
+            remote.location.rstrip("/"),
             config.layer_store_token,
             timeout=config.lazy_fetch_timeout,
-        ),
+            blob_prefix=remote.lazy_blob_prefix,
+        )
+        if remote.location.startswith(("http://", "/"))
+        else None,
         "cache_bytes": config.layer_cache_bytes,
     }
 

@@ -19,7 +19,14 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.fields import SANDBOX_ID_RE, parse_image_ref
 from dsec.api.health import HealthInfo
-from dsec.api.images import BuildImageRequest, ImageInfo, RegisterVMRequest, VMBlobInfo
+from dsec.api.images import (
+    BuildImageRequest,
+    ComposeImageRequest,
+    ImageConfigSpec,
+    ImageInfo,
+    RegisterVMRequest,
+    VMBlobInfo,
+)
 from dsec.api.sandbox import (
     IDEMPOTENCY_HEADER,
     IDEMPOTENCY_KEY_RE,
@@ -404,6 +411,21 @@ def add_vm_blob(upload: Upload, *, timeout: float | None = None) -> Call[VMBlobI
         headers=headers,
         timeout=wait_timeout(timeout),
         upload=upload,
+    )
+
+
+def compose_image(ref: str, layers: list[str], config: ImageConfigSpec | None) -> Call[ImageInfo]:
+    image_path(ref)
+    try:
+        body = ComposeImageRequest(ref=ref, layers=layers, config=config or ImageConfigSpec())
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    return Call(
+        "POST",
+        "/v1/images/compose",
+        _model(ImageInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
     )
 
 

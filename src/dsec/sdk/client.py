@@ -17,7 +17,7 @@ import httpx
 
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageConfigSpec, ImageInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
@@ -275,6 +275,13 @@ class DSecClient(
         return await self._send(
             proto.build_image(recipe, name=name, rebuild=rebuild, timeout=timeout)
         )
+
+    async def compose_image(
+        self, ref: str, layers: list[str], config: ImageConfigSpec | None = None
+    ) -> ImageInfo:
+        """Tag layers already on the platform (digests, bottom first) as image ``ref``
+        with ``config`` (env, workdir, user, cmd ...): a Dockerfile build's last step."""
+        return await self._send(proto.compose_image(ref, layers, config))
 
     async def import_image(
         self,

@@ -47,6 +47,7 @@ class LazyDaemon:
         timeout: int = 10,
         readahead: int = 128 * 1024,
         nice: int = NICE,
+        blob_prefix: str = "/v1/blobs/",
     ) -> None:
         self.root = Path(os.path.abspath(root))
         self.mount_dir = self.root / "fuse"
@@ -55,6 +56,10 @@ class LazyDaemon:
         self.log_path = self.root / "daemon.log"
         self.source = source
         self.token = token
+        # The whole Authorization header value; set from the store before start
+        # (RemoteStore.lazy_authorization). A bare token is a bearer token.
+        self.authorization: str | None = f"Bearer {token}" if token else None
+        self.blob_prefix = blob_prefix
         self.threads = threads
         self.timeout = timeout
         self.readahead = readahead
@@ -176,12 +181,14 @@ class LazyDaemon:
             "--nice",
             str(self.nice),
         ]
-        if self.token:
-            token_file = self.root / "store-token"
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        if self.source.startswith("http") and self.blob_prefix != "/v1/blobs/":
+            args += ["--blob-prefix", self.blob_prefix]
+        if self.authorization:
+            auth_file = self.root / "store-auth"
+            fd = os.open(auth_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as fh:
-                fh.write(self.token)
-            args += ["--token-file", str(token_file)]
+                fh.write(self.authorization)
+            args += ["--auth-file", str(auth_file)]
         rfd, wfd = os.pipe2(os.O_CLOEXEC)
         logfd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:

@@ -90,7 +90,8 @@ enum { ABSENT = 0, ONDISK = 1, BUSY = 2, READY = 3, READY_SPEC = 4 };
 /* ---------------------------------------------------------------- settings, stats */
 
 static const char *g_mount, *g_cache, *g_store;
-static char g_token[512];
+static char g_auth[4096]; /* the Authorization header value, "" for none */
+static const char *g_blob_prefix = "/v1/blobs/"; /* <prefix><blob_prefix>sha256:<hex> */
 static int g_threads = 16, g_timeout = 10, g_direct_io = 0, g_ready_fd = -1, g_nice = 0;
 static unsigned g_readahead = 128 * 1024;
 static char g_host[320], g_port[320], g_prefix[512];
@@ -436,14 +437,18 @@ static int http_range(struct worker *w, const char *hex, uint64_t off, size_t le
     } else {
         *retryable = 1; /* a reused connection may have been closed by the server */
     }
-    char req[1024];
+    char req[6144];
     int n = snprintf(req, sizeof req,
-                     "GET %s/v1/blobs/sha256:%s HTTP/1.1\r\nHost: %s:%s\r\n"
+                     "GET %s%ssha256:%s HTTP/1.1\r\nHost: %s:%s\r\n"
                      "Range: bytes=%llu-%llu\r\n%s%s%s"
                      "User-Agent: dsec-lazyfs\r\n\r\n",
-                     g_prefix, hex, g_host, g_port, (unsigned long long)off,
-                     (unsigned long long)(off + len - 1), g_token[0] ? "Authorization: Bearer " : "",
-                     g_token, g_token[0] ? "\r\n" : "");
+                     g_prefix, g_blob_prefix, hex, g_host, g_port, (unsigned long long)off,
+                     (unsigned long long)(off + len - 1), g_auth[0] ? "Authorization: " : "",
+                     g_auth, g_auth[0] ? "\r\n" : "");
+    if (n < 0 || (size_t)n >= sizeof req) {
+        logmsg("dsec-lazyfs: request for %s does not fit (auth header too long?)", hex);
+        return -1;
+    }
     if (write_all(w->sock, req, (size_t)n) != 0) goto broken;
     size_t have = 0;
     char *end = NULL;
@@ -963,13 +968,14 @@ static void on_term(int sig) {
 
 static int usage(void) {
     fprintf(stderr, "usage: dsec-lazyfs --mount DIR --cache DIR --store URL|PATH [--token-file F]"
+                    " [--auth-file F] [--blob-prefix /v1/blobs/]"
                     " [--threads N] [--timeout S] [--readahead BYTES] [--ready-fd FD] [--direct-io]"
                     " [--nice N]\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
-    const char *token_file = NULL;
+    const char *token_file = NULL, *auth_file = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -979,6 +985,8 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--cache") == 0) g_cache = v;
         else if (strcmp(a, "--store") == 0) g_store = v;
         else if (strcmp(a, "--token-file") == 0) token_file = v;
+        else if (strcmp(a, "--auth-file") == 0) auth_file = v;
+        else if (strcmp(a, "--blob-prefix") == 0) g_blob_prefix = v;
         else if (strcmp(a, "--threads") == 0) g_threads = atoi(v);
         else if (strcmp(a, "--timeout") == 0) g_timeout = atoi(v);
         else if (strcmp(a, "--readahead") == 0) g_readahead = (unsigned)atoi(v);
@@ -993,14 +1001,27 @@ int main(int argc, char **argv) {
         fprintf(stderr, "dsec-lazyfs: --store must be http://host:port[/prefix] or an absolute path\n");
         return 2;
     }
-    if (token_file) {
-        int fd = open(token_file, O_RDONLY | O_CLOEXEC);
-        ssize_t n = fd >= 0 ? read(fd, g_token, sizeof g_token - 1) : -1;
+    /* --token-file: a bearer token (dsec store serve); --auth-file: the whole header
+     * value (an OCI registry's "Basic ..." or "Bearer ..."). */
+    const char *cred_file = auth_file ? auth_file : token_file;
+    if (cred_file) {
+        size_t off = 0;
+        if (!auth_file) off = (size_t)snprintf(g_auth, sizeof g_auth, "Bearer ");
+        int fd = open(cred_file, O_RDONLY | O_CLOEXEC);
+        ssize_t n = fd >= 0 ? read(fd, g_auth + off, sizeof g_auth - 1 - off) : -1;
         if (fd >= 0) close(fd);
-        if (n < 0) { fprintf(stderr, "dsec-lazyfs: cannot read %s\n", token_file); return 2; }
-        g_token[n] = 0;
-        g_token[strcspn(g_token, "\r\n")] = 0;
+        if (n < 0) { fprintf(stderr, "dsec-lazyfs: cannot read %s\n", cred_file); return 2; }
+        if ((size_t)n >= sizeof g_auth - 1 - off) {
+            fprintf(stderr, "dsec-lazyfs: %s is too long (at most %zu bytes)\n", cred_file,
+                    sizeof g_auth - 2 - off);
+            return 2;
+        }
+        g_auth[off + (size_t)n] = 0;
+        g_auth[strcspn(g_auth, "\r\n")] = 0;
+        if (off + (size_t)n == 0 || g_auth[off] == 0) g_auth[0] = 0;
     }
+    if (g_blob_prefix[0] != '/' || strlen(g_blob_prefix) > 256 || strpbrk(g_blob_prefix, " \r\n"))
+        return usage();
     sha256_init_impl();
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_term};

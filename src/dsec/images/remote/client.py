@@ -61,14 +61,30 @@ class RemoteStore(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def lazy_blob_prefix(self) -> str:
+        """What dsec-lazyfs puts between ``location`` and ``sha256:<hex>`` of a blob URL."""
+        ...
+
+    async def lazy_authorization(self) -> str | None:
+        """The Authorization header value dsec-lazyfs sends with its range requests."""
+        ...
+
 
 def open_remote(location: str, token: str | None = None) -> RemoteStore:
-    """``http://host:port`` -> HTTPStore, an absolute path -> DirRemote."""
+    """``http://host:port`` -> HTTPStore, an absolute path -> DirRemote,
+    ``oci://host:port/repo`` (``oci+http://`` for plain HTTP) -> OCIStore."""
+    if location.startswith(("oci://", "oci+http://")):
+        from dsec.images.remote.ocistore import OCIStore
+
+        return OCIStore(location, token)
     if location.startswith(("http://", "https://")):
         return HTTPStore(location, token)
     if location.startswith("/"):
         return DirRemote(DirStore(Path(location)))
-    raise ValueError(f"layer store {location!r}: use http://host:port or an absolute path")
+    raise ValueError(
+        f"layer store {location!r}: use http://host:port, oci://host:port/repo or an absolute path"
+    )
 
 
 def _check_blob(digest: str, h: hashlib._Hash, size: int, expected: int | None) -> None:
@@ -140,6 +156,13 @@ class DirRemote:
         return await asyncio.to_thread(self.store.refs)
 
     async def close(self) -> None:
+        return None
+
+    @property
+    def lazy_blob_prefix(self) -> str:
+        return "/blobs/"
+
+    async def lazy_authorization(self) -> str | None:
         return None
 
 
@@ -318,6 +341,13 @@ class HTTPStore:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    @property
+    def lazy_blob_prefix(self) -> str:
+        return "/v1/blobs/"
+
+    async def lazy_authorization(self) -> str | None:
+        return f"Bearer {self.token}" if self.token else None
 
 
 def _hash_write(h: hashlib._Hash, fh: object, data: bytes) -> None:
