@@ -19,7 +19,14 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.fields import SANDBOX_ID_RE, parse_image_ref
 from dsec.api.health import HealthInfo
-from dsec.api.images import BuildImageRequest, ImageInfo, RegisterVMRequest, VMBlobInfo
+from dsec.api.images import (
+    BuildImageRequest,
+    ImageInfo,
+    PullImageRequest,
+    PullResult,
+    RegisterVMRequest,
+    VMBlobInfo,
+)
 from dsec.api.sandbox import (
     IDEMPOTENCY_HEADER,
     IDEMPOTENCY_KEY_RE,
@@ -366,6 +373,33 @@ def build_image(
         "POST",
         "/v1/images/build",
         _model(ImageInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout),
+    )
+
+
+def pull_image(
+    ref: str,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    streaming: bool = True,
+    timeout: float | None = None,
+) -> Call[PullResult]:
+    image_path(ref)
+    try:
+        body = PullImageRequest.model_validate(
+            {"ref": ref, "username": username, "password": password, "streaming": streaming}
+        )
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    if (username is None) != (password is None):
+        raise InvalidArgument("give both a username and a password, or neither")
+    return Call(
+        "POST",
+        "/v1/images/pull",
+        _model(PullResult),
         content=body.model_dump_json().encode(),
         headers=_JSON_HEADERS,
         timeout=wait_timeout(timeout),

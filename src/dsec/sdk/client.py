@@ -17,7 +17,7 @@ import httpx
 
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
@@ -274,6 +274,23 @@ class DSecClient(
         """Build a built-in image (``busybox`` or ``debian-python``); cached unless rebuild."""
         return await self._send(
             proto.build_image(recipe, name=name, rebuild=rebuild, timeout=timeout)
+        )
+
+    async def pull_image(
+        self,
+        ref: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        streaming: bool = True,
+        timeout: float | None = None,
+    ) -> PullResult:
+        """Pull ``[registry[:port]/]path[:tag][@sha256:..]`` from its OCI registry onto
+        the platform (credentials: these, else the platform's credentials file)."""
+        return await self._send(
+            proto.pull_image(
+                ref, username=username, password=password, streaming=streaming, timeout=timeout
+            )
         )
 
     async def import_image(

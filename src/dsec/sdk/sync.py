@@ -16,7 +16,7 @@ import httpx
 
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
@@ -255,6 +255,23 @@ class DSecSyncClient(
     ) -> ImageInfo:
         """Build a built-in image (``busybox`` or ``debian-python``); cached unless rebuild."""
         return self._send(proto.build_image(recipe, name=name, rebuild=rebuild, timeout=timeout))
+
+    def pull_image(
+        self,
+        ref: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        streaming: bool = True,
+        timeout: float | None = None,
+    ) -> PullResult:
+        """Pull ``[registry[:port]/]path[:tag][@sha256:..]`` from its OCI registry onto
+        the platform (credentials: these, else the platform's credentials file)."""
+        return self._send(
+            proto.pull_image(
+                ref, username=username, password=password, streaming=streaming, timeout=timeout
+            )
+        )
 
     def import_image(
         self,
