@@ -25,6 +25,7 @@ APT_PACKAGES=(
   prometheus      # tests scrape /metrics with a real Prometheus server (started by the test)
   chromium chromium-driver # tests/test_ui.py drives the dashboard in headless Chromium (Selenium)
   ca-certificates
+  docker-registry skopeo # tests/test_oci_pull.py: a real OCI registry (CNCF distribution), filled by skopeo
 )
 
 if [ "$(id -u)" != 0 ]; then

@@ -1,0 +1,215 @@
+"""dsec image pull against a real registry (Debian's docker-registry, filled by skopeo).
+
+One module platform (plain HTTP allowed for the test registries only), one open
+registry and one with htpasswd basic auth. The images are built here: a busybox base
+(gzip), a layer deleting a file of the base and making a directory opaque (zstd), an
+arm64 twin in a multi-arch index, and a second image sharing the base.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec.api.fields import parse_image_ref
+from dsec.errors import ImageNotFound, InvalidArgument, RegistryError
+from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
+from dsec.images.oci.reference import Reference, names_registry
+from tests.conftest import PlatformProcess, platform_process
+from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry
+
+pytestmark = pytest.mark.root
+
+USER, PASSWORD = "alice", "s3cret-pw"
+
+
+# -- no registry needed --
+
+
+def test_references() -> None:
+    r = Reference.parse("127.0.0.1:5000/team/task:v1")
+    assert (r.registry, r.repository, r.tag, r.digest) == (
+        "127.0.0.1:5000",
+        "team/task",
+        "v1",
+        None,
+    )
+    r = Reference.parse("busybox")
+    assert (r.registry, r.repository, r.tag) == ("docker.io", "library/busybox", "latest")
+    digest = "sha256:" + "a" * 64
+    r = Reference.parse(f"ghcr.io/x/y@{digest}")
+    assert (r.tag, r.digest, r.reference) == (None, digest, digest)
+    # local names keep resolving locally and are never pulled implicitly
+    assert parse_image_ref("busybox:latest") == ("busybox", "latest")
+    assert parse_image_ref("debian-python:bookworm") == ("debian-python", "bookworm")
+    assert parse_image_ref(f"reg.io/x@{digest}") == ("reg.io/x", "sha256-" + "a" * 64)
+    assert not names_registry("busybox:latest")
+    assert not names_registry("debian-python:bookworm")
+    assert names_registry("localhost:5000/x") and names_registry(f"x@{digest}")
+    for bad in ("Busybox", "a:b:c", "/x", "x@sha256:zz"):
+        with pytest.raises(InvalidArgument):
+            Reference.parse(bad)
+
+
+def test_challenge_and_docker_config(tmp_path: Path) -> None:
+    scheme, params = parse_challenge(
+        'Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull"'
+    )
+    assert scheme == "bearer"
+    assert params == {
+        "realm": "https://auth.example/token",
+        "service": "reg",
+        "scope": "repository:a/b:pull",
+    }
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "auths": {
+                    "https://index.docker.io/v1/": {"auth": base64.b64encode(b"u:p").decode()},
+                    "reg.example:5000": {"username": "v", "password": "q"},
+                },
+                "credsStore": "never-run",
+            }
+        )
+    )
+    assert load_docker_config(cfg) == {
+        "docker.io": Credentials("u", "p"),
+        "reg.example:5000": Credentials("v", "q"),
+    }
+    assert load_docker_config(tmp_path / "missing.json") == {}
+
+
+# -- against the registries --
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
+    """``multi`` (an amd64 + arm64 index) and ``second`` (shares the base)."""
+    layout = Layout(tmp_path_factory.mktemp("oci") / "layout")
+    base = busybox_base({"etc/old.txt": b"old\n", "opq/a.txt": b"a\n", "opq/b.txt": b"b\n"})
+    top = layer_tar(
+        {
+            "etc/old.txt": None,  # deletes a file of the base
+            "opq": "opaque",  # hides the base's opq/*
+            "opq/c.txt": b"c\n",
+            "hello.txt": b"hello from the registry\n",
+        }
+    )
+    config: dict[str, object] = {
+        "Env": ["PATH=/bin:/sbin", "GREETING=hi"],
+        "WorkingDir": "/opq",
+        "Cmd": ["sh"],
+    }
+    amd64 = layout.image([(base, "gzip"), (top, "zstd")], config)
+    arm64 = layout.image(
+        [(base, "gzip"), (layer_tar({"arch.txt": b"arm64\n"}), "gzip")], config, arch="arm64"
+    )
+    layout.tag("multi", [amd64, arm64])
+    second = layout.image([(base, "gzip"), (layer_tar({"second.txt": b"2\n"}), "gzip")], config)
+    layout.tag("second", [second])
+    return layout
+
+
+@pytest.fixture(scope="module")
+def open_registry(layout: Layout) -> Iterator[Registry]:
+    with registry() as reg:
+        reg.push(layout.path, "multi", "test/multi:v1")
+        reg.push(layout.path, "second", "test/second:v1")
+        reg.push(layout.path, "second", "test/oncreate:v1")
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def auth_registry(layout: Layout) -> Iterator[Registry]:
+    with registry(htpasswd={USER: PASSWORD}) as reg:
+        reg.push(layout.path, "second", "private/img:v1", creds=f"{USER}:{PASSWORD}")
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def plat(open_registry: Registry, auth_registry: Registry) -> Iterator[PlatformProcess]:
+    insecure = f"{open_registry.host},{auth_registry.host}"
+    with platform_process(DSEC_INSECURE_REGISTRIES=insecure) as p:
+        yield p
+
+
+def _run(client: DSecSyncClient, image: str, script: str) -> str:
+    sb = client.run_container(
+        DSecContainerRunArgs(container_image=image, memory_limit_mb=256), timeout=120
+    )
+    try:
+        r = sb.run_shell(script)
+        assert r.exit_code == 0, r.stderr
+        return r.stdout
+    finally:
+        sb.stop()
+
+
+def test_pull_multiarch_whiteouts_and_run(plat: PlatformProcess, open_registry: Registry) -> None:
+    ref = f"{open_registry.host}/test/multi:v1"
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        result = client.pull_image(ref)
+        assert [layer.reused for layer in result.layers] == [False, False]
+        assert result.image.ref == ref and len(result.image.layers) == 2
+        assert result.bytes_fetched > 0
+        out = _run(
+            client,
+            ref,
+            "cat /hello.txt; echo $GREETING; ls /opq; "
+            "test -e /etc/old.txt && echo present || echo deleted; "
+            "test -e /arch.txt && echo arm || echo amd64",
+        )
+        assert out == "hello from the registry\nhi\nc.txt\ndeleted\namd64\n"
+        # the same pull again converts and fetches no layer
+        again = client.pull_image(ref)
+        assert all(layer.reused for layer in again.layers)
+        assert again.image.layers == result.image.layers
+
+
+def test_second_image_shares_the_base(plat: PlatformProcess, open_registry: Registry) -> None:
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        first = client.pull_image(f"{open_registry.host}/test/multi:v1")
+        second = client.pull_image(f"{open_registry.host}/test/second:v1", streaming=False)
+        assert [layer.reused for layer in second.layers] == [True, False]
+        assert second.image.layers[0] == first.image.layers[0]  # one EROFS base, shared
+        base_blob = first.layers[0].fetched_bytes or second.layers[0].erofs_bytes
+        assert second.bytes_fetched < base_blob
+
+
+def test_run_spec_naming_a_registry_pulls_on_first_create(
+    plat: PlatformProcess, open_registry: Registry
+) -> None:
+    ref = f"{open_registry.host}/test/oncreate:v1"
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        assert _run(client, ref, "cat /second.txt") == "2\n"
+        assert client.get_image(ref).ref == ref
+        # a plain local name is never pulled implicitly
+        with pytest.raises(ImageNotFound):
+            client.run_container(DSecContainerRunArgs(container_image="nosuch:latest"))
+
+
+def test_basic_auth(plat: PlatformProcess, auth_registry: Registry) -> None:
+    ref = f"{auth_registry.host}/private/img:v1"
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        with pytest.raises(RegistryError, match="user name and password"):
+            client.pull_image(ref)
+        with pytest.raises(RegistryError, match="denied"):
+            client.pull_image(ref, username=USER, password="wrong")
+        result = client.pull_image(ref, username=USER, password=PASSWORD)
+        assert len(result.image.layers) == 2
+
+
+def test_plain_http_only_when_named(plat: PlatformProcess) -> None:
+    # Not in DSEC_INSECURE_REGISTRIES: https is tried and fails, never plain HTTP.
+    with (
+        registry() as other,
+        DSecSyncClient(plat.url, plat.api_key) as client,
+        pytest.raises(RegistryError, match="unreachable"),
+    ):
+        client.pull_image(f"{other.host}/x/y:v1")
