@@ -8,16 +8,21 @@ layer trees described as {path: bytes | None (whiteout) | "opaque"} dicts.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
+import http.server
 import io
 import json
+import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ FIXED_MTIME = 1_700_000_000
 class Registry:
     host: str  # 127.0.0.1:port
     root: Path
+    tokens: TokenServer | None = None
 
     def push(self, layout: Path, tag: str, repo: str, *, creds: str | None = None) -> None:
         """skopeo copy --all oci:layout:tag -> docker://host/repo."""
@@ -62,11 +68,115 @@ class Registry:
         assert res.returncode == 0, res.stderr
 
 
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class TokenServer:
+    """A Docker token server (the spec's ``GET realm?service=..&scope=..``) for a
+    registry's ``auth: token`` setup: checks basic credentials and answers an RS256 JWT
+    signed with ``openssl dgst`` by a key whose self-signed certificate the registry
+    trusts (``rootcertbundle``; the certificate travels in the ``x5c`` header)."""
+
+    SERVICE = "dsec-test-registry"
+    ISSUER = "dsec-test-issuer"
+
+    def __init__(self, root: Path, users: dict[str, str]) -> None:
+        self.key = root / "token.key"
+        self.cert = root / "token.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+             str(self.key), "-out", str(self.cert), "-days", "1", "-subj", "/CN=dsec-test"],
+            capture_output=True, check=True, timeout=60,
+        )  # fmt: skip
+        der = subprocess.run(
+            ["openssl", "x509", "-in", str(self.cert), "-outform", "DER"],
+            capture_output=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        self.x5c = base64.b64encode(der).decode()
+        self.users = users
+        self.issued = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.answer(self)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.port}/token"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+    def answer(self, req: http.server.BaseHTTPRequestHandler) -> None:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(req.path).query)
+        auth = req.headers.get("Authorization", "")
+        user = None
+        if auth.startswith("Basic "):
+            name, _, pw = base64.b64decode(auth[6:]).decode().partition(":")
+            if self.users.get(name) == pw:
+                user = name
+        if user is None:
+            req.send_response(401)
+            req.end_headers()
+            return
+        access = []
+        for scope in query.get("scope", []):
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        claims = {
+            "iss": self.ISSUER,
+            "sub": user,
+            "aud": self.SERVICE,
+            "exp": now + 300,
+            "nbf": now - 10,
+            "iat": now,
+            "jti": os.urandom(8).hex(),
+            "access": access,
+        }
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
+        signing = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        sig = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-sign", str(self.key)],
+            input=signing.encode(), capture_output=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        body = json.dumps({"token": f"{signing}.{_b64url(sig)}", "expires_in": 300}).encode()
+        self.issued += 1
+        req.send_response(200)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        req.wfile.write(body)
+
+
 @contextlib.contextmanager
-def registry(*, htpasswd: dict[str, str] | None = None) -> Iterator[Registry]:
+def registry(
+    *, htpasswd: dict[str, str] | None = None, token_users: dict[str, str] | None = None
+) -> Iterator[Registry]:
+    """A registry: open, with htpasswd basic auth, or with bearer tokens from a
+    TokenServer for ``token_users``."""
     root = Path(tempfile.mkdtemp(prefix="dsec-oci-reg-"))
     port = free_port()
     auth = ""
+    tokens = TokenServer(root, token_users) if token_users is not None else None
+    if tokens is not None:
+        auth = (
+            f"auth:\n  token:\n    realm: {tokens.realm}\n    service: {tokens.SERVICE}\n"
+            f"    issuer: {tokens.ISSUER}\n    rootcertbundle: {tokens.cert}\n"
+        )
     if htpasswd is not None:
         salt = crypt.mksalt(crypt.METHOD_BLOWFISH)
         lines = [f"{user}:{crypt.crypt(pw, salt)}" for user, pw in htpasswd.items()]
@@ -94,8 +204,10 @@ def registry(*, htpasswd: dict[str, str] | None = None) -> Iterator[Registry]:
             assert proc.poll() is None, (root / "registry.log").read_text()
             assert time.monotonic() < deadline, "the registry did not start"
             time.sleep(0.05)
-        yield Registry(f"127.0.0.1:{port}", root)
+        yield Registry(f"127.0.0.1:{port}", root, tokens)
     finally:
+        if tokens is not None:
+            tokens.close()
         proc.terminate()
         try:
             proc.wait(10)

@@ -17,9 +17,13 @@ import pytest
 
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.api.fields import parse_image_ref
+from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import ImageNotFound, InvalidArgument, RegistryError
+from dsec.images.images import Images
 from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
+from dsec.images.oci.client import RegistrySettings
 from dsec.images.oci.reference import Reference, names_registry
+from dsec.images.remote.client import open_remote
 from tests.conftest import PlatformProcess, platform_process
 from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry
 
@@ -133,8 +137,17 @@ def auth_registry(layout: Layout) -> Iterator[Registry]:
 
 
 @pytest.fixture(scope="module")
-def plat(open_registry: Registry, auth_registry: Registry) -> Iterator[PlatformProcess]:
-    insecure = f"{open_registry.host},{auth_registry.host}"
+def token_registry(layout: Layout) -> Iterator[Registry]:
+    with registry(token_users={USER: PASSWORD}) as reg:
+        reg.push(layout.path, "second", "private/tok:v1", creds=f"{USER}:{PASSWORD}")
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def plat(
+    open_registry: Registry, auth_registry: Registry, token_registry: Registry
+) -> Iterator[PlatformProcess]:
+    insecure = f"{open_registry.host},{auth_registry.host},{token_registry.host}"
     with platform_process(DSEC_INSECURE_REGISTRIES=insecure) as p:
         yield p
 
@@ -213,3 +226,43 @@ def test_plain_http_only_when_named(plat: PlatformProcess) -> None:
         pytest.raises(RegistryError, match="unreachable"),
     ):
         client.pull_image(f"{other.host}/x/y:v1")
+
+
+def test_bearer_token_auth(plat: PlatformProcess, token_registry: Registry) -> None:
+    """The registry's own token auth: a 401 challenge names our token server, which
+    trades the basic credentials for a signed JWT."""
+    assert token_registry.tokens is not None
+    ref = f"{token_registry.host}/private/tok:v1"
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        with pytest.raises(RegistryError, match="refused the credentials"):
+            client.pull_image(ref)
+        issued = token_registry.tokens.issued
+        result = client.pull_image(ref, username=USER, password=PASSWORD)
+        assert len(result.image.layers) == 2
+        assert token_registry.tokens.issued > issued
+
+
+async def test_converted_once_per_cluster(tmp_path: Path, open_registry: Registry) -> None:
+    """Two hosts sharing a layer store: the first converts and publishes each layer,
+    the second finds them by diff id and downloads only the manifest and config."""
+    settings = RegistrySettings(insecure=frozenset({open_registry.host}))
+    results = []
+    for host in ("a", "b"):
+        engine = make_engine(sqlite_url(tmp_path / f"{host}.sqlite"))
+        imgs = Images(
+            tmp_path / host,
+            engine,
+            remote=open_remote(str(tmp_path / "shared")),
+            registries=settings,
+        )
+        try:
+            await imgs.open()
+            results.append(await imgs.pull(f"{open_registry.host}/test/second:v1"))
+        finally:
+            await imgs.close()
+            await engine.dispose()
+    first, second = results
+    assert not any(layer.reused for layer in first.layers)
+    assert all(layer.reused for layer in second.layers)
+    assert second.image.layers == first.image.layers
+    assert second.bytes_fetched < 8192 < first.bytes_fetched
