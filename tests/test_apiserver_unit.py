@@ -395,6 +395,7 @@ async def test_openapi_and_docs_are_served(api: Api) -> None:
         "/v1/images",
         "/v1/images/build",
         "/v1/images/import",
+        "/v1/images/pull",
         "/v1/images/{ref}",
     ]:
         assert path in paths, sorted(paths)
@@ -596,6 +597,12 @@ async def test_images_routes(api: Api) -> None:
     assert r.status_code == 200 and r.json()["tag"] == "bookworm"
     r = await api.http.post("/v1/images/build", json={"recipe": "centos"}, headers=AUTH)
     assert "recipe" in assert_envelope(r, 422, "invalid_argument")["message"]
+    r = await api.http.post("/v1/images/pull", json={"ref": "Bad:Ref:x"}, headers=AUTH)
+    assert "image reference" in assert_envelope(r, 422, "invalid_argument")["message"]
+    r = await api.http.post(
+        "/v1/images/pull", json={"ref": "127.0.0.1:1/a:b", "username": "u"}, headers=AUTH
+    )
+    assert "password" in assert_envelope(r, 422, "invalid_argument")["message"]
 
     r = await api.http.put(
         "/v1/images/import",

@@ -55,7 +55,7 @@ class ChunkPipe(io.RawIOBase):
 
     def __init__(self, depth: int = 8) -> None:
         self._q: queue.Queue[bytes | BaseException | None] = queue.Queue(depth)
-        self._buf = b""
+        self._buf = memoryview(b"")  # the rest of the current chunk: never copied whole
         self._eof = False
         self._gone = threading.Event()
 
@@ -81,7 +81,7 @@ class ChunkPipe(io.RawIOBase):
                 self._eof = True
                 raise item
             else:
-                self._buf = item
+                self._buf = memoryview(item)
         n = min(len(buf), len(self._buf))
         buf[:n] = self._buf[:n]
         self._buf = self._buf[n:]

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LAYER_NAME = "oci"  # layer registry name of converted registry layers
 DEFAULT_MAX_LAYER_BYTES = 64 << 30  # uncompressed data of one layer
+PIPE_BATCH = 4 << 20  # bytes handed to the converter thread at once
 
 
 def layer_version(diff_id: str) -> str:
@@ -220,10 +221,16 @@ class Puller:
         )
         try:
             try:
+                batch = bytearray()
                 async for chunk in client.blob(ref, desc):
                     if pipe.closed:
                         break  # the converter failed; its error is the one to report
-                    await asyncio.to_thread(pipe.put, chunk)
+                    batch += chunk
+                    if len(batch) >= PIPE_BATCH:  # one thread hop per MiBs, not per read
+                        await asyncio.to_thread(pipe.put, bytes(batch))
+                        batch.clear()
+                if batch and not pipe.closed:
+                    await asyncio.to_thread(pipe.put, bytes(batch))
             except BaseException as exc:
                 await asyncio.to_thread(pipe.put, exc if isinstance(exc, Exception) else None)
                 raise
