@@ -18,7 +18,7 @@ import pytest
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.api.fields import parse_image_ref
 from dsec.control.db import make_engine, sqlite_url
-from dsec.errors import ImageNotFound, InvalidArgument, RegistryError
+from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryError
 from dsec.images.images import Images
 from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
 from dsec.images.oci.client import RegistrySettings
@@ -117,6 +117,8 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
     layout.tag("multi", [amd64, arm64])
     second = layout.image([(base, "gzip"), (layer_tar({"second.txt": b"2\n"}), "gzip")], config)
     layout.tag("second", [second])
+    unique = layer_tar({"unique.txt": b"only in this image\n" * 4096})
+    layout.tag("corrupt", [layout.image([(base, "gzip"), (unique, "gzip")], config)])
     return layout
 
 
@@ -126,6 +128,7 @@ def open_registry(layout: Layout) -> Iterator[Registry]:
         reg.push(layout.path, "multi", "test/multi:v1")
         reg.push(layout.path, "second", "test/second:v1")
         reg.push(layout.path, "second", "test/oncreate:v1")
+        reg.push(layout.path, "corrupt", "test/corrupt:v1")
         yield reg
 
 
@@ -266,3 +269,30 @@ async def test_converted_once_per_cluster(tmp_path: Path, open_registry: Registr
     assert all(layer.reused for layer in second.layers)
     assert second.image.layers == first.image.layers
     assert second.bytes_fetched < 8192 < first.bytes_fetched
+
+
+def test_corrupt_blob_is_refused(
+    plat: PlatformProcess, open_registry: Registry, layout: Layout
+) -> None:
+    """A registry serving a layer whose bytes do not hash to its digest: the pull fails
+    with CorruptBlob and no image is registered."""
+    index = json.loads((layout.path / "index.json").read_text())
+    entry = next(
+        m for m in index["manifests"]
+        if m["annotations"]["org.opencontainers.image.ref.name"] == "corrupt"
+    )  # fmt: skip
+    blobs = layout.path / "blobs" / "sha256"
+    manifest = json.loads((blobs / entry["digest"].removeprefix("sha256:")).read_bytes())
+    hexdigest = manifest["layers"][1]["digest"].removeprefix("sha256:")
+    stored = (
+        open_registry.root / "data/docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest
+    ) / "data"
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    ref = f"{open_registry.host}/test/corrupt:v1"
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        with pytest.raises(CorruptBlob):
+            client.pull_image(ref)
+        with pytest.raises(ImageNotFound):
+            client.get_image(ref)

@@ -197,7 +197,7 @@ class Images:
         except ImageNotFound:
             if not names_registry(ref):
                 raise
-        return (await self.pull(ref)).image
+        return (await self.pull(ref, missing_only=True)).image
 
     async def pull(
         self,
@@ -206,17 +206,20 @@ class Images:
         credentials: Credentials | None = None,
         streaming: bool = True,
         force: bool = False,
+        missing_only: bool = False,
     ) -> PullResult:
         """Pull ``ref`` from its registry (dsec.images.oci.pull) and store it under the
         name it was asked by. Concurrent pulls of one reference share the work: the
-        second finds the first's image (unless ``force``: re-check the registry)."""
+        second finds the first's image (unless ``force``: re-check the registry). A
+        tag is looked up in the registry again (it may have moved) unless
+        ``missing_only``; a digest never is."""
         name, tag = _parse_ref(ref)
         lock = self._pull_locks.setdefault((name, tag), asyncio.Lock())
         async with lock:
             if not force:
                 existing = await self._lookup(name, tag)
-                if existing is not None and tag.startswith("sha256-"):
-                    # a digest cannot move: nothing to fetch
+                if existing is not None and (missing_only or tag.startswith("sha256-")):
+                    # a digest cannot move; a concurrent ensure() pulled it already
                     return PullResult(
                         image=existing.model_copy(deep=True),
                         source=ref,

@@ -15,6 +15,7 @@ anything built from it is kept.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import queue
@@ -27,7 +28,7 @@ from typing import IO, Any, cast
 
 import zstandard
 
-from dsec.errors import ImageBuildError, InvalidArgument
+from dsec.errors import ImageBuildError, InsufficientStorage, InvalidArgument
 from dsec.images.difftar import write_diff_tree
 from dsec.images.extract import CHUNK, HashingReader
 
@@ -117,8 +118,14 @@ def convert_layer(stream: io.RawIOBase, root: Path, *, max_bytes: int) -> Conver
                 pass
             while stream.read(CHUNK):  # and the producer must reach its digest check
                 pass
-        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+        except (gzip.BadGzipFile, EOFError, zlib.error, zstandard.ZstdError) as exc:
             raise ImageBuildError(f"the layer is not a valid {kind} stream: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientStorage(
+                    f"no space left for the layer's files: {exc.strerror}"
+                ) from None
+            raise
         except InvalidArgument as exc:
             raise ImageBuildError(f"the layer is malformed: {exc}") from None
         return ConvertedTree(

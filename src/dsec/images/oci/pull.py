@@ -187,7 +187,10 @@ class Puller:
                     created_at=datetime.now(UTC),
                 )
                 await self.images.record_layer(info)
-                await self.images.publish_layer(info)
+                try:
+                    await self.images.publish_layer(info)
+                except (DSecError, OSError) as exc:  # the image works here regardless
+                    log.warning("layer %s not published to the layer store: %s", digest, exc)
             finally:
                 self.images.release(digest)
         if converted.skipped:
