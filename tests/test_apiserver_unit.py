@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.fields import parse_image_ref
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.layers import LayerRef
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import BackendKind, LayeredRunArgs, RunArgs
@@ -41,11 +41,13 @@ from dsec.errors import (
     FileNotFound,
     ImageNotFound,
     InvalidArgument,
+    RegistryError,
     SandboxNotFound,
     SandboxNotRunning,
     Unauthenticated,
     Unsupported,
 )
+from dsec.images.oci.auth import Credentials
 from dsec.images.service import ArchiveFormat, Progress, Recipe
 
 KEY = "dsk_test-key-0123456789"
@@ -91,6 +93,14 @@ class FakeImages:
 
     async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
         return await self.resolve(spec.image_ref)
+
+    async def ensure(self, ref: str) -> ImageInfo:
+        return await self.resolve(ref)
+
+    async def pull(
+        self, ref: str, *, credentials: Credentials | None = None, streaming: bool = True
+    ) -> PullResult:
+        raise RegistryError("the fake image service reaches no registry")
 
     async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
         raise ImageNotFound(f"no layer {ref} in the fake image service")
