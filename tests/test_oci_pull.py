@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -296,3 +299,17 @@ def test_corrupt_blob_is_refused(
             client.pull_image(ref)
         with pytest.raises(ImageNotFound):
             client.get_image(ref)
+
+
+def test_cli_pull_with_password_stdin(plat: PlatformProcess, auth_registry: Registry) -> None:
+    env = {**os.environ, "DSEC_URL": plat.url, "DSEC_API_KEY": plat.api_key}
+    ref = f"{auth_registry.host}/private/img:v1"
+    res = subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", "image", "pull", ref, "-u", USER,
+         "--password-stdin", "--json"],
+        input=PASSWORD + "\n", capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["image"]["name"] == f"{auth_registry.host}/private/img"
+    assert len(doc["layers"]) == 2
