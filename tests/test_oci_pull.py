@@ -33,6 +33,7 @@ from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, regist
 pytestmark = pytest.mark.root
 
 USER, PASSWORD = "alice", "s3cret-pw"
+MIRRORED = "registry.invalid"  # a registry name that never resolves (RFC 2606)
 
 
 # -- no registry needed --
@@ -151,10 +152,22 @@ def token_registry(layout: Layout) -> Iterator[Registry]:
 
 @pytest.fixture(scope="module")
 def plat(
-    open_registry: Registry, auth_registry: Registry, token_registry: Registry
+    open_registry: Registry,
+    auth_registry: Registry,
+    token_registry: Registry,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[PlatformProcess]:
+    """The platform: plain HTTP for the test registries only, the token registry's
+    credentials in a Docker config.json, and a mirror for a registry that does not exist."""
     insecure = f"{open_registry.host},{auth_registry.host},{token_registry.host}"
-    with platform_process(DSEC_INSECURE_REGISTRIES=insecure) as p:
+    auth_file = tmp_path_factory.mktemp("regauth") / "config.json"
+    login = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    auth_file.write_text(json.dumps({"auths": {token_registry.host: {"auth": login}}}))
+    with platform_process(
+        DSEC_INSECURE_REGISTRIES=insecure,
+        DSEC_REGISTRY_AUTH_FILE=str(auth_file),
+        DSEC_REGISTRY_MIRRORS=f"{MIRRORED}=http://{open_registry.host}",
+    ) as p:
         yield p
 
 
@@ -240,12 +253,20 @@ def test_bearer_token_auth(plat: PlatformProcess, token_registry: Registry) -> N
     assert token_registry.tokens is not None
     ref = f"{token_registry.host}/private/tok:v1"
     with DSecSyncClient(plat.url, plat.api_key) as client:
+        # credentials given to the pull win over the platform's credentials file
         with pytest.raises(RegistryError, match="refused the credentials"):
-            client.pull_image(ref)
+            client.pull_image(ref, username=USER, password="wrong")
         issued = token_registry.tokens.issued
-        result = client.pull_image(ref, username=USER, password=PASSWORD)
+        result = client.pull_image(ref)  # the platform's config.json has them
         assert len(result.image.layers) == 2
         assert token_registry.tokens.issued > issued
+
+
+def test_mirror_is_tried_first(plat: PlatformProcess) -> None:
+    """``MIRRORED`` does not resolve; its mirror (the open registry) serves the image."""
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        result = client.pull_image(f"{MIRRORED}/test/second:v1")
+        assert result.image.name == f"{MIRRORED}/test/second"
 
 
 async def test_converted_once_per_cluster(tmp_path: Path, open_registry: Registry) -> None:
