@@ -8,6 +8,7 @@ arm64 twin in a multi-arch index, and a second image sharing the base.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -334,3 +335,22 @@ def test_cli_pull_with_password_stdin(plat: PlatformProcess, auth_registry: Regi
     doc = json.loads(res.stdout)
     assert doc["image"]["name"] == f"{auth_registry.host}/private/img"
     assert len(doc["layers"]) == 2
+
+
+async def test_concurrent_pulls_convert_a_shared_base_once(
+    tmp_path: Path, open_registry: Registry
+) -> None:
+    engine = make_engine(sqlite_url(tmp_path / "c.sqlite"))
+    settings = RegistrySettings(insecure=frozenset({open_registry.host}))
+    imgs = Images(tmp_path / "images", engine, registries=settings)
+    try:
+        await imgs.open()
+        multi, second = await asyncio.gather(
+            imgs.pull(f"{open_registry.host}/test/multi:v1"),
+            imgs.pull(f"{open_registry.host}/test/second:v1"),
+        )
+    finally:
+        await imgs.close()
+        await engine.dispose()
+    assert multi.image.layers[0] == second.image.layers[0]
+    assert sorted([multi.layers[0].reused, second.layers[0].reused]) == [False, True]

@@ -649,17 +649,16 @@ class Images:
         return digest
 
     def hold(self, digest: str) -> None:
-        """Keep ``digest`` from garbage collection until ``release`` (counted)."""
+        """Keep ``digest`` from garbage collection until ``release`` (counted, so that
+        two pulls sharing a layer each hold it)."""
         self._held[digest] = self._held.get(digest, 0) + 1
-        self._pending.add(digest)
 
     def release(self, digest: str) -> None:
         left = self._held.get(digest, 0) - 1
         if left > 0:
             self._held[digest] = left
-            return
-        self._held.pop(digest, None)
-        self._pending.discard(digest)
+        else:
+            self._held.pop(digest, None)
 
     async def commit(
         self, name: str, tag: str, layers: builtins.list[NewLayer], config: dict[str, object]

@@ -69,6 +69,9 @@ class Puller:
         self.images = images
         self.settings = settings
         self.max_layer_bytes = max_layer_bytes
+        # One conversion per diff id at a time: two images pulled at once that share a
+        # base convert it once (the second finds the first's layer).
+        self._converting: dict[str, asyncio.Lock] = {}
 
     async def pull(
         self,
@@ -140,6 +143,22 @@ class Puller:
         return info
 
     async def _layer(
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        desc: Descriptor,
+        diff_id: str,
+        streaming: bool,
+    ) -> PullLayerReport:
+        lock = self._converting.setdefault(diff_id, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._layer_locked(client, ref, desc, diff_id, streaming)
+        finally:
+            if not lock.locked():
+                self._converting.pop(diff_id, None)
+
+    async def _layer_locked(
         self,
         client: RegistryClient,
         ref: Reference,
