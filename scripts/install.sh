@@ -27,6 +27,7 @@ APT_PACKAGES=(
   docker-registry # the CNCF distribution registry: tests of the OCI-registry layer store
   skopeo          # fills test registries from archives (OCI pull tests)
   ca-certificates
+  docker-registry skopeo # tests/test_oci_pull.py: a real OCI registry (CNCF distribution), filled by skopeo
 )
 
 if [ "$(id -u)" != 0 ]; then

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from dsec.api.exec import ExecRequest, ExecResult, TrajectoryRef
 from dsec.api.fields import parse_image_ref
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.layers import LayerRef
 from dsec.api.sandbox import NetworkRules, SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import BackendKind, LayeredRunArgs, RunArgs
@@ -41,11 +41,13 @@ from dsec.errors import (
     FileNotFound,
     ImageNotFound,
     InvalidArgument,
+    RegistryError,
     SandboxNotFound,
     SandboxNotRunning,
     Unauthenticated,
     Unsupported,
 )
+from dsec.images.oci.auth import Credentials
 from dsec.images.service import ArchiveFormat, Progress, Recipe
 
 KEY = "dsk_test-key-0123456789"
@@ -91,6 +93,14 @@ class FakeImages:
 
     async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
         return await self.resolve(spec.image_ref)
+
+    async def ensure(self, ref: str) -> ImageInfo:
+        return await self.resolve(ref)
+
+    async def pull(
+        self, ref: str, *, credentials: Credentials | None = None, streaming: bool = True
+    ) -> PullResult:
+        raise RegistryError("the fake image service reaches no registry")
 
     async def layer_digest(self, ref: LayerRef) -> tuple[str, int]:
         raise ImageNotFound(f"no layer {ref} in the fake image service")
@@ -400,6 +410,7 @@ async def test_openapi_and_docs_are_served(api: Api) -> None:
         "/v1/images",
         "/v1/images/build",
         "/v1/images/import",
+        "/v1/images/pull",
         "/v1/images/{ref}",
     ]:
         assert path in paths, sorted(paths)
@@ -601,6 +612,12 @@ async def test_images_routes(api: Api) -> None:
     assert r.status_code == 200 and r.json()["tag"] == "bookworm"
     r = await api.http.post("/v1/images/build", json={"recipe": "centos"}, headers=AUTH)
     assert "recipe" in assert_envelope(r, 422, "invalid_argument")["message"]
+    r = await api.http.post("/v1/images/pull", json={"ref": "Bad:Ref:x"}, headers=AUTH)
+    assert "image reference" in assert_envelope(r, 422, "invalid_argument")["message"]
+    r = await api.http.post(
+        "/v1/images/pull", json={"ref": "127.0.0.1:1/a:b", "username": "u"}, headers=AUTH
+    )
+    assert "password" in assert_envelope(r, 422, "invalid_argument")["message"]
 
     r = await api.http.put(
         "/v1/images/import",

@@ -55,6 +55,20 @@ def save_client_config(url: str, api_key: str) -> Path:
     return path
 
 
+def parse_mirrors(text: str) -> dict[str, list[str]]:
+    """``"docker.io=http://m1:5000,docker.io=https://m2,reg.io=https://m3"`` -> registry
+    -> mirror base URLs, in order."""
+    out: dict[str, list[str]] = {}
+    for item in text.split(","):
+        registry, sep, url = item.strip().partition("=")
+        if not item.strip():
+            continue
+        if not sep or not registry or not url.startswith(("http://", "https://")):
+            raise ValueError(f"invalid registry mirror {item!r}: expected registry=http(s)://host")
+        out.setdefault(registry, []).append(url.rstrip("/"))
+    return out
+
+
 @dataclass
 class PlatformConfig:
     """Settings of one embedded platform process (`dsec up`)."""
@@ -100,6 +114,26 @@ class PlatformConfig:
     )
     layer_cache_bytes: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_LAYER_CACHE_BYTES", str(20 << 30)))
+    )
+    # OCI registries (dsec image pull): a Docker config.json with credentials; hosts
+    # (host:port) reached over plain HTTP, only those named (--insecure-registry); and
+    # mirrors tried before a registry ("docker.io=http://mirror:5000,reg.io=https://m").
+    registry_auth_file: Path | None = field(
+        default_factory=lambda: (
+            Path(os.environ["DSEC_REGISTRY_AUTH_FILE"])
+            if os.environ.get("DSEC_REGISTRY_AUTH_FILE")
+            else None
+        )
+    )
+    insecure_registries: list[str] = field(
+        default_factory=lambda: [
+            h.strip()
+            for h in os.environ.get("DSEC_INSECURE_REGISTRIES", "").split(",")
+            if h.strip()
+        ]
+    )
+    registry_mirrors: dict[str, list[str]] = field(
+        default_factory=lambda: parse_mirrors(os.environ.get("DSEC_REGISTRY_MIRRORS", ""))
     )
     # Seconds a chunk fetch may take before the read inside the sandbox fails with EIO.
     lazy_fetch_timeout: int = field(

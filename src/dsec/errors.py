@@ -224,6 +224,14 @@ class CorruptBlob(DSecError):
     status = 502
 
 
+class RegistryError(DSecError):
+    """An OCI registry failed, refused our credentials or sent something malformed
+    (``dsec image pull``); the message names the registry and what it said."""
+
+    code = "registry_error"
+    status = 502
+
+
 class PlatformUnavailable(DSecError):
     """The SDK could not reach the platform at all."""
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import re
 
 # `name:tag` or `name` (tag defaults to latest); names like registry paths are allowed.
-IMAGE_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+# ``[registry[:port]/]path[:tag][@sha256:<hex>]``: a local name (``busybox:latest``) or
+# an OCI registry reference (``127.0.0.1:5000/team/task:v1``, ``ghcr.io/x/y@sha256:..``).
+IMAGE_REF_RE = re.compile(
+    r"^(?P<name>(?:[a-z0-9][a-z0-9.-]{0,252}(?::[0-9]{1,5})?/)?[a-z0-9][a-z0-9._/-]{0,254})"
+    r"(?::(?P<tag>[A-Za-z0-9._-]{1,128}))?"
+    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
+# The local tag an image pulled by digest only is stored under.
+DIGEST_TAG_PREFIX = "sha256-"
 
 
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -32,15 +40,38 @@ SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,16}-[0-9a-f]{16}$")
 PROJECT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}(/[a-z0-9][a-z0-9._-]{0,62}){0,7}$")
 
 
+def is_registry_host(component: str) -> bool:
+    """Whether the first path component of a reference is a registry host (Docker's
+    rule: it has a dot or a port, or is ``localhost``)."""
+    return "." in component or ":" in component or component == "localhost"
+
+
+def names_registry(ref: str) -> bool:
+    """True when ``ref`` is a registry reference on its face (a registry host, or a
+    digest): such a name may be pulled when it is not here. Plain local names
+    (``busybox:latest``, ``debian-python:bookworm``) never are, implicitly. Here, in
+    the model, so that the server and the SDK (a Dockerfile's ``FROM``) decide alike."""
+    m = IMAGE_REF_RE.match(ref)
+    if m is None:
+        return False
+    first, sep, _ = m["name"].partition("/")
+    return bool(sep and is_registry_host(first)) or m["digest"] is not None
+
+
 def parse_image_ref(ref: str) -> tuple[str, str]:
-    """Split ``name[:tag]``; the tag defaults to ``latest``."""
-    if not IMAGE_REF_RE.match(ref):
+    """Split ``[registry[:port]/]name[:tag][@sha256:..]`` into the (name, tag) the image is
+    stored under here; the tag defaults to ``latest``, and a digest wins over a tag (the
+    image is kept under ``sha256-<hex>``: a tag can move, a digest cannot)."""
+    m = IMAGE_REF_RE.match(ref)
+    if m is None or len(m["name"]) > 128:
         raise ValueError(
-            f"invalid image reference {ref!r}: expected name[:tag] with lowercase name "
-            "characters [a-z0-9._/-], for example 'busybox:latest'"
+            f"invalid image reference {ref!r}: expected [registry[:port]/]name[:tag]"
+            "[@sha256:<hex>] with lowercase name characters [a-z0-9._/-], for example "
+            "'busybox:latest' or 'registry.example.com:5000/team/task:v1'"
         )
-    name, _, tag = ref.partition(":")
-    return name, tag or "latest"
+    if m["digest"] is not None:
+        return m["name"], DIGEST_TAG_PREFIX + m["digest"].removeprefix("sha256:")
+    return m["name"], m["tag"] or "latest"
 
 
 def check_abs_path(value: str, what: str) -> str:

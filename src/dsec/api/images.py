@@ -102,3 +102,36 @@ class SnapshotRequest(Strict):
     ``ref`` must not name an existing image (409 ``already_exists``)."""
 
     ref: str = Field(description="name:tag of the new VM image")
+
+
+class PullImageRequest(Strict):
+    """Pull an image from an OCI registry (``POST /v1/images/pull``). Credentials given
+    here are used for this pull only and never stored; without them the platform's
+    registry credentials file (Docker ``config.json`` format) is used, then anonymous."""
+
+    ref: str = Field(description="[registry[:port]/]path[:tag][@sha256:<hex>]")
+    username: str | None = Field(None, max_length=512)
+    password: str | None = Field(None, max_length=8192)
+    streaming: bool = Field(True, description="convert each layer while it downloads")
+
+
+class PullLayerReport(Reply):
+    blob: str = Field(description="digest of the registry's (compressed) layer blob")
+    diff_id: str = Field(description="digest of the uncompressed layer tar")
+    digest: str = Field(description="our EROFS layer's digest")
+    reused: bool = Field(description="already converted here or in the layer store")
+    fetched_bytes: int
+    uncompressed_bytes: int
+    erofs_bytes: int
+    convert_seconds: float
+
+
+class PullResult(Reply):
+    """What a pull did: the image, and per layer whether it was converted or reused."""
+
+    image: ImageInfo
+    source: str = Field(description="the registry reference the image came from")
+    manifest_digest: str
+    layers: list[PullLayerReport]
+    bytes_fetched: int
+    seconds: float

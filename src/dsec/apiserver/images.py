@@ -16,6 +16,8 @@ from dsec.api.images import (
     BuildImageRequest,
     ComposeImageRequest,
     ImageInfo,
+    PullImageRequest,
+    PullResult,
     RegisterVMRequest,
     VMBlobInfo,
 )
@@ -24,6 +26,8 @@ from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import check_image_ref
 from dsec.apiserver.responses import images_response, model_response
+from dsec.errors import InvalidArgument
+from dsec.images.oci.auth import Credentials
 from dsec.images.service import ArchiveFormat, ImageService
 
 
@@ -51,6 +55,21 @@ def image_router(images: ImageService, auth: Authenticator, limits: ApiLimits) -
         ref = check_image_ref(body.name) if body.name is not None else None
         info = await images.build(body.recipe, ref=ref, rebuild=body.rebuild)
         return model_response(info)
+
+    @router.post("/pull", response_model=PullResult, summary="Pull an image from a registry")
+    async def pull_image(body: PullImageRequest) -> Response:
+        """OCI distribution protocol; each registry layer becomes one EROFS layer, shared
+        by every image with the same layer. Stored under the reference as given."""
+        ref = check_image_ref(body.ref)
+        if (body.username is None) != (body.password is None):
+            raise InvalidArgument("give both a username and a password, or neither")
+        creds = (
+            Credentials(body.username, body.password)
+            if body.username is not None and body.password is not None
+            else None
+        )
+        result = await images.pull(ref, credentials=creds, streaming=body.streaming)
+        return model_response(result)
 
     @router.put(
         "/import",

@@ -1,4 +1,4 @@
-"""`dsec image ...`: import, import-vm, build, ls, rm."""
+"""`dsec image ...`: pull, import, import-vm, build, ls, rm."""
 
 from __future__ import annotations
 
@@ -42,6 +42,37 @@ def _describe(info: ImageInfo) -> str:
     return (
         f"{info.ref}  {info.digest[:19]}  {len(info.layers)} layer(s)  "
         f"{human_bytes(info.size_bytes)}"
+    )
+
+
+@app.command("pull")
+def pull(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="[registry[:port]/]path[:tag][@sha256:<hex>] to pull")],
+    username: Annotated[
+        str | None, typer.Option("--username", "-u", help="registry user (for this pull)")
+    ] = None,
+    password_stdin: Annotated[
+        bool, typer.Option("--password-stdin", help="read the registry password from stdin")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Pull an image from an OCI registry onto the platform (no Docker daemon).
+
+    Plain-HTTP registries must be named when the platform starts
+    (`dsec up --insecure-registry HOST:PORT`); credentials come from --username and
+    --password-stdin, else the platform's credentials file (Docker config.json)."""
+    password = typer.get_text_stream("stdin").read().rstrip("\n") if password_stdin else None
+    if (username is None) != (password is None):
+        raise typer.BadParameter("--username and --password-stdin go together")
+    with sync_client(ctx) as client, err.status(f"pulling {ref}"):
+        result = client.pull_image(ref, username=username, password=password)
+    reused = sum(layer.reused for layer in result.layers)
+    emit(
+        result,
+        f"pulled {_describe(result.image)}: {len(result.layers)} registry layer(s), "
+        f"{reused} reused, {human_bytes(result.bytes_fetched)} fetched in {result.seconds:.1f}s",
+        as_json,
     )
 
 

@@ -23,6 +23,7 @@ from dsec.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     PlatformConfig,
+    parse_mirrors,
     save_client_config,
 )
 from dsec.edge.identity import check_edge_id
@@ -79,6 +80,26 @@ def up(
     layer_cache_gib: Annotated[
         float | None, typer.Option("--layer-cache-gib", help="host layer cache budget (GiB)")
     ] = None,
+    insecure_registry: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--insecure-registry",
+            help="HOST:PORT of an OCI registry to pull from over plain HTTP (repeatable)",
+        ),
+    ] = None,
+    registry_auth_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--registry-auth-file", help="registry credentials, Docker config.json format"
+        ),
+    ] = None,
+    registry_mirror: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--registry-mirror",
+            help="REGISTRY=URL: try this mirror before the registry (repeatable)",
+        ),
+    ] = None,
     save_config: Annotated[
         bool,
         typer.Option(
@@ -127,6 +148,16 @@ def up(
         config.layer_store = layer_store
     if layer_store_token is not None:
         config.layer_store_token = layer_store_token
+    if insecure_registry:
+        config.insecure_registries = [*config.insecure_registries, *insecure_registry]
+    if registry_auth_file is not None:
+        config.registry_auth_file = registry_auth_file
+    for mirror in registry_mirror or []:
+        try:
+            for reg, urls in parse_mirrors(mirror).items():
+                config.registry_mirrors.setdefault(reg, []).extend(urls)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--registry-mirror") from None
     if backends is not None:
         config.backends = [b.strip() for b in backends.split(",") if b.strip()]
     if layer_cache_gib is not None:

@@ -394,12 +394,13 @@ def decompress(src: Path, dest: Path, kind: str) -> None:
         raise ImageBuildError(f"cannot decompress the {kind} archive: {exc}") from exc
 
 
-class _HashingReader(io.RawIOBase):
+class HashingReader(io.RawIOBase):
     """Hashes what tarfile reads so a layer blob can be checked against its digest."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
         self.hash = hashlib.sha256()
+        self.size = 0
 
     def readable(self) -> bool:
         return True
@@ -409,6 +410,7 @@ class _HashingReader(io.RawIOBase):
         n = len(data)
         buf[:n] = data
         self.hash.update(data)
+        self.size += n
         return n
 
 
@@ -548,7 +550,7 @@ def _apply_layer(
     digest: str | None,
     on_entry: Callable[[int], None] | None,
 ) -> None:
-    hashing = _HashingReader(stream)
+    hashing = HashingReader(stream)
     buffered = io.BufferedReader(hashing, CHUNK)
     if buffered.peek(4)[:4] == b"\x28\xb5\x2f\xfd":
         raise ImageBuildError(f"{what} is zstd-compressed, which is not supported yet")

@@ -31,16 +31,21 @@ from typing import ParamSpec, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from dsec.api.fields import parse_image_ref
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.spec import LayeredRunArgs
 from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument
 from dsec.images import builders, vmdisk
+from dsec.images.chunkindex import DEFAULT_CHUNK_SIZE, build_index
 from dsec.images.extract import default_config, unpack_archive
 from dsec.images.hostlayers import HostLayers
 from dsec.images.layer_registry import LayerRegistry
 from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.mounts import LayerMounts
+from dsec.images.oci.auth import Credentials
+from dsec.images.oci.client import RegistrySettings
+from dsec.images.oci.pull import Puller
+from dsec.images.oci.reference import names_registry
 from dsec.images.registry import ImageRow, NewLayer, Registry, manifest_layers, utc
 from dsec.images.remote.client import RemoteStore
 from dsec.images.service import ArchiveFormat, Progress, Recipe
@@ -112,6 +117,7 @@ class Images:
         remote: RemoteStore | None = None,
         lazy: LazyDaemon | None = None,
         cache_bytes: int = 20 << 30,
+        registries: RegistrySettings | None = None,
     ) -> None:
         self.root = Path(os.path.abspath(root))
         self.store = LayerStore(self.root)
@@ -135,6 +141,9 @@ class Images:
         self._lock = asyncio.Lock()  # registry writes and garbage collection
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._pending: set[str] = set()  # built, not yet registered: never collected
+        self._held: dict[str, int] = {}  # digests a pull in flight will reference
+        self.puller = Puller(self, registries or RegistrySettings())
+        self._pull_locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     # -- lifecycle --
 
@@ -181,6 +190,50 @@ class Images:
                 raise await self._not_found(name, tag)
         return info.model_copy(deep=True)
 
+    async def ensure(self, ref: str) -> ImageInfo:
+        """Resolve ``ref`` here, or pull it when it names a registry (a registry host or
+        a digest) and is not here yet: what a run spec and a Dockerfile ``FROM`` use.
+        Plain local names (``busybox:latest``) are never pulled implicitly."""
+        try:
+            return await self.resolve(ref)
+        except ImageNotFound:
+            if not names_registry(ref):
+                raise
+        return (await self.pull(ref, missing_only=True)).image
+
+    async def pull(
+        self,
+        ref: str,
+        *,
+        credentials: Credentials | None = None,
+        streaming: bool = True,
+        force: bool = False,
+        missing_only: bool = False,
+    ) -> PullResult:
+        """Pull ``ref`` from its registry (dsec.images.oci.pull) and store it under the
+        name it was asked by. Concurrent pulls of one reference share the work: the
+        second finds the first's image (unless ``force``: re-check the registry). A
+        tag is looked up in the registry again (it may have moved) unless
+        ``missing_only``; a digest never is."""
+        name, tag = _parse_ref(ref)
+        lock = self._pull_locks.setdefault((name, tag), asyncio.Lock())
+        async with lock:
+            if not force:
+                existing = await self._lookup(name, tag)
+                if existing is not None and (missing_only or tag.startswith("sha256-")):
+                    # a digest cannot move; a concurrent ensure() pulled it already
+                    return PullResult(
+                        image=existing.model_copy(deep=True),
+                        source=ref,
+                        manifest_digest="",
+                        layers=[],
+                        bytes_fetched=0,
+                        seconds=0.0,
+                    )
+            return await self.puller.pull(
+                ref, name, tag, credentials=credentials, streaming=streaming
+            )
+
     async def compose(self, spec: LayeredRunArgs) -> ImageInfo:
         """The image a sandbox starts from: base layers, then workspace, then toolkit.
 
@@ -189,7 +242,7 @@ class Images:
         keeps exactly the layers it started with when a tag moves on.
         """
         try:
-            base = await self.resolve(spec.image_ref)
+            base = await self.ensure(spec.image_ref)
         except ImageNotFound as exc:
             try:
                 as_layer = LayerRef.parse(spec.image_ref)
@@ -344,7 +397,7 @@ class Images:
             on_disk = set(await asyncio.to_thread(self.store.digests))
             now = time.time()
             forget: builtins.list[str] = []
-            for digest in sorted((known | on_disk) - referenced - self._pending):
+            for digest in sorted((known | on_disk) - referenced - self._pending - set(self._held)):
                 if digest in on_disk:
                     if digest not in known and not self._older_than_grace(digest, now):
                         continue
@@ -597,6 +650,54 @@ class Images:
                 report("using the cached debootstrap tree", 0, None)
             report("building EROFS layer", 0, 1)
             return await self._build_layer(tree)
+
+    # -- for importers of this package (dsec.images.oci) --
+
+    @contextlib.asynccontextmanager
+    async def temp_dir(self) -> AsyncIterator[Path]:
+        """A private scratch directory in the store's file system, removed after."""
+        async with self._temp_dir() as path:
+            yield path
+
+    async def build_layer(self, tree: Path) -> str:
+        """mkfs.erofs ``tree`` into the store; held (never collected) until released."""
+        digest = await self._build_layer(tree)
+        self.hold(digest)
+        self._pending.discard(digest)
+        return digest
+
+    def hold(self, digest: str) -> None:
+        """Keep ``digest`` from garbage collection until ``release`` (counted, so that
+        two pulls sharing a layer each hold it)."""
+        self._held[digest] = self._held.get(digest, 0) + 1
+
+    def release(self, digest: str) -> None:
+        left = self._held.get(digest, 0) - 1
+        if left > 0:
+            self._held[digest] = left
+        else:
+            self._held.pop(digest, None)
+
+    async def commit(
+        self, name: str, tag: str, layers: builtins.list[NewLayer], config: dict[str, object]
+    ) -> ImageInfo:
+        """Tag ``layers`` (bottom first, all in the store) as image ``name:tag``."""
+        return await self._commit(name, tag, layers, config)
+
+    async def publish_layer(self, info: LayerInfo) -> None:
+        """Blob, chunk index and record of a layer to the shared store, if there is one
+        (then other hosts find it by name and load it lazily)."""
+        if self.remote is None:
+            return
+        blob = await asyncio.to_thread(self.store.verify, info.digest)
+        index = await asyncio.to_thread(build_index, blob, DEFAULT_CHUNK_SIZE)
+        await self.layer_registry.put_index(info.digest, index.digest, index.chunk_size)
+        self.indexes[info.digest] = index.digest
+        info = info.model_copy(update={"index_digest": index.digest})
+        await self.remote.push_blob(info.digest, blob)
+        await self.remote.push_index(info.digest, index.to_bytes())
+        await self.remote.put_ref(info)
+        await self.record_layer(info)
 
     # -- internals --
 

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from dsec.api.images import ImageInfo
+from dsec.api.images import ImageInfo, PullResult
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.spec import LayeredRunArgs
+from dsec.images.oci.auth import Credentials
 from dsec.images.vmdisk import VMMachine
 
 # Called with (step description, done units, total units or None) during long work.
@@ -33,6 +34,16 @@ class ImageService(Protocol):
         ...
 
     async def list(self) -> list[ImageInfo]: ...
+
+    async def pull(
+        self, ref: str, *, credentials: Credentials | None = None, streaming: bool = True
+    ) -> PullResult:
+        """Pull from an OCI registry (dsec.images.oci)."""
+        ...
+
+    async def ensure(self, ref: str) -> ImageInfo:
+        """Resolve, or pull a registry reference that is not here yet."""
+        ...
 
     async def remove(self, ref: str) -> ImageInfo:
         """Forget the tag; layers no image references are deleted once unmounted."""

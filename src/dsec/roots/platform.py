@@ -47,6 +47,7 @@ from dsec.edge.state import EdgeStateDB
 from dsec.fncall.service import FnCallService
 from dsec.hostlimits import check_host
 from dsec.images.images import Images
+from dsec.images.oci.client import RegistrySettings
 from dsec.net.manager import NetworkManager
 from dsec.observe.metrics import GaugeCollector, fncall_gauges, layer_cache_gauges
 from dsec.resources import cgroups
@@ -113,6 +114,15 @@ def layer_store_options(config: PlatformConfig) -> dict[str, Any]:
     }
 
 
+def registry_settings(config: PlatformConfig) -> RegistrySettings:
+    """How this host pulls from OCI registries (dsec image pull)."""
+    return RegistrySettings(
+        auth_file=config.registry_auth_file,
+        insecure=frozenset(config.insecure_registries),
+        mirrors=dict(config.registry_mirrors),
+    )
+
+
 @dataclass
 class Platform:
     config: PlatformConfig
@@ -173,7 +183,12 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
         iam = IAM(engine)
         await iam.ensure_bootstrap()
         roles = RoleStore(iam)
-        images = Images(config.images_dir, engine, **layer_store_options(config))
+        images = Images(
+            config.images_dir,
+            engine,
+            registries=registry_settings(config),
+            **layer_store_options(config),
+        )
         await images.open()
         host = cgroups.detect()
         if config.tune_host:

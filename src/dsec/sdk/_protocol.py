@@ -24,6 +24,8 @@ from dsec.api.images import (
     ComposeImageRequest,
     ImageConfigSpec,
     ImageInfo,
+    PullImageRequest,
+    PullResult,
     RegisterVMRequest,
     VMBlobInfo,
 )
@@ -373,6 +375,33 @@ def build_image(
         "POST",
         "/v1/images/build",
         _model(ImageInfo),
+        content=body.model_dump_json().encode(),
+        headers=_JSON_HEADERS,
+        timeout=wait_timeout(timeout),
+    )
+
+
+def pull_image(
+    ref: str,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    streaming: bool = True,
+    timeout: float | None = None,
+) -> Call[PullResult]:
+    image_path(ref)
+    try:
+        body = PullImageRequest.model_validate(
+            {"ref": ref, "username": username, "password": password, "streaming": streaming}
+        )
+    except ValidationError as exc:
+        raise invalid(exc) from None
+    if (username is None) != (password is None):
+        raise InvalidArgument("give both a username and a password, or neither")
+    return Call(
+        "POST",
+        "/v1/images/pull",
+        _model(PullResult),
         content=body.model_dump_json().encode(),
         headers=_JSON_HEADERS,
         timeout=wait_timeout(timeout),

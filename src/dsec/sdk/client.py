@@ -17,7 +17,7 @@ import httpx
 
 from dsec.api.events import AuditKind, AuditRecord
 from dsec.api.health import HealthInfo
-from dsec.api.images import ImageConfigSpec, ImageInfo
+from dsec.api.images import ImageConfigSpec, ImageInfo, PullResult
 from dsec.api.sandbox import SandboxInfo, SandboxState, SandboxStats
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, RunArgs
 from dsec.api.verify import VerifyMode, VerifyResult
@@ -282,6 +282,23 @@ class DSecClient(
         """Tag layers already on the platform (digests, bottom first) as image ``ref``
         with ``config`` (env, workdir, user, cmd ...): a Dockerfile build's last step."""
         return await self._send(proto.compose_image(ref, layers, config))
+
+    async def pull_image(
+        self,
+        ref: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        streaming: bool = True,
+        timeout: float | None = None,
+    ) -> PullResult:
+        """Pull ``[registry[:port]/]path[:tag][@sha256:..]`` from its OCI registry onto
+        the platform (credentials: these, else the platform's credentials file)."""
+        return await self._send(
+            proto.pull_image(
+                ref, username=username, password=password, streaming=streaming, timeout=timeout
+            )
+        )
 
     async def import_image(
         self,

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from dsec.api.fields import ENV_KEY_RE
+from dsec.api.fields import ENV_KEY_RE, names_registry
 from dsec.api.images import ImageConfigSpec, ImageInfo
 from dsec.api.spec import DSecContainerRunArgs
-from dsec.errors import ImageBuildError, InvalidArgument, NotFound, Unsupported
+from dsec.errors import ImageBuildError, ImageNotFound, InvalidArgument, NotFound, Unsupported
 
 if TYPE_CHECKING:
     from dsec.sdk.client import DSecClient, Sandbox
@@ -115,10 +115,15 @@ class _State:
 
 
 async def resolve_base(client: DSecClient, ref: str) -> ImageInfo:
-    """What ``FROM ref`` names: the platform's own resolution of image names (local
-    images such as ``busybox:latest``). The one place to switch to pulling from a
-    registry (``Images.ensure``) when that exists."""
-    return await client.get_image(ref)
+    """What ``FROM ref`` names: an image on the platform (``busybox:latest``), or a
+    registry reference not here yet, which the platform pulls (as a run spec naming
+    it would). A plain local name that is missing stays a clear ImageNotFound."""
+    try:
+        return await client.get_image(ref)
+    except ImageNotFound:
+        if not names_registry(ref):
+            raise
+    return (await client.pull_image(ref)).image
 
 
 def _parse(text: str) -> list[dict[str, Any]]:

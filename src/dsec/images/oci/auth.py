@@ -1,0 +1,171 @@
+"""Registry credentials and the challenges that ask for them.
+
+Credentials come from a Docker ``config.json`` (``{"auths": {"host": {"auth":
+base64(user:password)}}}`` or ``username``/``password`` fields; ``credHelpers`` and
+``credsStore`` are not run: the platform never executes a helper a config names) or
+from the caller of one pull. A registry answers 401 with ``WWW-Authenticate``:
+``Basic`` means send them with every request; ``Bearer realm=..,service=..,scope=..``
+means trade them (or nothing, for anonymous pulls) at the realm for a token, per the
+Docker token spec. Tokens are cached per registry and scope for their lifetime.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from dsec.errors import InvalidArgument, RegistryError
+
+# key="value" or key=token pairs of a challenge (RFC 7235 auth-params).
+_PARAM_RE = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
+DOCKER_HUB_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str
+    password: str
+
+    def basic(self) -> str:
+        raw = f"{self.username}:{self.password}".encode()
+        return "Basic " + base64.b64encode(raw).decode()
+
+
+def _host_key(key: str) -> str:
+    """``https://host:port/v1/`` -> ``host:port``; Docker Hub's aliases -> docker.io."""
+    if key in DOCKER_HUB_KEYS or key.rstrip("/") in DOCKER_HUB_KEYS:
+        return "docker.io"
+    host = key.split("://", 1)[-1].split("/", 1)[0]
+    return "docker.io" if host in DOCKER_HUB_KEYS else host
+
+
+def load_docker_config(path: Path) -> dict[str, Credentials]:
+    """Registry host -> credentials from a Docker ``config.json``; a missing file is
+    no credentials, a malformed one a clear error."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read registry credentials {path}: {exc}") from None
+    auths = doc.get("auths") if isinstance(doc, dict) else None
+    out: dict[str, Credentials] = {}
+    if not isinstance(auths, dict):
+        return out
+    for key, entry in auths.items():
+        if not isinstance(entry, dict):
+            continue
+        user, password = entry.get("username"), entry.get("password")
+        if isinstance(entry.get("auth"), str) and entry["auth"]:
+            try:
+                user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                raise InvalidArgument(
+                    f"{path}: the auth entry of {key!r} is not base64(user:password)"
+                ) from None
+        if isinstance(user, str) and isinstance(password, str) and user:
+            out[_host_key(str(key))] = Credentials(user, password)
+    return out
+
+
+def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """``Bearer realm="..",service=".."`` -> ("bearer", {...})."""
+    scheme, _, rest = header.strip().partition(" ")
+    params = {
+        m.group(1).lower(): (m.group(2) if m.group(2) is not None else m.group(3))
+        for m in _PARAM_RE.finditer(rest)
+    }
+    return scheme.lower(), params
+
+
+class Authorizer:
+    """The ``Authorization`` header for each registry, earned from its challenges."""
+
+    def __init__(self, credentials: dict[str, Credentials]) -> None:
+        self.credentials = credentials
+        self._headers: dict[tuple[str, str], tuple[str, float]] = {}
+
+    def header(self, registry: str, scope: str) -> str | None:
+        """A cached header for this registry and scope, if still valid."""
+        hit = self._headers.get((registry, scope))
+        if hit is None or hit[1] < time.monotonic():
+            return None
+        return hit[0]
+
+    async def answer(
+        self, http: httpx.AsyncClient, registry: str, scope: str, challenge: str
+    ) -> str:
+        """Turn a 401's challenge into a header (and remember it)."""
+        scheme, params = parse_challenge(challenge)
+        creds = self.credentials.get(registry)
+        if scheme == "basic":
+            if creds is None:
+                raise RegistryError(
+                    f"registry {registry} needs a user name and password: add them to the "
+                    "registry credentials file (Docker config.json format) or pass them "
+                    "to the pull",
+                    registry=registry,
+                )
+            value, ttl = creds.basic(), 3600.0
+        elif scheme == "bearer":
+            value, ttl = await self._token(http, registry, scope, params, creds)
+        else:
+            raise RegistryError(
+                f"registry {registry} asks for unsupported authentication {scheme!r}",
+                registry=registry,
+            )
+        self._headers[(registry, scope)] = (value, time.monotonic() + max(ttl - 10.0, 1.0))
+        return value
+
+    async def _token(
+        self,
+        http: httpx.AsyncClient,
+        registry: str,
+        scope: str,
+        params: dict[str, str],
+        creds: Credentials | None,
+    ) -> tuple[str, float]:
+        realm = params.get("realm")
+        if not realm or not realm.startswith(("https://", "http://")):
+            raise RegistryError(
+                f"registry {registry} sent a bearer challenge without a usable realm",
+                registry=registry,
+            )
+        query = {"scope": params.get("scope") or scope}
+        if params.get("service"):
+            query["service"] = params["service"]
+        headers = {"Authorization": creds.basic()} if creds is not None else {}
+        try:
+            resp = await http.get(realm, params=query, headers=headers)
+        except httpx.HTTPError as exc:
+            raise RegistryError(
+                f"token server {realm} of {registry} unreachable: {exc}", registry=registry
+            ) from None
+        if resp.status_code in (401, 403):
+            raise RegistryError(
+                f"registry {registry} refused the credentials for {query['scope']} "
+                f"(token server answered {resp.status_code})",
+                registry=registry,
+            )
+        if resp.status_code != 200:
+            raise RegistryError(
+                f"token server {realm} of {registry} answered {resp.status_code}",
+                registry=registry,
+            )
+        try:
+            doc = resp.json()
+        except ValueError:
+            doc = None
+        token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
+        if not isinstance(token, str) or not token:
+            raise RegistryError(f"token server {realm} sent no token", registry=registry)
+        expires = doc.get("expires_in") if isinstance(doc, dict) else None
+        ttl = float(expires) if isinstance(expires, int | float) and expires > 0 else 60.0
+        return f"Bearer {token}", ttl
