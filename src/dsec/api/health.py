@@ -28,6 +28,9 @@ class HealthInfo(Reply):
     edge: str
     sandboxes_running: int
     capacity: int
+    # Admission's inputs (dsec.edge.admission.Admission.report): the capacity and the
+    # resource that limits it, commitments, MemAvailable and memory pressure (PSI).
+    admission: dict[str, float | int | str] = {}
     degraded: list[Degradation] = []
     # The backends this edge runs (probed at start), and why each other one is not.
     backends: list[str] = []

@@ -70,6 +70,11 @@ class JobResumeReport(Reply):
     resumed: int
     duration: float
     sandbox_ids: list[str] = Field(default_factory=list)
+    prefetched_bytes: int = Field(
+        0,
+        description="bytes of the resumed sandboxes' mappings read back from swap ahead "
+        "of use (MADV_WILLNEED), within ``duration``; 0 with DSEC_RESUME_PREFETCH=0",
+    )
 
 
 class PackRequest(Strict):

@@ -13,7 +13,8 @@ a restore can fail. What a pause can give back depends on the host:
   or zswap in front of a swap device). Without swap it stays resident, whatever the
   cgroup interface: the report says ``swap_available=False`` and shows what stayed
   (``anon_bytes``), rather than claiming a reclaim that did not happen.
-* with swap (``DSEC_SWAP_FILE``, dsec.resources.swap, or the operator's own), v1: the
+* with swap (by default the platform's own file, dsec.resources.swap; or
+  ``DSEC_SWAP_FILE``, or the operator's own), v1: the
   frozen cgroup's ``memory.swappiness`` is raised for the time of a ``force_empty`` (the
   platform keeps running sandboxes at 0, and a cgroup reclaim at 0 never swaps), which
   then swaps anon and tmpfs pages out until the cgroup is empty. Where the time goes
@@ -33,6 +34,10 @@ a restore can fail. What a pause can give back depends on the host:
   on resume; swap does not count against a v1 sandbox (no ``memsw`` limit is set), so
   swapping back in on access cannot OOM it. v2: ``memory.reclaim`` with
   ``swappiness=`` (kernels that know it), else without.
+
+Resume reads the swapped memory back ahead of use (``MADV_WILLNEED`` through
+process_madvise, dsec.resources.prefetch): a job resume waits for the reads to be
+queued before it answers, a thaw by a request starts them beside the request.
 
 State machine: RUNNING -> PAUSED (frozen, persisted in edge.db) -> RUNNING. The freeze
 itself runs on the event loop (sub-millisecond), so a request can never slip between
@@ -85,9 +90,14 @@ def check_job_id(job_id: str) -> str:
 class JobControl:
     """Pause/resume of one edge's sandboxes by job; owned by the Edge."""
 
-    def __init__(self, edge: Edge) -> None:
+    def __init__(self, edge: Edge, *, prefetch: bool = True) -> None:
         self.edge = edge
         self._reclaims = asyncio.Semaphore(RECLAIM_CONCURRENCY)
+        # Resume prefetch (dsec.resources.prefetch): a job resume reads the sandboxes'
+        # swapped memory back before it answers; a thaw by a request starts it beside
+        # the request (which must not wait for the whole sandbox).
+        self.prefetch = prefetch
+        self._prefetches: set[asyncio.Task[int]] = set()
 
     def _job(self, job_id: str, states: set[SandboxState]) -> list[SandboxRecord]:
         return self.edge.records_of_job(job_id, states)
@@ -184,15 +194,38 @@ class JobControl:
     async def resume_job(self, job_id: str) -> JobResumeReport:
         check_job_id(job_id)
         start = time.perf_counter()
-        ids = []
+        thawed = []
         for rec in self._job(job_id, {SandboxState.PAUSED}):
-            if self.thaw(rec, cause="resume_job"):
-                ids.append(rec.id)
+            if self.thaw(rec, cause="resume_job", prefetch=False):
+                thawed.append(rec)
+        advised = 0
+        if self.prefetch and thawed:
+            sem = asyncio.Semaphore(RECLAIM_CONCURRENCY)
+
+            async def one(rec: SandboxRecord) -> int:
+                async with sem:
+                    return await self._prefetch(rec)
+
+            advised = sum(await asyncio.gather(*(one(r) for r in thawed)))
         return JobResumeReport(
-            job_id=job_id, resumed=len(ids), duration=time.perf_counter() - start, sandbox_ids=ids
+            job_id=job_id,
+            resumed=len(thawed),
+            duration=time.perf_counter() - start,
+            sandbox_ids=[r.id for r in thawed],
+            prefetched_bytes=advised,
         )
 
-    def thaw(self, rec: SandboxRecord, *, cause: str) -> bool:
+    async def _prefetch(self, rec: SandboxRecord) -> int:
+        """Read ``rec``'s swapped memory back ahead of use; bytes advised (0: none)."""
+        try:
+            return await self.edge.backend_of(rec).prefetch(rec)
+        except Unsupported:
+            return 0
+        except Exception as exc:  # gone meanwhile; a kernel without process_madvise
+            log.debug("resume prefetch of %s: %s", rec.id, exc)
+            return 0
+
+    def thaw(self, rec: SandboxRecord, *, cause: str, prefetch: bool = True) -> bool:
         """PAUSED -> RUNNING, synchronously (one freezer write, one edge.db row): this
         is what makes the next request to a paused sandbox resume it transparently."""
         if rec.state is not SandboxState.PAUSED:
@@ -204,6 +237,11 @@ class JobControl:
         for listener in self.edge.thaw_listeners:  # e.g. the data plane's live restore
             listener(rec.id)
         took = time.perf_counter() - t0
+        if prefetch and self.prefetch:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to run it on
+                task = asyncio.get_running_loop().create_task(self._prefetch(rec))
+                self._prefetches.add(task)
+                task.add_done_callback(self._prefetches.discard)
         self.edge.metrics.resumed(str(rec.spec.backend), took)
         self.edge.audit.record(
             rec.id,
