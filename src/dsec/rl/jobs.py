@@ -36,8 +36,9 @@ a restore can fail. What a pause can give back depends on the host:
   ``swappiness=`` (kernels that know it), else without.
 
 Resume reads the swapped memory back ahead of use (``MADV_WILLNEED`` through
-process_madvise, dsec.resources.prefetch): a job resume waits for the reads to be
-queued before it answers, a thaw by a request starts them beside the request.
+process_madvise, dsec.resources.prefetch): a job resume waits up to PREFETCH_WAIT for
+the reads to be queued before it answers, a thaw by a request starts them beside the
+request.
 
 State machine: RUNNING -> PAUSED (frozen, persisted in edge.db) -> RUNNING. The freeze
 itself runs on the event loop (sub-millisecond), so a request can never slip between
@@ -76,6 +77,9 @@ log = logging.getLogger(__name__)
 # through a loop device: 18.5-20.5 ms per cgroup 2 at a time, 14-17 ms 4 at a time.
 # 4 KiB pages are CPU-bound (~4 us each): there, more in flight only stretches each.
 RECLAIM_CONCURRENCY = max(2, min(8, 2 * (os.cpu_count() or 1)))
+# How long a job resume waits for its sandboxes' prefetch before it answers (the rest
+# goes on in the background).
+PREFETCH_WAIT = 2.0
 
 
 def check_job_id(job_id: str) -> str:
@@ -98,6 +102,7 @@ class JobControl:
         # the request (which must not wait for the whole sandbox).
         self.prefetch = prefetch
         self._prefetches: set[asyncio.Task[int]] = set()
+        self._prefetch_slots = asyncio.Semaphore(RECLAIM_CONCURRENCY)
 
     def _job(self, job_id: str, states: set[SandboxState]) -> list[SandboxRecord]:
         return self.edge.records_of_job(job_id, states)
@@ -198,27 +203,34 @@ class JobControl:
         for rec in self._job(job_id, {SandboxState.PAUSED}):
             if self.thaw(rec, cause="resume_job", prefetch=False):
                 thawed.append(rec)
-        advised = 0
+        advised, pending = 0, 0
         if self.prefetch and thawed:
-            sem = asyncio.Semaphore(RECLAIM_CONCURRENCY)
-
-            async def one(rec: SandboxRecord) -> int:
-                async with sem:
-                    return await self._prefetch(rec)
-
-            advised = sum(await asyncio.gather(*(one(r) for r in thawed)))
+            # Waited for up to PREFETCH_WAIT: a job of 100 x 256 MiB reads 25 GiB back,
+            # the answer must not wait for all of it; the rest goes on behind it.
+            tasks = [self._start_prefetch(r) for r in thawed]
+            done, rest = await asyncio.wait(tasks, timeout=PREFETCH_WAIT)
+            advised = sum(t.result() for t in done if not t.cancelled())
+            pending = len(rest)
         return JobResumeReport(
             job_id=job_id,
             resumed=len(thawed),
             duration=time.perf_counter() - start,
             sandbox_ids=[r.id for r in thawed],
             prefetched_bytes=advised,
+            prefetch_pending=pending,
         )
+
+    def _start_prefetch(self, rec: SandboxRecord) -> asyncio.Task[int]:
+        task = asyncio.get_running_loop().create_task(self._prefetch(rec))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+        return task
 
     async def _prefetch(self, rec: SandboxRecord) -> int:
         """Read ``rec``'s swapped memory back ahead of use; bytes advised (0: none)."""
         try:
-            return await self.edge.backend_of(rec).prefetch(rec)
+            async with self._prefetch_slots:
+                return await self.edge.backend_of(rec).prefetch(rec)
         except Unsupported:
             return 0
         except Exception as exc:  # gone meanwhile; a kernel without process_madvise
@@ -239,9 +251,7 @@ class JobControl:
         took = time.perf_counter() - t0
         if prefetch and self.prefetch:
             with contextlib.suppress(RuntimeError):  # no loop: nothing to run it on
-                task = asyncio.get_running_loop().create_task(self._prefetch(rec))
-                self._prefetches.add(task)
-                task.add_done_callback(self._prefetches.discard)
+                self._start_prefetch(rec)
         self.edge.metrics.resumed(str(rec.spec.backend), took)
         self.edge.audit.record(
             rec.id,
