@@ -93,7 +93,7 @@ async def run_mode(mode: str, n: int, mib: int, swap_gb: int) -> dict[str, objec
             await client.build_image("busybox")
             job = f"pause-{mode}"
             spec = DSecContainerRunArgs(
-                container_image="busybox:latest", memory_limit_mb=mib + 64, job_id=job
+                container_image="busybox:latest", memory_limit_mb=2 * mib + 64, job_id=job
             )
             sem = asyncio.Semaphore(8)
 

@@ -348,9 +348,12 @@ class Backend(ABC):
         (dsec.edge.idle)."""
         raise Unsupported(f"the {self.kind} backend cannot reclaim an idle sandbox yet")
 
-    async def prefetch(self, rec: SandboxRecord) -> int:
+    async def prefetch(
+        self, rec: SandboxRecord, *, swapped: tuple[int, int | None] = (0, None)
+    ) -> int:
         """After a resume: read the sandbox's swapped-out memory back ahead of use
-        (dsec.resources.prefetch); bytes of mappings advised."""
+        (dsec.resources.prefetch); bytes of mappings advised. ``swapped`` = (lo, hi):
+        only processes with more than lo and at most hi bytes in swap."""
         raise Unsupported(f"the {self.kind} backend cannot prefetch a resumed sandbox")
 
     def resume(self, rec: SandboxRecord) -> None:

@@ -80,6 +80,11 @@ RECLAIM_CONCURRENCY = max(2, min(8, 2 * (os.cpu_count() or 1)))
 # How long a job resume waits for its sandboxes' prefetch before it answers (the rest
 # goes on in the background).
 PREFETCH_WAIT = 2.0
+# A resume prefetches processes with at most this much in swap first, in every sandbox
+# of the job, before any larger one (the agent and shells before the heaps).
+SMALL_PROCESS_BYTES = 16 << 20
+SMALL = (0, SMALL_PROCESS_BYTES)
+LARGE = (SMALL_PROCESS_BYTES, None)
 
 
 def check_job_id(job_id: str) -> str:
@@ -207,9 +212,14 @@ class JobControl:
         if self.prefetch and thawed:
             # Waited for up to PREFETCH_WAIT: a job of 100 x 256 MiB reads 25 GiB back,
             # the answer must not wait for all of it; the rest goes on behind it.
-            tasks = [self._start_prefetch(r) for r in thawed]
+            # First every sandbox's small processes (the agent, shells: what the next
+            # command needs), then the large heaps, which would otherwise queue
+            # gigabytes of reads ahead of them (bench/bench_pause.py).
+            small = [self._start_prefetch(r, SMALL) for r in thawed]
+            await asyncio.wait(small, timeout=PREFETCH_WAIT)
+            tasks = [self._start_prefetch(r, LARGE, after=small[i]) for i, r in enumerate(thawed)]
             done, rest = await asyncio.wait(tasks, timeout=PREFETCH_WAIT)
-            advised = sum(t.result() for t in done if not t.cancelled())
+            advised = sum(t.result() for t in (*small, *done) if t.done() and not t.cancelled())
             pending = len(rest)
         return JobResumeReport(
             job_id=job_id,
@@ -220,17 +230,31 @@ class JobControl:
             prefetch_pending=pending,
         )
 
-    def _start_prefetch(self, rec: SandboxRecord) -> asyncio.Task[int]:
-        task = asyncio.get_running_loop().create_task(self._prefetch(rec))
+    def _start_prefetch(
+        self,
+        rec: SandboxRecord,
+        swapped: tuple[int, int | None],
+        *,
+        after: asyncio.Task[int] | None = None,
+    ) -> asyncio.Task[int]:
+        task = asyncio.get_running_loop().create_task(self._prefetch(rec, swapped, after=after))
         self._prefetches.add(task)
         task.add_done_callback(self._prefetches.discard)
         return task
 
-    async def _prefetch(self, rec: SandboxRecord) -> int:
+    async def _prefetch(
+        self,
+        rec: SandboxRecord,
+        swapped: tuple[int, int | None],
+        *,
+        after: asyncio.Task[int] | None = None,
+    ) -> int:
         """Read ``rec``'s swapped memory back ahead of use; bytes advised (0: none)."""
+        if after is not None:
+            await asyncio.wait([after])
         try:
             async with self._prefetch_slots:
-                return await self.edge.backend_of(rec).prefetch(rec)
+                return await self.edge.backend_of(rec).prefetch(rec, swapped=swapped)
         except Unsupported:
             return 0
         except Exception as exc:  # gone meanwhile; a kernel without process_madvise
@@ -251,7 +275,8 @@ class JobControl:
         took = time.perf_counter() - t0
         if prefetch and self.prefetch:
             with contextlib.suppress(RuntimeError):  # no loop: nothing to run it on
-                self._start_prefetch(rec)
+                small = self._start_prefetch(rec, SMALL)
+                self._start_prefetch(rec, LARGE, after=small)
         self.edge.metrics.resumed(str(rec.spec.backend), took)
         self.edge.audit.record(
             rec.id,

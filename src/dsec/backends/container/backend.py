@@ -657,8 +657,10 @@ class ContainerBackend(AgentDataPath, Backend):
     async def reclaim_idle(self, rec: SandboxRecord, *, anon: bool) -> ReclaimFigures:
         return await freezer.reclaim_idle(self.cgroups, self.cgroup_of(rec.id), anon=anon)
 
-    async def prefetch(self, rec: SandboxRecord) -> int:
-        return await freezer.prefetch(self.cgroups, self.cgroup_of(rec.id))
+    async def prefetch(
+        self, rec: SandboxRecord, *, swapped: tuple[int, int | None] = (0, None)
+    ) -> int:
+        return await freezer.prefetch(self.cgroups, self.cgroup_of(rec.id), swapped=swapped)
 
     def resume(self, rec: SandboxRecord) -> None:
         freezer.resume(self.cgroups, self.cgroup_of(rec.id))

@@ -82,9 +82,13 @@ async def reclaim_idle(host: CgroupHost, rel: str, *, anon: bool) -> ReclaimFigu
     )
 
 
-async def prefetch(host: CgroupHost, rel: str) -> int:
-    """MADV_WILLNEED over every process of the (thawed) sandbox (dsec.resources.prefetch)."""
-    done = await asyncio.to_thread(lambda: readahead.prefetch(sorted(host.pids(rel))))
+async def prefetch(
+    host: CgroupHost, rel: str, *, swapped: tuple[int, int | None] = (0, None)
+) -> int:
+    """MADV_WILLNEED over the processes of the (thawed) sandbox (dsec.resources.prefetch)."""
+    done = await asyncio.to_thread(
+        lambda: readahead.prefetch(sorted(host.pids(rel)), swapped=swapped)
+    )
     return done.advised_bytes
 
 
