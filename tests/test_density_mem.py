@@ -226,3 +226,21 @@ def test_platform_swap_file_is_adopted_after_a_crash_and_removed(tmp_path: Path)
     finally:
         swap.remove_areas_below(tmp_path)
     assert {(s.filename, s.size_bytes) for s in swap.active_swaps()} <= before
+
+
+@pytest.mark.root
+async def test_refusal_under_memory_pressure_is_typed_over_http() -> None:
+    """DSEC_ADMISSION_PRESSURE=0: the host always counts as under memory pressure, so
+    after the idle reclaimer found nothing to give back, a create is refused with a
+    503 that names the resource (no sandbox is left behind)."""
+    with platform_process(DSEC_ADMISSION_PRESSURE="0") as plat:
+        client = DSecClient(plat.url, plat.api_key)
+        await client.open()
+        try:
+            await client.build_image("busybox")
+            with pytest.raises(AdmissionRejected, match="pressure") as err:
+                await client.run_container(DSecContainerRunArgs(container_image="busybox:latest"))
+            assert err.value.details["resource"] == "memory_pressure"
+            assert await client.list_sandboxes() == []
+        finally:
+            await client.close()
