@@ -155,9 +155,10 @@ async def test_pause_swaps_out_by_default_and_resume_prefetches(
 
         resumed = await client.resume_job(job)
         assert resumed.resumed == 1
-        assert resumed.prefetched_bytes >= 48 * MiB, resumed
+        # done within the answer's wait, or still going on behind it (a loaded disk)
+        assert resumed.prefetched_bytes >= 48 * MiB or resumed.prefetch_pending, resumed
         # Read back without any command run in the sandbox: the prefetch did it.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20
         while _usage(platform.edge_id, sb.id) < low + 32 * MiB:
             assert time.monotonic() < deadline, (low, _usage(platform.edge_id, sb.id))
             await asyncio.sleep(0.05)
@@ -210,8 +211,15 @@ async def test_idle_sandbox_gives_back_its_page_cache() -> None:
 
 @pytest.mark.root
 def test_platform_swap_file_is_adopted_after_a_crash_and_removed(tmp_path: Path) -> None:
-    before = {(s.filename, s.size_bytes) for s in swap.active_swaps()}
-    path = tmp_path / "swap" / "pause.swap"
+    def areas() -> set[tuple[str, int]]:  # not other platforms' own (they come and go)
+        return {
+            (s.filename, s.size_bytes)
+            for s in swap.active_swaps()
+            if not swap.area_file(s).endswith("/swap/pause.swap")
+        }
+
+    before = areas()
+    path = tmp_path / "swap" / "adopt.swap"
     first = swap.SwapFile(path, 64 * MiB, loop=True, managed=True)
     try:
         first.enable()
@@ -225,7 +233,7 @@ def test_platform_swap_file_is_adopted_after_a_crash_and_removed(tmp_path: Path)
         assert not any(swap.area_file(s) == str(path) for s in swap.active_swaps())
     finally:
         swap.remove_areas_below(tmp_path)
-    assert {(s.filename, s.size_bytes) for s in swap.active_swaps()} <= before
+    assert areas() == before
 
 
 @pytest.mark.root
