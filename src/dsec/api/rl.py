@@ -73,7 +73,7 @@ class JobResumeReport(Reply):
     prefetched_bytes: int = Field(
         0,
         description="bytes of the resumed sandboxes' mappings read back from swap ahead "
-        "of use (MADV_WILLNEED), within ``duration``; 0 with DSEC_RESUME_PREFETCH=0",
+        "of use (MADV_WILLNEED) by the time it answered; 0 with DSEC_RESUME_PREFETCH=0",
     )
     prefetch_pending: int = Field(
         0, description="sandboxes whose prefetch was still going on when this answered"
