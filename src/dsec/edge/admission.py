@@ -136,21 +136,20 @@ class Admission:
         if not self.measure_use:
             return
         available = self.read_available()
+        # The host's measured figures stay out of the refusal: a tenant could watch
+        # other tenants through them (the metrics have them, for the operator).
         if available < self.reserve_bytes + self.cost.host_memory_bytes:
             self._refuse(
                 "memory_available",
-                f"host memory is in use: {available // MiB} MiB available, "
-                f"{self.reserve_bytes // MiB} MiB kept for the host",
-                available_mb=available // MiB,
+                f"host memory is in use: less than the {self.reserve_bytes // MiB} MiB kept "
+                "for the host is available",
                 reserve_mb=self.reserve_bytes // MiB,
             )
         psi = self.read_pressure()
         if psi is not None and psi.some_avg10 >= self.pressure_limit:
             self._refuse(
                 "memory_pressure",
-                f"host memory is under pressure (PSI some avg10 {psi.some_avg10:.1f}% >= "
-                f"{self.pressure_limit:g}%)",
-                pressure_some_avg10=psi.some_avg10,
+                f"host memory is under pressure (PSI above {self.pressure_limit:g}%)",
                 pressure_limit=self.pressure_limit,
             )
 
@@ -238,21 +237,29 @@ class Admission:
             self.memory_mb += self.cost_mb(spec)
             self.cpu_cores += spec.cpu_cores_limit
 
-    def report(self) -> dict[str, float | int | str]:
-        """Capacity, commitments and the host's measured use (health and metrics)."""
+    def capacity_report(self) -> dict[str, float | int | str]:
+        """What this host admits and why: fixed at start, so fit for the
+        unauthenticated /v1/health (the host's measured use is not: a tenant could watch
+        other tenants through it; ``report`` and the metrics have it)."""
         out: dict[str, float | int | str] = {
             "capacity": self.max_sandboxes,
             "capacity_limited_by": self.capacity.by,
-            "admitted": self.count,
-            "memory_committed_mb": self.memory_mb,
             "memory_budget_mb": self.memory_budget_mb,
             "memory_overcommit": self.memory_overcommit,
-            "cpu_committed_cores": round(self.cpu_cores, 3),
             "cpu_overcommit": self.cpu_overcommit,
             "memory_reserve_mb": self.reserve_bytes // MiB,
+            "pressure_limit": self.pressure_limit,
         }
         for name, n in self.capacity.limits.items():
             out[f"capacity_by_{name}"] = n
+        return out
+
+    def report(self) -> dict[str, float | int | str]:
+        """``capacity_report`` with commitments and the host's measured use."""
+        out = self.capacity_report()
+        out["admitted"] = self.count
+        out["memory_committed_mb"] = self.memory_mb
+        out["cpu_committed_cores"] = round(self.cpu_cores, 3)
         out["memory_available_mb"] = self.read_available() // MiB
         psi = self.read_pressure()
         if psi is not None:

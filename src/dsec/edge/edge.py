@@ -786,7 +786,7 @@ class Edge:
                 1 for r in self._records.values() if r.state is SandboxState.RUNNING
             ),
             capacity=self.admission.max_sandboxes,
-            admission=self.admission.report(),
+            admission=self.admission.capacity_report(),
             degraded=degraded,
             backends=[k.value for k in self.backends],
             backends_unavailable={k.value: why for k, why in self.unavailable.items()},
