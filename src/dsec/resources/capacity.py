@@ -7,11 +7,13 @@ Two kinds of figure, both read from /proc (a few file reads, no syscall loop):
   the host memory an idle sandbox costs (kernel memory of its cgroups, namespaces and
   mounts plus its processes; 0.59-1.44 MiB measured here for idle busybox sandboxes,
   issue 19, so 1.5 MiB by default, ``DSEC_SANDBOX_HOST_COST_KB``). Tasks: ``pid_max``
-  and ``threads-max`` over the tasks of an idle sandbox (init, agent, a shell: 8 by
-  default). File descriptors: the system-wide ``file-max`` over a sandbox's, and the
-  edge's own ``RLIMIT_NOFILE`` over the fds the edge holds per sandbox (the seccomp
-  listener, the death-watch pidfd; root here cannot raise a hard rlimit). The smallest
-  of these is the sandbox-count limit, and the resource that set it is reported.
+  and ``threads-max`` over the tasks of an idle sandbox (measured: 1, its agent as
+  init; 2 by default, room for a command). File descriptors: the system-wide
+  ``file-max`` over a sandbox's, and the edge's own ``RLIMIT_NOFILE`` over the fds the
+  edge holds per idle sandbox (measured: 3, e.g. the seccomp listener and the
+  death-watch pidfd; root here cannot raise a hard rlimit, 20,000). The smallest of
+  these is the sandbox-count limit, and the resource that set it is reported. On this
+  host (pid_max 32,768, nofile 20,000, 24 GiB) that is 6,325, set by the edge's fds.
 * **use**: ``MemAvailable`` and the host's memory pressure stall information (PSI,
   ``/proc/pressure/memory``). cgroup v1 has no per-cgroup PSI, so the host's is used on
   every layout: it is what says the host as a whole is short, whatever the sandboxes'
@@ -88,9 +90,9 @@ class SandboxCost:
     measured defaults of the module doc)."""
 
     host_memory_bytes: int = 3 * MiB // 2
-    tasks: int = 8
+    tasks: int = 2
     files: int = 64
-    edge_fds: int = 4
+    edge_fds: int = 3
 
 
 @dataclass(frozen=True)
