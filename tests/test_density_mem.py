@@ -252,3 +252,30 @@ async def test_refusal_under_memory_pressure_is_typed_over_http() -> None:
             assert await client.list_sandboxes() == []
         finally:
             await client.close()
+
+
+def test_v2_idle_reclaim_asks_for_the_cold_bytes_only(tmp_path: Path) -> None:
+    """The v2 path, on a directory laid out as a v2 cgroup (this host's memory
+    controller is on v1): memory.reclaim is asked for the inactive bytes, with
+    swappiness=0 unless anonymous memory may go; nothing below 256 KiB of cache."""
+    from dsec.resources import reclaim
+    from dsec.resources.cgroups import CgroupHost, Layout
+
+    host = CgroupHost(Layout.V2, {}, tmp_path)
+    cg = tmp_path / "dsec" / "e" / "sb"
+    cg.mkdir(parents=True)
+    (cg / "memory.current").write_text(str(90 * MiB))
+    (cg / "memory.stat").write_text(
+        f"anon {20 * MiB}\nfile {70 * MiB}\nshmem 0\n"
+        f"inactive_anon {12 * MiB}\nactive_anon {8 * MiB}\n"
+        f"inactive_file {60 * MiB}\nactive_file {10 * MiB}\n"
+    )
+    (cg / "memory.reclaim").write_text("")
+    assert reclaim.reclaim_idle(host, "/dsec/e/sb", anon=False) == (90 * MiB, 90 * MiB)
+    assert (cg / "memory.reclaim").read_text() == f"{60 * MiB} swappiness=0"
+    reclaim.reclaim_idle(host, "/dsec/e/sb", anon=True)
+    assert (cg / "memory.reclaim").read_text() == f"{72 * MiB} swappiness=100"
+    (cg / "memory.stat").write_text("anon 1\nfile 4096\nshmem 0\ninactive_file 4096\n")
+    (cg / "memory.reclaim").write_text("")
+    reclaim.reclaim_idle(host, "/dsec/e/sb", anon=False)
+    assert (cg / "memory.reclaim").read_text() == ""  # too little to be worth it
