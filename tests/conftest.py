@@ -27,10 +27,14 @@ import pytest
 from dsec import linux
 from dsec.net.manager import host_leftovers as net_leftovers
 from dsec.net.manager import remove_leftovers as remove_net_leftovers
-from dsec.resources import cgroups
+from dsec.resources import cgroups, swap
 from dsec.resources.disk import loop_devices_backed_by
 from tests.fakenet import FakeService, catalog, fake_service, package_index
 from tests.pg import pg_url, postgres  # noqa: F401  (real PostgreSQL fixtures)
+
+# Every test platform turns on its own swap file (DSEC_SWAP=auto, dsec.resources.swap):
+# a small one, so that several platforms at once do not take the host's disk.
+os.environ.setdefault("DSEC_SWAP_GB", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -144,6 +148,11 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     crun_root = data_dir / "run" / "crun"
     if crun_root.is_dir():
         leaks.extend(f"runtime state {p.name}" for p in crun_root.iterdir() if p.is_dir())
+    leaks.extend(
+        f"swap area {a.filename}"
+        for a in swap.active_swaps()
+        if swap.area_file(a).startswith(str(data_dir).rstrip("/") + "/")
+    )
     leaks.extend(f"loop device {dev}" for dev in leaked_loops(data_dir))
     leaks.extend(net_leftovers(edge_id))  # nft table, veths and VM taps (dsec.net)
     leaks.extend(fncall_leftovers(data_dir, edge_id))
@@ -292,6 +301,7 @@ def clean_leftovers(data_dir: Path, edge_id: str) -> None:
     """Remove even what a stopped platform leaked (its sandboxes' processes, mounts,
     loop devices, helpers), so that one failure does not cascade into the next test."""
     remove_edge_cgroup(edge_id)  # kills the sandboxes' processes first
+    swap.remove_areas_below(data_dir)  # a killed platform's own swap file stays on
     for m in reversed(linux.mounts(data_dir)):
         with contextlib.suppress(OSError):
             linux.umount(m.mount_point, detach=True)

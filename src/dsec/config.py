@@ -90,13 +90,47 @@ class PlatformConfig:
             else None
         )
     )
-    max_sandboxes: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_MAX_SANDBOXES", "2000"))
+    # Admission (dsec.edge.admission): the sandbox-count limit is derived from what the
+    # host holds (dsec.resources.capacity) unless DSEC_MAX_SANDBOXES sets it.
+    max_sandboxes: int | None = field(
+        default_factory=lambda: (
+            int(os.environ["DSEC_MAX_SANDBOXES"]) if os.environ.get("DSEC_MAX_SANDBOXES") else None
+        )
     )
-    # Host memory times this is what admission commits (a container counts its limit;
-    # a VM, whose guest RAM stays resident, counts at full weight whatever this is).
+    # Host memory times this is what admission commits by limits, a backstop (a
+    # container counts its limit; a VM, whose guest RAM stays resident, counts at full
+    # weight whatever this is). Admission is by measured use first.
     memory_overcommit: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_MEMORY_OVERCOMMIT", "8.0"))
+        default_factory=lambda: float(os.environ.get("DSEC_MEMORY_OVERCOMMIT", "32"))
+    )
+    # Host cores times this bounds the sum of CPU limits; 0 (default): CPU, being
+    # compressible (QoS classes share it), is not admitted by.
+    cpu_overcommit: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_CPU_OVERCOMMIT", "0"))
+    )
+    # Host memory PSI ("some" avg10, percent) at which admission refuses, once the idle
+    # reclaimer could not bring it down.
+    admission_pressure: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_ADMISSION_PRESSURE", "60"))
+    )
+    # Host memory one idle sandbox costs (kernel and user), for the derived count limit.
+    sandbox_host_cost_kb: int = field(
+        default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_HOST_COST_KB", "1536"))
+    )
+    # Idle memory reclaim (dsec.edge.idle): a running sandbox with no data-path
+    # activity for this many seconds gives back its page cache (0: never); under host
+    # memory pressure above DSEC_RECLAIM_PRESSURE (PSI some avg10, percent) idle
+    # sandboxes' anonymous memory goes to swap too, longest idle first.
+    idle_reclaim_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_IDLE_RECLAIM_SECONDS", "300"))
+    )
+    reclaim_pressure: float = field(
+        default_factory=lambda: float(os.environ.get("DSEC_RECLAIM_PRESSURE", "10"))
+    )
+    # Resume prefetch: a resumed sandbox's swapped-out memory is read back ahead
+    # (MADV_WILLNEED through process_madvise), DSEC_RESUME_PREFETCH=0 turns it off.
+    resume_prefetch: bool = field(
+        default_factory=lambda: os.environ.get("DSEC_RESUME_PREFETCH", "1") != "0"
     )
     # Host tuning for fast sandbox starts (cgroup2 favordynmods); DSEC_TUNE_HOST=0 skips.
     tune_host: bool = field(default_factory=lambda: os.environ.get("DSEC_TUNE_HOST", "1") != "0")
@@ -163,9 +197,12 @@ class PlatformConfig:
         default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "0") == "1"
     )
 
-    # A swap file for job pauses (dsec.resources.swap): created if missing (fallocate,
-    # mkswap, 0600) and turned on at start, off at a clean shutdown. Off when unset.
-    # Never under the data dir's sandboxes or a btrfs file system.
+    # Swap for job pauses (dsec.resources.swap). DSEC_SWAP=auto (default): a
+    # platform-managed file below the data dir, created and turned on at start, turned
+    # off and deleted at a clean shutdown; off: none. DSEC_SWAP_FILE=/path instead: the
+    # operator's file (created if missing, kept). Never under the data dir's sandboxes
+    # or a btrfs file system.
+    swap: str = field(default_factory=lambda: os.environ.get("DSEC_SWAP", "auto"))
     swap_file: Path | None = field(
         default_factory=lambda: (
             Path(os.environ["DSEC_SWAP_FILE"]) if os.environ.get("DSEC_SWAP_FILE") else None
@@ -198,6 +235,11 @@ class PlatformConfig:
     def stop_marker(self) -> Path:
         """``dsec down --stop-sandboxes`` creates it before the SIGTERM."""
         return self.data_dir / "run" / "stop-sandboxes"
+
+    @property
+    def managed_swap_file(self) -> Path:
+        """The platform-managed swap file (DSEC_SWAP=auto)."""
+        return self.data_dir / "swap" / "pause.swap"
 
     @property
     def url(self) -> str:

@@ -28,6 +28,10 @@ class HealthInfo(Reply):
     edge: str
     sandboxes_running: int
     capacity: int
+    # What admission admits and why (dsec.edge.admission.Admission.capacity_report):
+    # the capacity, the resource that limits it, the overcommit ratios and reserve.
+    # Fixed at start; the host's measured use and pressure are in the metrics only.
+    admission: dict[str, float | int | str] = {}
     degraded: list[Degradation] = []
     # The backends this edge runs (probed at start), and why each other one is not.
     backends: list[str] = []

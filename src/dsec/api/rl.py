@@ -70,6 +70,14 @@ class JobResumeReport(Reply):
     resumed: int
     duration: float
     sandbox_ids: list[str] = Field(default_factory=list)
+    prefetched_bytes: int = Field(
+        0,
+        description="bytes of the resumed sandboxes' mappings read back from swap ahead "
+        "of use (MADV_WILLNEED) by the time it answered; 0 with DSEC_RESUME_PREFETCH=0",
+    )
+    prefetch_pending: int = Field(
+        0, description="sandboxes whose prefetch was still going on when this answered"
+    )
 
 
 class PackRequest(Strict):

@@ -370,6 +370,20 @@ class Backend(ABC):
         """Give a paused sandbox's memory back to the host (to swap where ``swap``)."""
         raise Unsupported(f"the {self.kind} backend cannot reclaim a paused sandbox yet")
 
+    async def reclaim_idle(self, rec: SandboxRecord, *, anon: bool) -> ReclaimFigures:
+        """Give back the cold memory of a *running* sandbox that has been idle (page
+        cache; anonymous memory to swap too where ``anon``), without stopping it
+        (dsec.edge.idle)."""
+        raise Unsupported(f"the {self.kind} backend cannot reclaim an idle sandbox yet")
+
+    async def prefetch(
+        self, rec: SandboxRecord, *, swapped: tuple[int, int | None] = (0, None)
+    ) -> int:
+        """After a resume: read the sandbox's swapped-out memory back ahead of use
+        (dsec.resources.prefetch); bytes of mappings advised. ``swapped`` = (lo, hi):
+        only processes with more than lo and at most hi bytes in swap."""
+        raise Unsupported(f"the {self.kind} backend cannot prefetch a resumed sandbox")
+
     def resume(self, rec: SandboxRecord) -> None:
         """Undo ``pause`` (synchronously: the next request must find it running);
         idempotent, and a sandbox that is already gone is not an error."""

@@ -42,6 +42,7 @@ from dsec.backends.kinds import require_backend
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
+from dsec.edge.idle import IdleReclaimer
 from dsec.edge.state import EdgeStateDB
 from dsec.edge.ttl import IdleClocks
 from dsec.errors import (
@@ -57,7 +58,7 @@ from dsec.exhaustion import Exhaustion, Resource, register
 from dsec.images.service import ImageService
 from dsec.images.vmdisk import VMImage
 from dsec.net.manager import NetworkManager
-from dsec.observe.metrics import GaugeCollector, Metric, Metrics, gauge, host_gauges
+from dsec.observe.metrics import GaugeCollector, Metric, Metrics, counter, gauge, host_gauges
 from dsec.resources import cgroups
 from dsec.rl.jobs import JobControl
 from dsec.rl.pack import fork_sandbox, pack_sandbox
@@ -112,6 +113,9 @@ class Edge:
         network: NetworkManager | None = None,
         data_dir: Path | None = None,
         unavailable: Mapping[BackendKind, str] | None = None,
+        idle_reclaim_seconds: float = 0.0,
+        reclaim_pressure: float = 10.0,
+        resume_prefetch: bool = True,
     ) -> None:
         self.audit = audit or AuditLog(None)
         # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics;
@@ -172,7 +176,12 @@ class Edge:
         self.keys = IdempotencyKeys(state)  # Idempotency-Key -> sandbox
         # trajectory log and replay (dsec.rl.trajectory), set by the platform; None: off
         self.trajectory: TrajectoryService | None = None
-        self.jobs = JobControl(self)  # job-level pause/resume (dsec.rl.jobs)
+        self.jobs = JobControl(self, prefetch=resume_prefetch)  # pause/resume (dsec.rl.jobs)
+        # Idle sandboxes give memory back, before admission refuses (dsec.edge.idle).
+        self.idle = IdleReclaimer(
+            self, idle_seconds=idle_reclaim_seconds, pressure_limit=reclaim_pressure
+        )
+        self.thaw_listeners.append(self.idle.track_id)
 
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
@@ -230,7 +239,7 @@ class Edge:
         self.clocks.restore(r for r in self._records.values() if r.state is SandboxState.RUNNING)
         for rec in self._records.values():
             if rec.state in LIVE_STATES:
-                self._arm_idle(rec)
+                self._arm_idle_ttl(rec)
         live = {r.id for r in self._records.values() if r.state in LIVE_STATES}
         for backend in self.backends.values():
             report["swept"] += await backend.sweep(live)
@@ -243,6 +252,10 @@ class Edge:
             if self._records[sid].state is SandboxState.RUNNING:
                 self.limits.watch(self._records[sid])
         self.supervisor.spawn("ttl-reaper", self._ttl_loop)
+        for rec in self._records.values():
+            if rec.state is SandboxState.RUNNING:
+                self.idle.track(rec)
+        self.supervisor.spawn("idle-reclaim", self.idle.loop)
         network = self.network.supervised() if self.network is not None else []
         backends = list(self.backends.values())
         for name, healthy, restart in [*(s for b in backends for s in b.supervised()), *network]:
@@ -385,6 +398,29 @@ class Edge:
         yield gauge(
             "dsec_admission_memory_budget_mb", "Memory budget", [], [([], a.memory_budget_mb)]
         )
+        yield gauge(
+            "dsec_admission_capacity_by",
+            "Sandboxes each host resource allows (the smallest is the capacity)",
+            ["resource"],
+            [([name], n) for name, n in sorted(a.capacity.limits.items())],
+        )
+        yield gauge(
+            "dsec_admission_cpu_committed_cores", "CPU limits admitted", [], [([], a.cpu_cores)]
+        )
+        idle = self.idle
+        yield counter(
+            "dsec_idle_reclaims",
+            "Idle sandboxes whose memory was reclaimed (cold, pressure or make-room)",
+            idle.reclaims,
+        )
+        yield counter(
+            "dsec_idle_reclaimed_bytes", "Bytes idle reclaim gave back", idle.reclaimed_bytes
+        )
+        yield counter(
+            "dsec_idle_pressure_reclaims",
+            "Idle sandboxes pushed to swap under memory pressure or to make room",
+            idle.pressure_reclaims,
+        )
 
     def _job_gauges(self) -> Iterator[Metric]:
         """Per-job counts without a job label (a job id is the client's to choose, so
@@ -446,6 +482,9 @@ class Edge:
         inline = [dict(m.files) for m in spec.protected]
         if any(inline):
             spec = spec.model_copy(update={"protected": redact_files(spec.protected)})
+        short = self.admission.shortfall()  # short of memory by use: idle sandboxes first
+        if short:
+            await self.idle.make_room(short)
         self.admission.admit(spec)
         now = _now()
         rec = SandboxRecord(
@@ -508,7 +547,8 @@ class Edge:
         self.limits.track(rec.id)
         self.limits.watch(rec)
         self.clocks.started(rec)
-        self._arm_idle(rec)
+        self._arm_idle_ttl(rec)
+        self.idle.track(rec)
         self._watch_init(rec)
         return rec.info()
 
@@ -715,6 +755,10 @@ class Edge:
         """The sandbox's record, or None if this edge has none."""
         return self._records.get(sandbox_id)
 
+    def records_in(self, states: set[SandboxState]) -> list[SandboxRecord]:
+        """Every sandbox in one of ``states``, as they are now (dsec.edge.idle)."""
+        return [r for r in list(self._records.values()) if r.state in states]
+
     def records_of_job(self, job_id: str, states: set[SandboxState]) -> list[SandboxRecord]:
         """The job's sandboxes in one of ``states``, as they are now."""
         return [
@@ -762,6 +806,7 @@ class Edge:
                 1 for r in self._records.values() if r.state is SandboxState.RUNNING
             ),
             capacity=self.admission.max_sandboxes,
+            admission=self.admission.capacity_report(),
             degraded=degraded,
             backends=[k.value for k in self.backends],
             backends_unavailable={k.value: why for k, why in self.unavailable.items()},
@@ -1040,7 +1085,7 @@ class Edge:
             except Exception:
                 log.exception("TTL reaper pass failed")
 
-    def _arm_idle(self, rec: SandboxRecord, at: float | None = None) -> None:
+    def _arm_idle_ttl(self, rec: SandboxRecord, at: float | None = None) -> None:
         """Put ``rec``'s idle deadline (or ``at``) on the reaper's heap."""
         ttl = rec.spec.ttl_running_stop
         if ttl is not None:
@@ -1062,9 +1107,9 @@ class Edge:
                 expired.append(rec)
             elif rec.state is SandboxState.RUNNING:
                 # Used since: its real deadline (never now again, so the loop ends).
-                self._arm_idle(rec, max(rec.last_activity + ttl, now + 0.001))
+                self._arm_idle_ttl(rec, max(rec.last_activity + ttl, now + 0.001))
             else:  # paused or in a transition: a resume restarts its clock; look again
-                self._arm_idle(rec, now + ttl)
+                self._arm_idle_ttl(rec, now + ttl)
         await asyncio.gather(
             *(
                 self.stop(
@@ -1077,7 +1122,7 @@ class Edge:
         )
         for rec in expired:
             if not rec.state.terminal:  # the stop failed: try again on the next pass
-                self._arm_idle(rec, now + self.ttl_interval)
+                self._arm_idle_ttl(rec, now + self.ttl_interval)
         return [rec.id for rec in expired]
 
     # -- RL co-design (dsec.rl) -----------------------------------------------------------

@@ -60,7 +60,16 @@ CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "stea
 
 # The closed label sets of the counters fed by other packages: a value outside its
 # set is counted as "other", so no caller can grow the label set by mistake.
-ADMISSION_REASONS = ("capacity", "memory", "helper_vm", "host_limit", "exhausted")
+ADMISSION_REASONS = (
+    "capacity",
+    "memory",
+    "cpu",
+    "memory_available",
+    "memory_pressure",
+    "helper_vm",
+    "host_limit",
+    "exhausted",
+)
 EGRESS_TARGETS = ("egress", "host", "metadata", "sandbox")
 DNS_REASONS = (
     "not_allowed",

@@ -51,8 +51,9 @@ from dsec.images.oci.client import RegistrySettings
 from dsec.net.manager import NetworkManager
 from dsec.observe.metrics import GaugeCollector, fncall_gauges, layer_cache_gauges
 from dsec.resources import cgroups
+from dsec.resources.capacity import SandboxCost
 from dsec.resources.disk import GiB
-from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap
+from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap, managed_size
 from dsec.roots.serving import run_loop, serve_app
 from dsec.security.audit import AuditLog
 
@@ -209,10 +210,17 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             state=EdgeStateDB(config.edge_db),
             audit=audit,
             admission=Admission(
-                max_sandboxes=config.max_sandboxes, memory_overcommit=config.memory_overcommit
+                max_sandboxes=config.max_sandboxes,
+                memory_overcommit=config.memory_overcommit,
+                cpu_overcommit=config.cpu_overcommit,
+                cost=SandboxCost(host_memory_bytes=config.sandbox_host_cost_kb * 1024),
+                pressure_limit=config.admission_pressure,
             ),
             network=network,
             data_dir=config.data_dir,
+            idle_reclaim_seconds=config.idle_reclaim_seconds,
+            reclaim_pressure=config.reclaim_pressure,
+            resume_prefetch=config.resume_prefetch,
         )
         swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()
@@ -234,7 +242,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             edge.stop_on_close = stop_all
             await edge.close()
         if swap is not None:  # after the sandboxes are gone: fewer pages to swap back in
-            await asyncio.to_thread(swap.disable)
+            await asyncio.to_thread(swap.remove if swap.managed else swap.disable)
         if releaser is not None:
             await releaser.drain()
         if iam is not None:
@@ -258,17 +266,29 @@ def stop_sandboxes_on_exit(config: PlatformConfig) -> bool:
 
 
 def start_swap(config: PlatformConfig, host: cgroups.CgroupHost) -> SwapFile | None:
-    """The operator's swap file for job pauses (dsec.resources.swap), if configured.
-    A file that cannot be used is logged and skipped: pauses then keep anonymous memory
-    in RAM and say so (``swap_available=False``)."""
-    if config.swap_file is None:
+    """The swap job pauses push anonymous memory into (dsec.resources.swap): the
+    operator's file (DSEC_SWAP_FILE), or by default the platform's own below the data
+    dir (DSEC_SWAP=auto; off: none). A file that cannot be used is logged and skipped:
+    pauses then keep anonymous memory in RAM and say so (``swap_available=False``)."""
+    if config.swap_file is not None:
+        swap = SwapFile(config.swap_file, config.swap_gb * GiB, loop=config.swap_loop)
+    elif config.swap == "auto":
+        path = config.managed_swap_file
+        size = managed_size(path.parent, config.swap_gb * GiB)
+        if size < 64 << 20:
+            log.warning("no platform swap: too little free disk below %s", path.parent)
+            return None
+        swap = SwapFile(path, size, loop=config.swap_loop, managed=True)
+    else:
         return None
-    swap = SwapFile(config.swap_file, config.swap_gb * GiB, loop=config.swap_loop)
     try:
         swap.check_location([config.sandboxes_dir, config.sandbox_disk_image, config.images_dir])
         swap.enable()
     except (SwapError, OSError) as exc:
-        log.error("swap file %s not used: %s", config.swap_file, exc)
+        log.error("swap file %s not used: %s", swap.path, exc)
+        if swap.managed:
+            with contextlib.suppress(OSError):
+                swap.remove()
         return None
     keep_sandboxes_off_swap(host, f"dsec/{config.edge_id}")
     return swap

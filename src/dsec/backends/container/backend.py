@@ -599,6 +599,9 @@ class ContainerBackend(AgentDataPath, Backend):
         return False
 
     async def adopt(self, rec: SandboxRecord) -> None:
+        # A crash in the middle of an idle reclaim under pressure left the raised
+        # swappiness on a running sandbox: its parent's (0) again (dsec.edge.idle).
+        freezer.settle_swappiness(self.cgroups, self.cgroup_of(rec.id))
         await self.layers.prepare(rec.image.layers, container_spec(rec).image_loading)
         facts = self.facts(rec)
         held = []
@@ -650,6 +653,14 @@ class ContainerBackend(AgentDataPath, Backend):
 
     async def reclaim(self, rec: SandboxRecord, *, swap: bool) -> ReclaimFigures:
         return await freezer.reclaim(self.cgroups, self.cgroup_of(rec.id), swap=swap)
+
+    async def reclaim_idle(self, rec: SandboxRecord, *, anon: bool) -> ReclaimFigures:
+        return await freezer.reclaim_idle(self.cgroups, self.cgroup_of(rec.id), anon=anon)
+
+    async def prefetch(
+        self, rec: SandboxRecord, *, swapped: tuple[int, int | None] = (0, None)
+    ) -> int:
+        return await freezer.prefetch(self.cgroups, self.cgroup_of(rec.id), swapped=swapped)
 
     def resume(self, rec: SandboxRecord) -> None:
         freezer.resume(self.cgroups, self.cgroup_of(rec.id))

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsec.backends.base import ReclaimFigures, SandboxRecord
 from dsec.images.store import mkfs_erofs
+from dsec.resources import prefetch as readahead
 from dsec.resources import reclaim as memory
 from dsec.resources.cgroups import CgroupHost
 from dsec.security import protected
@@ -67,6 +68,32 @@ async def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> ReclaimFigures:
         anon_after=memory.anon_bytes(host, rel),
         swap=memory.swap_bytes(host, rel),
     )
+
+
+async def reclaim_idle(host: CgroupHost, rel: str, *, anon: bool) -> ReclaimFigures:
+    anon_before = memory.anon_bytes(host, rel)
+    before, after = await asyncio.to_thread(memory.reclaim_idle, host, rel, anon=anon)
+    return ReclaimFigures(
+        before=before,
+        after=after,
+        anon_before=anon_before,
+        anon_after=memory.anon_bytes(host, rel),
+        swap=memory.swap_bytes(host, rel),
+    )
+
+
+async def prefetch(
+    host: CgroupHost, rel: str, *, swapped: tuple[int, int | None] = (0, None)
+) -> int:
+    """MADV_WILLNEED over the processes of the (thawed) sandbox (dsec.resources.prefetch)."""
+    done = await asyncio.to_thread(
+        lambda: readahead.prefetch(sorted(host.pids(rel)), swapped=swapped)
+    )
+    return done.advised_bytes
+
+
+def settle_swappiness(host: CgroupHost, rel: str) -> None:
+    memory.inherit_swappiness(host, rel)
 
 
 def resume(host: CgroupHost, rel: str) -> None:
