@@ -8,7 +8,11 @@ directly (``-kernel``: no boot loader, no partition table; the root file system 
 whole virtio disk). systemd starts ``qemu-guest-agent`` when its virtio-serial port
 appears, getty logs root in on tty1 by itself, and root's login starts X (the
 modesetting driver on bochs-drm, at the display size the VGA's EDID prefers) with
-matchbox, a window manager of one small binary, and an xterm.
+matchbox, a window manager of one small binary, and an xterm. A VM with network rules
+has an eth0 (virtio-net on its tap): ifupdown brings it up when it appears
+(``allow-hotplug``) and dhclient asks the edge's DHCP responder (dsec.net.dhcp) for the
+slot's address, gateway and DNS server, writing /etc/resolv.conf; without rules there
+is no eth0 and nothing waits for one.
 
 Built on the host with debootstrap (as ``debian-python``, dsec.images.builders), into
 ``$DSEC_CACHE_DIR/fullvm/debian-desktop-<key>`` (disk.qcow2, vmlinuz, initrd.img), in
@@ -39,6 +43,7 @@ PACKAGES = (
     "systemd-sysv", "udev", "kmod", "dbus", "procps",
     "linux-image-amd64", "initramfs-tools",
     "qemu-guest-agent",
+    "ifupdown", "isc-dhcp-client",
     "xserver-xorg-core", "xserver-xorg-input-libinput", "xserver-xorg-video-fbdev",
     "xinit", "xterm", "xfonts-base", "matchbox-window-manager",
 )  # fmt: skip
@@ -48,6 +53,9 @@ CMDLINE = "root=/dev/vda rw console=ttyS0 net.ifnames=0 quiet"
 FILES: dict[str, str] = {
     "etc/fstab": "/dev/vda / ext4 rw,errors=remount-ro 0 1\n",
     "etc/hostname": "dsec-desktop\n",
+    "etc/network/interfaces": (
+        "auto lo\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet dhcp\n"
+    ),
     # getty logs root in on tty1 without a password (the console is the VM's own)
     "etc/systemd/system/getty@tty1.service.d/autologin.conf": (
         "[Service]\nExecStart=\nExecStart=-/sbin/agetty --autologin root --noclear %I $TERM\n"

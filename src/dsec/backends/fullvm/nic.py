@@ -14,9 +14,9 @@ set does not change between launches, which is what a restore needs.
 The guest's address: the platform tells a guest that carries its kernel (direct
 boot) ``dsec.ip=A.B.C.D/30 dsec.gw=G`` on its kernel command line (the gateway is also
 its DNS server: every UDP 53 goes to the responder); the project's test image
-configures eth0 from it (dsec.guest.vmimage). A guest booting from its own disk gets
-no address from the platform (no DHCP reply on the tap yet): it must be configured
-with the slot's static address by whoever built the image.
+configures eth0 from it (dsec.guest.vmimage). A guest booting from its own disk asks
+DHCP, like any OS: the edge answers on the tap with that same address, gateway and DNS
+server and nothing else (dsec.net.dhcp); debian-desktop does (dsec.guest.desktopimage).
 """
 
 from __future__ import annotations
