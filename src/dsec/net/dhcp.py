@@ -32,6 +32,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from dsec.net.dnsguard import TokenBucket
+
 log = logging.getLogger(__name__)
 
 SERVER_PORT = 67
@@ -160,26 +162,11 @@ def reply(req: Request, lease: Lease) -> bytes | None:
     return header + MAGIC + opts + bytes([OPT_END])
 
 
-class _Bucket:
-    def __init__(self) -> None:
-        self.tokens = float(BURST)
-        self.at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(float(BURST), self.tokens + (now - self.at) * RATE)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
 @dataclass
 class _Tap:
     sock: socket.socket
     lease: Lease
-    bucket: _Bucket
+    bucket: TokenBucket
 
 
 class DhcpResponder:
@@ -204,7 +191,7 @@ class DhcpResponder:
         except BaseException:
             sock.close()
             raise
-        self._taps[ifname] = _Tap(sock, lease, _Bucket())
+        self._taps[ifname] = _Tap(sock, lease, TokenBucket(RATE, BURST, time.monotonic))
 
     def remove(self, ifname: str) -> None:
         tap = self._taps.pop(ifname, None)
