@@ -70,7 +70,11 @@ async def test_token_misuse_is_refused(
     expired = sig.mint(a.id, ttl=-5).value
     forged = TokenSigner(b"k" * 32).mint(a.id).value
     tampered = token_a.replace(a.id, b.id)  # right shape, signature no longer matches
+    view = (await platform_token(platform, a.id, "view-token"))["token"]
+    assert view.startswith("dsv1.")
     cases = {
+        "view only": (a.id, view, "permission_denied", 403),
+        "view turned full": (a.id, "dst1" + view[4:], "unauthenticated", 401),
         "other sandbox": (b.id, token_a, "permission_denied", 403),
         "expired": (a.id, expired, "unauthenticated", 401),
         "forged": (a.id, forged, "unauthenticated", 401),
@@ -125,15 +129,17 @@ async def test_sdk_renews_and_reports(
     assert fresh["url"] == a.info.data_path.url and fresh["token"].startswith("dst1.")
 
 
-async def platform_token(platform: PlatformProcess, sandbox_id: str) -> dict[str, str]:
+async def platform_token(
+    platform: PlatformProcess, sandbox_id: str, kind: str = "token"
+) -> dict[str, str]:
     async with httpx.AsyncClient(base_url=platform.url) as http:
         resp = await http.post(
-            f"/v1/sandboxes/{sandbox_id}/token",
+            f"/v1/sandboxes/{sandbox_id}/{kind}",
             headers={"Authorization": f"Bearer {platform.api_key}"},
         )
         assert resp.status_code == 200
         body: dict[str, str] = resp.json()
-        resp = await http.post(f"/v1/sandboxes/{sandbox_id}/token")
+        resp = await http.post(f"/v1/sandboxes/{sandbox_id}/{kind}")
         assert resp.status_code == 401
         return body
 
@@ -150,3 +156,12 @@ def test_signer_unit() -> None:
         s.verify(tok.value[:-2] + "AA", "e0-0123456789abcdef", now=1000)
     with pytest.raises(Unauthenticated):
         s.verify("x" * 500, "e0-0123456789abcdef")
+    # A view token opens the live view only; its prefix is signed, so it stays one.
+    view = s.mint("e0-0123456789abcdef", now=1000, scope="view").value
+    assert view.startswith("dsv1.")
+    s.verify(view, "e0-0123456789abcdef", now=1000, scope="view")
+    s.verify(tok.value, "e0-0123456789abcdef", now=1000, scope="view")  # full covers view
+    with pytest.raises(PermissionDenied, match="only opens the live view"):
+        s.verify(view, "e0-0123456789abcdef", now=1000)
+    with pytest.raises(Unauthenticated, match="signature"):
+        s.verify("dst1" + view[4:], "e0-0123456789abcdef", now=1000)

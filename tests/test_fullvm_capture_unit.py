@@ -4,13 +4,16 @@ What is shown: the captured disk is the overlay chain flattened into one standal
 qcow2 (no backing file, the same guest-visible bytes, read-only), with the backing
 file taken from the command line even when the overlay's header names another; the
 VM is stopped before and continued after, in that order; a failing migration or a
-failing copy continues the VM, cancels the migration and leaves no file behind.
+failing copy continues the VM, cancels the migration and leaves no file behind; with
+root, qemu-img runs jailed as the VM's QEMU's uid (it cannot read what that uid cannot)
+and the copy is handed back to root, read-only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -20,6 +23,7 @@ from typing import Any, cast
 import pytest
 
 from dsec.backends.fullvm import capture
+from dsec.backends.microvm.jail import UID_BASE, Jail
 from dsec.backends.microvm.qmp import Qmp, QmpError
 from dsec.errors import BackendError
 
@@ -75,7 +79,9 @@ def chain(tmp_path: Path) -> tuple[Path, Path]:
 EXPECTED = b"B" * MiB + b"O" * MiB + b"\0" * 2 * MiB
 
 
-def _run(qmp: FakeQmp, overlay: Path, base: Path, tmp: Path) -> capture.Captured:
+def _run(
+    qmp: FakeQmp, overlay: Path, base: Path, tmp: Path, jail: Jail | None = None
+) -> capture.Captured:
     return asyncio.run(
         capture.capture(
             cast(Qmp, qmp),
@@ -84,6 +90,7 @@ def _run(qmp: FakeQmp, overlay: Path, base: Path, tmp: Path) -> capture.Captured
             base_format="raw",
             state_out=tmp / "state",
             disk_out=tmp / "disk.qcow2",
+            jail=jail,
         )
     )
 
@@ -132,3 +139,26 @@ def test_a_failure_continues_the_vm_and_leaves_nothing(
     assert qmp.calls[-2:] == ["migrate_cancel", "cont"]
     assert not (tmp_path / "state").exists()
     assert not (tmp_path / "disk.qcow2").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
+def test_the_copy_runs_jailed_as_the_vms_uid(chain: tuple[Path, Path], tmp_path: Path) -> None:
+    base, overlay = chain
+    uid = UID_BASE + (1 << 22) + 1  # above pid_max: no live QEMU's uid
+    os.chown(overlay, uid, uid)  # as the backend leaves a VM's overlay
+    overlay.chmod(0o600)
+    jail = Jail(as_uid=uid)
+    base.chmod(0o600)  # root's alone: the jailed copy cannot read it, as QEMU could not
+    qmp = FakeQmp()
+    with pytest.raises(BackendError):
+        _run(qmp, overlay, base, tmp_path, jail)
+    assert qmp.calls[-2:] == ["migrate_cancel", "cont"]
+    assert not (tmp_path / "disk.qcow2").exists() and not (tmp_path / "state").exists()
+    base.chmod(0o644)
+    _run(FakeQmp(), overlay, base, tmp_path, jail)
+    out = tmp_path / "disk.qcow2"
+    st = out.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o444)
+    flat = tmp_path / "flat.raw"
+    _img("convert", "-q", "-O", "raw", str(out), str(flat))
+    assert flat.read_bytes() == EXPECTED

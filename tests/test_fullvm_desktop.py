@@ -5,19 +5,29 @@ real `dsec up` (TCG here: ~40 s to the guest agent, ~60 s to the xterm), then dr
 a computer-use agent would: the guest agent runs a command, keys typed through QMP land
 in the xterm (the command they spell runs in the guest), the screenshot changes and
 has the display size X took from the VGA's EDID, and the live view's VNC server
-reports that size too. Marked ``slow`` (it builds the Debian image).
+reports that size too. The VM has network rules (fake services, tests/fakenet.py): the
+image asks DHCP on eth0 like any OS booting from its own disk, the edge answers with the
+slot's lease (dsec.net.dhcp), and the egress rules and DNS responder apply as for a
+container: the allowed service answers, the denied one does not. Last, a snapshot of
+that VM (its NIC and rules saved with it) starts without booting on a new slot: the
+backend replugs its cable, networkd asks DHCP again and moves to the new address, and
+the saved rules apply there. One boot for all.
+Marked ``slow`` (it builds the Debian image).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import struct
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +40,7 @@ from dsec.errors import DSecError
 from dsec.guest.desktopimage import build_desktop_image
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process
+from tests.fakenet import FakeService, catalog, fake_service
 from tests.rfb import Rfb
 
 pytestmark = [
@@ -45,12 +56,16 @@ pytestmark = [
 
 BOOT = 600  # seconds to the guest agent under TCG on a loaded 2-core host
 IMAGE = "debian-desktop:test"
+SNAP = "debian-desktop-net:snap"
 
 
 @dataclass
 class Desktop:
     plat: PlatformProcess
+    client: DSecSyncClient
     sb: SyncSandbox
+    pypi: FakeService
+    npm: FakeService
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +75,34 @@ def desktop() -> Iterator[Desktop]:
     t0 = time.monotonic()
     files = asyncio.run(build_desktop_image())
     print(f"debian-desktop image ready in {time.monotonic() - t0:.0f}s")
+    octet = secrets.randbelow(256)
     with (
-        platform_process(DSEC_BACKENDS="fullvm") as plat,
-        DSecSyncClient(plat.url, plat.api_key) as client,
+        fake_service("pypi", octet, 0) as pypi,
+        fake_service("npm", octet, 1) as npm,
+        tempfile.TemporaryDirectory(prefix="dsec-desktopcat-") as tmp,
     ):
-        client.import_vm(
-            IMAGE, files.disk, kernel=files.kernel, initrd=files.initrd, cmdline=files.cmdline
-        )
-        spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=1024, cpu_cores_limit=2)
-        t0 = time.monotonic()
-        sb = client.run_fullvm(spec, timeout=BOOT)
-        print(f"debian-desktop boot to guest agent: {time.monotonic() - t0:.1f}s")
-        try:
-            yield Desktop(plat, sb)
-        finally:
-            with contextlib.suppress(DSecError):
-                sb.stop()
+        cat = catalog({"pypi": pypi, "npm": npm}, Path(tmp) / "catalog.json")
+        with (
+            platform_process(DSEC_BACKENDS="fullvm", DSEC_NETWORK_CATALOG=str(cat)) as plat,
+            DSecSyncClient(plat.url, plat.api_key) as client,
+        ):
+            client.import_vm(
+                IMAGE, files.disk, kernel=files.kernel, initrd=files.initrd, cmdline=files.cmdline
+            )
+            spec = DSecFullVMRunArgs(
+                vm_image=IMAGE,
+                memory_limit_mb=1024,
+                cpu_cores_limit=2,
+                network_rules={"pypi": True, "npm": False},
+            )
+            t0 = time.monotonic()
+            sb = client.run_fullvm(spec, timeout=BOOT)
+            print(f"debian-desktop boot to guest agent: {time.monotonic() - t0:.1f}s")
+            try:
+                yield Desktop(plat, client, sb, pypi, npm)
+            finally:
+                with contextlib.suppress(DSecError):
+                    sb.stop()
 
 
 def pixels(png: bytes) -> bytes:
@@ -132,3 +159,56 @@ def test_the_live_view_has_the_desktop_size(desktop: Desktop) -> None:
         width, height, bpp = rfb.handshake()
         assert (width, height) == DEFAULT_DISPLAY
         assert rfb.full_update(width, height, bpp) == width * height
+
+
+def get(sb: SyncSandbox, host: str) -> tuple[int, str]:
+    """GET http://host/ from the guest with bash's /dev/tcp (the name resolved through
+    systemd-resolved, which asks the DNS server DHCP named); (exit code, body)."""
+    cmd = (
+        f"timeout 10 bash -c 'exec 3<>/dev/tcp/{host}/80 && "
+        f'printf "GET / HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n" >&3 && cat <&3\''
+    )
+    res = sb.run_shell(cmd, timeout=30)
+    return res.exit_code, res.stdout.split("\r\n\r\n", 1)[-1] if res.exit_code == 0 else ""
+
+
+def test_the_desktop_gets_its_network_by_dhcp(desktop: Desktop) -> None:
+    sb = desktop.sb
+    until(
+        "eth0's DHCP lease",
+        lambda: sb.run_shell("hostname -I").stdout.startswith("100."),
+        120,
+    )
+    assert "nameserver" in sb.exec(["cat", "/etc/resolv.conf"]).stdout
+    assert get(sb, "pypi.org") == (0, "fake-pypi")
+    code, body = get(sb, "registry.npmjs.org")  # refused by the DNS responder
+    assert code != 0 and body == ""
+    code, body = get(sb, desktop.npm.ip)  # nor by address
+    assert code != 0 and body == ""
+
+
+def test_a_snapshot_with_network_rules_starts_on_a_new_lease(desktop: Desktop) -> None:
+    """Last in the module: a second VM beside the first."""
+    old_ip = desktop.sb.run_shell("hostname -I").stdout.split()[0]
+    t0 = time.monotonic()
+    desktop.sb.snapshot(SNAP)
+    print(f"debian-desktop snapshot: {time.monotonic() - t0:.1f}s")
+    t0 = time.monotonic()
+    # no rules in the spec: the saved ones apply
+    spec = DSecFullVMRunArgs(vm_image=SNAP, memory_limit_mb=1024, cpu_cores_limit=2)
+    with desktop.client.run_fullvm(spec, timeout=BOOT) as clone:
+        print(f"debian-desktop start from snapshot: {time.monotonic() - t0:.1f}s")
+        assert clone.info.spec.network_rules == {"pypi": True, "npm": False}
+
+        def moved() -> bool:
+            ips = clone.run_shell("hostname -I").stdout.split()
+            return len(ips) == 1 and ips[0].startswith("100.") and ips[0] != old_ip
+
+        until("the clone's new lease", moved, 120)
+        print(f"new lease {time.monotonic() - t0:.1f}s after the start")
+        assert get(clone, "pypi.org") == (0, "fake-pypi")
+        code, body = get(clone, "registry.npmjs.org")
+        assert code != 0 and body == ""
+    # the first VM still has its own address and network
+    assert desktop.sb.run_shell("hostname -I").stdout.split() == [old_ip]
+    assert get(desktop.sb, "pypi.org") == (0, "fake-pypi")

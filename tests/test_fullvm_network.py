@@ -7,8 +7,11 @@ microVM's plumbing) and its address from the kernel command line; an allowed ser
 is reachable by name through the edge's DNS responder, a denied one is not (neither by
 name nor by address), nor the host; ``update_network`` takes effect at once; a job
 pause and the resume into a new QEMU hand the tap over again with the rules as last
-set; a VM without rules has no NIC at all; a VM with rules cannot be snapshotted (501
-naming the capability); stop removes the tap (tests/conftest.py leak-checks the rest).
+set; a VM without rules has no NIC at all; a snapshot of a VM with rules keeps its NIC
+and rules, and a VM started from it without rules gets them, on a new tap of its own
+(this busybox guest keeps its static address: the new lease after the restore is shown
+on debian-desktop, tests/test_fullvm_desktop.py); stop removes the tap
+(tests/conftest.py leak-checks the rest).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pytest
 
 from dsec import DSecSyncClient
 from dsec.api.spec import DSecFullVMRunArgs
-from dsec.errors import DSecError, Unsupported
+from dsec.errors import DSecError
 from dsec.guest.vmimage import busybox_vm_image
 from dsec.net.vmtap import is_tap
 from dsec.sdk.sync import SyncSandbox
@@ -146,11 +149,19 @@ def test_a_vm_without_rules_has_no_nic(net: Net) -> None:
         assert plain.run_shell("ls /sys/class/net").stdout.split() == ["lo"]
 
 
-def test_a_vm_with_rules_is_not_snapshotted(net: Net) -> None:
-    with pytest.raises(Unsupported) as err:
-        net.sb.snapshot("fvm-net-snap:1")
-    assert err.value.details.get("capability") == "snapshot_network_rules"
+def test_a_snapshot_keeps_its_nic_and_rules(net: Net) -> None:
+    net.sb.snapshot("fvm-net-snap:1")
     assert net.sb.run_shell("echo alive").stdout == "alive\n"
+    rules = net.sb.refresh().spec.network_rules
+    spec = DSecFullVMRunArgs(vm_image="fvm-net-snap:1", memory_limit_mb=256)
+    with net.client.run_fullvm(spec, timeout=BOOT) as clone:
+        assert clone.info.spec.network_rules == rules  # the saved rules
+        assert len(_taps(net.plat.edge_id)) == 2  # a slot of its own
+        assert clone.run_shell("ls /sys/class/net").stdout.split() == ["eth0", "lo"]
+    deadline = time.monotonic() + 10  # the manager deletes the clone's tap off its loop
+    while len(_taps(net.plat.edge_id)) != 1:
+        assert time.monotonic() < deadline, "the clone's tap outlived it"
+        time.sleep(0.1)
 
 
 def _taps(edge_id: str) -> list[str]:

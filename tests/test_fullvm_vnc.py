@@ -173,13 +173,29 @@ def test_the_novnc_page_draws_the_screen(vm: VM) -> None:
             timeout=30,
         )
         assert tuple(size) == SCREEN
-        # the cookie mints the token the page uses only with the session's CSRF secret
+        # the cookie mints the page's view-only token, only with the session's CSRF
+        # secret, and never a full data-path token; the view token opens the live view
+        # and nothing else
         cookie = {"dsec_ui": browser.get_cookie("dsec_ui")["value"]}
         with httpx.Client(base_url=vm.plat.url, cookies=cookie, timeout=30) as h:
-            assert h.post(f"/v1/sandboxes/{vm.sb.id}/token").status_code == 401
+            view_path = f"/v1/sandboxes/{vm.sb.id}/view-token"
+            assert h.post(view_path).status_code == 401
             csrf = h.get("/ui/session").json()["csrf"]
-            minted = h.post(f"/v1/sandboxes/{vm.sb.id}/token", headers={"X-DSec-CSRF": csrf})
-            assert minted.status_code == 200 and minted.json()["token"].startswith("dst1.")
+            csrf_header = {"X-DSec-CSRF": csrf}
+            full = h.post(f"/v1/sandboxes/{vm.sb.id}/token", headers=csrf_header)
+            assert full.status_code == 401
+            minted = h.post(view_path, headers=csrf_header)
+            assert minted.status_code == 200
+            view = minted.json()["token"]
+            assert view.startswith("dsv1.")
+        with connect(vm.ws_url() + "?token=" + view) as ws:
+            assert Rfb(ws).read(12) == b"RFB 003.008\n"
+        shot = httpx.get(
+            f"{vm.plat.url}/v1/edge/sandboxes/{vm.sb.id}/desktop/screenshot",
+            headers={"Authorization": f"Bearer {view}"},
+            timeout=30,
+        )
+        assert shot.status_code == 403 and shot.json()["error"]["code"] == "permission_denied"
         print(f"noVNC connected and drew {size}: {time.monotonic() - t0:.2f}s")
         browser_mod.shot(browser, "desktop")
 

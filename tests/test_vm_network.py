@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -27,7 +28,7 @@ import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
 from dsec.errors import BackendError
-from dsec.net import vmtap
+from dsec.net import dhcp, vmtap
 from dsec.net.catalog import load_catalog
 from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
 from dsec.net.vmtap import VMNetAttachment, attach_vm
@@ -435,6 +436,87 @@ async def test_another_sandbox_is_unreachable_unless_a_rule_names_it(vmnet: VmNe
     mgr.release("vm-b")
     await mgr.settled()
     assert link(net_a["ifname"]) is None and link(net_b["ifname"]) is None
+
+
+def _dhcp_request(kind: int, mac: bytes, xid: bytes, requested: str | None = None) -> bytes:
+    """A client's BOOTREQUEST as dhclient sends it (broadcast flag set)."""
+    head = bytes([1, 1, 6, 0]) + xid + b"\0\0\x80\0" + bytes(16) + mac + bytes(10)
+    head += bytes(192)
+    opts = bytes([dhcp.OPT_TYPE, 1, kind])
+    if requested is not None:
+        opts += bytes([dhcp.OPT_REQUESTED, 4]) + socket.inet_aton(requested)
+    return head + dhcp.MAGIC + opts + b"\xff"
+
+
+def _dhcp_reply(g: Guest, xid: bytes, wait: float = 3.0) -> dict[int, bytes] | None:
+    """The options (and ``0``: yiaddr) of the edge's DHCP reply with ``xid``."""
+    for f in g.frames(wait):
+        ip = f.ip
+        if not ip or ip[2] != 17 or struct.unpack("!H", ip[3][2:4])[0] != dhcp.CLIENT_PORT:
+            continue
+        body = ip[3][8:]
+        if body[4:8] != xid:
+            continue
+        opts: dict[int, bytes] = {0: body[16:20]}
+        pos = dhcp.HEADER + 4
+        while body[pos] != dhcp.OPT_END:
+            opts[body[pos]] = body[pos + 2 : pos + 2 + body[pos + 1]]
+            pos += 2 + body[pos + 1]
+        return opts
+    return None
+
+
+async def test_dhcp_answers_a_vm_with_its_slot_lease_only(vmnet: VmNet) -> None:
+    """A guest booting its own OS asks DHCP: from 0.0.0.0 to the broadcast address on
+    its tap (through the edge's reverse-path rule and input chain), and gets the
+    slot's address, gateway and DNS server; a request for any other address is NAKed,
+    garbage gets nothing, and a container's veth has no DHCP at all."""
+    mgr = await vmnet.manager()
+    net = await mgr.attach("vm-dhcp", {"pypi": True}, vm=True)
+    gw = socket.inet_aton(net["gateway"])
+
+    def exchange(g: Guest, payload: bytes) -> dict[int, bytes] | None:
+        xid = payload[4:8]
+        g.udp("255.255.255.255", dhcp.CLIENT_PORT, dhcp.SERVER_PORT, payload, src="0.0.0.0")
+        return _dhcp_reply(g, xid)
+
+    with guest_of(attach_vm(net)) as g:
+        offer = await asyncio.to_thread(exchange, g, _dhcp_request(1, g.mac, b"xid1"))
+        assert offer is not None, "no DHCPOFFER"
+        assert offer[dhcp.OPT_TYPE] == bytes([dhcp.OFFER])
+        assert socket.inet_ntoa(offer[0]) == net["ip"]
+        assert offer[dhcp.OPT_ROUTER] == gw and offer[dhcp.OPT_DNS] == gw
+        assert offer[dhcp.OPT_SERVER] == gw
+        assert offer[dhcp.OPT_MASK] == socket.inet_aton("255.255.255.252")
+        ack = await asyncio.to_thread(exchange, g, _dhcp_request(3, g.mac, b"xid2", net["ip"]))
+        assert ack is not None and ack[dhcp.OPT_TYPE] == bytes([dhcp.ACK])
+        assert socket.inet_ntoa(ack[0]) == net["ip"]
+        nak = await asyncio.to_thread(exchange, g, _dhcp_request(3, g.mac, b"xid3", "10.0.0.9"))
+        assert nak is not None and nak[dhcp.OPT_TYPE] == bytes([dhcp.NAK])
+        assert nak[0] == bytes(4)
+        truncated = _dhcp_request(1, g.mac, b"xid4")[: dhcp.HEADER + 6]
+        assert await asyncio.to_thread(exchange, g, truncated) is None
+    mgr.release("vm-dhcp")
+    await mgr.settled()
+    assert "vm_taps" in nft("list", "table", "inet", mgr.table)
+
+
+def test_dhcp_parsing_is_bounded() -> None:
+    """Whatever a guest sends, parse returns a Request or None, never raises."""
+    mac = bytes.fromhex("020000000001")
+    good = _dhcp_request(1, mac, b"abcd")
+    req = dhcp.parse(good)
+    assert req is not None and req.kind == dhcp.DISCOVER and req.xid == b"abcd"
+    for cut in range(len(good)):
+        dhcp.parse(good[:cut])
+    assert dhcp.parse(good[: dhcp.HEADER + 4] + b"\x35\xff") is None  # length past the end
+    assert dhcp.parse(good + bytes(dhcp.MAX_PACKET)) is None
+    endless = good[: dhcp.HEADER + 4] + b"\x0c\x00" * 5000
+    assert dhcp.parse(endless[: dhcp.MAX_PACKET]) is None  # no message type in 64 options
+    for _ in range(2000):
+        dhcp.parse(secrets.token_bytes(secrets.randbelow(400)) + good[: secrets.randbelow(300)])
+    lease = dhcp.Lease("100.64.0.2", "100.64.0.1", 30)
+    assert dhcp.reply(dataclasses.replace(req, kind=dhcp.RELEASE), lease) is None
 
 
 async def test_attach_cost(vmnet: VmNet) -> None:

@@ -74,4 +74,14 @@ def cluster_router(
     async def data_path(sandbox_id: str, _p: Principal) -> Response:
         return model_response(await router.data_path(check_sandbox_id(sandbox_id)))
 
+    @api.post(
+        "/v1/sandboxes/{sandbox_id}/view-token",
+        response_model=DataPathInfo,
+        tags=["sandboxes"],
+        summary="Get a live-view-only token (minted by the sandbox's edge)",
+    )
+    async def view_token(sandbox_id: str, _p: Principal) -> Response:
+        sid = check_sandbox_id(sandbox_id)
+        return model_response(await router.data_path(sid, scope="view"))
+
     return api

@@ -42,12 +42,13 @@ from dsec.apiserver.rpc import RpcConnection
 from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.liveview import LiveViews
-from dsec.edge.tokens import looks_like_token
+from dsec.edge.tokens import Scope, looks_like_token
 from dsec.errors import DSecError, Unauthenticated
 
 _OCTET = "application/octet-stream"
 _TAR = "application/x-tar"
-_bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1...) or API key")
+VIEW_TOKEN_PATH = "/v1/sandboxes/{sandbox_id}/view-token"
+_bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1/dsv1...) or API key")
 
 
 class DataAuth:
@@ -57,13 +58,16 @@ class DataAuth:
         self.keys = keys
         self.plane = plane
 
-    async def check(self, sandbox_id: str | None, credential: str | None) -> None:
+    async def check(
+        self, sandbox_id: str | None, credential: str | None, *, scope: Scope = "full"
+    ) -> None:
+        """``scope="view"``: the live view's route, which a view-only token also opens."""
         if not credential:
             raise Unauthenticated(MISSING_KEY + " or a sandbox token")
         if looks_like_token(credential):
             if sandbox_id is None:
                 raise Unauthenticated("a sandbox token is only valid on that sandbox's routes")
-            self.plane.authorize(sandbox_id, credential)
+            self.plane.authorize(sandbox_id, credential, scope=scope)
         else:
             await self.keys.verify(credential)
 
@@ -283,6 +287,19 @@ def install_data_path(
         """A fresh per-sandbox token and the edge URL that accepts it."""
         return model_response(await plane.data_path(check_sandbox_id(sandbox_id)))
 
+    @app.post(
+        VIEW_TOKEN_PATH,
+        response_model=DataPathInfo,
+        tags=["sandboxes"],
+        summary="Get a live-view-only token",
+        dependencies=[Depends(api_auth)],
+    )
+    async def view_token(sandbox_id: str) -> Response:
+        """A short-lived token (``dsv1``) that opens only the sandbox's live view
+        WebSocket: what the dashboard's session cookie may mint (no commands, no files)."""
+        sid = check_sandbox_id(sandbox_id)
+        return model_response(await plane.data_path(sid, scope="view"))
+
     prefix = EDGE_PREFIX + "/{sandbox_id}"
     app.include_router(stream_router(plane, limits, data_auth), prefix=prefix)
     app.include_router(file_router(plane, limits, data_auth), prefix=prefix)
@@ -345,7 +362,9 @@ def install_data_path(
         many viewers refuse the upgrade itself with the typed error. Offers of the
         ``binary`` subprotocol (older noVNC, websockify) are answered with it."""
         try:
-            await data_auth.check(check_sandbox_id(sandbox_id), token or _header_credential(ws))
+            await data_auth.check(
+                check_sandbox_id(sandbox_id), token or _header_credential(ws), scope="view"
+            )
             link = await views.open(sandbox_id)
         except DSecError as exc:
             await refuse_handshake(ws, exc)

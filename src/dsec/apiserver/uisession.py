@@ -27,13 +27,14 @@ SESSION_TTL = 12 * 3600.0
 MAX_SESSIONS = 10_000
 
 # What a cookie may reach: the reads the pages make, job pause/resume, and a sandbox's
-# data-path token (the live view page opens the edge's VNC WebSocket with it).
+# view-only token (the live view page opens the edge's VNC WebSocket with it; the
+# token opens nothing else, dsec.edge.tokens), never a full data-path token.
 COOKIE_READS = re.compile(
     r"^/(metrics|v1/health|v1/stats|v1/sandboxes|v1/sandboxes/[A-Za-z0-9_.:-]{1,64}"
     r"|v1/audit|v1/events|v1/events/stream)$"
 )
 COOKIE_WRITES = re.compile(
-    r"^(/v1/jobs/[A-Za-z0-9._:@-]{1,128}/(pause|resume)|/v1/sandboxes/[A-Za-z0-9_.:-]{1,64}/token)$"
+    r"^(/v1/jobs/[A-Za-z0-9._:@-]{1,128}/(pause|resume)|/v1/sandboxes/[A-Za-z0-9_.:-]{1,64}/view-token)$"
 )
 
 
@@ -82,7 +83,7 @@ def cookie_may(session: UISession, method: str, path: str, headers: dict[str, st
     """Whether a request authenticated only by the cookie may proceed.
 
     Reads: GET/HEAD of the listed routes (SameSite=Strict already keeps the cookie off
-    cross-site requests). Writes: POST of job pause/resume and of a sandbox's token,
+    cross-site requests). Writes: POST of job pause/resume and of a sandbox's view token,
     only with the session's CSRF secret in ``X-DSec-CSRF`` (a cross-site page can
     neither read it nor set a custom header without a CORS preflight this server never
     grants), and, if the browser sends Origin, only from this same host."""

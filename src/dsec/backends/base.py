@@ -322,6 +322,12 @@ class Backend(ABC):
     def check_limits(self, spec: RunArgs) -> None:
         """Refuse (LimitExceeded) limits this backend could never honour on this host."""
 
+    def spec_for_image(self, spec: RunArgs, image: ImageInfo) -> RunArgs:
+        """The spec as its resolved image completes it, before admission and the
+        network (default: unchanged). A full VM's snapshot brings the network rules
+        it was saved with when the spec names none (its machine has a NIC)."""
+        return spec
+
     def death_reason(self, rec: SandboxRecord) -> str | None:
         """Why the sandbox's init ended, when the backend knows better than its exit
         status (a VM whose guest shut down, panicked or broke its agent channel, whose

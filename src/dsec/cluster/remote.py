@@ -28,6 +28,7 @@ from dsec.api.sandbox import (
 from dsec.api.spec import RunArgs
 from dsec.api.verify import VerifyRequest, VerifyResult
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
+from dsec.edge.tokens import Scope
 from dsec.errors import DSecError, EdgeUnavailable, Timeout
 from dsec.sdk._http import raise_for_error
 
@@ -237,8 +238,9 @@ class RemoteEdge:
         resp = await self._call("PUT", path, json={"network_rules": rules})
         return NetworkRules.model_validate_json(resp.content)
 
-    async def data_path(self, sandbox_id: str) -> DataPathInfo:
-        resp = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/token")
+    async def data_path(self, sandbox_id: str, *, scope: Scope = "full") -> DataPathInfo:
+        kind = "token" if scope == "full" else "view-token"
+        resp = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/{kind}")
         return DataPathInfo.model_validate_json(resp.content)
 
     async def forward(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -43,6 +43,7 @@ from dsec.cluster.registry import DOWN, LIVE, Registry, sandbox_info
 from dsec.cluster.remote import RemoteEdge
 from dsec.control.placement import Demand, EdgeLoad, EdgeView, Placer
 from dsec.edge.idempotency import IdempotencyClaim
+from dsec.edge.tokens import Scope
 from dsec.errors import (
     AdmissionRejected,
     ClusterFull,
@@ -499,9 +500,9 @@ class ClusterEdge:
     async def update_network(self, sandbox_id: str, rules: dict[str, bool]) -> NetworkRules:
         return await self._on_edge(sandbox_id, lambda r: r.update_network(sandbox_id, rules))
 
-    async def data_path(self, sandbox_id: str) -> DataPathInfo:
+    async def data_path(self, sandbox_id: str, *, scope: Scope = "full") -> DataPathInfo:
         """The edge's own URL and a token it minted: the data path bypasses us."""
-        return await self._on_edge(sandbox_id, lambda r: r.data_path(sandbox_id))
+        return await self._on_edge(sandbox_id, lambda r: r.data_path(sandbox_id, scope=scope))
 
     async def forward_to(
         self, sandbox_id: str, method: str, path: str, **kwargs: Any

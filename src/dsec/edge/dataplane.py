@@ -25,7 +25,7 @@ from dsec.api.files import FileInfo, FileList, FileType
 from dsec.api.sandbox import DataPathInfo, SandboxState
 from dsec.backends.base import Capability, SandboxRecord
 from dsec.edge.edge import Edge
-from dsec.edge.tokens import TokenSigner
+from dsec.edge.tokens import Scope, TokenSigner
 from dsec.errors import (
     BackendError,
     InvalidArgument,
@@ -47,6 +47,9 @@ MAX_FINISHED = 64
 KEPT_RING_BYTES = 1 << 20
 RESTORE_TIMEOUT = 5.0
 MAX_SESSIONS = 256
+# A live-view token only has to open one WebSocket (the page asks for a new one on
+# every connect): short-lived, so a copied URL is soon worthless.
+VIEW_TOKEN_TTL = 600.0
 DEFAULT_LIST_LIMIT = 10_000
 # Files of a backend without a session agent pass through the edge whole.
 BUFFERED_FILE_MAX = 64 << 20
@@ -139,19 +142,21 @@ class DataPlane:
         edge.pause_listeners.append(self._paused)
 
     # -- tokens ---------------------------------------------------------------------------
-    async def data_path(self, sandbox_id: str) -> DataPathInfo:
+    async def data_path(self, sandbox_id: str, *, scope: Scope = "full") -> DataPathInfo:
         """A fresh token for a sandbox that exists (any state: reads of a stopped one
-        fail later with sandbox_not_running, which is the clearer error)."""
+        fail later with sandbox_not_running, which is the clearer error); ``scope="view"``:
+        one that opens only the live view, for VIEW_TOKEN_TTL (dsec.edge.tokens)."""
         await self.edge.get(sandbox_id)
-        token = self.signer.mint(sandbox_id)
+        ttl = VIEW_TOKEN_TTL if scope == "view" else None
+        token = self.signer.mint(sandbox_id, scope=scope, ttl=ttl)
         return DataPathInfo(
             url=self.url,
             token=token.value,
             expires_at=datetime.fromtimestamp(token.expires_at, UTC),
         )
 
-    def authorize(self, sandbox_id: str, token: str) -> None:
-        self.signer.verify(token, sandbox_id)
+    def authorize(self, sandbox_id: str, token: str, *, scope: Scope = "full") -> None:
+        self.signer.verify(token, sandbox_id, scope=scope)
 
     # -- plumbing -------------------------------------------------------------------------
     def _forget(self, sandbox_id: str, reason: str) -> None:

@@ -473,6 +473,15 @@ class Edge:
         self.admission.check_limits(spec)
         backend.check_limits(spec)  # e.g. disk_limit_mb larger than the sandbox disk
         image = await self._image_of(spec)
+        completed = backend.spec_for_image(spec, image)
+        if completed.network_rules != spec.network_rules:  # e.g. a VM snapshot's saved rules
+            if self.network is None:
+                raise Unsupported(
+                    f"image {spec.image_ref} needs a network (rules "
+                    f"{sorted(completed.network_rules)}) and this edge enforces none"
+                )
+            self.network.check(completed.network_rules)
+            spec = completed
         # Protected layers: resolved to digests now, like the image's (None: inline files).
         protected_layers = [
             (await self.images.layer_digest(m.layer))[0] if m.layer is not None else None

@@ -5,6 +5,14 @@ round trip, so the data path stays as fast as the agent allows. The key never le
 edge's data directory (a 0600 file): the apiserver asks the edge to mint tokens.
 
 Format: ``dst1.<sandbox id>.<expiry, unix seconds>.<base64url HMAC-SHA256>``.
+
+Scopes: a ``dst1`` token reaches every data-path route of its sandbox. A ``dsv1``
+token (``scope="view"``) opens only the live view's WebSocket: it is what the
+dashboard's session cookie can mint, so a logged-in browser can watch a VM's screen
+(and type into it, which is what the live view is for) but never reach its commands,
+files or sessions. The prefix is part of the signed body, so a view token cannot be
+turned into a full one; routes ask for the scope they need (``verify(..., scope=)``)
+and a full token satisfies both.
 """
 
 from __future__ import annotations
@@ -18,10 +26,14 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from dsec.errors import PermissionDenied, Unauthenticated
 
-PREFIX = "dst1"
+PREFIX = "dst1"  # the whole data path of one sandbox
+VIEW_PREFIX = "dsv1"  # only its live view (dsec.edge.liveview)
+Scope = Literal["full", "view"]
+_PREFIXES: dict[str, Scope] = {PREFIX: "full", VIEW_PREFIX: "view"}
 KEY_BYTES = 32
 DEFAULT_TTL = 3600.0
 MAX_TOKEN_LENGTH = 200
@@ -73,19 +85,30 @@ class TokenSigner:
         mac = hmac.new(self._key, body.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
-    def mint(self, sandbox_id: str, *, ttl: float | None = None, now: float | None = None) -> Token:
+    def mint(
+        self,
+        sandbox_id: str,
+        *,
+        ttl: float | None = None,
+        now: float | None = None,
+        scope: Scope = "full",
+    ) -> Token:
         expires = int((time.time() if now is None else now) + (self.ttl if ttl is None else ttl))
-        body = f"{PREFIX}.{sandbox_id}.{expires}"
+        prefix = PREFIX if scope == "full" else VIEW_PREFIX
+        body = f"{prefix}.{sandbox_id}.{expires}"
         return Token(f"{body}.{self._sign(body)}", float(expires))
 
-    def verify(self, token: str, sandbox_id: str, *, now: float | None = None) -> None:
+    def verify(
+        self, token: str, sandbox_id: str, *, now: float | None = None, scope: Scope = "full"
+    ) -> None:
         """Raise ``Unauthenticated`` (forged, malformed, expired) or ``PermissionDenied``
-        (a valid token of another sandbox); return quietly when the token is good."""
+        (a valid token of another sandbox, or a view token where ``scope="full"`` is
+        needed); return quietly when the token is good for ``scope``."""
         if len(token) > MAX_TOKEN_LENGTH:
             raise Unauthenticated("invalid sandbox token: too long")
         parts = token.split(".")
-        if len(parts) != 4 or parts[0] != PREFIX:
-            raise Unauthenticated("invalid sandbox token: not a dst1 token")
+        if len(parts) != 4 or parts[0] not in _PREFIXES:
+            raise Unauthenticated("invalid sandbox token: not a dst1 or dsv1 token")
         body, _, sig = token.rpartition(".")
         if not hmac.compare_digest(sig, self._sign(body)):
             raise Unauthenticated("invalid sandbox token: bad signature")
@@ -102,7 +125,13 @@ class TokenSigner:
                 "sandbox token expired; fetch a new one (POST /v1/sandboxes/{id}/token)",
                 expired_at=expires,
             )
+        if scope == "full" and _PREFIXES[parts[0]] == "view":
+            raise PermissionDenied(
+                f"this token only opens the live view of sandbox {sandbox_id}; commands and "
+                "files need a full data-path token (POST /v1/sandboxes/{id}/token)",
+                sandbox_id=sandbox_id,
+            )
 
 
 def looks_like_token(value: str) -> bool:
-    return value.startswith(PREFIX + ".")
+    return value.startswith((PREFIX + ".", VIEW_PREFIX + "."))

@@ -8,7 +8,13 @@ directly (``-kernel``: no boot loader, no partition table; the root file system 
 whole virtio disk). systemd starts ``qemu-guest-agent`` when its virtio-serial port
 appears, getty logs root in on tty1 by itself, and root's login starts X (the
 modesetting driver on bochs-drm, at the display size the VGA's EDID prefers) with
-matchbox, a window manager of one small binary, and an xterm.
+matchbox, a window manager of one small binary, and an xterm. A VM with network rules
+has an eth0 (virtio-net on its tap): systemd-networkd asks the edge's DHCP responder
+(dsec.net.dhcp) for the slot's address, gateway and DNS server (systemd-resolved's
+stub is /etc/resolv.conf), and asks again whenever the carrier comes back, which is how
+a VM started from a snapshot moves to its new slot's address (the backend unplugs and
+replugs the cable after the restore, dsec.backends.fullvm.nic.relink); without rules
+there is no eth0 and nothing waits for one.
 
 Built on the host with debootstrap (as ``debian-python``, dsec.images.builders), into
 ``$DSEC_CACHE_DIR/fullvm/debian-desktop-<key>`` (disk.qcow2, vmlinuz, initrd.img), in
@@ -39,6 +45,7 @@ PACKAGES = (
     "systemd-sysv", "udev", "kmod", "dbus", "procps",
     "linux-image-amd64", "initramfs-tools",
     "qemu-guest-agent",
+    "systemd-resolved",
     "xserver-xorg-core", "xserver-xorg-input-libinput", "xserver-xorg-video-fbdev",
     "xinit", "xterm", "xfonts-base", "matchbox-window-manager",
 )  # fmt: skip
@@ -48,6 +55,10 @@ CMDLINE = "root=/dev/vda rw console=ttyS0 net.ifnames=0 quiet"
 FILES: dict[str, str] = {
     "etc/fstab": "/dev/vda / ext4 rw,errors=remount-ro 0 1\n",
     "etc/hostname": "dsec-desktop\n",
+    "etc/systemd/network/20-eth0.network": (
+        "[Match]\nName=eth0\n\n[Network]\nDHCP=ipv4\n"
+        "IgnoreCarrierLoss=no\nConfigureWithoutCarrier=no\n"
+    ),
     # getty logs root in on tty1 without a password (the console is the VM's own)
     "etc/systemd/system/getty@tty1.service.d/autologin.conf": (
         "[Service]\nExecStart=\nExecStart=-/sbin/agetty --autologin root --noclear %I $TERM\n"
@@ -62,11 +73,22 @@ FILES: dict[str, str] = {
     ),
 }
 # the guest agent's unit is static (udev wants it when its port appears); wanted by
-# multi-user too, so a missing udev rule cannot leave the VM without an agent
+# multi-user too, so a missing udev rule cannot leave the VM without an agent; the
+# network (networkd, resolved) enabled; resolv.conf is resolved's stub (symlinks all)
 WANTS = {
     "etc/systemd/system/multi-user.target.wants/qemu-guest-agent.service": (
         "/lib/systemd/system/qemu-guest-agent.service"
     ),
+    "etc/systemd/system/multi-user.target.wants/systemd-networkd.service": (
+        "/lib/systemd/system/systemd-networkd.service"
+    ),
+    "etc/systemd/system/sockets.target.wants/systemd-networkd.socket": (
+        "/lib/systemd/system/systemd-networkd.socket"
+    ),
+    "etc/systemd/system/multi-user.target.wants/systemd-resolved.service": (
+        "/lib/systemd/system/systemd-resolved.service"
+    ),
+    "etc/resolv.conf": "/run/systemd/resolve/stub-resolv.conf",
 }
 
 
@@ -94,13 +116,14 @@ def _configure(tree: Path) -> None:
         if path.is_symlink():
             path.unlink()
         path.write_text(text)
+    resolv = tree / "etc/resolv.conf"
+    if not resolv.is_symlink():  # debootstrap copied the host's: resolved's stub instead
+        resolv.unlink(missing_ok=True)
     for rel, target in WANTS.items():
         link = tree / rel
         link.parent.mkdir(parents=True, exist_ok=True)
         if not os.path.lexists(link):
             link.symlink_to(target)
-    (tree / "etc/resolv.conf").unlink(missing_ok=True)
-    (tree / "etc/resolv.conf").write_text("")
     for pattern in ("var/cache/apt/archives/*.deb", "var/lib/apt/lists/*_Packages"):
         for path in tree.glob(pattern):
             path.unlink()

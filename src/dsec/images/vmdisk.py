@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dsec.api.fields import check_network_rules
 from dsec.errors import BackendError, InvalidArgument
 from dsec.images.store import normalize_digest
 
@@ -81,16 +82,26 @@ def inspect(path: Path, fmt: DiskFormat) -> DiskInfo:
 class VMMachine:
     """The shape of the machine a VM snapshot was saved from. QEMU restores a saved
     state only into an identical machine (guest RAM, vCPUs, display adapter, firmware,
-    accelerator), so a sandbox started from a snapshot gets this shape, not its spec's."""
+    accelerator), so a sandbox started from a snapshot gets this shape, not its spec's.
+
+    ``nic``: the saved machine has a virtio-net NIC (its VM had network rules), so a
+    sandbox started from it needs a network too; ``network_rules``: the rules the VM had
+    when saved, which such a sandbox gets when its spec names none (checked against the
+    edge's catalog like any spec's)."""
 
     memory_mb: int
     vcpus: int
     firmware: Literal["bios", "uefi"]
     display: tuple[int, int]
     accel: Literal["kvm", "tcg"]
+    nic: bool = False
+    network_rules: dict[str, bool] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "display": list(self.display)}
+        out = {**asdict(self), "display": list(self.display)}
+        if not self.nic:  # the shape of snapshots made before NICs were saved
+            del out["nic"], out["network_rules"]
+        return out
 
     @classmethod
     def from_json(cls, data: object, ref: str) -> VMMachine:
@@ -111,7 +122,23 @@ class VMMachine:
             or not all(isinstance(v, int) and 0 < v <= 16384 for v in disp)
         ):
             raise InvalidArgument(f"VM image {ref} has an invalid saved machine")
-        return cls(mem, cpus, fw, (disp[0], disp[1]), accel)
+        nic, rules = data.get("nic", False), data.get("network_rules")
+        if not isinstance(nic, bool) or not (rules is None or _rules_ok(rules)):
+            raise InvalidArgument(f"VM image {ref} has an invalid saved network")
+        return cls(mem, cpus, fw, (disp[0], disp[1]), accel, nic, rules)
+
+
+def _rules_ok(rules: object) -> bool:
+    """A saved rules dict of the spec's shape (dsec.api.fields.check_network_rules)."""
+    if not isinstance(rules, dict) or not all(
+        isinstance(k, str) and isinstance(v, bool) for k, v in rules.items()
+    ):
+        return False
+    try:
+        check_network_rules(rules)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

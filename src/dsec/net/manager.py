@@ -38,6 +38,10 @@ Design (numbers from HOST_LIMITS and bench/):
   (``tests/test_vm_network.py::test_attach_cost``), next to a boot of seconds; a
   release deletes it explicitly (no namespace takes it along), ~20 ms in the netlink
   thread.
+- A VM booting its own OS asks DHCP for its address: the edge answers on each tap with
+  the slot's lease and nothing else (``dsec.net.dhcp``); the input chain lets UDP 67 in
+  from taps only (set ``vm_taps``), the DHCPDISCOVER from 0.0.0.0 passes the
+  reverse-path rule (nft's fib accepts a zero source to the limited broadcast).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from dsec.errors import BackendError, InvalidArgument
 from dsec.exhaustion import classify
 from dsec.net import netns, vmtap
 from dsec.net.catalog import Policy, PortRange, Service, compile_rules, load_catalog
+from dsec.net.dhcp import DhcpResponder, Lease
 from dsec.net.dns import (
     Answer,
     DnsServer,
@@ -164,6 +169,7 @@ class NetworkManager:
         self._refill: asyncio.Event | None = None
         self._pool_task: asyncio.Task[None] | None = None
         self._dns: DnsServer | None = None
+        self._dhcp = DhcpResponder()
         self._upstream: UpstreamResolver = Upstream(upstream or default_upstream())
         self._nflog = NflogReader()
         self._deleting: set[Future[None]] = set()
@@ -236,6 +242,12 @@ class NetworkManager:
             else:  # a leftover of a sandbox no record knows
                 await loop.run_in_executor(self._exec, self._del_link, name)
         await asyncio.to_thread(self._nft.run, self._table_text())
+        for sb in self._by_sid.values():
+            if sb.vm and sb.slot.ifindex:
+                try:
+                    self._serve_dhcp(sb.slot)
+                except OSError as exc:
+                    log.warning("no DHCP for %s's tap: %s", sb.sid, exc)
         self._enable_forwarding()
         used = {s.slot.idx for s in self._by_sid.values()}
         self._next = max(used, default=-1) + 1
@@ -315,6 +327,7 @@ class NetworkManager:
             f"table {t} {{\n"
             f"  map slots {{ type ifname : verdict; }}\n"
             f"  set host_ok {{ type ifname; }}\n"
+            f"  set vm_taps {{ type ifname; }}\n"
             # Reverse-path filter: a sandbox cannot send from an address not routed to it.
             f"  chain rpf {{ type filter hook prerouting priority raw; policy accept;\n"
             f'    iifname "{p}*" fib saddr . iif oif missing drop\n  }}\n'
@@ -330,6 +343,8 @@ class NetworkManager:
             f"    udp dport {self._dns.port} accept\n"
             # DNS over TCP (resolvers retry with it): refuse at once, it is no host access
             f"    tcp dport 53 reject with tcp reset\n"
+            # DHCP from a VM's tap (dsec.net.dhcp answers with the slot's lease only)
+            f"    iifname @vm_taps udp dport 67 accept\n"
             f"    iifname @host_ok accept\n"
             f'    {LOG_RATE} log group {g} prefix "H"\n'
             f"    drop\n  }}\n"
@@ -364,6 +379,8 @@ class NetworkManager:
         if sb.policy.host:
             text += f'add element {t} host_ok {{ "{sb.slot.ifname}" }}\n'
             sb.host_ok = True
+        if sb.vm:
+            text += f'add element {t} vm_taps {{ "{sb.slot.ifname}" }}\n'
         return text + self._fill_text(sb)
 
     def _fill_text(self, sb: _Sandbox) -> str:
@@ -449,6 +466,9 @@ class NetworkManager:
         return slot
 
     # -- per sandbox -------------------------------------------------------------------------
+    def _serve_dhcp(self, slot: netns.Slot) -> None:
+        self._dhcp.add(slot.ifname, Lease(ip=slot.ip, gateway=slot.gw, prefixlen=vmtap.PREFIXLEN))
+
     def _register(self, sid: str, slot: netns.Slot, policy: Policy) -> _Sandbox:
         sb = _Sandbox(sid=sid, slot=slot, policy=policy)
         self._by_sid[sid] = sb
@@ -475,7 +495,9 @@ class NetworkManager:
         sb.vm = vm
         try:
             self._nft.run(self._activate_text(sb))
-        except NftError:
+            if vm:
+                self._serve_dhcp(slot)
+        except (NftError, OSError):
             self.release(sid)
             raise
         if vm:
@@ -545,6 +567,9 @@ class NetworkManager:
         text += f'delete element {t} slots {{ "{sb.slot.ifname}" }}\n'
         if sb.host_ok:
             text += f'delete element {t} host_ok {{ "{sb.slot.ifname}" }}\n'
+        if sb.vm:
+            text += f'delete element {t} vm_taps {{ "{sb.slot.ifname}" }}\n'
+            self._dhcp.remove(sb.slot.ifname)
         if self._nft is not None:
             try:
                 self._nft.run(text)
@@ -786,6 +811,7 @@ class NetworkManager:
         self._nflog.close()
         if self._dns is not None:
             await self._dns.close()
+        self._dhcp.close()
         if self._ipr is not None:
             if not keep_rules:
                 for sb in list(self._by_sid.values()):

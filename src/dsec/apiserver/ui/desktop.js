@@ -1,7 +1,8 @@
 // The live view of one VM's screen: noVNC (vendored from the npm registry by
 // scripts/install.sh, served from /ui/novnc/) connects to the edge's
-// /v1/edge/sandboxes/<id>/desktop/vnc WebSocket with a sandbox token the page gets from
-// POST /v1/sandboxes/<id>/token (the session cookie plus its CSRF header). What the VM
+// /v1/edge/sandboxes/<id>/desktop/vnc WebSocket with a view-only sandbox token (dsv1:
+// it opens nothing but the live view) the page gets from
+// POST /v1/sandboxes/<id>/view-token (the session cookie plus its CSRF header). What the VM
 // sends is drawn into noVNC's canvas only; the status line is set with textContent.
 import RFB from "/ui/novnc/core/rfb.js";
 
@@ -16,7 +17,7 @@ function say(text) {
 
 async function token() {
   const session = await DSec.session();
-  const resp = await DSec.api("/v1/sandboxes/" + encodeURIComponent(id) + "/token", {
+  const resp = await DSec.api("/v1/sandboxes/" + encodeURIComponent(id) + "/view-token", {
     method: "POST",
     headers: { "X-DSec-CSRF": session.csrf },
   });

@@ -14,7 +14,13 @@ file through QMP and QEMU ended; resume starts the same command line again
 
 What a full VM does not have (yet): sessions, PTYs, streaming and background
 processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), verify steps, snapshots of a VM with network rules.
+refuses them with 501), verify steps.
+
+A snapshot of a VM with network rules keeps its NIC and rules (``VMMachine.nic``,
+``network_rules``); a sandbox started from it gets a new slot, tap and lease (its own
+rules, or the saved ones when its spec names none: ``spec_for_image``), and its NIC's
+cable is unplugged and replugged after the restore (nic.relink) so the guest's DHCP
+client asks again and moves to the new address.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from typing import Any, ClassVar, Literal, Self
 from dsec.api.desktop import ComputerAction
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, ExecResult
-from dsec.api.spec import BackendKind, DSecFullVMRunArgs, DSecRunArgs
+from dsec.api.images import ImageInfo
+from dsec.api.spec import BackendKind, DSecFullVMRunArgs, RunArgs
 from dsec.backends.base import (
     Backend,
     BackendHost,
@@ -59,15 +66,15 @@ from dsec.backends.fullvm.machine import (
 from dsec.backends.fullvm.qga import GuestAgent, GuestAgentError, GuestCommandError
 from dsec.backends.microvm import snapshot
 from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
-from dsec.backends.microvm.jail import Jail
+from dsec.backends.microvm.jail import Jail, vm_uid
 from dsec.backends.microvm.qemu import QemuProcess, find_running
 from dsec.backends.microvm.qmp import Qmp, QmpError
+from dsec.backends.qemuvm import QemuVMBackend
 from dsec.errors import (
     BackendError,
     DSecError,
     FileNotFound,
     InvalidArgument,
-    LimitExceeded,
     Unsupported,
 )
 from dsec.images.mounts import LayerMounts
@@ -155,7 +162,7 @@ class _VM:
             await asyncio.to_thread(proc.kill)
 
 
-class FullVMBackend(Backend):
+class FullVMBackend(QemuVMBackend, Backend):
     kind = BackendKind.FULLVM
     capabilities = frozenset(
         {
@@ -168,6 +175,10 @@ class FullVMBackend(Backend):
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
+    vmm_overhead_mb = VMM_OVERHEAD_MB
+    min_memory_mb = MIN_MEMORY_MB
+    min_memory_why = "firmware and a booting OS"
+    vm_noun = "fullvm"
     destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
     reclaim_drops_agent_links = True  # QEMU ends with its guest agent link
 
@@ -236,18 +247,9 @@ class FullVMBackend(Backend):
         for vm in list(self._vms.values()):
             await vm.close()  # QEMU runs on: the next edge adopts it
         self._vms.clear()
-        if not self.cgroups.children(f"/{self.cgroup_parent}"):
-            await asyncio.to_thread(
-                self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
-            )
+        await self.remove_parent_cgroup_if_empty()
 
-    # -- paths and facts ------------------------------------------------------------
-    def vm_dir(self, sid: str) -> Path:
-        return self.vms_dir / sid
-
-    def cgroup_of(self, sid: str) -> str:
-        return f"/{self.cgroup_parent}/{sid}"
-
+    # -- facts (paths, memory: dsec.backends.qemuvm) ----------------------------------
     def load_facts(self, data: Mapping[str, Any]) -> FullVMFacts:
         return FullVMFacts.from_json(data)
 
@@ -258,12 +260,7 @@ class FullVMBackend(Backend):
 
     # -- limits -----------------------------------------------------------------------
     def check_limits(self, spec: Any) -> None:
-        if spec.memory_limit_mb < MIN_MEMORY_MB:
-            raise LimitExceeded(
-                f"memory_limit_mb={spec.memory_limit_mb} is below the fullvm minimum of "
-                f"{MIN_MEMORY_MB} MiB",
-                minimum_mb=MIN_MEMORY_MB,
-            )
+        self.check_memory(spec)
         if isinstance(spec, DSecFullVMRunArgs) and spec.firmware == "uefi":
             missing = [str(f) for f in (OVMF_CODE, OVMF_VARS) if not f.is_file()]
             if missing:
@@ -274,20 +271,23 @@ class FullVMBackend(Backend):
                     capability="firmware_uefi",
                 )
 
-    def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
-        """Guest RAM stays resident once touched, QEMU's own comes on top: a VM is
-        never overcommitted (as microVMs)."""
-        return math.ceil((spec.memory_limit_mb + VMM_OVERHEAD_MB) * overcommit)
-
     # -- lifecycle --------------------------------------------------------------------
     async def create(self, inp: CreateInput) -> FullVMFacts:
         sid, spec = inp.id, fullvm_spec(inp)
         image = VMImage.of(inp.image.config, spec.vm_image)
         saved = restore.check(image, spec)  # a snapshot image: its machine, checked
-        if saved is not None and inp.net is not None:
+        if saved is not None and saved.nic != (inp.net is not None):
             raise Unsupported(
-                "a sandbox started from a snapshot has no NIC (the saved machine had "
-                "none): network_rules are not supported with it",
+                (
+                    f"snapshot {spec.vm_image} was saved from a VM with network rules: a "
+                    "sandbox started from it needs a network (give network_rules, or none "
+                    "to keep the saved ones, on an edge that enforces them)"
+                )
+                if saved.nic
+                else (
+                    "a sandbox started from a snapshot has no NIC (the saved machine had "
+                    "none): network_rules are not supported with it"
+                ),
                 backend=self.kind.value,
                 capability="snapshot_network_rules",
             )
@@ -312,7 +312,7 @@ class FullVMBackend(Backend):
             await asyncio.to_thread(
                 self.cgroups.create_limited,
                 self.cgroup_of(sid),
-                memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
+                memory_bytes=self.cgroup_memory_bytes(spec),
                 cpu_cores=spec.cpu_cores_limit,
                 pids=QEMU_PIDS,
             )
@@ -366,9 +366,10 @@ class FullVMBackend(Backend):
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             self._vms[sid] = vm
             if image.state is not None:  # no boot: the saved guest runs on
-                await snapshot.load_into(
-                    await vm.connect_qmp(), blobs[image.state], timeout=BOOT_TIMEOUT
-                )
+                qmp = await vm.connect_qmp()
+                await snapshot.load_into(qmp, blobs[image.state], timeout=BOOT_TIMEOUT)
+                if inp.net is not None:  # the guest still holds the saved VM's address
+                    await nic.relink(qmp)
             await self._wait_agent(vm, BOOT_TIMEOUT)
         except BaseException as exc:
             tail = await self._console_tail(vm)
@@ -658,14 +659,9 @@ class FullVMBackend(Backend):
     async def snapshot(self, rec: SandboxRecord, *, state_out: Path, disk_out: Path) -> VMMachine:
         """The running VM's state and flattened disk, captured with the VM frozen
         across both (capture.py); the VM runs on after, unaware."""
-        if rec.net is not None:
-            raise Unsupported(
-                "a VM with network rules cannot be snapshotted yet (its NIC and address "
-                "belong to its own network slot)",
-                backend=self.kind.value,
-                capability="snapshot_network_rules",
-            )
         vm = await self._vm(rec)
+        if (proc := vm.proc) is None:
+            raise BackendError(f"fullvm {rec.id} has no running VMM")
         spec, facts = fullvm_spec(rec), self.facts(rec)
         image = VMImage.of(rec.image.config, spec.vm_image)
         base = await asyncio.to_thread(self.layers.store.verify, image.disk)
@@ -679,6 +675,7 @@ class FullVMBackend(Backend):
                 base_format=image.format,
                 state_out=state_out,
                 disk_out=disk_out,
+                jail=Jail(as_uid=vm_uid(proc.pid)),  # qemu-img as this VM's QEMU
             )
         finally:
             vm.stopped = False
@@ -697,7 +694,22 @@ class FullVMBackend(Backend):
             firmware=machine.firmware if machine is not None else spec.firmware,
             display=machine.display if machine is not None else spec.display,
             accel="kvm" if facts.accel == "kvm" else "tcg",
+            nic=rec.net is not None,
+            network_rules=dict(rec.spec.network_rules) if rec.net is not None else None,
         )
+
+    def spec_for_image(self, spec: RunArgs, image: ImageInfo) -> RunArgs:
+        """A spec without rules started from a snapshot saved with a NIC gets the
+        rules the VM had when saved (``VMMachine.network_rules``)."""
+        if not isinstance(spec, DSecFullVMRunArgs) or spec.network_rules:
+            return spec
+        try:
+            machine = VMImage.of(image.config, spec.vm_image).machine
+        except DSecError:  # not a VM image: create says so
+            return spec
+        if machine is None or not machine.nic or not machine.network_rules:
+            return spec
+        return spec.model_copy(update={"network_rules": dict(machine.network_rules)})
 
     # -- data path: the guest agent ---------------------------------------------------
     async def _vm(self, rec: SandboxRecord) -> _VM:

@@ -22,6 +22,15 @@ The overlay's header is guest-VMM writable, so its backing file is never taken f
 it: the chain is named on the command line (``--image-opts``), and the overlay must
 not name an external data file.
 
+qemu-img parses that QEMU-written header, so it runs confined like the QEMU it copies
+for (``jail``: dsec-vmjail as the VM's own QEMU uid, no capabilities, empty network,
+a root holding /usr, the overlay and base read-only and the new file, nothing else),
+never as root on the host: a header crafted to exploit qemu-img gains no more than the
+taken-over QEMU that wrote it already had. The copy is not charged to the sandbox's
+cgroup (the platform makes it, on its own time). The new file is handed back to root
+and made read-only before the store inspects it (no backing or data file, as any
+imported disk) and keeps it.
+
 On any failure the VM is continued and the partial files are removed.
 """
 
@@ -31,14 +40,18 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.qmp import Qmp, QmpError
 from dsec.backends.microvm.snapshot import SNAPSHOT_FD, UNLIMITED_BANDWIDTH, wait_migration
 from dsec.errors import BackendError
-from dsec.images.vmdisk import DiskFormat, qemu_img
+from dsec.images.vmdisk import DiskFormat
 
 CONVERT_TIMEOUT = 1800.0  # seconds: a multi-GiB disk on a slow host
 
@@ -50,12 +63,26 @@ class Captured:
     disk_bytes: int
 
 
-def _check_overlay(overlay: Path) -> None:
+def qemu_img_binary() -> str:
+    """qemu-img's absolute path (the jail execs it without a PATH search)."""
+    found = shutil.which("qemu-img")
+    if found is None:
+        raise BackendError("qemu-img is not installed (apt-get install qemu-utils)")
+    return os.path.realpath(found)
+
+
+def _check_overlay(overlay: Path, prefix: Sequence[str]) -> None:
     """The overlay must not name an external data file (its header is QEMU-written)."""
-    out = qemu_img(
-        ["info", "--output=json", "-f", "qcow2", "-U", str(overlay)],
-        "read the VM's overlay",
-    )
+    argv = [*prefix, qemu_img_binary(), "info", "--output=json", "-f", "qcow2", "-U"]
+    try:
+        proc = subprocess.run(
+            [*argv, str(overlay)], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BackendError(f"qemu-img could not read the VM's overlay: {exc}") from exc
+    if proc.returncode != 0:
+        raise BackendError(f"qemu-img could not read the VM's overlay: {proc.stderr[-400:]}")
+    out = proc.stdout
     try:
         doc = json.loads(out)
     except ValueError as exc:
@@ -79,7 +106,9 @@ def convert_argv(overlay: Path, base: Path, base_format: DiskFormat, out: Path) 
     )
     # -U: QEMU released its image locks when the migration completed (its nodes are
     # inactive), but a lock left by a VMM we cannot see must not fail the capture.
-    return ["qemu-img", "convert", "-q", "-U", "--image-opts", source, "-O", "qcow2", str(out)]
+    return [
+        qemu_img_binary(), "convert", "-q", "-U", "--image-opts", source, "-O", "qcow2", str(out)
+    ]  # fmt: skip
 
 
 async def _convert(argv: list[str], out: Path) -> None:
@@ -101,6 +130,7 @@ async def _convert(argv: list[str], out: Path) -> None:
     if proc.returncode != 0:
         text = err.decode(errors="replace").strip()[-400:]
         raise BackendError(f"qemu-img could not capture the VM's disk: {text}")
+    await asyncio.to_thread(os.chown, out, 0, 0)  # the jail chowned it to the VM's uid
     await asyncio.to_thread(os.chmod, out, 0o444)
 
 
@@ -112,15 +142,24 @@ async def capture(
     base_format: DiskFormat,
     state_out: Path,
     disk_out: Path,
+    jail: Jail | None = None,
     timeout: float = 600.0,
 ) -> Captured:
     """Save the VM's state to ``state_out`` and its disk to ``disk_out`` with the VM
-    frozen across both, then let it run on; both files removed on failure."""
+    frozen across both, then let it run on; both files removed on failure. ``jail``:
+    how qemu-img is confined (the VM's QEMU's uid, ``Jail.as_uid``; None: unconfined,
+    for tests without root)."""
     t0 = time.monotonic()
     fd = os.open(state_out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     stopped = False
+    read_prefix: list[str] = []
+    copy_prefix: list[str] = []
     try:
-        await asyncio.to_thread(_check_overlay, overlay)
+        if jail is not None:  # the jail binds the output file: it must exist
+            os.close(os.open(disk_out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            read_prefix = jail.prefix_for(ro=[overlay], rw=[], kvm=False)
+            copy_prefix = jail.prefix_for(ro=[overlay, base], rw=[disk_out], kvm=False)
+        await asyncio.to_thread(_check_overlay, overlay, read_prefix)
         await qmp.execute("stop")
         stopped = True
         await qmp.execute("migrate-set-parameters", {"max-bandwidth": UNLIMITED_BANDWIDTH})
@@ -128,7 +167,8 @@ async def capture(
         await qmp.execute("migrate", {"uri": f"fd:{SNAPSHOT_FD}"})
         await wait_migration(qmp, timeout, "snapshot of the VM's state")
         await asyncio.to_thread(os.fsync, fd)
-        await _convert(convert_argv(overlay, base, base_format, disk_out), disk_out)
+        argv = [*copy_prefix, *convert_argv(overlay, base, base_format, disk_out)]
+        await _convert(argv, disk_out)
     except BaseException:
         if stopped:  # a migration in flight must not complete once the VM runs on
             with contextlib.suppress(QmpError):

@@ -26,9 +26,10 @@ from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.qemu import (
     CONSOLE_RING_BYTES,
     SANDBOX,
-    TCG_TB_SIZE_MB,
     Accel,
     QemuProcess,
+    cpu_memory_argv,
+    guest_end_argv,
     qemu_binary,
     supports_sandbox,
 )
@@ -97,20 +98,14 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
     argv = [
         binary or qemu_binary(),
         "-M", "q35",
-        "-accel", "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MB}",
-        "-cpu", "host" if config.accel == "kvm" else "max",
-        "-m", str(config.memory_mb),
-        "-smp", str(config.vcpus),
+        *cpu_memory_argv(config.accel, config.memory_mb, config.vcpus),
         "-nodefaults", "-no-user-config",
         "-display", "none",
         # std VGA; its EDID offers the display size as the preferred mode, which OVMF's
         # framebuffer and a guest's X server take (a BIOS text console stays 720x400).
         "-device",
         f"VGA,vgamem_mb={VGA_MEMORY_MB},xres={config.display[0]},yres={config.display[1]}",
-        "-no-reboot",
-        "-action", "shutdown=pause",
-        "-chardev", f"ringbuf,id=console,size={CONSOLE_RING_BYTES}",
-        "-serial", "chardev:console",
+        *guest_end_argv(CONSOLE_RING_BYTES),
         "-chardev", f"socket,id=qmp,path={config.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
         "-drive", f"id=d0,file={config.disk},format=qcow2,if=none,discard=unmap",

@@ -14,21 +14,26 @@ set does not change between launches, which is what a restore needs.
 The guest's address: the platform tells a guest that carries its kernel (direct
 boot) ``dsec.ip=A.B.C.D/30 dsec.gw=G`` on its kernel command line (the gateway is also
 its DNS server: every UDP 53 goes to the responder); the project's test image
-configures eth0 from it (dsec.guest.vmimage). A guest booting from its own disk gets
-no address from the platform (no DHCP reply on the tap yet): it must be configured
-with the slot's static address by whoever built the image.
+configures eth0 from it (dsec.guest.vmimage). A guest booting from its own disk asks
+DHCP, like any OS: the edge answers on the tap with that same address, gateway and DNS
+server and nothing else (dsec.net.dhcp); debian-desktop does (dsec.guest.desktopimage).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dsec.backends.microvm.qmp import Qmp
 from dsec.errors import BackendError
 from dsec.net.vmtap import PREFIXLEN
 
 TAP_FD = "@TAP_FD@"  # in a saved argv: where the launch's tap fd number goes
 NETDEV = "n0"
+# How long the cable stays unplugged after a restore: long enough for the guest's
+# network daemon to see the carrier go (under TCG too), short next to a restore.
+LINK_DOWN_SECONDS = 2.0
 
 
 def qemu_args(mac: str) -> list[str]:
@@ -59,3 +64,16 @@ def guest_cmdline(net: Mapping[str, Any]) -> str:
     contract of microVM guests: ``dsec.ip=`` and ``dsec.gw=``), from the network
     record the edge attached (its slot's address, stable across resumes)."""
     return f"dsec.ip={net['ip']}/{PREFIXLEN} dsec.gw={net['gateway']}"
+
+
+async def relink(qmp: Qmp, *, down_seconds: float = LINK_DOWN_SECONDS) -> None:
+    """Unplug and replug the NIC's cable (QMP ``set_link``; virtio-net tells the guest
+    through its link status). A guest restored from a snapshot still holds the address
+    of the VM it was saved from, on a new tap whose slot has another one; a DHCP client
+    that watches the carrier (systemd-networkd, NetworkManager, Windows, Android) asks
+    again when the cable comes back, is NAKed for the old address (dsec.net.dhcp) and
+    takes the new slot's lease. Nothing in the guest is trusted or required: a guest
+    that ignores the carrier keeps a dead address, confined to its slot like any."""
+    await qmp.execute("set_link", {"name": NETDEV, "up": False})
+    await asyncio.sleep(down_seconds)
+    await qmp.execute("set_link", {"name": NETDEV, "up": True})

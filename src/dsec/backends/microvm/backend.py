@@ -56,7 +56,8 @@ from dsec.backends.microvm.facts import MicroVMFacts
 from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.machine import Machine, rss_bytes, wait_until
 from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConfig, find_running
-from dsec.errors import BackendError, LimitExceeded
+from dsec.backends.qemuvm import QemuVMBackend
+from dsec.errors import BackendError
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.guest.channel import GuestChannel
 from dsec.images.mounts import LayerMounts
@@ -126,7 +127,7 @@ def microvm_spec(rec: SandboxRecord | CreateInput) -> DSecMicroVMRunArgs:
     return rec.spec
 
 
-class MicroVMBackend(AgentDataPath, Backend):
+class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
     kind = BackendKind.MICROVM
     capabilities = frozenset(
         {
@@ -143,6 +144,10 @@ class MicroVMBackend(AgentDataPath, Backend):
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
+    vmm_overhead_mb = VMM_OVERHEAD_MB
+    min_memory_mb = MIN_MEMORY_MB
+    min_memory_why = "the guest kernel's own need"
+    vm_noun = "microVM"
     destroy_needs_resume = False  # SIGKILL ends a stopped QEMU; a saved one has no process
     reclaim_drops_agent_links = True  # QEMU ends with its agent channel
 
@@ -260,10 +265,7 @@ class MicroVMBackend(AgentDataPath, Backend):
         for machine in list(self._machines.values()):
             await machine.close()
         self._machines.clear()
-        if not self.cgroups.children(f"/{self.cgroup_parent}"):
-            await asyncio.to_thread(
-                self.cgroups.kill_and_remove, f"/{self.cgroup_parent}", timeout=1
-            )
+        await self.remove_parent_cgroup_if_empty()
 
     def track(self, vm_id: str, machine: Machine) -> None:
         """Count ``machine`` among this backend's VMs (the guest-end watcher, close):
@@ -273,15 +275,9 @@ class MicroVMBackend(AgentDataPath, Backend):
     def untrack(self, vm_id: str) -> Machine | None:
         return self._machines.pop(vm_id, None)
 
-    # -- paths --------------------------------------------------------------------------
-    def vm_dir(self, sandbox_id: str) -> Path:
-        return self.vms_dir / sandbox_id
-
+    # -- paths (the VM directory and cgroup: dsec.backends.qemuvm) ----------------------
     def agent_socket(self, sandbox_id: str) -> Path:
         return self.vm_dir(sandbox_id) / "agent.sock"
-
-    def cgroup_of(self, sandbox_id: str) -> str:
-        return f"/{self.cgroup_parent}/{sandbox_id}"
 
     def load_facts(self, data: Mapping[str, Any]) -> MicroVMFacts:
         return MicroVMFacts.from_json(data)
@@ -293,18 +289,7 @@ class MicroVMBackend(AgentDataPath, Backend):
 
     # -- limits -------------------------------------------------------------------------
     def check_limits(self, spec: Any) -> None:
-        if spec.memory_limit_mb < MIN_MEMORY_MB:
-            raise LimitExceeded(
-                f"memory_limit_mb={spec.memory_limit_mb} is below the microVM minimum of "
-                f"{MIN_MEMORY_MB} MiB (the guest kernel's own need)",
-                minimum_mb=MIN_MEMORY_MB,
-            )
-
-    def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
-        """Guest RAM stays resident once touched (no balloon) and QEMU's own memory
-        comes on top: a VM is never overcommitted (bench_microvm: ~180 MiB per idle
-        256 MiB VM, and admission at the limit would have let 5x too many in)."""
-        return math.ceil((spec.memory_limit_mb + VMM_OVERHEAD_MB) * overcommit)
+        self.check_memory(spec)
 
     def helper_vm_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int | None:
         """A verifier or packer VM has the sandbox's shape (microvm_spec), so it
@@ -385,7 +370,7 @@ class MicroVMBackend(AgentDataPath, Backend):
             await asyncio.to_thread(
                 self.cgroups.create_limited,
                 self.cgroup_of(sid),
-                memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
+                memory_bytes=self.cgroup_memory_bytes(spec),
                 cpu_cores=spec.cpu_cores_limit,
                 pids=QEMU_PIDS,
                 cpu_shares=qos.cpu_shares(spec.qos),

@@ -1,8 +1,8 @@
 /* dsec-vmjail: confine one QEMU process, then exec it in place (same pid).
  *
  * Usage: dsec-vmjail [--cgroup DIR]... [--own PATH]... [--ro PATH]... [--rw PATH]...
- *                    [--dev PATH]... --uid-base N [--group N]... [--netns] [--die-with-parent]
- *                    -- QEMU ARGV...
+ *                    [--dev PATH]... --uid-base N [--as-uid N] [--group N]... [--netns]
+ *                    [--die-with-parent] -- QEMU ARGV...
  *
  * Order matters and is the point of doing it in C before exec:
  *  1. join the sandbox's cgroups (every hierarchy), so QEMU's first allocation is
@@ -11,6 +11,9 @@
  *     state (a pid is unique while the process lives), so two QEMUs never share a uid
  *     and cannot signal or ptrace each other; the gid is the same number; --own paths
  *     are chowned to it; --group adds a supplementary group (the kvm group);
+ *     --as-uid N (N >= uid-base) runs as that uid instead: a helper working on one
+ *     VM's files on its behalf (qemu-img copying its overlay at a snapshot) gets that
+ *     VM's QEMU's uid, so it reaches those files and nothing more than QEMU could;
  *  3. new mount, ipc, uts (and with --netns an empty network) namespaces; the new root
  *     is an empty read-only tmpfs holding only /usr (and the merged-usr symlinks),
  *     a few /dev nodes and the --ro / --rw paths bound at their own paths, so argv
@@ -111,7 +114,7 @@ int main(int argc, char **argv) {
     int ncg = 0, nown = 0, nro = 0, nrw = 0, ndev = 0, netns = 0, ngroups = 0;
     int die_with_parent = 0;  /* a VM that is not a sandbox (a template build) */
     pid_t parent = getppid();
-    long uid_base = -1;
+    long uid_base = -1, as_uid = -1;
     gid_t groups[8];
     int i = 1;
     for (; i < argc; i++) {
@@ -130,6 +133,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--rw")) rw[nrw++] = v;
         else if (!strcmp(a, "--dev")) dev[ndev++] = v;
         else if (!strcmp(a, "--uid-base")) uid_base = number(v);
+        else if (!strcmp(a, "--as-uid")) as_uid = number(v);
         else if (!strcmp(a, "--group")) {
             if (ngroups >= 8) { errno = E2BIG; die("too many groups", NULL); }
             groups[ngroups++] = (gid_t)number(v);
@@ -139,8 +143,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: dsec-vmjail --uid-base N [options] -- argv...\n");
         return 125;
     }
+    if (as_uid >= 0 && as_uid < uid_base) { errno = EINVAL; die("--as-uid below --uid-base", NULL); }
     pid_t pid = getpid();
-    uid_t uid = (uid_t)(uid_base + pid);
+    uid_t uid = (uid_t)(as_uid >= 0 ? as_uid : uid_base + pid);
     gid_t gid = (gid_t)uid;
     char pidtext[32];
     snprintf(pidtext, sizeof pidtext, "%d\n", (int)pid);

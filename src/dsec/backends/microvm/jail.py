@@ -62,6 +62,10 @@ class Jail:
     die_with_parent: bool = False
     """SIGKILL QEMU when the edge process dies: for VMs that are not sandboxes (a
     template being saved), which nothing would re-adopt."""
+    as_uid: int | None = None
+    """Run as this uid (>= ``uid_base``) instead of ``uid_base + pid``: a helper that
+    works on one VM's files for it (qemu-img at a full VM's snapshot) runs as that VM's
+    QEMU, reaching what QEMU can and nothing more (``vm_uid(qemu_pid)``)."""
 
     def prefix(self, config: VMConfig) -> list[str]:
         """The launcher argv to put before QEMU's (``QemuProcess.launch(prefix=)``).
@@ -82,6 +86,10 @@ class Jail:
         directory of its sockets), ``/dev/kvm`` with ``kvm``. ``prefix`` derives
         these from a microVM's config; dsec.backends.fullvm from its own."""
         argv = [str(jail_binary()), "--uid-base", str(self.uid_base)]
+        if self.as_uid is not None:
+            if self.as_uid < self.uid_base:
+                raise BackendError(f"a jailed uid must be >= {self.uid_base}: {self.as_uid}")
+            argv += ["--as-uid", str(self.as_uid)]
         if self.netns:
             argv.append("--netns")
         if self.die_with_parent:

@@ -164,6 +164,31 @@ def supports_sandbox() -> bool:
     return any(line.startswith("-sandbox") for line in out.splitlines())
 
 
+def cpu_memory_argv(accel: Accel, memory_mb: int, vcpus: int) -> list[str]:
+    """``-accel``, ``-cpu``, ``-m``, ``-smp``: the same for every QEMU machine here
+    (microVMs, full VMs). TCG's translation cache defaults to 1 GiB, filled as code is
+    translated, and charged to the sandbox's cgroup: bounded so that the backends'
+    VMM overhead holds."""
+    return [
+        "-accel", "kvm" if accel == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MB}",
+        "-cpu", "host" if accel == "kvm" else "max",
+        "-m", str(memory_mb),
+        "-smp", str(vcpus),
+    ]  # fmt: skip
+
+
+def guest_end_argv(console_ring_bytes: int) -> list[str]:
+    """How every VM here ends and keeps its console: a guest that powers off, reboots
+    or panics (panic=-1) stops instead of ending QEMU, so the console ring (serial
+    port, bounded) stays readable; the owner then kills it."""
+    return [
+        "-no-reboot",
+        "-action", "shutdown=pause",
+        "-chardev", f"ringbuf,id=console,size={console_ring_bytes}",
+        "-serial", "chardev:console",
+    ]  # fmt: skip
+
+
 def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
     """The full qemu-system-x86_64 argv for ``config`` (pure: no files touched)."""
     if config.vcpus < 1 or config.memory_mb < 16:
@@ -174,19 +199,9 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
     argv = [
         binary or qemu_binary(),
         "-M", "microvm",
-        # TCG's translation cache defaults to 1 GiB, filled as code is translated, and
-        # charged to the sandbox's cgroup: bounded so that VMM_OVERHEAD_MB holds.
-        "-accel", "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MB}",
-        "-cpu", "host" if config.accel == "kvm" else "max",
-        "-m", str(config.memory_mb),
-        "-smp", str(config.vcpus),
+        *cpu_memory_argv(config.accel, config.memory_mb, config.vcpus),
         "-nodefaults", "-no-user-config", "-nographic",
-        "-no-reboot",
-        # A guest that powers off, reboots or panics (panic=-1) stops instead of
-        # ending QEMU: the console ring stays readable; the owner then kills it.
-        "-action", "shutdown=pause",
-        "-chardev", f"ringbuf,id=console,size={ring}",
-        "-serial", "chardev:console",
+        *guest_end_argv(ring),
         "-kernel", str(config.kernel),
         "-append", config.cmdline(),
         "-chardev", f"socket,id=qmp,path={config.qmp_socket},server=on,wait=off",

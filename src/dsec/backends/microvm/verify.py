@@ -66,8 +66,6 @@ from dsec.backends.container.verifier import (
 from dsec.backends.microvm import snapshot
 from dsec.backends.microvm.backend import (
     QEMU_PIDS,
-    VMM_OVERHEAD_MB,
-    MiB,
     microvm_spec,
 )
 from dsec.backends.microvm.machine import Machine, wait_until
@@ -369,7 +367,7 @@ async def boot_verifier(
     await asyncio.to_thread(
         backend.cgroups.create_limited,
         backend.cgroup_of(vid),
-        memory_bytes=(spec.memory_limit_mb + VMM_OVERHEAD_MB) * MiB,
+        memory_bytes=backend.cgroup_memory_bytes(spec),
         cpu_cores=spec.cpu_cores_limit,
         pids=QEMU_PIDS,
     )
