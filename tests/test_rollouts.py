@@ -158,3 +158,145 @@ def test_rollouts_outlive_trainer_and_edge(plat: PlatformProcess) -> None:
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_held_call_goes_through_when_the_trainer_moves(plat: PlatformProcess) -> None:
+    """No edge restart: the held call itself is answered by the trainer that came back
+    (streamed), one model_call step with its failed attempts listed."""
+    job = "job-held"
+    first = ScriptedTrainer().start()
+    second: ScriptedTrainer | None = None
+    streamed = SCAFFOLD.replace('\\"model\\":\\"x\\"', '\\"model\\":\\"x\\",\\"stream\\":true')
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            ro = client.start_rollout(
+                spec(job, model=ModelEndpoint(base_url=first.url), scaffold=streamed)
+            )
+            wait_for("a call", lambda: client.get_rollout(ro.id).model_calls >= 1)
+            first.stop()
+            wait_for("paused", lambda: client.get_rollout(ro.id).state is RolloutState.PAUSED)
+            second = ScriptedTrainer().start()
+            client.set_model_endpoint(job, ModelEndpoint(base_url=second.url))
+            final = client.wait_rollout(ro.id, timeout=120)
+            assert final.state is RolloutState.FINISHED and final.reward == 1.0, final
+            (res,) = client.finished_rollouts(job)
+            calls = [s for s in res.steps if s.op == "model_call"]
+            assert len(calls) == STEPS
+            held = [s for s in calls if s.result and s.result["attempts"] > 1]
+            assert len(held) == 1 and held[0].result is not None
+            assert held[0].result["retries"] and held[0].result["stream"] is True
+            answer = held[0].result["response"]["choices"][0]
+            assert answer["text"].startswith("ok: ") and answer["token_ids"]
+            assert held[0].result["logprobs"]
+            seen = collections.Counter(first.prompts() + second.prompts())
+            assert all(seen[f"{ro.id} step {n}"] == 1 for n in range(STEPS)), seen
+            client.ack_rollouts(job, [ro.id])
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+SPY = 'mkdir -p /work && echo "$OPENAI_API_KEY" > /work/key && env > /work/env && sleep 120'
+
+
+def test_adversarial_sandboxes(plat: PlatformProcess) -> None:
+    """Another rollout's token, the real key, a forged reward, flooding, max_steps."""
+    import httpx
+
+    job = "job-adv"
+    trainer = ScriptedTrainer(api_key="sk-real-secret", delay=0.5).start()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            ep = ModelEndpoint(base_url=trainer.url, api_key="sk-real-secret")
+            a = client.start_rollout(spec(job, model=ep, scaffold=SPY, reward=None))
+            b = client.start_rollout(spec(job, scaffold=SPY, reward=None))
+            forged = client.start_rollout(
+                spec(
+                    job,
+                    scaffold="mkdir -p /work && echo 1 > /work/reward && echo PASSED && exit 0",
+                    reward=VerifyRequest(command="test -f /work/solved", graded=["/work"]),
+                )
+            )
+            limited = client.start_rollout(
+                spec(
+                    job,
+                    max_steps=2,
+                    reward=None,
+                    scaffold="mkdir -p /work; for i in 0 1 2; do "
+                    + CALL
+                    + " >/dev/null 2>>/work/err; echo $? >> /work/rc; done",
+                )
+            )
+
+            def box(ro_id: str) -> str:
+                sid = client.get_rollout(ro_id).sandbox_id
+                assert sid is not None
+                return sid
+
+            def spied(ro_id: str) -> bool:
+                sid = client.get_rollout(ro_id).sandbox_id
+                return sid is not None and client.get(sid).run_shell("cat /work/env").exit_code == 0
+
+            wait_for("the spies' keys", lambda: spied(a.id) and spied(b.id))
+            sa, sb = client.get(box(a.id)), client.get(box(b.id))
+            key_a = sa.read_file("/work/key").decode().strip()
+            env_b = sb.read_file("/work/env").decode()
+            assert "sk-real-secret" not in env_b and key_a not in env_b
+            base = next(
+                line.split("=", 1)[1]
+                for line in env_b.splitlines()
+                if line.startswith("OPENAI_BASE_URL=")
+            )
+            # The real key is nowhere in the sandbox (environment of every process, files).
+            leak = sb.run_shell("grep -l sk-real-secret /proc/*/environ /work/* 2>/dev/null; true")
+            assert leak.stdout.strip() == ""
+
+            def call_from(s: object, token: str, n: int = 1) -> str:
+                cmd = (
+                    CALL.replace("${KEY:-$OPENAI_API_KEY}", token)
+                    .replace("$OPENAI_BASE_URL", base)
+                    .replace("$DSEC_ROLLOUT_ID", "spy")
+                )
+                script = (
+                    f"i=x; for j in $(seq {n}); do ({cmd} >/dev/null 2>>/tmp/e.$j; "
+                    "echo $? >> /tmp/rcs) & done; wait; cat /tmp/e.* 2>/dev/null; rm -f /tmp/e.*"
+                )
+                return s.run_shell(script, timeout=60).stdout  # type: ignore[attr-defined, no-any-return]
+
+            # Another rollout's token from this sandbox: refused, and nothing reached the model.
+            before = len(trainer.calls)
+            assert "403" in call_from(sb, key_a)
+            assert "401" in call_from(sb, "dsro_forged")
+            assert len(trainer.calls) == before
+            # Its own token from outside its sandbox (the host): refused too.
+            with pytest.raises(httpx.HTTPStatusError) as err:
+                httpx.post(
+                    base.replace(base.split("/")[2].split(":")[0], "127.0.0.1")
+                    + "/chat/completions",
+                    json={"messages": []},
+                    headers={"authorization": f"Bearer {key_a}"},
+                ).raise_for_status()
+            assert err.value.response.status_code == 403
+            # Flooding: calls beyond the in-flight cap are refused at once (429).
+            own = sb.read_file("/work/key").decode().strip()
+            out = call_from(sb, own, n=20)
+            assert "429" in out
+            assert client.get_rollout(b.id).model_calls <= 8
+
+            # A forged reward: the scaffold's files and output decide nothing.
+            f = client.wait_rollout(forged.id, timeout=60)
+            assert f.state is RolloutState.FINISHED and f.exit_code == 0
+            assert f.reward == 0.0 and f.verdict is not None and not f.verdict.passed
+            # max_steps: the third call is refused; two model_call steps are logged.
+            lim = client.wait_rollout(limited.id, timeout=60)
+            assert lim.model_calls == 2
+            (res,) = [r for r in client.finished_rollouts(job) if r.rollout.id == limited.id]
+            assert [s.op for s in res.steps].count("model_call") == 2
+            # Cancel: the rollout ends and its sandbox with it.
+            c = client.cancel_rollout(a.id)
+            assert c.state is RolloutState.CANCELLED
+            assert client.get(box(a.id)).info.state.value == "stopped"
+            client.cancel_rollout(b.id)
+    finally:
+        trainer.stop()
