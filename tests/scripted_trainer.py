@@ -16,9 +16,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # a hundred rollouts calling at once after an outage
+
+
 class ScriptedTrainer:
-    def __init__(self, *, delay: float = 0.0, api_key: str | None = None) -> None:
+    def __init__(
+        self, *, delay: float = 0.0, api_key: str | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.delay = delay
+        self.host = host
         self.api_key = api_key
         self.calls: list[dict[str, Any]] = []
         self.auth_seen: list[str] = []
@@ -115,8 +123,7 @@ class ScriptedTrainer:
                     },
                 )
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((self.host, 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self
