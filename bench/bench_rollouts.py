@@ -114,6 +114,13 @@ def latency(
         if int(us) >= 0:
             samples[kind].append(int(us) / 1000)
     client.cancel_rollout(ro.id)
+    inside = [
+        (s.result["handled"] - s.result["latency"]) * 1000
+        for r in client.finished_rollouts(job)
+        for s in r.steps
+        if s.op == "model_call" and s.result is not None
+    ]
+    client.ack_rollouts(job, [ro.id])
     g, d = samples["gateway"], samples["direct"]
     return {
         "calls": min(len(g), len(d)),
@@ -123,6 +130,8 @@ def latency(
         "direct_p99_ms": round(pct(d, 0.99), 3),
         "added_p50_ms": round(statistics.median(g) - statistics.median(d), 3),
         "added_p99_ms": round(pct(g, 0.99) - pct(d, 0.99), 3),
+        "in_gateway_p50_ms": round(statistics.median(inside), 3),
+        "in_gateway_p99_ms": round(pct(inside, 0.99), 3),
     }
 
 

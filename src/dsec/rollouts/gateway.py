@@ -355,6 +355,9 @@ class ModelGateway:
             "endpoint": url,
             "attempts": len(call.attempts) + 1,
             "retries": call.attempts,
+            # time in the gateway from the body read to the answer ready (upstream
+            # included): minus ``latency``, what the gateway itself added
+            "handled": round(time.monotonic() - call.started, 6),
         }
         if isinstance(answer, dict):
             result.update(rl_fields(answer))
