@@ -265,10 +265,9 @@ def test_adversarial_sandboxes(plat: PlatformProcess) -> None:
                 return s.run_shell(script, timeout=60).stdout  # type: ignore[attr-defined, no-any-return]
 
             # Another rollout's token from this sandbox: refused, and nothing reached the model.
-            before = len(trainer.calls)
             assert "403" in call_from(sb, key_a)
             assert "401" in call_from(sb, "dsro_forged")
-            assert len(trainer.calls) == before
+            assert "spy step x" not in trainer.prompts()
             # Its own token from outside its sandbox (the host): refused too.
             with pytest.raises(httpx.HTTPStatusError) as err:
                 httpx.post(
@@ -300,3 +299,60 @@ def test_adversarial_sandboxes(plat: PlatformProcess) -> None:
             client.cancel_rollout(b.id)
     finally:
         trainer.stop()
+
+
+def test_fncall_judge_reward_and_unit_pieces(plat: PlatformProcess) -> None:
+    """A FnCall judge grades the program the agent wrote (tests passed / tests); the
+    gateway's stream merge and RL fields, and the hand-off ack, on their own."""
+    from dsec import FnCallJudge
+    from dsec.api.fncall import DSecFnCallRunArgs, JudgeTest
+    from dsec.rollouts.gateway import merge_stream, rl_fields
+
+    job = "job-judge"
+    trainer = ScriptedTrainer().start()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            judge = FnCallJudge(
+                code_path="/work/solution.sh",
+                args=DSecFnCallRunArgs(
+                    image="busybox:latest", language="sh", memory_limit_mb=64, timeout_s=5
+                ),
+                tests=[JudgeTest(stdin="2 3", expected="5"), JudgeTest(stdin="1 1", expected="3")],
+            )
+            ro = client.start_rollout(
+                spec(
+                    job,
+                    model=ModelEndpoint(base_url=trainer.url),
+                    scaffold="mkdir -p /work && "
+                    "echo 'read a b; echo $((a + b))' > /work/solution.sh",
+                    reward=judge,
+                )
+            )
+            final = client.wait_rollout(ro.id, timeout=120)
+            assert final.state is RolloutState.FINISHED, final
+            assert final.reward == 0.5 and final.judgement is not None
+            assert (final.judgement.passed, final.judgement.total) == (1, 2)
+            client.ack_rollouts(job, [ro.id])
+    finally:
+        trainer.stop()
+
+    merged = merge_stream(
+        [
+            {"id": "a", "choices": [{"index": 0, "delta": {"content": "he"}, "token_ids": [1]}]},
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": "llo"},
+                        "token_ids": [2],
+                        "logprobs": {"content": [{"token": "llo", "logprob": -0.5}]},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+        ]
+    )
+    assert merged["choices"][0]["text"] == "hello"
+    assert rl_fields(merged) == {"token_ids": [[1, 2]], "logprobs": [[-0.5]]}
+    completions = {"choices": [{"logprobs": {"token_logprobs": [-1.0, -2.0]}}]}
+    assert rl_fields(completions) == {"logprobs": [[-1.0, -2.0]]}

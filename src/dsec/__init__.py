@@ -20,7 +20,14 @@ from dsec.api.files import FileInfo, FileList
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.protected import ProtectedMount
-from dsec.api.rollouts import ModelEndpoint, RolloutInfo, RolloutResult, RolloutSpec, RolloutState
+from dsec.api.rollouts import (
+    FnCallJudge,
+    ModelEndpoint,
+    RolloutInfo,
+    RolloutResult,
+    RolloutSpec,
+    RolloutState,
+)
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.api.spec import (
     DSecContainerRunArgs,
@@ -86,6 +93,7 @@ __all__ = [
     "FileInfo",
     "FileList",
     "FileNotFound",
+    "FnCallJudge",
     "GradedRefusal",
     "ImageBuildError",
     "ImageInfo",

@@ -17,6 +17,13 @@ from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
 from dsec.api.fields import ENV_KEY_RE, TRAJECTORY_NAME_RE
+from dsec.api.fncall import (
+    MAX_TESTS,
+    Comparator,
+    DSecFnCallRunArgs,
+    JudgeResult,
+    JudgeTest,
+)
 from dsec.api.spec import RunArgs
 from dsec.api.trajectory import StepRecord
 from dsec.api.verify import VerifyRequest, VerifyResult
@@ -74,6 +81,22 @@ class ModelEndpointInfo(Reply):
     model: str | None = None
 
 
+#: The agent's answer a FnCall judge reads (a file is data, never run on the edge).
+MAX_JUDGED_BYTES = 1 << 20
+
+
+class FnCallJudge(Strict):
+    """A FnCall judge as a rollout's reward: the file ``code_path`` of the agent sandbox
+    (the agent's program, read as data once the scaffold ended) runs against ``tests`` in
+    a FnCall sandbox; reward = tests passed / tests."""
+
+    code_path: str = Field(..., min_length=2, max_length=4096, pattern=r"^/[^\x00]*$")
+    args: DSecFnCallRunArgs = Field(default_factory=lambda: DSecFnCallRunArgs())
+    tests: list[JudgeTest] = Field(min_length=1, max_length=MAX_TESTS)
+    comparator: Comparator = "whitespace"
+    float_tolerance: float = Field(1e-6, ge=0)
+
+
 class RolloutSpec(Strict):
     """What one rollout runs. ``sandbox`` is the agent sandbox (any run args; its
     ``job_id``/``trajectory_id`` are set from the rollout, and its network gets the
@@ -95,8 +118,10 @@ class RolloutSpec(Strict):
         None, ge=1, le=100_000, description="model calls allowed (then 429 to the scaffold)"
     )
     timeout: float = Field(3600.0, gt=0, le=7 * 86400, description="whole rollout, seconds")
-    reward: VerifyRequest | None = Field(
-        None, description="verify step run when the scaffold ends; passed -> reward 1.0"
+    reward: VerifyRequest | FnCallJudge | None = Field(
+        None,
+        description="run when the scaffold ends: a verify step (passed -> 1.0) or a FnCall "
+        "judge of a file the agent wrote (tests passed / tests)",
     )
     pause_after: float = Field(
         10.0, ge=0, le=86400, description="seconds a model call is held before a pause"
@@ -138,6 +163,7 @@ class RolloutInfo(Reply):
     exit_code: int | None = Field(None, description="the scaffold's, as the platform saw it")
     reward: float | None = None
     verdict: VerifyResult | None = None
+    judgement: JudgeResult | None = None
     model_calls: int = Field(0, description="completed model calls (one model_call step each)")
     model_retries: int = Field(0, description="upstream attempts that failed and were retried")
     error: str | None = None

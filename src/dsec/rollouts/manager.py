@@ -41,10 +41,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from dsec.api.exec import CommandArgs
+from dsec.api.fncall import JudgeRequest
 from dsec.api.rollouts import (
+    MAX_JUDGED_BYTES,
     TERMINAL,
     AckResult,
     EndpointSet,
+    FnCallJudge,
     ModelEndpoint,
     RolloutInfo,
     RolloutResult,
@@ -53,6 +56,7 @@ from dsec.api.rollouts import (
 )
 from dsec.api.sandbox import SandboxState
 from dsec.api.trajectory import StepRequest
+from dsec.api.verify import VerifyRequest
 from dsec.errors import (
     DSecError,
     InvalidArgument,
@@ -60,6 +64,7 @@ from dsec.errors import (
     ProcessNotFound,
     SandboxNotFound,
     TrajectoryStepInDoubt,
+    Unsupported,
 )
 from dsec.rollouts.gateway import GatewayRollout, ModelGateway
 from dsec.rollouts.store import Rollout, RolloutStore
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from dsec.apiserver.creator import SandboxCreator
     from dsec.edge.dataplane import DataPlane
     from dsec.edge.edge import Edge
+    from dsec.fncall.service import FnCallService
     from dsec.rl.trajectory import TrajectoryService
 
 log = logging.getLogger(__name__)
@@ -119,7 +125,9 @@ class RolloutManager:
         trajectory: TrajectoryService,
         store: RolloutStore,
         creator: SandboxCreator,
+        fncall: FnCallService | None = None,
     ) -> None:
+        self.fncall = fncall
         self.edge = edge
         self.dataplane = dataplane
         self.trajectory = trajectory
@@ -178,7 +186,9 @@ class RolloutManager:
                 f"job {spec.job_id!r} has no model endpoint: pass model=ModelEndpoint(...) "
                 "or set_model_endpoint first"
             )
-        if spec.reward is not None and spec.reward.mode != "fresh":
+        if isinstance(spec.reward, FnCallJudge) and self.fncall is None:
+            raise Unsupported("FnCall is off on this platform: a FnCall judge cannot run")
+        if isinstance(spec.reward, VerifyRequest) and spec.reward.mode != "fresh":
             raise InvalidArgument("a rollout's reward step runs in fresh mode (the agent is done)")
         rid = "ro-" + secrets.token_hex(8)
         now = time.time()
@@ -195,6 +205,7 @@ class RolloutManager:
             exit_code=None,
             reward=None,
             verdict=None,
+            judgement=None,
             error=None,
             model_calls=0,
             model_retries=0,
@@ -488,6 +499,9 @@ class RolloutManager:
         if spec.reward is None:
             await self._end(w, RolloutState.FINISHED, None)
             return
+        if isinstance(spec.reward, FnCallJudge):
+            await self._judge(w, spec.reward)
+            return
         if ro.verdict is not None:  # graded before a restart: the verdict stands
             await self._end(w, RolloutState.FINISHED, None)
             return
@@ -503,6 +517,35 @@ class RolloutManager:
         with contextlib.suppress(ValueError, KeyError):
             reward = float(verdict.results["reward"]) if verdict.passed else 0.0
         self.store.update(ro, verdict=verdict.model_dump_json(), reward=reward)
+        await self._end(w, RolloutState.FINISHED, None)
+
+    async def _judge(self, w: Worker, judge: FnCallJudge) -> None:
+        """Read the agent's file (data) and judge it in a FnCall sandbox; a pure
+        function of that file, so a restart in the middle simply judges it again."""
+        ro = w.ro
+        assert ro.sandbox_id is not None and self.fncall is not None
+        try:
+            code = await self.edge.read_file(
+                ro.sandbox_id, judge.code_path, max_bytes=MAX_JUDGED_BYTES
+            )
+        except NotFound:
+            code = b""
+        if not code:
+            self.store.update(ro, reward=0.0)
+            await self._end(w, RolloutState.FINISHED, f"no program at {judge.code_path}")
+            return
+        res = await self.fncall.judge(
+            JudgeRequest(
+                args=judge.args,
+                code=code.decode(errors="replace"),
+                tests=judge.tests,
+                comparator=judge.comparator,
+                float_tolerance=judge.float_tolerance,
+            )
+        )
+        self.store.update(
+            ro, judgement=res.model_dump_json(), reward=res.passed / max(1, res.total)
+        )
         await self._end(w, RolloutState.FINISHED, None)
 
     async def _end(self, w: Worker, state: RolloutState, error: str | None) -> None:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dsec.api.fncall import JudgeResult
 from dsec.api.rollouts import (
     TERMINAL,
     ModelEndpoint,
@@ -34,7 +35,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY, job_id TEXT NOT NULL, rollout_id TEXT NOT NULL,
     principal TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT NULL,
     token TEXT NOT NULL UNIQUE, sandbox_id TEXT, process_id TEXT,
-    exit_code INTEGER, reward REAL, verdict TEXT, error TEXT,
+    exit_code INTEGER, reward REAL, verdict TEXT, judgement TEXT, error TEXT,
     model_calls INTEGER NOT NULL DEFAULT 0, model_retries INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL, updated_at REAL NOT NULL, finished_at REAL,
     deadline REAL NOT NULL, acked INTEGER NOT NULL DEFAULT 0,
@@ -47,8 +48,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 _COLS = (
     "id, job_id, rollout_id, principal, spec, state, token, sandbox_id, process_id, "
-    "exit_code, reward, verdict, error, model_calls, model_retries, created_at, updated_at, "
-    "finished_at, deadline, acked"
+    "exit_code, reward, verdict, judgement, error, model_calls, model_retries, created_at, "
+    "updated_at, finished_at, deadline, acked"
 )
 
 
@@ -72,6 +73,7 @@ class Rollout:
     exit_code: int | None
     reward: float | None
     verdict: str | None
+    judgement: str | None
     error: str | None
     model_calls: int
     model_retries: int
@@ -97,6 +99,9 @@ class Rollout:
             verdict=None
             if self.verdict is None
             else VerifyResult.model_validate_json(self.verdict),
+            judgement=None
+            if self.judgement is None
+            else JudgeResult.model_validate_json(self.judgement),
             model_calls=self.model_calls,
             model_retries=self.model_retries,
             error=self.error,
@@ -118,14 +123,15 @@ def _row(r: tuple[Any, ...]) -> Rollout:
         exit_code=r[9],
         reward=r[10],
         verdict=r[11],
-        error=r[12],
-        model_calls=r[13],
-        model_retries=r[14],
-        created_at=r[15],
-        updated_at=r[16],
-        finished_at=r[17],
-        deadline=r[18],
-        acked=bool(r[19]),
+        judgement=r[12],
+        error=r[13],
+        model_calls=r[14],
+        model_retries=r[15],
+        created_at=r[16],
+        updated_at=r[17],
+        finished_at=r[18],
+        deadline=r[19],
+        acked=bool(r[20]),
     )
 
 
@@ -151,7 +157,7 @@ class RolloutStore:
         with self._mu:
             try:
                 self._db.execute(
-                    f"INSERT INTO rollouts ({_COLS}) VALUES ({','.join('?' * 20)})",
+                    f"INSERT INTO rollouts ({_COLS}) VALUES ({','.join('?' * 21)})",
                     (
                         ro.id,
                         ro.job_id,
@@ -165,6 +171,7 @@ class RolloutStore:
                         ro.exit_code,
                         ro.reward,
                         ro.verdict,
+                        ro.judgement,
                         ro.error,
                         ro.model_calls,
                         ro.model_retries,

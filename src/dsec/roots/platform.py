@@ -291,7 +291,12 @@ async def serve(
         rollout_store = RolloutStore(config.data_dir / "rollouts.db")
         stack.callback(rollout_store.close)
         rollouts = RolloutManager(
-            platform.edge, dataplane, platform.edge.trajectory, rollout_store, creator
+            platform.edge,
+            dataplane,
+            platform.edge.trajectory,
+            rollout_store,
+            creator,
+            fncall=platform.fncall,
         )
         # Hosted rollouts go on after a restart; stopped (not ended) on the way out.
         await rollouts.start()
