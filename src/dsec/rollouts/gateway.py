@@ -205,8 +205,16 @@ class ModelGateway:
         sock.bind(("0.0.0.0", self.port))
         sock.listen(1024)
         sock.setblocking(False)
+        from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
+
         config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="off"
+            self.app,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=75,
+            lifespan="off",
+            # Header timeout and size, connection cap: the same guard as the API's.
+            http=guarded_protocol(ConnectionLimits.from_env()),
         )
         self._server = _QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))

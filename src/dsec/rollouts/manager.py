@@ -296,11 +296,15 @@ class RolloutManager:
         return addr is not None and addr[0] == peer
 
     def endpoint_for(self, ro: GatewayRollout) -> ModelEndpoint | None:
-        w = self.workers[ro.id]
+        w = self.workers.get(ro.id)
+        if w is None:
+            return None
         return self.store.endpoint(w.ro.job_id) or w.ro.spec.model
 
     async def held(self, ro: GatewayRollout, since: float) -> None:
-        w = self.workers[ro.id]
+        w = self.workers.get(ro.id)
+        if w is None or w.ro.state.terminal:
+            return
         self.store.bump(w.ro, retries=1)
         if w.ro.state is RolloutState.RUNNING:
             self._set(w, RolloutState.WAITING_FOR_MODEL)
@@ -324,8 +328,9 @@ class RolloutManager:
             self._set(w, RolloutState.PAUSED)
 
     async def through(self, ro: GatewayRollout) -> None:
-        w = self.workers[ro.id]
-        await self._wake(w)
+        w = self.workers.get(ro.id)
+        if w is not None and not w.ro.state.terminal:
+            await self._wake(w)
 
     async def _wake(self, w: Worker) -> None:
         if w.pausing is not None:
@@ -343,8 +348,9 @@ class RolloutManager:
     def record(
         self, ro: GatewayRollout, request: dict[str, Any], ok: bool, result: dict[str, Any]
     ) -> None:
-        w = self.workers[ro.id]
-        assert self.trajectory is not None and w.ro.sandbox_id is not None
+        w = self.workers.get(ro.id)
+        if w is None or w.ro.sandbox_id is None:
+            return  # the rollout ended while the call was in flight
         self.trajectory.log.append(
             w.ro.job_id,
             w.ro.rollout_id,
@@ -363,6 +369,13 @@ class RolloutManager:
         self.workers[ro.id] = w
         self._by_token[ro.token] = w
         w.task = asyncio.create_task(self._run(w), name=f"rollout-{ro.id}")
+        w.task.add_done_callback(lambda _t: self._forget(w))
+
+    def _forget(self, w: Worker) -> None:
+        """An ended rollout lives on in the store only (its token is dead)."""
+        if w.ro.state.terminal:
+            self.workers.pop(w.id, None)
+            self._by_token.pop(w.ro.token, None)
 
     def _set(self, w: Worker, state: RolloutState, **fields: Any) -> None:
         self.store.update(w.ro, state=state, **fields)
@@ -408,12 +421,23 @@ class RolloutManager:
                 "ttl_running_stop": None,  # the rollout's own timeout bounds it
                 "network_rules": dict(sbx.network_rules) or dict(NO_EGRESS),
             }
-            info, _made = await self.creator.create_keyed(
-                ro.principal,
-                sbx.model_copy(update=update),
-                timeout=SANDBOX_CREATE_TIMEOUT,
-                key=ro.id,
+            create = asyncio.ensure_future(
+                self.creator.create_keyed(
+                    ro.principal,
+                    sbx.model_copy(update=update),
+                    timeout=SANDBOX_CREATE_TIMEOUT,
+                    key=ro.id,
+                )
             )
+            try:
+                info, _made = await asyncio.shield(create)
+            except asyncio.CancelledError:
+                # A cancel (or shutdown) mid-create: the create goes on; record what it
+                # made, so that the cancel stops it and a next edge adopts it.
+                with contextlib.suppress(Exception):
+                    info, _made = await create
+                    self.store.update(ro, sandbox_id=info.id)
+                raise
             self.store.update(ro, sandbox_id=info.id)
         sid = ro.sandbox_id
         assert sid is not None
