@@ -17,8 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 from dsec import (
+    AlreadyExists,
     DSecContainerRunArgs,
     DSecSyncClient,
+    InvalidArgument,
     ModelEndpoint,
     RolloutSpec,
     RolloutState,
@@ -328,6 +330,11 @@ def test_fncall_judge_reward_and_unit_pieces(plat: PlatformProcess) -> None:
                     reward=judge,
                 )
             )
+            # Typed refusals: a rollout id in use, a job with no model endpoint.
+            with pytest.raises(AlreadyExists):
+                client.start_rollout(spec(job, rollout_id=ro.rollout_id))
+            with pytest.raises(InvalidArgument, match="no model endpoint"):
+                client.start_rollout(spec("job-without-endpoint"))
             final = client.wait_rollout(ro.id, timeout=120)
             assert final.state is RolloutState.FINISHED, final
             assert final.reward == 0.5 and final.judgement is not None

@@ -58,6 +58,7 @@ from dsec.api.sandbox import SandboxState
 from dsec.api.trajectory import StepRequest
 from dsec.api.verify import VerifyRequest
 from dsec.errors import (
+    AlreadyExists,
     DSecError,
     InvalidArgument,
     NotFound,
@@ -191,6 +192,13 @@ class RolloutManager:
         if isinstance(spec.reward, VerifyRequest) and spec.reward.mode != "fresh":
             raise InvalidArgument("a rollout's reward step runs in fresh mode (the agent is done)")
         rid = "ro-" + secrets.token_hex(8)
+        if spec.rollout_id is not None and self.trajectory.log.infos(spec.job_id, spec.rollout_id):
+            raise AlreadyExists(
+                f"trajectory {spec.job_id}/{spec.rollout_id} exists already: a hosted rollout "
+                "starts a trajectory of its own (leave rollout_id out for a fresh one)",
+                job_id=spec.job_id,
+                rollout_id=spec.rollout_id,
+            )
         now = time.time()
         ro = Rollout(
             id=rid,
