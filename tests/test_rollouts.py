@@ -363,3 +363,55 @@ def test_fncall_judge_reward_and_unit_pieces(plat: PlatformProcess) -> None:
     assert rl_fields(merged) == {"token_ids": [[1, 2]], "logprobs": [[-0.5]]}
     completions = {"choices": [{"logprobs": {"token_logprobs": [-1.0, -2.0]}}]}
     assert rl_fields(completions) == {"logprobs": [[-1.0, -2.0]]}
+
+
+def test_edge_killed_while_scaffolds_run(plat: PlatformProcess) -> None:
+    """SIGKILL of the edge with scaffolds mid-run (not paused): each re-attached, none
+    started twice, every step logged as one model_call; then the CLI reads the job."""
+    import json
+    import subprocess
+    import sys
+
+    job = "job-crash"
+    trainer = ScriptedTrainer().start()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            ep = ModelEndpoint(base_url=trainer.url)
+            ids = [client.start_rollout(spec(job, model=ep, reward=GRADER)).id for _ in range(2)]
+            wait_for(
+                "a call each", lambda: all(client.get_rollout(i).model_calls >= 1 for i in ids)
+            )
+        plat.kill()
+        plat.start()
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            finals = [client.wait_rollout(i, timeout=120) for i in ids]
+            for f in finals:  # the grader checks each step ran once (no scaffold rerun)
+                assert f.state is RolloutState.FINISHED and f.reward == 1.0, f
+                assert f.model_calls == STEPS
+            for res in client.finished_rollouts(job):
+                prompts = [
+                    s.request["body"]["messages"][-1]["content"]
+                    for s in res.steps
+                    if s.op == "model_call" and s.status == "ok"
+                ]
+                assert sorted(prompts) == [f"{res.rollout.id} step {n}" for n in range(STEPS)]
+        dsec = [sys.executable, "-m", "dsec.cli.main", "--url", plat.url]
+        dsec += ["--api-key", plat.api_key, "rollout"]
+        cli = subprocess.run(
+            [*dsec, "list", job, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert sorted(r["id"] for r in json.loads(cli.stdout)) == sorted(ids)
+        ack = subprocess.run(
+            [*dsec, "ack", job, *ids],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert "acked 2" in ack.stdout
+    finally:
+        trainer.stop()
