@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 SANDBOX_CREATE_TIMEOUT = 300.0
 RESUME_PROBE_INTERVAL = 1.0
 WAIT_MAX = 600.0
+#: How long a running sandbox's scaffold may be unknown to the data plane before the
+#: rollout fails: its live restore (agent timeouts of 5 s) runs after a thaw or restart.
+REATTACH_GRACE = 20.0
 #: A rule that gives the agent sandbox a network namespace of its own with nothing
 #: allowed in it (the gateway is reached through the edge's service port).
 NO_EGRESS = {"host": False}
@@ -503,6 +506,7 @@ class RolloutManager:
     async def _wait_scaffold(self, w: Worker) -> None:
         ro = w.ro
         assert ro.sandbox_id is not None and ro.process_id is not None
+        missing_since: float | None = None
         while True:
             rec = self.edge.find(ro.sandbox_id)
             if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
@@ -511,10 +515,17 @@ class RolloutManager:
             try:
                 proc = self.dataplane.process(ro.sandbox_id, ro.process_id)
             except ProcessNotFound:
-                if rec.state is SandboxState.PAUSED:  # followed again once it is thawed
-                    await asyncio.sleep(0.2)
-                    continue
-                raise
+                # Followed again once thawed (and after a restart): the data plane's
+                # re-attach runs beside the thaw, so give it its own time bound.
+                now = time.monotonic()
+                if rec.state is SandboxState.RUNNING:
+                    missing_since = missing_since or now
+                    if now - missing_since > REATTACH_GRACE:
+                        raise
+                else:
+                    missing_since = None
+                await asyncio.sleep(0.2)
+                continue
             try:
                 exit_info = await proc.wait()
             except DSecError:
