@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -132,7 +133,7 @@ def finished(
     with sync_client(ctx) as client:
         items = client.finished_rollouts(job_id, limit)
     for r in items:
-        out.print(json.dumps(r.model_dump(mode="json")), soft_wrap=True, markup=False)
+        sys.stdout.write(json.dumps(r.model_dump(mode="json")) + "\n")
 
 
 @app.command("ack")
