@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from dsec.api.events import AuditKind
 from dsec.api.exec import CommandArgs
 from dsec.api.fncall import JudgeRequest
 from dsec.api.rollouts import (
@@ -389,8 +390,21 @@ class RolloutManager:
             self._by_token.pop(w.ro.token, None)
 
     def _set(self, w: Worker, state: RolloutState, **fields: Any) -> None:
+        """A state change: durable first, then on the agent sandbox's audit record
+        (provenance: when the rollout waited, paused, ended and why)."""
+        before = w.ro.state
         self.store.update(w.ro, state=state, **fields)
         w.changed.set()
+        if w.ro.sandbox_id is not None and before is not state:
+            detail = {k: v for k, v in fields.items() if k in ("error", "exit_code")}
+            self.edge.audit.record(
+                w.ro.sandbox_id,
+                AuditKind.LIFECYCLE,
+                "rollout_" + state.value,
+                job_id=w.ro.job_id,
+                rollout=w.ro.id,
+                **detail,
+            )
 
     async def _run(self, w: Worker) -> None:
         ro = w.ro
