@@ -202,7 +202,12 @@ class ModelGateway:
         _QuietServer = _quiet_server_class()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", self.port))
+        try:
+            sock.bind(("0.0.0.0", self.port))
+        except OSError:
+            sock.close()
+            await self._client.aclose()
+            raise
         sock.listen(1024)
         sock.setblocking(False)
         from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol

@@ -148,22 +148,32 @@ class RolloutManager:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         port = self._gateway_port()
-        if self.edge.network is not None:
-            self.edge.network.open_service_port(port)
-        self.gateway = ModelGateway(self, port)
-        await self.gateway.start()
+        try:
+            await self._serve_gateway(port)
+        except OSError as exc:
+            # Taken while the edge was down: a new port keeps the platform up; scaffolds
+            # started before have the old one and fail their calls (said in the log).
+            log.error("model gateway port %d: %s; live rollouts cannot reach it", port, exc)
+            self.store.set_setting("gateway_port", "0")
+            await self._serve_gateway(self._gateway_port(fresh=True))
         for ro in self.store.live():
             self._spawn(ro)
         self._resumer = asyncio.create_task(self._resume_loop())
         if self.workers:
             log.info("rollouts: %d live rollouts taken up again", len(self.workers))
 
-    def _gateway_port(self) -> int:
+    async def _serve_gateway(self, port: int) -> None:
+        if self.edge.network is not None:
+            self.edge.network.open_service_port(port)
+        self.gateway = ModelGateway(self, port)
+        await self.gateway.start()
+
+    def _gateway_port(self, *, fresh: bool = False) -> int:
         """Stable across restarts: scaffolds have the gateway's address in their env."""
         saved = self.store.setting("gateway_port")
-        if saved is not None:
+        if saved is not None and not fresh:
             return int(saved)
-        wanted = int(os.environ.get("DSEC_GATEWAY_PORT", "0"))
+        wanted = 0 if fresh else int(os.environ.get("DSEC_GATEWAY_PORT", "0"))
         if not wanted:
             with socket.socket() as s:
                 s.bind(("0.0.0.0", 0))
