@@ -15,7 +15,9 @@ OpenAI-compatible trainer on the host (tests/scripted_trainer.py):
    the rollouts wait, then pause (sandboxes frozen, memory reclaimed: the job's
    sandbox memory from /v1/stats before and during the outage); a new trainer on
    another port comes up, the job is pointed at it, and every rollout must finish with
-   each step's call received exactly once across both trainers.
+   each step's call answered exactly once across both trainers (the first trainer answers
+   each rollout's first call and holds the second, which it drops unanswered when it
+   dies: every rollout is mid-call at the outage).
 
 Writes bench/results/rollouts.json.
 """
@@ -143,7 +145,9 @@ def outage(
     client: DSecSyncClient, n: int, steps: int, seconds: float, pause_after: float
 ) -> dict[str, object]:
     job = "bench-outage"
-    first = ScriptedTrainer().start()
+    # Step 0 of each rollout is answered; its step 1 is in flight at the trainer when
+    # it dies (dropped unanswered), so every rollout is mid-call at the outage.
+    first = ScriptedTrainer(hold_after_first=True).start()
     second: ScriptedTrainer | None = None
     try:
         t0 = time.monotonic()
@@ -180,7 +184,7 @@ def outage(
         back = time.monotonic()
         finals = [client.wait_rollout(i, timeout=1800) for i in ids]
         recovered = time.monotonic() - back
-        seen = collections.Counter(first.prompts() + second.prompts())
+        seen = collections.Counter(first.answered + second.answered)
         expected = {f"{i} step {s}" for i in ids for s in range(steps)}
         results = client.finished_rollouts(job, limit=10_000)
         recorded = sum(
@@ -194,7 +198,8 @@ def outage(
             "finished": sum(1 for f in finals if f.state is RolloutState.FINISHED),
             "states": dict(collections.Counter(f.state.value for f in finals)),
             "calls_lost": len([p for p in expected if seen[p] == 0]),
-            "calls_duplicated": len([p for p in expected if seen[p] > 1]),
+            "calls_answered_twice": len([p for p in expected if seen[p] > 1]),
+            "calls_dropped_by_the_dying_trainer": len(first.prompts()) - len(first.answered),
             "model_call_steps": recorded,
             "retries": sum(f.model_retries for f in finals),
             "start_to_first_calls_s": round(started, 2),

@@ -23,10 +23,20 @@ class _Server(ThreadingHTTPServer):
 
 class ScriptedTrainer:
     def __init__(
-        self, *, delay: float = 0.0, api_key: str | None = None, host: str = "127.0.0.1"
+        self,
+        *,
+        delay: float = 0.0,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        hold_after_first: bool = False,
     ) -> None:
         self.delay = delay
         self.host = host
+        # Answer only each rollout's "step 0"; hold the other calls until stop(), which
+        # drops them unanswered (a trainer preempted with calls in flight).
+        self.hold_after_first = hold_after_first
+        self.answered: list[str] = []
+        self._dead = threading.Event()
         self.api_key = api_key
         self.calls: list[dict[str, Any]] = []
         self.auth_seen: list[str] = []
@@ -76,6 +86,12 @@ class ScriptedTrainer:
                 if trainer.delay:
                     time.sleep(trainer.delay)
                 prompt = _prompt(body)
+                if trainer.hold_after_first and not prompt.endswith(" step 0"):
+                    trainer._dead.wait(600)
+                    self.close_connection = True  # dropped unanswered
+                    return
+                with trainer._mu:
+                    trainer.answered.append(prompt)
                 text = f"ok: {prompt}"
                 ids = [len(w) for w in text.split()]
                 lps = [-0.1 * (i + 1) for i in range(len(ids))]
@@ -129,6 +145,7 @@ class ScriptedTrainer:
         return self
 
     def stop(self) -> None:
+        self._dead.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

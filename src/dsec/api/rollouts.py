@@ -164,7 +164,9 @@ class RolloutInfo(Reply):
     reward: float | None = None
     verdict: VerifyResult | None = None
     judgement: JudgeResult | None = None
-    model_calls: int = Field(0, description="completed model calls (one model_call step each)")
+    model_calls: int = Field(
+        0, description="model calls the model answered (one model_call step each)"
+    )
     model_retries: int = Field(0, description="upstream attempts that failed and were retried")
     error: str | None = None
     acked: bool = False

@@ -382,7 +382,7 @@ class RolloutManager:
             ok,
             json.dumps(result, separators=(",", ":"), default=str),
         )
-        if ok:
+        if "response" in result:  # the model answered (an error status too): it counts
             self.store.bump(w.ro, calls=1)
 
     # -- workers --------------------------------------------------------------------------
