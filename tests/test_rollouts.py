@@ -90,17 +90,22 @@ def wait_for(what: str, cond: object, timeout: float = 60.0) -> None:
 
 def test_rollouts_outlive_trainer_and_edge(plat: PlatformProcess) -> None:
     job = "job-preempt"
-    first = ScriptedTrainer(api_key="sk-real-secret").start()
+    # Answers each rollout's first call and holds its second: at the kill every rollout
+    # has a call in flight, dropped unanswered.
+    first = ScriptedTrainer(api_key="sk-real-secret", hold_after_first=True).start()
     second: ScriptedTrainer | None = None
     try:
         with DSecSyncClient(plat.url, plat.api_key) as client:
             ep = ModelEndpoint(base_url=first.url, api_key="sk-real-secret", model="policy-v1")
             ros = [client.start_rollout(spec(job, model=ep)) for _ in range(3)]
             ids = [r.id for r in ros]
-            # Mid-rollout: every rollout has had some calls answered.
+            # Mid-rollout: every rollout had a call answered and has the next in flight.
             wait_for(
-                "two model calls each",
-                lambda: all(client.get_rollout(i).model_calls >= 2 for i in ids),
+                "a model call each, the next in flight",
+                lambda: (
+                    all(client.get_rollout(i).model_calls >= 1 for i in ids)
+                    and len(first.prompts()) >= 2 * len(ids)
+                ),
             )
             first.stop()  # the trainer is preempted
             wait_for(
@@ -127,11 +132,15 @@ def test_rollouts_outlive_trainer_and_edge(plat: PlatformProcess) -> None:
                 assert f.reward == 1.0 and f.verdict is not None and f.verdict.passed
                 assert f.model_calls == STEPS
                 assert f.model_retries >= 1
-            # Every step reached a model exactly once, across both trainers.
-            seen = collections.Counter(first.prompts() + second.prompts())
+            # Every step was answered by a model exactly once, across both trainers
+            # (the calls the dying trainer dropped were sent again, answered once).
+            seen = collections.Counter(first.answered + second.answered)
             for i in ids:
                 for n in range(STEPS):
                     assert seen[f"{i} step {n}"] == 1, (i, n, seen)
+            assert sorted(set(first.prompts()) - set(first.answered)) == sorted(
+                f"{i} step 1" for i in ids
+            )
             assert set(first.auth_seen) == {"Bearer sk-real-secret"}
             assert set(second.auth_seen) == {"Bearer sk-new-secret"}
 
