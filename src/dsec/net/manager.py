@@ -314,6 +314,8 @@ class NetworkManager:
     def _table_text(self) -> str:
         assert self._dns is not None and self.block is not None
         p, g, t = self.prefix, self._nflog.group, f"inet {self.table}"
+        # The edge's own services for sandboxes (open_service_port), like DNS above.
+        services = "".join(f"    tcp dport {port} accept\n" for port in sorted(self.service_ports))
         text = (
             f"table {t} {{}}\ndelete table {t}\n"
             f"table {t} {{\n"
@@ -332,8 +334,7 @@ class NetworkManager:
             f"    ct state established,related accept\n"
             f"    meta nfproto != ipv4 drop\n"
             f"    udp dport {self._dns.port} accept\n"
-            + "".join(f"    tcp dport {port} accept\n" for port in sorted(self.service_ports))
-            +
+            f"{services}"
             # DNS over TCP (resolvers retry with it): refuse at once, it is no host access
             f"    tcp dport 53 reject with tcp reset\n"
             f"    iifname @host_ok accept\n"
