@@ -20,6 +20,14 @@ from dsec.api.files import FileInfo, FileList
 from dsec.api.images import ImageInfo
 from dsec.api.layers import LayerInfo, LayerRef
 from dsec.api.protected import ProtectedMount
+from dsec.api.rollouts import (
+    FnCallJudge,
+    ModelEndpoint,
+    RolloutInfo,
+    RolloutResult,
+    RolloutSpec,
+    RolloutState,
+)
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.api.spec import (
     DSecContainerRunArgs,
@@ -27,7 +35,7 @@ from dsec.api.spec import (
     DSecMicroVMRunArgs,
     DSecRunArgs,
 )
-from dsec.api.verify import GradedRefusal, VerifyResult
+from dsec.api.verify import GradedRefusal, VerifyRequest, VerifyResult
 from dsec.errors import (
     AdmissionRejected,
     AlreadyExists,
@@ -85,6 +93,7 @@ __all__ = [
     "FileInfo",
     "FileList",
     "FileNotFound",
+    "FnCallJudge",
     "GradedRefusal",
     "ImageBuildError",
     "ImageInfo",
@@ -93,6 +102,7 @@ __all__ = [
     "LayerInfo",
     "LayerRef",
     "LimitExceeded",
+    "ModelEndpoint",
     "NotFound",
     "OutputChunk",
     "PermissionDenied",
@@ -101,6 +111,10 @@ __all__ = [
     "ProcessInfo",
     "ProcessNotFound",
     "ProtectedMount",
+    "RolloutInfo",
+    "RolloutResult",
+    "RolloutSpec",
+    "RolloutState",
     "Sandbox",
     "SandboxInfo",
     "SandboxNotFound",
@@ -115,6 +129,7 @@ __all__ = [
     "Timeout",
     "Unauthenticated",
     "Unsupported",
+    "VerifyRequest",
     "VerifyResult",
     "__version__",
 ]

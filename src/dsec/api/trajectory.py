@@ -22,7 +22,9 @@ from dsec.api.fields import SANDBOX_ID_RE, TRAJECTORY_NAME_RE
 MAX_BATCH = 5000
 
 
-StepOp = Literal["exec", "session", "write_file"]
+#: ``model_call``: a call of a hosted rollout's scaffold through the model gateway
+#: (dsec.rollouts.gateway), logged by the platform, never sent as a step by a caller.
+StepOp = Literal["exec", "session", "write_file", "model_call"]
 
 
 StepStatus = Literal["pending", "ok", "error"]

@@ -150,6 +150,10 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(trajectory_router(services.trajectory, auth))
     if services.rl is not None and services.roles is not None:  # job pause, pack_diff, fork
         app.include_router(rl_router(services.rl, auth, services.roles, charge=iam is not None))
+    if services.rollouts is not None:  # hosted rollouts (dsec.rollouts)
+        from dsec.apiserver.rollouts import rollout_router
+
+        app.include_router(rollout_router(services.rollouts, auth))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     if sessions is not None:

@@ -30,6 +30,7 @@ from dsec.images.layers import LayerService
 from dsec.images.service import ImageService
 from dsec.observe.metrics import Metrics
 from dsec.rl.trajectory import TrajectoryService
+from dsec.rollouts.manager import RolloutManager
 from dsec.security.audit import AuditLog
 
 
@@ -79,3 +80,5 @@ class ApiServices:
     batches: BatchLimits = field(default_factory=BatchLimits)
     # Prometheus metrics served at /metrics (dsec.observe.metrics); None: not served.
     metrics: Metrics | None = None
+    # Hosted rollouts and their model gateway (dsec.rollouts); None: not served.
+    rollouts: RolloutManager | None = None

@@ -22,6 +22,7 @@ from dsec.cli import fncall as fncall_cmd
 from dsec.cli import iam as iam_cmd
 from dsec.cli import image, layer, sandbox, store
 from dsec.cli import rl as rl_cmd
+from dsec.cli import rollout as rollout_cmd
 from dsec.cli import top as top_cmd
 from dsec.cli import trajectory as trajectory_cmd
 from dsec.cli import up as up_cmd
@@ -43,6 +44,7 @@ app.add_typer(store.app, name="store")
 app.add_typer(rl_cmd.job_app, name="job")
 app.add_typer(rl_cmd.env_app, name="env")
 app.add_typer(rl_cmd.role_app, name="role")
+app.add_typer(rollout_cmd.app, name="rollout")
 app.add_typer(iam_cmd.project_app, name="project")
 app.add_typer(iam_cmd.principal_app, name="principal")
 app.add_typer(iam_cmd.key_app, name="key")

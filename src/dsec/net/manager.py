@@ -180,6 +180,10 @@ class NetworkManager:
         # counts them in its metrics.
         self.on_denied: Callable[[str], None] = lambda target: None
         self.on_dns_refused: Callable[[str], None] = lambda reason: None
+        # TCP ports of services the edge itself serves to sandboxes on the host side of
+        # their veth (the model gateway, dsec.rollouts.gateway), like the DNS responder:
+        # set before ``start``; the service authenticates each caller itself.
+        self.service_ports: set[int] = set()
 
     @classmethod
     def from_env(cls, edge_id: str, run_dir: Path, audit: AuditSink) -> NetworkManager | None:
@@ -322,6 +326,8 @@ class NetworkManager:
     def _table_text(self) -> str:
         assert self._dns is not None and self.block is not None
         p, g, t = self.prefix, self._nflog.group, f"inet {self.table}"
+        # The edge's own services for sandboxes (open_service_port), like DNS above.
+        services = "".join(f"    tcp dport {port} accept\n" for port in sorted(self.service_ports))
         text = (
             f"table {t} {{}}\ndelete table {t}\n"
             f"table {t} {{\n"
@@ -341,6 +347,7 @@ class NetworkManager:
             f"    ct state established,related accept\n"
             f"    meta nfproto != ipv4 drop\n"
             f"    udp dport {self._dns.port} accept\n"
+            f"{services}"
             # DNS over TCP (resolvers retry with it): refuse at once, it is no host access
             f"    tcp dport 53 reject with tcp reset\n"
             # DHCP from a VM's tap (dsec.net.dhcp answers with the slot's lease only)
@@ -516,6 +523,21 @@ class NetworkManager:
             "netns": slot.netns_path(),
             "resolv_conf": str(self.run_dir / f"{slot.idx}.resolv"),
         }
+
+    def open_service_port(self, port: int) -> None:
+        """Let every sandbox with rules reach TCP ``port`` on the host side of its veth
+        (a service of the edge that authenticates its callers itself)."""
+        if port in self.service_ports:
+            return
+        self.service_ports.add(port)
+        if self.started and self._nft is not None:
+            self._nft.run(f"insert rule inet {self.table} sbx_in tcp dport {port} accept\n")
+
+    def address_of(self, sid: str) -> tuple[str, str] | None:
+        """``(sandbox address, host-side gateway address)`` of a sandbox with rules: where
+        a service in ``service_ports`` is reached from it, and whom a caller must be."""
+        sb = self._by_sid.get(sid)
+        return None if sb is None else (sb.slot.ip, sb.slot.gw)
 
     def joined(self, sid: str) -> None:
         """The sandbox holds its namespace now: drop our fd, so it dies with the sandbox."""

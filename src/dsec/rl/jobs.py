@@ -153,6 +153,14 @@ class JobControl:
         )
         return report
 
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxPause | None:
+        """Freeze and reclaim one sandbox the way a job pause does (a hosted rollout
+        whose model endpoint is down, dsec.rollouts); None: it was not running."""
+        rec = self.edge.find(sandbox_id)
+        if rec is None:
+            return None
+        return await self._pause_one(rec, swap_available())
+
     async def _pause_one(self, rec: SandboxRecord, swap: bool) -> SandboxPause | None:
         async with self.edge.exclusive(rec.id):  # waits for a verify or a stop in flight
             if rec.state is not SandboxState.RUNNING:

@@ -221,6 +221,49 @@ class TrajectoryLog:
                 raise
             self._bindings.setdefault(sandbox_id, (job, rollout))
 
+    def append(
+        self, job: str, rollout: str, sandbox_id: str, op: str, request: str, ok: bool, body: str
+    ) -> int:
+        """A step the platform itself observed (a hosted rollout's ``model_call``): the
+        next step number, request and result in one transaction; returns the number.
+        Its hash covers the request, so no caller's step ever matches it by accident."""
+        now = time.time()
+        hash_ = hashlib.sha256(f"{op}\n{request}".encode()).hexdigest()[:32]
+        with self._mu:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute(
+                    "SELECT max(step) FROM steps WHERE job_id=? AND rollout_id=?", (job, rollout)
+                ).fetchone()
+                step = 0 if row[0] is None else int(row[0]) + 1
+                self._db.execute(
+                    "INSERT INTO steps (job_id, rollout_id, step, sandbox_id, op, hash, status, "
+                    "request, result, created_at, finished_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        job,
+                        rollout,
+                        step,
+                        sandbox_id,
+                        op,
+                        hash_,
+                        "ok" if ok else "error",
+                        request,
+                        body,
+                        now,
+                        now,
+                    ),
+                )
+                self._db.execute(
+                    "INSERT INTO trajectories (job_id, rollout_id, created_at, updated_at) "
+                    "VALUES (?,?,?,?) ON CONFLICT DO UPDATE SET updated_at=excluded.updated_at",
+                    (job, rollout, now, now),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return step
+
     def finish(self, job: str, rollout: str, step: int, ok: bool, body: str) -> None:
         with self._mu:
             self._db.execute(

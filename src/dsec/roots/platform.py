@@ -323,6 +323,24 @@ async def serve(
         trajectory_log = TrajectoryLog(config.data_dir / "trajectory.db")
         stack.callback(trajectory_log.close)
         platform.edge.trajectory = TrajectoryService(platform.edge, trajectory_log, dataplane)
+        from dsec.rollouts.manager import RolloutManager
+        from dsec.rollouts.store import RolloutStore
+
+        iam_ = platform.iam if config.quotas else None
+        creator = SandboxCreator(platform.edge, iam=iam_)
+        rollout_store = RolloutStore(config.data_dir / "rollouts.db")
+        stack.callback(rollout_store.close)
+        rollouts = RolloutManager(
+            platform.edge,
+            dataplane,
+            platform.edge.trajectory,
+            rollout_store,
+            creator,
+            fncall=platform.fncall,
+        )
+        # Hosted rollouts go on after a restart; stopped (not ended) on the way out.
+        await rollouts.start()
+        stack.push_async_callback(rollouts.close)
         from dsec.images.layers import LayerService
 
         iam = platform.iam if config.quotas else None
@@ -345,7 +363,8 @@ async def serve(
                 trajectory=platform.edge.trajectory,
                 roles=platform.roles,
                 rl=platform.edge,
-                creator=SandboxCreator(platform.edge, iam=iam),
+                creator=creator,
+                rollouts=rollouts,
                 iam=iam,
                 report_load=platform.edge.admission if config.report_load else None,
                 metrics=metrics,

@@ -33,6 +33,7 @@ from dsec.sdk.fncall import FnCallMixin
 from dsec.sdk.iam import IAMMixin
 from dsec.sdk.layers import LayersMixin
 from dsec.sdk.rl import JobsMixin, SandboxRLMixin
+from dsec.sdk.rollouts import RolloutsMixin
 from dsec.sdk.security import SecurityMixin
 from dsec.sdk.trajectory import TrajectoryMixin
 
@@ -48,6 +49,7 @@ class DSecClient(
     FnCallMixin,
     TrajectoryMixin,
     JobsMixin,
+    RolloutsMixin,
     BatchMixin,
     ClusterMixin,
     IAMMixin,

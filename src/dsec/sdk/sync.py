@@ -33,6 +33,7 @@ from dsec.sdk.fncall import SyncFnCallMixin
 from dsec.sdk.iam import SyncIAMMixin
 from dsec.sdk.layers import SyncLayersMixin
 from dsec.sdk.rl import SyncJobsMixin, SyncSandboxRLMixin
+from dsec.sdk.rollouts import SyncRolloutsMixin
 from dsec.sdk.security import SyncSecurityMixin
 from dsec.sdk.sync_datapath import SyncSandboxDataMixin
 from dsec.sdk.trajectory import SyncTrajectoryMixin
@@ -46,6 +47,7 @@ class DSecSyncClient(
     SyncFnCallMixin,
     SyncTrajectoryMixin,
     SyncJobsMixin,
+    SyncRolloutsMixin,
     SyncBatchMixin,
     SyncClusterMixin,
     SyncIAMMixin,
