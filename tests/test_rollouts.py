@@ -11,6 +11,7 @@ every rollout finishes with each model call recorded once.
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -422,5 +423,43 @@ def test_edge_killed_while_scaffolds_run(plat: PlatformProcess) -> None:
             check=True,
         )
         assert "acked 2" in ack.stdout
+    finally:
+        trainer.stop()
+
+
+def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
+    """A tenant starts rollouts only where it may run sandboxes, and cannot cancel
+    another tenant's: a typed 403 at the request, not a failed rollout later."""
+    from dsec.errors import PermissionDenied
+
+    tag = secrets.token_hex(3)
+    trainer = ScriptedTrainer().start()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as admin:
+            admin.create_project(f"ro-{tag}")
+            admin.create_principal(f"tenant-{tag}", default_project=f"ro-{tag}")
+            admin.grant(f"tenant-{tag}", "runtime", project=f"ro-{tag}")
+            key = admin.create_key(f"tenant-{tag}").key
+            ep = ModelEndpoint(base_url=trainer.url, api_key="sk-x")
+            theirs = admin.start_rollout(
+                spec(f"job-admin-{tag}", model=ep, reward=None, scaffold="sleep 30")
+            )
+            with DSecSyncClient(plat.url, key) as tenant:
+                elsewhere = spec(
+                    f"job-t-{tag}",
+                    model=ep,
+                    reward=None,
+                    sandbox=DSecContainerRunArgs(
+                        container_image="busybox:latest", memory_limit_mb=64, project="default"
+                    ),
+                )
+                with pytest.raises(PermissionDenied):
+                    tenant.start_rollout(elsewhere)
+                with pytest.raises(PermissionDenied):
+                    tenant.cancel_rollout(theirs.id)
+                own = tenant.start_rollout(spec(f"job-t-{tag}", model=ep, reward=None))
+                assert tenant.cancel_rollout(own.id).state.value in {"cancelled", "finished"}
+            assert admin.get_rollout(theirs.id).state.value not in {"cancelled", "failed"}
+            assert admin.cancel_rollout(theirs.id).state.value == "cancelled"
     finally:
         trainer.stop()

@@ -38,6 +38,20 @@ class SandboxCreator:
         self.edge = edge
         self.iam = iam
 
+    async def authorize(
+        self, principal: str, project: str | None, action: str, *, owner: str | None = None
+    ) -> None:
+        """Raise PermissionDenied (403) unless ``principal`` may run sandboxes in
+        ``project`` (None: the default project of ``owner``, who asked for the work,
+        else of ``principal``): for work that creates or ends sandboxes
+        later on the principal's behalf (a hosted rollout), so that a refusal is typed at
+        the request, not a failure found afterwards. Without IAM everyone may."""
+        iam = self.iam
+        if iam is None:
+            return
+        where = project or await iam.default_project(owner or principal)
+        await iam.require(principal, Role.RUNTIME, where, action)
+
     async def create(self, principal: str, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         """Create one sandbox on behalf of ``principal``; returns once it runs."""
         require_backend(spec)  # 501 before the quota is charged or an edge is picked

@@ -70,8 +70,8 @@ def rollout_router(manager: RolloutManager, auth: Authenticator) -> APIRouter:
         return model_response(await manager.wait(rollout_id, timeout))
 
     @router.post("/v1/rollouts/{rollout_id}/cancel", response_model=RolloutInfo, summary="Cancel")
-    async def cancel(rollout_id: str, _p: Principal) -> Response:
-        return model_response(await manager.cancel(rollout_id))
+    async def cancel(rollout_id: str, principal: Principal) -> Response:
+        return model_response(await manager.cancel(principal, rollout_id))
 
     @router.get(
         "/v1/jobs/{job_id}/rollouts/finished",

@@ -205,6 +205,7 @@ class RolloutManager:
             raise Unsupported("FnCall is off on this platform: a FnCall judge cannot run")
         if isinstance(spec.reward, VerifyRequest) and spec.reward.mode != "fresh":
             raise InvalidArgument("a rollout's reward step runs in fresh mode (the agent is done)")
+        await self.creator.authorize(principal, spec.sandbox.project, "starting a rollout")
         rid = "ro-" + secrets.token_hex(8)
         if spec.rollout_id is not None and self.trajectory.log.infos(spec.job_id, spec.rollout_id):
             raise AlreadyExists(
@@ -268,8 +269,13 @@ class RolloutManager:
                 await asyncio.wait_for(asyncio.shield(w.task), min(timeout, WAIT_MAX))
         return self._row(rollout_id).info()
 
-    async def cancel(self, rollout_id: str) -> RolloutInfo:
+    async def cancel(self, principal: str, rollout_id: str) -> RolloutInfo:
+        """End a rollout and its sandbox; needs what stopping that sandbox needs (the
+        runtime role on its project), so one tenant cannot end another's rollouts."""
         ro = self._row(rollout_id)
+        await self.creator.authorize(
+            principal, ro.spec.sandbox.project, "cancelling a rollout", owner=ro.principal
+        )
         w = self.workers.get(rollout_id)
         if w is None or ro.state.terminal or w.task is None:
             return ro.info()
