@@ -56,15 +56,23 @@ def pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))]
 
 
-def scaffold(steps: int) -> str:
+def scaffold(steps: int, heap_mib: int = 0) -> str:
+    """A busybox agent loop of ``steps`` model calls; ``heap_mib`` of state held in
+    /dev/shm first (random bytes: shmem, reclaimable only by swapping it out), as a
+    real scaffold holds its context, so that a pause has something to give back."""
     call = (
         'wget -q -O - --header "Authorization: Bearer $OPENAI_API_KEY" '
         "--header 'Content-Type: application/json' "
         '--post-data "{\\"model\\":\\"x\\",\\"messages\\":[{\\"role\\":\\"user\\",'
         '\\"content\\":\\"$DSEC_ROLLOUT_ID step $i\\"}]}" "$OPENAI_BASE_URL/chat/completions"'
     )
+    heap = (
+        f"dd if=/dev/urandom of=/dev/shm/heap bs=1M count={heap_mib} 2>/dev/null; "
+        if heap_mib
+        else ""
+    )
     return (
-        f"i=0; while [ $i -lt {steps} ]; do "
+        heap + f"i=0; while [ $i -lt {steps} ]; do "
         f"until out=$({call} 2>/dev/null); do sleep 0.5; done; "
         'echo "$i" >> /tmp/steps; i=$((i+1)); sleep 0.5; done'
     )
@@ -142,7 +150,12 @@ def job_memory(client: DSecSyncClient, job: str) -> int:
 
 
 def outage(
-    client: DSecSyncClient, n: int, steps: int, seconds: float, pause_after: float
+    client: DSecSyncClient,
+    n: int,
+    steps: int,
+    seconds: float,
+    pause_after: float,
+    heap_mib: int = 16,
 ) -> dict[str, object]:
     job = "bench-outage"
     # Step 0 of each rollout is answered; its step 1 is in flight at the trainer when
@@ -158,7 +171,7 @@ def outage(
                     sandbox=DSecContainerRunArgs(
                         container_image="busybox:latest", memory_limit_mb=64
                     ),
-                    scaffold=scaffold(steps),
+                    scaffold=scaffold(steps, heap_mib),
                     model=ModelEndpoint(base_url=first.url),
                     timeout=1800,
                     pause_after=pause_after,
@@ -221,6 +234,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--pause-after", type=float, default=5.0)
     ap.add_argument("--probe-calls", type=int, default=200)
+    ap.add_argument("--heap-mib", type=int, default=16, help="state each scaffold holds")
     args = ap.parse_args()
     out: dict[str, object] = {
         "args": vars(args),
@@ -236,7 +250,9 @@ def main() -> None:
             finally:
                 direct.stop()
             print(json.dumps(out["latency"], indent=2), flush=True)
-            out["outage"] = outage(client, args.n, args.steps, args.outage, args.pause_after)
+            out["outage"] = outage(
+                client, args.n, args.steps, args.outage, args.pause_after, args.heap_mib
+            )
             print(json.dumps(out["outage"], indent=2), flush=True)
     res = REPO / "bench" / "results"
     res.mkdir(exist_ok=True)
