@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
-from dsec.api.fields import ENV_KEY_RE, TRAJECTORY_NAME_RE, USER_RE, check_abs_path
+from dsec.api.fields import TRAJECTORY_NAME_RE, USER_RE, check_abs_path, check_env
 
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 
@@ -65,10 +65,7 @@ class ExecRequest(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not ENV_KEY_RE.match(key) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {key!r}")
-        return v
+        return check_env(v)
 
 
 class ExecResult(Reply):
@@ -133,10 +130,7 @@ class CommandArgs(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not ENV_KEY_RE.match(key) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {key!r}")
-        return v
+        return check_env(v)
 
     @field_validator("workdir")
     @classmethod

@@ -74,6 +74,23 @@ def parse_image_ref(ref: str) -> tuple[str, str]:
     return m["name"], m["tag"] or "latest"
 
 
+MAX_ENV_VARS = 1024
+
+
+def check_env(v: dict[str, str]) -> dict[str, str]:
+    """Environment variables anywhere in the API (a run spec, a command, an image
+    config, a rollout): POSIX-style names, no NUL (it would end the string in the
+    process's environment block), at most MAX_ENV_VARS."""
+    for key, val in v.items():
+        if not ENV_KEY_RE.match(key):
+            raise ValueError(f"invalid environment variable name {key!r}: [A-Za-z_][A-Za-z0-9_]*")
+        if "\x00" in val:
+            raise ValueError(f"environment variable {key} contains a NUL byte")
+    if len(v) > MAX_ENV_VARS:
+        raise ValueError(f"at most {MAX_ENV_VARS} environment variables")
+    return v
+
+
 def check_abs_path(value: str, what: str) -> str:
     if not value.startswith("/") or "\x00" in value or len(value) > 4096:
         raise ValueError(f"{what} must be an absolute path without NUL bytes, got {value!r}")

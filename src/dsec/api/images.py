@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
-from dsec.api.fields import ENV_KEY_RE
+from dsec.api.fields import check_env
 from dsec.api.layers import DIGEST_RE
 
 
@@ -54,10 +54,7 @@ class ImageConfigSpec(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not ENV_KEY_RE.match(key) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {key!r}: [A-Za-z_][A-Za-z0-9_]*")
-        return v
+        return check_env(v)
 
 
 class ComposeImageRequest(Strict):

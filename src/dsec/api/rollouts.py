@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from dsec.api.base import Reply, Strict
-from dsec.api.fields import ENV_KEY_RE, TRAJECTORY_NAME_RE
+from dsec.api.fields import TRAJECTORY_NAME_RE, check_env
 from dsec.api.fncall import (
     MAX_TESTS,
     Comparator,
@@ -142,10 +142,7 @@ class RolloutSpec(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not ENV_KEY_RE.match(key) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {key!r}")
-        return v
+        return check_env(v)
 
 
 class RolloutInfo(Reply):

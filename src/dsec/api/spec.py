@@ -23,12 +23,12 @@ from pydantic import (
 
 from dsec.api.base import Strict
 from dsec.api.fields import (
-    ENV_KEY_RE,
     LABEL_KEY_RE,
     PROJECT_RE,
     TRAJECTORY_NAME_RE,
     USER_RE,
     check_abs_path,
+    check_env,
     check_network_rules,
     parse_image_ref,
 )
@@ -119,14 +119,7 @@ class DSecRunArgs(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, val in v.items():
-            if not ENV_KEY_RE.match(key):
-                raise ValueError(f"invalid environment variable name {key!r}")
-            if "\x00" in val:
-                raise ValueError(f"environment variable {key} contains a NUL byte")
-        if len(v) > 1024:
-            raise ValueError("at most 1024 environment variables")
-        return v
+        return check_env(v)
 
     @field_validator("labels")
     @classmethod
