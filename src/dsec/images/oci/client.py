@@ -7,7 +7,8 @@ next to httpx for four GET requests. What this module does:
 * endpoints: ``https://host`` (``registry-1.docker.io`` for Docker Hub), plain HTTP only
   for hosts named insecure; configured mirrors of a registry are tried first, falling
   through to the next on a connection error, 404 or 5xx;
-* auth: anonymous first, then whatever the 401 challenge asks (dsec.images.oci.auth);
+* auth: anonymous first, then whatever the 401 challenge asks (dsec.images.oci.auth, the
+  same requests-with-authentication the registry layer store uses);
 * manifests: OCI and Docker v2 manifests, OCI indexes and Docker manifest lists (the
   entry for this host's os/architecture is picked); every manifest fetched by digest is
   checked against it;
@@ -150,20 +151,9 @@ class RegistryClient:
 
     async def _get(self, registry: str, scope: str, url: str, accept: str | None) -> httpx.Response:
         headers = {"Accept": accept} if accept else {}
-        cached = self.auth.header(registry, scope)
-        if cached is not None:
-            headers["Authorization"] = cached
-        req = self.http.build_request("GET", url, headers=headers)
-        resp = await self.http.send(req, stream=True)
-        if resp.status_code == 401 and "Authorization" not in headers:
-            challenge = resp.headers.get("www-authenticate", "")
-            await resp.aclose()
-            if not challenge:
-                raise RegistryError(f"registry {registry} answered 401 without a challenge")
-            headers["Authorization"] = await self.auth.answer(self.http, registry, scope, challenge)
-            req = self.http.build_request("GET", url, headers=headers)
-            resp = await self.http.send(req, stream=True)
-        return resp
+        return await self.auth.send(
+            self.http, "GET", url, registry=registry, scope=scope, headers=headers, stream=True
+        )
 
     async def _check(self, resp: httpx.Response, ref: Reference, what: str) -> None:
         if resp.status_code == 200:
