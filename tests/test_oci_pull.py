@@ -29,9 +29,19 @@ from dsec.images.oci.client import RegistrySettings
 from dsec.images.oci.reference import Reference, names_registry
 from dsec.images.remote.client import open_remote
 from tests.conftest import PlatformProcess, platform_process
-from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry
+from tests.oci_registry import (
+    Layout,
+    Registry,
+    busybox_base,
+    layer_tar,
+    registry,
+    registry_available,
+)
 
-pytestmark = pytest.mark.root
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(not registry_available(), reason="needs docker-registry and skopeo"),
+]
 
 USER, PASSWORD = "alice", "s3cret-pw"
 MIRRORED = "registry.invalid"  # a registry name that never resolves (RFC 2606)
