@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryError
 from dsec.images.images import Images
 from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
+from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.oci.client import RegistrySettings
 from dsec.images.oci.reference import Reference, names_registry
 from dsec.images.remote.client import open_remote
@@ -74,6 +76,23 @@ def test_references() -> None:
     for bad in ("Busybox", "a:b:c", "/x", "x@sha256:zz"):
         with pytest.raises(InvalidArgument):
             Reference.parse(bad)
+
+
+def test_blob_check() -> None:
+    data = b"layer bytes"
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    ok = BlobCheck(digest, len(data))
+    ok.update(data[:5])
+    ok.update(data[5:])
+    assert ok.matches() and ok.actual == digest
+    short = BlobCheck(digest, len(data) + 1)
+    short.update(data)
+    assert not short.matches()  # truncated
+    with pytest.raises(CorruptBlob, match="larger than announced"):
+        BlobCheck(digest, 4, "the layer").update(data)
+    wrong = BlobCheck(digest)
+    wrong.update(b"other bytes")
+    assert not wrong.matches()
 
 
 def test_challenge_and_docker_config(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from dsec.errors import (
 )
 from dsec.images.chunkindex import ChunkIndex
 from dsec.images.oci.auth import Authorizer, Body, Credentials
+from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.remote.records import LayerRecord, check_name, check_version
 from dsec.images.store import digest_hex, normalize_digest
 
@@ -190,14 +191,15 @@ class OCIStore:
         if resp.status_code != 200:
             raise self._fail(resp, f"GET blob {digest}")
         data = resp.content
-        if f"sha256:{hashlib.sha256(data).hexdigest()}" != digest:
+        check = BlobCheck(digest)
+        check.update(data)
+        if not check.matches():
             raise CorruptBlob(f"registry blob {digest} does not match its digest", digest=digest)
         return data
 
     async def fetch_blob(self, digest: str, dest: Path) -> int:
         digest = normalize_digest(digest)
-        h = hashlib.sha256()
-        size = 0
+        check = BlobCheck(digest, what=f"layer {digest} from the registry")
         resp = await self._request(
             "GET",
             f"{self.url}/blobs/{digest}",
@@ -210,12 +212,12 @@ class OCIStore:
             if resp.status_code != 200:
                 await resp.aread()
                 raise self._fail(resp, f"GET blob {digest}")
-            expected = int(resp.headers.get("content-length", "-1"))
+            length = resp.headers.get("content-length")
+            check.expected = int(length) if length is not None else None
             out = await asyncio.to_thread(open, dest, "wb")
             try:
                 async for data in resp.aiter_bytes(PIECE):
-                    await asyncio.to_thread(_hash_write, h, out, data)
-                    size += len(data)
+                    await asyncio.to_thread(_check_write, check, out, data)
             finally:
                 await asyncio.to_thread(out.close)
         except httpx.HTTPError as exc:
@@ -228,18 +230,17 @@ class OCIStore:
             raise
         finally:
             await resp.aclose()
-        actual = f"sha256:{h.hexdigest()}"
-        if actual != digest or (expected >= 0 and size != expected):
+        if not check.matches():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
             raise CorruptBlob(
-                f"layer {digest} from the registry is corrupt or truncated ({size} bytes "
-                f"hashing to {actual}); it will not be mounted",
+                f"layer {digest} from the registry is corrupt or truncated ({check.size} "
+                f"bytes hashing to {check.actual}); it will not be mounted",
                 digest=digest,
-                actual=actual,
-                size=size,
+                actual=check.actual,
+                size=check.size,
             )
-        return size
+        return check.size
 
     async def push_blob(self, digest: str, src: Path) -> bool:
         digest = normalize_digest(digest)
@@ -409,6 +410,6 @@ class OCIStore:
         await self._http.aclose()
 
 
-def _hash_write(h: hashlib._Hash, fh: IO[bytes], data: bytes) -> None:
-    h.update(data)
+def _check_write(check: BlobCheck, fh: IO[bytes], data: bytes) -> None:
+    check.update(data)
     fh.write(data)
