@@ -125,6 +125,9 @@ class TokenServer:
         self.x5c = base64.b64encode(der).decode()
         self.users = users
         self.issued = 0
+        # None: grant the actions asked; a list: grant only those (a token a client has
+        # cached then falls short of a later request, as a narrowed or revoked one would).
+        self.grant: list[str] | None = None
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -166,7 +169,8 @@ class TokenServer:
         for scope in query.get("scope", []):
             kind, _, rest = scope.partition(":")
             name, _, actions = rest.rpartition(":")
-            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            granted = actions.split(",") if self.grant is None else self.grant
+            access.append({"type": kind, "name": name, "actions": granted})
         now = int(time.time())
         claims = {
             "iss": self.ISSUER,

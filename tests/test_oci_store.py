@@ -120,7 +120,14 @@ async def test_registry_with_a_token_service(tmp_path: Path) -> None:
         info = publish_tree(staging, tree, "tok", "1")
         store = OCIStore(reg.store_url(REPO), reg.credentials)
         try:
+            # A cached token that falls short (pull only) is refused on the push: the
+            # 401 is answered with a fresh token and the upload sent again.
+            reg.tokens.grant = ["pull"]
+            assert await store.blob_size(info.digest) is None
+            issued = reg.tokens.issued
+            reg.tokens.grant = None
             assert await store.push_blob(info.digest, staging.blob_path(info.digest))
+            assert reg.tokens.issued == issued + 1
             index = staging.get_index(info.digest)
             assert index is not None
             await store.push_index(info.digest, index)
