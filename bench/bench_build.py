@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.conftest import platform_process  # noqa: E402
-from tests.registry_env import registry  # noqa: E402
+from tests.oci_registry import registry  # noqa: E402
 
 from bench.bench_lazy import TOKEN, store_server  # noqa: E402
 from bench.stats import summary  # noqa: E402
@@ -175,7 +175,7 @@ def workdir() -> Iterator[Path]:
 
 
 async def run_stores(work: Path, rounds: int, mib: int) -> Any:
-    with registry() as reg, store_server(work / "store") as store_url:
+    with registry(htpasswd={"dsec": TOKEN}) as reg, store_server(work / "store") as store_url:
         stores = {
             "registry": open_remote(
                 reg.store_url(f"bench/{secrets.token_hex(3)}"), reg.credentials

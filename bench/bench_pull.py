@@ -28,20 +28,24 @@ import json
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import PlatformProcess, platform_process
-from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the tests' registry fixtures
 
-from bench.bench_lazy import TOKEN, store_bytes, store_server
-from bench.stats import summary
-from dsec import DSecContainerRunArgs, DSecSyncClient
-from dsec.api.layers import ImageLoading
-from dsec.images.builders import busybox_tree
+from tests.conftest import PlatformProcess, platform_process  # noqa: E402
+from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry  # noqa: E402
+
+from bench.bench_lazy import TOKEN, store_bytes, store_server  # noqa: E402
+from bench.stats import summary  # noqa: E402
+from dsec import DSecContainerRunArgs, DSecSyncClient  # noqa: E402
+from dsec.api.layers import ImageLoading  # noqa: E402
+from dsec.images.builders import busybox_tree  # noqa: E402
 
 MODES = ("skopeo", "download-then-convert", "streaming", "lazy")
 

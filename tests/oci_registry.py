@@ -1,9 +1,11 @@
 """A real OCI registry for tests: Debian's ``docker-registry`` (the CNCF distribution
 registry) on a loopback port, filled with ``skopeo copy`` from OCI layouts built here.
+The one registry fixture of the image-pull, registry-store and Dockerfile tests.
 
-``registry(...)`` starts one (plain HTTP; optionally htpasswd basic auth) and removes
-it and its storage afterwards; ``oci_layout`` writes an OCI image layout directory from
-layer trees described as {path: bytes | None (whiteout) | "opaque"} dicts.
+``registry(...)`` starts one (plain HTTP; open, htpasswd basic auth through the
+registry's own setup, or bearer tokens from our TokenServer) and removes it and its
+storage afterwards; ``Layout`` writes an OCI image layout directory from layer trees
+described as {path: bytes | None (whiteout) | "opaque" | "dir"} dicts.
 """
 
 from __future__ import annotations
@@ -34,9 +36,16 @@ import zstandard
 from dsec.images.builders import HOST_BUSYBOX, busybox_tree
 from tests.conftest import free_port
 
+# bcrypt for the htpasswd file: the stdlib's crypt (3.11, 3.12; gone in 3.13, where the
+# registry tests skip) rather than a new dependency for one line of a test fixture.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    import crypt  # bcrypt hashes for htpasswd (libxcrypt); removed in Python 3.13
+    try:
+        import crypt
+    except ImportError:  # pragma: no cover - Python >= 3.13
+        crypt = None  # type: ignore[assignment]
+
+REGISTRY = "/usr/bin/docker-registry"
 
 OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 OCI_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
@@ -45,11 +54,31 @@ OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 FIXED_MTIME = 1_700_000_000
 
 
+def registry_available() -> bool:
+    """docker-registry, skopeo and a bcrypt for htpasswd (install.sh brings the first two)."""
+    return all(shutil.which(x) for x in (REGISTRY, "skopeo", "openssl")) and crypt is not None
+
+
 @dataclass
 class Registry:
     host: str  # 127.0.0.1:port
     root: Path
     tokens: TokenServer | None = None
+    user: str = ""  # the first htpasswd or token user, if any
+    password: str = ""
+
+    @property
+    def port(self) -> int:
+        return int(self.host.rpartition(":")[2])
+
+    @property
+    def credentials(self) -> str:
+        """``user:password``: skopeo's --dest-creds, the layer store's token."""
+        return f"{self.user}:{self.password}"
+
+    def store_url(self, repo: str) -> str:
+        """This registry as a plain-HTTP layer store (dsec.images.remote.ocistore)."""
+        return f"oci+http://{self.host}/{repo}"
 
     def push(self, layout: Path, tag: str, repo: str, *, creds: str | None = None) -> None:
         """skopeo copy --all oci:layout:tag -> docker://host/repo."""
@@ -96,6 +125,9 @@ class TokenServer:
         self.x5c = base64.b64encode(der).decode()
         self.users = users
         self.issued = 0
+        # None: grant the actions asked; a list: grant only those (a token a client has
+        # cached then falls short of a later request, as a narrowed or revoked one would).
+        self.grant: list[str] | None = None
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -107,7 +139,9 @@ class TokenServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     @property
@@ -135,7 +169,8 @@ class TokenServer:
         for scope in query.get("scope", []):
             kind, _, rest = scope.partition(":")
             name, _, actions = rest.rpartition(":")
-            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            granted = actions.split(",") if self.grant is None else self.grant
+            access.append({"type": kind, "name": name, "actions": granted})
         now = int(time.time())
         claims = {
             "iss": self.ISSUER,
@@ -163,58 +198,74 @@ class TokenServer:
 
 
 @contextlib.contextmanager
-def registry(
-    *, htpasswd: dict[str, str] | None = None, token_users: dict[str, str] | None = None
-) -> Iterator[Registry]:
-    """A registry: open, with htpasswd basic auth, or with bearer tokens from a
-    TokenServer for ``token_users``."""
-    root = Path(tempfile.mkdtemp(prefix="dsec-oci-reg-"))
-    port = free_port()
-    auth = ""
-    tokens = TokenServer(root, token_users) if token_users is not None else None
-    if tokens is not None:
-        auth = (
-            f"auth:\n  token:\n    realm: {tokens.realm}\n    service: {tokens.SERVICE}\n"
-            f"    issuer: {tokens.ISSUER}\n    rootcertbundle: {tokens.cert}\n"
-        )
-    if htpasswd is not None:
-        salt = crypt.mksalt(crypt.METHOD_BLOWFISH)
-        lines = [f"{user}:{crypt.crypt(pw, salt)}" for user, pw in htpasswd.items()]
-        (root / "htpasswd").write_text("\n".join(lines) + "\n")
-        auth = f"auth:\n  htpasswd:\n    realm: dsec-test\n    path: {root / 'htpasswd'}\n"
-    (root / "config.yml").write_text(
-        "version: 0.1\n"
-        "log:\n  level: error\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n" + auth
-    )
+def _serve(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """docker-registry on ``root/config.yml``, until it answers /v2/ (200 or 401)."""
     log = open(root / "registry.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
-        ["docker-registry", "serve", str(root / "config.yml")], stdout=log, stderr=log
+        [REGISTRY, "serve", str(root / "config.yml")], stdout=log, stderr=subprocess.STDOUT
     )
+    log.close()
     try:
         deadline = time.monotonic() + 20
         while True:
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 r = httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1)
                 if r.status_code in (200, 401):
                     break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (root / "registry.log").read_text()
-            assert time.monotonic() < deadline, "the registry did not start"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}"
+                )
             time.sleep(0.05)
-        yield Registry(f"127.0.0.1:{port}", root, tokens)
+        yield proc
     finally:
-        if tokens is not None:
-            tokens.close()
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        log.close()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def registry(
+    *, htpasswd: dict[str, str] | None = None, token_users: dict[str, str] | None = None
+) -> Iterator[Registry]:
+    """A registry (deletes enabled, as the layer store's delete_ref needs): open, with
+    htpasswd basic auth for ``htpasswd``, or with bearer tokens from a TokenServer for
+    ``token_users``. Its storage and processes are gone afterwards, also on failure."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-oci-reg-"))
+    port = free_port()
+    auth = ""
+    tokens: TokenServer | None = None
+    users = htpasswd or token_users or {}
+    try:
+        if token_users is not None:
+            tokens = TokenServer(root, token_users)
+            auth = (
+                f"auth:\n  token:\n    realm: {tokens.realm}\n    service: {tokens.SERVICE}\n"
+                f"    issuer: {tokens.ISSUER}\n    rootcertbundle: {tokens.cert}\n"
+            )
+        if htpasswd is not None:
+            # bcrypt cost 4: the registry checks the password on every request (basic
+            # auth has no session); at the default cost 12 that is ~0.4 s each here.
+            salt = crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16)
+            lines = [f"{user}:{crypt.crypt(pw, salt)}" for user, pw in htpasswd.items()]
+            (root / "htpasswd").write_text("\n".join(lines) + "\n")
+            auth = f"auth:\n  htpasswd:\n    realm: dsec-test\n    path: {root / 'htpasswd'}\n"
+        (root / "config.yml").write_text(
+            "version: 0.1\n"
+            "log:\n  level: warn\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+            "  delete:\n    enabled: true\n"
+            f"http:\n  addr: 127.0.0.1:{port}\n" + auth
+        )
+        user, password = next(iter(users.items()), ("", ""))
+        with _serve(root, port):
+            yield Registry(f"127.0.0.1:{port}", root, tokens, user, password)
+    finally:
+        if tokens is not None:
+            tokens.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -19,17 +20,26 @@ from pathlib import Path
 
 import pytest
 
-from dsec import DSecContainerRunArgs, DSecSyncClient
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.api.fields import parse_image_ref
 from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryError
 from dsec.images.images import Images
 from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
+from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.oci.client import RegistrySettings
 from dsec.images.oci.reference import Reference, names_registry
 from dsec.images.remote.client import open_remote
+from dsec.sdk.dockerfile import build_dockerfile
 from tests.conftest import PlatformProcess, platform_process
-from tests.oci_registry import Layout, Registry, busybox_base, layer_tar, registry
+from tests.oci_registry import (
+    Layout,
+    Registry,
+    busybox_base,
+    layer_tar,
+    registry,
+    registry_available,
+)
 
 pytestmark = pytest.mark.root
 
@@ -63,6 +73,23 @@ def test_references() -> None:
     for bad in ("Busybox", "a:b:c", "/x", "x@sha256:zz"):
         with pytest.raises(InvalidArgument):
             Reference.parse(bad)
+
+
+def test_blob_check() -> None:
+    data = b"layer bytes"
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    ok = BlobCheck(digest, len(data))
+    ok.update(data[:5])
+    ok.update(data[5:])
+    assert ok.matches() and ok.actual == digest
+    short = BlobCheck(digest, len(data) + 1)
+    short.update(data)
+    assert not short.matches()  # truncated
+    with pytest.raises(CorruptBlob, match="larger than announced"):
+        BlobCheck(digest, 4, "the layer").update(data)
+    wrong = BlobCheck(digest)
+    wrong.update(b"other bytes")
+    assert not wrong.matches()
 
 
 def test_challenge_and_docker_config(tmp_path: Path) -> None:
@@ -99,7 +126,10 @@ def test_challenge_and_docker_config(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
-    """``multi`` (an amd64 + arm64 index) and ``second`` (shares the base)."""
+    """``multi`` (an amd64 + arm64 index) and ``second`` (shares the base); every
+    registry test needs it, so the registry tests skip here (the others still run)."""
+    if not registry_available():
+        pytest.skip("needs docker-registry, skopeo and openssl (install.sh), and crypt")
     layout = Layout(tmp_path_factory.mktemp("oci") / "layout")
     base = busybox_base({"etc/old.txt": b"old\n", "opq/a.txt": b"a\n", "opq/b.txt": b"b\n"})
     top = layer_tar(
@@ -115,7 +145,8 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
         "WorkingDir": "/opq",
         "Cmd": ["sh"],
     }
-    amd64 = layout.image([(base, "gzip"), (top, "zstd")], config)
+    # the one image run with a non-root USER (its layers are the same as without)
+    amd64 = layout.image([(base, "gzip"), (top, "zstd")], {**config, "User": "1000:1000"})
     arm64 = layout.image(
         [(base, "gzip"), (layer_tar({"arch.txt": b"arm64\n"}), "gzip")], config, arch="arm64"
     )
@@ -134,6 +165,7 @@ def open_registry(layout: Layout) -> Iterator[Registry]:
         reg.push(layout.path, "second", "test/second:v1")
         reg.push(layout.path, "second", "test/oncreate:v1")
         reg.push(layout.path, "corrupt", "test/corrupt:v1")
+        reg.push(layout.path, "second", "test/dfbase:v1")
         yield reg
 
 
@@ -160,7 +192,10 @@ def plat(
 ) -> Iterator[PlatformProcess]:
     """The platform: plain HTTP for the test registries only, the token registry's
     credentials in a Docker config.json, and a mirror for a registry that does not exist."""
-    insecure = f"{open_registry.host},{auth_registry.host},{token_registry.host}"
+    insecure = (
+        f"{open_registry.host},localhost:{open_registry.port},"
+        f"{auth_registry.host},{token_registry.host}"
+    )
     auth_file = tmp_path_factory.mktemp("regauth") / "config.json"
     login = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
     auth_file.write_text(json.dumps({"auths": {token_registry.host: {"auth": login}}}))
@@ -196,9 +231,10 @@ def test_pull_multiarch_whiteouts_and_run(plat: PlatformProcess, open_registry: 
             ref,
             "cat /hello.txt; echo $GREETING; ls /opq; "
             "test -e /etc/old.txt && echo present || echo deleted; "
-            "test -e /arch.txt && echo arm || echo amd64",
+            "test -e /arch.txt && echo arm || echo amd64; pwd; id -u",
         )
-        assert out == "hello from the registry\nhi\nc.txt\ndeleted\namd64\n"
+        # the image config's Env, WorkingDir and User apply to the sandbox's commands
+        assert out == "hello from the registry\nhi\nc.txt\ndeleted\namd64\n/opq\n1000\n"
         # the same pull again converts and fetches no layer
         again = client.pull_image(ref)
         assert all(layer.reused for layer in again.layers)
@@ -225,6 +261,40 @@ def test_run_spec_naming_a_registry_pulls_on_first_create(
         # a plain local name is never pulled implicitly
         with pytest.raises(ImageNotFound):
             client.run_container(DSecContainerRunArgs(container_image="nosuch:latest"))
+
+
+async def test_dockerfile_from_a_registry_reference(
+    plat: PlatformProcess, open_registry: Registry, tmp_path: Path
+) -> None:
+    """``FROM localhost:PORT/repo:tag`` of an image not on the platform: the build pulls
+    it, inherits its config (Env, WorkingDir), runs a RUN and a COPY on it, and the
+    result runs."""
+    base_ref = f"localhost:{open_registry.port}/test/dfbase:v1"
+    (tmp_path / "hello.txt").write_text("hello from the context\n")
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {base_ref}\n"
+        "COPY hello.txt ./hello.txt\n"
+        'RUN echo "$GREETING from $(pwd)" > made.txt && cat /second.txt >> made.txt\n'
+    )
+    async with DSecClient(plat.url, plat.api_key) as client:
+        built = await build_dockerfile(client, tmp_path / "Dockerfile", tmp_path, "dffrom:1")
+        try:
+            base = await client.get_image(base_ref)  # pulled by the build
+            assert built.layer_steps == 2
+            assert built.image.layers[: len(base.layers)] == base.layers
+            assert built.image.config["workdir"] == "/opq"
+            args = DSecContainerRunArgs(container_image="dffrom:1", ttl_running_stop=120)
+            async with await client.run_container(args) as sb:
+                r = await sb.run_shell("pwd; cat made.txt hello.txt; echo $GREETING")
+                assert r.stdout.splitlines() == [
+                    "/opq",
+                    "hi from /opq",
+                    "2",
+                    "hello from the context",
+                    "hi",
+                ], r.stderr
+        finally:
+            await client.remove_image("dffrom:1")
 
 
 def test_basic_auth(plat: PlatformProcess, auth_registry: Registry) -> None:

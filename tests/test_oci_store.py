@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from tests.conftest import PlatformProcess, platform_process
-from tests.registry_env import Registry, registry, registry_available, token_registry
+from tests.oci_registry import Registry, registry, registry_available
 
 pytestmark = [
     pytest.mark.root,
@@ -37,7 +38,7 @@ REPO = "dsec/layers"
 
 @pytest.fixture(scope="module")
 def reg() -> Iterator[Registry]:
-    with registry() as r:
+    with registry(htpasswd={"dsec": secrets.token_hex(8)}) as r:
         yield r
 
 
@@ -110,7 +111,8 @@ async def test_registry_with_a_token_service(tmp_path: Path) -> None:
     """Bearer tokens, as Docker Hub and most private registries do: the registry's
     challenge sends the store to the token service, with the basic credentials there;
     the token it gets is what dsec-lazyfs would send for its range reads."""
-    with token_registry() as (reg, tokens):
+    with registry(token_users={"dsec": secrets.token_hex(8)}) as reg:
+        assert reg.tokens is not None
         tree = tmp_path / "t"
         (tree / "d").mkdir(parents=True)
         (tree / "d" / "f").write_bytes(os.urandom(300_000))
@@ -118,7 +120,14 @@ async def test_registry_with_a_token_service(tmp_path: Path) -> None:
         info = publish_tree(staging, tree, "tok", "1")
         store = OCIStore(reg.store_url(REPO), reg.credentials)
         try:
+            # A cached token that falls short (pull only) is refused on the push: the
+            # 401 is answered with a fresh token and the upload sent again.
+            reg.tokens.grant = ["pull"]
+            assert await store.blob_size(info.digest) is None
+            issued = reg.tokens.issued
+            reg.tokens.grant = None
             assert await store.push_blob(info.digest, staging.blob_path(info.digest))
+            assert reg.tokens.issued == issued + 1
             index = staging.get_index(info.digest)
             assert index is not None
             await store.push_index(info.digest, index)
@@ -134,7 +143,7 @@ async def test_registry_with_a_token_service(tmp_path: Path) -> None:
                     headers={"Range": "bytes=0-4095", "Authorization": auth},
                 )
             assert r.status_code == 206 and len(r.content) == 4096
-            assert tokens.issued >= 1
+            assert reg.tokens.issued >= 1
         finally:
             await store.close()
         anonymous = OCIStore(reg.store_url(REPO), None)

@@ -7,6 +7,11 @@ from the caller of one pull. A registry answers 401 with ``WWW-Authenticate``:
 ``Basic`` means send them with every request; ``Bearer realm=..,service=..,scope=..``
 means trade them (or nothing, for anonymous pulls) at the realm for a token, per the
 Docker token spec. Tokens are cached per registry and scope for their lifetime.
+
+This is the one registry authentication of the platform: the puller
+(dsec.images.oci.client) and the registry layer store (dsec.images.remote.ocistore)
+both send their requests through ``Authorizer.send``, which answers a 401 (and
+refreshes an expired token) the same way for both.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import binascii
 import json
 import re
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,12 @@ from dsec.errors import InvalidArgument, RegistryError
 # key="value" or key=token pairs of a challenge (RFC 7235 auth-params).
 _PARAM_RE = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
 DOCKER_HUB_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io")
+PULL_HINT = (
+    "add them to the registry credentials file (Docker config.json format) or pass them to the pull"
+)
+
+# A request body: bytes, or a factory of a stream (called again when a 401 is answered).
+Body = bytes | Callable[[], AsyncIterator[bytes]] | None
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,12 @@ class Credentials:
     def basic(self) -> str:
         raw = f"{self.username}:{self.password}".encode()
         return "Basic " + base64.b64encode(raw).decode()
+
+    @classmethod
+    def parse(cls, text: str) -> Credentials:
+        """``user:password`` (the password may hold colons)."""
+        user, _, password = text.partition(":")
+        return cls(user, password)
 
 
 def _host_key(key: str) -> str:
@@ -86,10 +104,14 @@ def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 class Authorizer:
-    """The ``Authorization`` header for each registry, earned from its challenges."""
+    """The ``Authorization`` header for each registry, earned from its challenges.
 
-    def __init__(self, credentials: dict[str, Credentials]) -> None:
+    ``hint`` finishes the error a basic challenge without credentials gets (where the
+    caller's user gives them)."""
+
+    def __init__(self, credentials: dict[str, Credentials], hint: str = PULL_HINT) -> None:
         self.credentials = credentials
+        self.hint = hint
         self._headers: dict[tuple[str, str], tuple[str, float]] = {}
 
     def header(self, registry: str, scope: str) -> str | None:
@@ -98,6 +120,48 @@ class Authorizer:
         if hit is None or hit[1] < time.monotonic():
             return None
         return hit[0]
+
+    async def send(
+        self,
+        http: httpx.AsyncClient,
+        method: str,
+        url: str,
+        *,
+        registry: str,
+        scope: str,
+        headers: dict[str, str] | None = None,
+        content: Body = None,
+        stream: bool = False,
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        """One request with the registry's authentication: the cached header if any,
+        and a 401 answered once from its challenge (a fresh header: an expired token is
+        refreshed, also in the middle of a push) before sending the request again. A
+        streamed ``content`` is a factory, so it can be sent again. Transport errors
+        (httpx.HTTPError) are the caller's; a failed answer is a RegistryError."""
+        sent = dict(headers or {})
+        auth = self.header(registry, scope)
+        for attempt in range(2):
+            if auth is not None:
+                sent["Authorization"] = auth
+            req = http.build_request(
+                method,
+                url,
+                headers=sent,
+                content=content() if callable(content) else content,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+            resp = await http.send(req, stream=stream)
+            if resp.status_code != 401 or attempt:
+                return resp
+            challenge = resp.headers.get("www-authenticate", "")
+            await resp.aclose()
+            if not challenge:
+                raise RegistryError(
+                    f"registry {registry} answered 401 without a challenge", registry=registry
+                )
+            auth = await self.answer(http, registry, scope, challenge)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def answer(
         self, http: httpx.AsyncClient, registry: str, scope: str, challenge: str
@@ -108,9 +172,7 @@ class Authorizer:
         if scheme == "basic":
             if creds is None:
                 raise RegistryError(
-                    f"registry {registry} needs a user name and password: add them to the "
-                    "registry credentials file (Docker config.json format) or pass them "
-                    "to the pull",
+                    f"registry {registry} needs a user name and password: {self.hint}",
                     registry=registry,
                 )
             value, ttl = creds.basic(), 3600.0
@@ -132,31 +194,35 @@ class Authorizer:
         params: dict[str, str],
         creds: Credentials | None,
     ) -> tuple[str, float]:
+        """A token for the challenge's scope and ours (the challenge names what the
+        failed request needed, often pull only: asking for ``scope`` too means a push
+        needs no second token; a token service grants what the account may have)."""
         realm = params.get("realm")
         if not realm or not realm.startswith(("https://", "http://")):
             raise RegistryError(
                 f"registry {registry} sent a bearer challenge without a usable realm",
                 registry=registry,
             )
-        query = {"scope": params.get("scope") or scope}
+        scopes = list(dict.fromkeys(x for x in (params.get("scope"), scope) if x))
+        query = httpx.QueryParams({"scope": scopes})
         if params.get("service"):
-            query["service"] = params["service"]
+            query = query.set("service", params["service"])
         headers = {"Authorization": creds.basic()} if creds is not None else {}
         try:
             resp = await http.get(realm, params=query, headers=headers)
         except httpx.HTTPError as exc:
             raise RegistryError(
-                f"token server {realm} of {registry} unreachable: {exc}", registry=registry
+                f"token service {realm} of {registry} unreachable: {exc}", registry=registry
             ) from None
         if resp.status_code in (401, 403):
             raise RegistryError(
-                f"registry {registry} refused the credentials for {query['scope']} "
-                f"(token server answered {resp.status_code})",
+                f"registry {registry} refused the credentials for {' '.join(scopes)} "
+                f"(its token service answered {resp.status_code})",
                 registry=registry,
             )
         if resp.status_code != 200:
             raise RegistryError(
-                f"token server {realm} of {registry} answered {resp.status_code}",
+                f"token service {realm} of {registry} answered {resp.status_code}",
                 registry=registry,
             )
         try:
@@ -165,7 +231,7 @@ class Authorizer:
             doc = None
         token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
         if not isinstance(token, str) or not token:
-            raise RegistryError(f"token server {realm} sent no token", registry=registry)
+            raise RegistryError(f"token service {realm} sent no token", registry=registry)
         expires = doc.get("expires_in") if isinstance(doc, dict) else None
         ttl = float(expires) if isinstance(expires, int | float) and expires > 0 else 60.0
         return f"Bearer {token}", ttl

@@ -7,11 +7,13 @@ next to httpx for four GET requests. What this module does:
 * endpoints: ``https://host`` (``registry-1.docker.io`` for Docker Hub), plain HTTP only
   for hosts named insecure; configured mirrors of a registry are tried first, falling
   through to the next on a connection error, 404 or 5xx;
-* auth: anonymous first, then whatever the 401 challenge asks (dsec.images.oci.auth);
+* auth: anonymous first, then whatever the 401 challenge asks (dsec.images.oci.auth, the
+  same requests-with-authentication the registry layer store uses);
 * manifests: OCI and Docker v2 manifests, OCI indexes and Docker manifest lists (the
   entry for this host's os/architecture is picked); every manifest fetched by digest is
   checked against it;
-* blobs: streamed, size- and SHA-256-checked; a mismatch is CorruptBlob.
+* blobs: streamed, size- and SHA-256-checked (dsec.images.oci.blobcheck, as the registry
+  layer store does); a mismatch is CorruptBlob.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import httpx
 
 from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryError, Unsupported
 from dsec.images.oci.auth import Authorizer, Credentials, load_docker_config
+from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.oci.reference import DOCKER_HUB, DOCKER_HUB_API, Reference
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -93,6 +96,17 @@ def _valid_digest(digest: str) -> bool:
     return algo == "sha256" and len(hexpart) == 64 and all(c in "0123456789abcdef" for c in hexpart)
 
 
+def _json_object(raw: bytes | bytearray, what: str) -> dict[str, Any]:
+    """A registry document (manifest, index, config): a JSON object or RegistryError."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise RegistryError(f"{what} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise RegistryError(f"{what} is not a JSON object")
+    return doc
+
+
 class RegistryClient:
     """One pull's connection to registries (close it, or use ``async with``)."""
 
@@ -150,20 +164,9 @@ class RegistryClient:
 
     async def _get(self, registry: str, scope: str, url: str, accept: str | None) -> httpx.Response:
         headers = {"Accept": accept} if accept else {}
-        cached = self.auth.header(registry, scope)
-        if cached is not None:
-            headers["Authorization"] = cached
-        req = self.http.build_request("GET", url, headers=headers)
-        resp = await self.http.send(req, stream=True)
-        if resp.status_code == 401 and "Authorization" not in headers:
-            challenge = resp.headers.get("www-authenticate", "")
-            await resp.aclose()
-            if not challenge:
-                raise RegistryError(f"registry {registry} answered 401 without a challenge")
-            headers["Authorization"] = await self.auth.answer(self.http, registry, scope, challenge)
-            req = self.http.build_request("GET", url, headers=headers)
-            resp = await self.http.send(req, stream=True)
-        return resp
+        return await self.auth.send(
+            self.http, "GET", url, registry=registry, scope=scope, headers=headers, stream=True
+        )
 
     async def _check(self, resp: httpx.Response, ref: Reference, what: str) -> None:
         if resp.status_code == 200:
@@ -221,12 +224,7 @@ class RegistryClient:
         reference = ref.reference
         for _ in range(4):
             media, raw, digest = await self._manifest(ref, reference)
-            try:
-                doc = json.loads(raw)
-            except ValueError:
-                raise RegistryError(f"manifest {reference} of {ref} is not JSON") from None
-            if not isinstance(doc, dict):
-                raise RegistryError(f"manifest {reference} of {ref} is not a JSON object")
+            doc = _json_object(raw, f"manifest {reference} of {ref}")
             media = str(doc.get("mediaType") or media)
             if doc.get("schemaVersion") == 1:
                 raise Unsupported(
@@ -278,13 +276,7 @@ class RegistryClient:
         data = bytearray()
         async for chunk in self.blob(ref, desc):
             data += chunk
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            raise RegistryError(f"{ref}: the image config is not JSON") from None
-        if not isinstance(doc, dict):
-            raise RegistryError(f"{ref}: the image config is not a JSON object")
-        return doc
+        return _json_object(data, f"{ref}: the image config")
 
     async def blob(self, ref: Reference, desc: Descriptor) -> AsyncIterator[bytes]:
         """The blob's bytes as they arrive; raises CorruptBlob at the end if they do not
@@ -293,25 +285,20 @@ class RegistryClient:
             raise InvalidArgument(f"invalid blob digest {desc.digest!r}")
         resp = await self._send(ref, f"blobs/{desc.digest}")
         await self._check(resp, ref, f"blob {desc.digest}")
-        h = hashlib.sha256()
-        size = 0
+        check = BlobCheck(desc.digest, desc.size, f"blob {desc.digest} of {ref}")
         try:
             async for chunk in resp.aiter_bytes(1 << 20):
-                size += len(chunk)
                 self.bytes_fetched += len(chunk)
-                if size > desc.size:
-                    raise CorruptBlob(f"blob {desc.digest} of {ref} is larger than announced")
-                h.update(chunk)
+                check.update(chunk)
                 yield chunk
         except httpx.HTTPError as exc:
             raise RegistryError(f"downloading blob {desc.digest} of {ref} failed: {exc}") from None
         finally:
             await resp.aclose()
-        actual = "sha256:" + h.hexdigest()
-        if actual != desc.digest or size != desc.size:
+        if not check.matches():
             raise CorruptBlob(
-                f"blob {desc.digest} of {ref} does not match its digest (got {actual}, "
-                f"{size} of {desc.size} bytes)",
+                f"blob {desc.digest} of {ref} does not match its digest (got {check.actual}, "
+                f"{check.size} of {desc.size} bytes)",
                 digest=desc.digest,
-                actual=actual,
+                actual=check.actual,
             )

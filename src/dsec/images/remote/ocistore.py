@@ -16,15 +16,16 @@ loader reads every blob under one URL prefix:
   LayerRecord JSON and whose layer is the EROFS blob. ``refs()`` lists tags.
 
 Authentication: none, HTTP basic, or a bearer token from the registry's token service
-(the ``WWW-Authenticate`` challenge), with ``user:password`` given as the store token.
-httpx (already our HTTP client) speaks all of it; no registry SDK is needed for these
-dozen requests. Everything fetched is verified like the other backends do.
+(the ``WWW-Authenticate`` challenge), with ``user:password`` given as the store token;
+the puller's (dsec.images.oci.auth.Authorizer) answers the challenges, so both speak to
+registries alike. httpx (already our HTTP client) speaks all of it; no registry SDK is
+needed for these dozen requests. Everything fetched is verified like the other backends
+do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
@@ -42,9 +43,12 @@ from dsec.errors import (
     ImageNotFound,
     InvalidArgument,
     PlatformUnavailable,
+    RegistryError,
     Unsupported,
 )
 from dsec.images.chunkindex import ChunkIndex
+from dsec.images.oci.auth import Authorizer, Body, Credentials
+from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.remote.records import LayerRecord, check_name, check_version
 from dsec.images.store import digest_hex, normalize_digest
 
@@ -56,7 +60,7 @@ REF_CONFIG = "application/vnd.dsec.layer.ref.v1+json"
 REF_ANNOTATION = "dev.dsec.layer.ref"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPO_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
-_CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
+STORE_HINT = "give user:password as the layer store token"
 
 
 def parse_oci_location(location: str) -> tuple[str, str]:
@@ -94,8 +98,12 @@ class OCIStore:
         # What dsec-lazyfs is given: the repository's URL; it asks for <url>/blobs/<digest>.
         self.location = self.url
         self.token: str | None = None
+        self.host = self.base.split("://", 1)[1]
+        # One scope for everything: a token for pull and push on our repository.
+        self.scope = f"repository:{self.repo}:pull,push"
+        creds = {self.host: Credentials.parse(credentials)} if credentials else {}
+        self.auth = Authorizer(creds, hint=STORE_HINT)
         self._credentials = credentials
-        self._auth: str | None = None  # the Authorization header that worked last
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0), follow_redirects=True
         )
@@ -114,8 +122,8 @@ class OCIStore:
             await self._request("GET", f"{self.base}/v2/")
         except PlatformUnavailable:
             if self._credentials:  # the registry is down now: basic auth is the best guess
-                return "Basic " + base64.b64encode(self._credentials.encode()).decode()
-        return self._auth
+                return Credentials.parse(self._credentials).basic()
+        return self.auth.header(self.host, self.scope)
 
     # -- HTTP with the registry's authentication --
 
@@ -124,71 +132,32 @@ class OCIStore:
         method: str,
         url: str,
         *,
-        body: bytes | Callable[[], AsyncIterator[bytes]] | None = None,
-        **kwargs: Any,
+        body: Body = None,
+        headers: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+        stream: bool = False,
     ) -> httpx.Response:
-        """One request, answering a 401 challenge once (a token may also expire in the
-        middle of a push). A streamed ``body`` is a factory, so it can be sent again."""
-        headers: dict[str, str] = dict(kwargs.pop("headers", None) or {})
-        for attempt in range(2):
-            if self._auth:
-                headers["Authorization"] = self._auth
-            content = body() if callable(body) else body
-            try:
-                resp = await self._http.request(
-                    method, url, headers=headers, content=content, **kwargs
-                )
-            except httpx.HTTPError as exc:
-                raise PlatformUnavailable(
-                    f"registry {self.base} unreachable: {exc or type(exc).__name__}"
-                ) from exc
-            if resp.status_code != 401 or attempt:
-                return resp
-            challenge = resp.headers.get("www-authenticate", "")
-            await resp.aclose()
-            self._auth = await self._answer(challenge)
-        return resp
-
-    async def _answer(self, challenge: str) -> str:
-        scheme, _, challenge_params = challenge.partition(" ")
-        if not self._credentials and scheme.lower() != "bearer":
-            raise PlatformUnavailable(
-                f"registry {self.base} asks for credentials: give user:password as the "
-                "layer store token"
-            )
-        user, _, password = (self._credentials or "").partition(":")
-        basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        if scheme.lower() == "basic":
-            return basic
-        if scheme.lower() != "bearer":
-            raise Unsupported(f"registry {self.base}: unsupported auth scheme {scheme!r}")
-        fields = dict(_CHALLENGE_RE.findall(challenge_params))
-        realm = fields.pop("realm", "")
-        if not realm.startswith(("http://", "https://")):
-            raise PlatformUnavailable(f"registry {self.base}: bad token realm {realm!r}")
-        # The challenge names the scope of the request that failed (often pull only);
-        # ask for pull and push on our repository as well, so that a push does not
-        # need a second token. A token service grants what the account may have.
-        ours = f"repository:{self.repo}:pull,push"
-        scopes = [fields.pop("scope")] if "scope" in fields else []
-        query = [*fields.items(), *(("scope", x) for x in dict.fromkeys([*scopes, ours]))]
+        """One request through the shared registry authentication (a 401 answered once,
+        a streamed ``body`` sent again from its factory); the store's errors are
+        PlatformUnavailable, as for the other remote stores."""
         try:
-            resp = await self._http.get(
-                realm,
-                params=query,
-                headers={"Authorization": basic} if self._credentials else {},
+            return await self.auth.send(
+                self._http,
+                method,
+                url,
+                registry=self.host,
+                scope=self.scope,
+                headers=headers,
+                content=body,
+                stream=stream,
+                timeout=timeout,
             )
         except httpx.HTTPError as exc:
-            raise PlatformUnavailable(f"registry token service {realm} unreachable") from exc
-        if resp.status_code != 200:
             raise PlatformUnavailable(
-                f"registry token service {realm} refused the credentials: HTTP {resp.status_code}"
-            )
-        doc = resp.json()
-        token = doc.get("token") or doc.get("access_token")
-        if not isinstance(token, str):
-            raise PlatformUnavailable(f"registry token service {realm} gave no token")
-        return f"Bearer {token}"
+                f"registry {self.base} unreachable: {exc or type(exc).__name__}"
+            ) from exc
+        except RegistryError as exc:
+            raise PlatformUnavailable(exc.message) from None
 
     def _fail(self, resp: httpx.Response, what: str) -> DSecError:
         if resp.status_code in (401, 403):
@@ -222,33 +191,35 @@ class OCIStore:
         if resp.status_code != 200:
             raise self._fail(resp, f"GET blob {digest}")
         data = resp.content
-        if f"sha256:{hashlib.sha256(data).hexdigest()}" != digest:
+        check = BlobCheck(digest)
+        check.update(data)
+        if not check.matches():
             raise CorruptBlob(f"registry blob {digest} does not match its digest", digest=digest)
         return data
 
     async def fetch_blob(self, digest: str, dest: Path) -> int:
         digest = normalize_digest(digest)
-        await self._request("GET", f"{self.base}/v2/")  # settle authentication first
-        h = hashlib.sha256()
-        size = 0
-        headers = {"Authorization": self._auth} if self._auth else {}
+        check = BlobCheck(digest, what=f"layer {digest} from the registry")
+        resp = await self._request(
+            "GET",
+            f"{self.url}/blobs/{digest}",
+            stream=True,
+            timeout=httpx.Timeout(None, connect=5.0),
+        )
         try:
-            async with self._http.stream(
-                "GET", f"{self.url}/blobs/{digest}", headers=headers, timeout=None
-            ) as resp:
-                if resp.status_code == 404:
-                    raise ImageNotFound(f"layer {digest} is not in the registry {self.url}")
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise self._fail(resp, f"GET blob {digest}")
-                expected = int(resp.headers.get("content-length", "-1"))
-                out = await asyncio.to_thread(open, dest, "wb")
-                try:
-                    async for data in resp.aiter_bytes(PIECE):
-                        await asyncio.to_thread(_hash_write, h, out, data)
-                        size += len(data)
-                finally:
-                    await asyncio.to_thread(out.close)
+            if resp.status_code == 404:
+                raise ImageNotFound(f"layer {digest} is not in the registry {self.url}")
+            if resp.status_code != 200:
+                await resp.aread()
+                raise self._fail(resp, f"GET blob {digest}")
+            length = resp.headers.get("content-length")
+            check.expected = int(length) if length is not None else None
+            out = await asyncio.to_thread(open, dest, "wb")
+            try:
+                async for data in resp.aiter_bytes(PIECE):
+                    await asyncio.to_thread(_check_write, check, out, data)
+            finally:
+                await asyncio.to_thread(out.close)
         except httpx.HTTPError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
@@ -257,18 +228,19 @@ class OCIStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
             raise
-        actual = f"sha256:{h.hexdigest()}"
-        if actual != digest or (expected >= 0 and size != expected):
+        finally:
+            await resp.aclose()
+        if not check.matches():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
             raise CorruptBlob(
-                f"layer {digest} from the registry is corrupt or truncated ({size} bytes "
-                f"hashing to {actual}); it will not be mounted",
+                f"layer {digest} from the registry is corrupt or truncated ({check.size} "
+                f"bytes hashing to {check.actual}); it will not be mounted",
                 digest=digest,
-                actual=actual,
-                size=size,
+                actual=check.actual,
+                size=check.size,
             )
-        return size
+        return check.size
 
     async def push_blob(self, digest: str, src: Path) -> bool:
         digest = normalize_digest(digest)
@@ -438,6 +410,6 @@ class OCIStore:
         await self._http.aclose()
 
 
-def _hash_write(h: hashlib._Hash, fh: IO[bytes], data: bytes) -> None:
-    h.update(data)
+def _check_write(check: BlobCheck, fh: IO[bytes], data: bytes) -> None:
+    check.update(data)
     fh.write(data)
