@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +48,7 @@ from dsec.errors import (
 from dsec.images.chunkindex import ChunkIndex
 from dsec.images.remote.records import LayerRecord, check_name, check_version
 from dsec.images.store import digest_hex, normalize_digest
+from dsec.images.tls import describe_failure, tls_context
 
 PIECE = 4 << 20
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -88,7 +90,14 @@ def index_tag(digest: str) -> str:
 class OCIStore:
     """The layer store interface (dsec.images.remote.client.RemoteStore) on a registry."""
 
-    def __init__(self, location: str, credentials: str | None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        location: str,
+        credentials: str | None,
+        *,
+        timeout: float = 30.0,
+        ca_file: Path | None = None,
+    ) -> None:
         self.base, self.repo = parse_oci_location(location)
         self.url = f"{self.base}/v2/{self.repo}"
         # What dsec-lazyfs is given: the repository's URL; it asks for <url>/blobs/<digest>.
@@ -96,8 +105,11 @@ class OCIStore:
         self.token: str | None = None
         self._credentials = credentials
         self._auth: str | None = None  # the Authorization header that worked last
+        self._auth_expires: float | None = None  # monotonic end of a bearer token
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=5.0), follow_redirects=True
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            follow_redirects=True,
+            verify=tls_context(ca_file),
         )
 
     # -- what the lazy loader needs --
@@ -108,14 +120,21 @@ class OCIStore:
 
     async def lazy_authorization(self) -> str | None:
         """The Authorization header dsec-lazyfs sends (None: anonymous). A bearer token
-        from a token service expires (the loader does not renew it): basic auth or an
-        anonymous registry suits lazy loading best."""
+        is fetched fresh on every call: it expires (lazy_authorization_expires), and
+        the platform calls again in time to hand the loader a new one."""
+        if self._auth_expires is not None:
+            self._auth = None  # make the probe earn a new token
         try:
             await self._request("GET", f"{self.base}/v2/")
         except PlatformUnavailable:
             if self._credentials:  # the registry is down now: basic auth is the best guess
                 return "Basic " + base64.b64encode(self._credentials.encode()).decode()
         return self._auth
+
+    def lazy_authorization_expires(self) -> float | None:
+        """When (time.monotonic()) the bearer token last earned stops working; None
+        for basic auth or none, which do not expire."""
+        return self._auth_expires
 
     # -- HTTP with the registry's authentication --
 
@@ -140,7 +159,7 @@ class OCIStore:
                 )
             except httpx.HTTPError as exc:
                 raise PlatformUnavailable(
-                    f"registry {self.base} unreachable: {exc or type(exc).__name__}"
+                    f"registry {self.base} unreachable: {describe_failure(exc)}"
                 ) from exc
             if resp.status_code != 401 or attempt:
                 return resp
@@ -159,6 +178,7 @@ class OCIStore:
         user, _, password = (self._credentials or "").partition(":")
         basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         if scheme.lower() == "basic":
+            self._auth_expires = None
             return basic
         if scheme.lower() != "bearer":
             raise Unsupported(f"registry {self.base}: unsupported auth scheme {scheme!r}")
@@ -179,7 +199,9 @@ class OCIStore:
                 headers={"Authorization": basic} if self._credentials else {},
             )
         except httpx.HTTPError as exc:
-            raise PlatformUnavailable(f"registry token service {realm} unreachable") from exc
+            raise PlatformUnavailable(
+                f"registry token service {realm} unreachable: {describe_failure(exc)}"
+            ) from exc
         if resp.status_code != 200:
             raise PlatformUnavailable(
                 f"registry token service {realm} refused the credentials: HTTP {resp.status_code}"
@@ -188,6 +210,10 @@ class OCIStore:
         token = doc.get("token") or doc.get("access_token")
         if not isinstance(token, str):
             raise PlatformUnavailable(f"registry token service {realm} gave no token")
+        # The Docker token spec: expires_in seconds, 60 when the service does not say.
+        ttl = doc.get("expires_in")
+        ttl = float(ttl) if isinstance(ttl, int | float) and ttl > 0 else 60.0
+        self._auth_expires = time.monotonic() + ttl
         return f"Bearer {token}"
 
     def _fail(self, resp: httpx.Response, what: str) -> DSecError:
@@ -252,7 +278,9 @@ class OCIStore:
         except httpx.HTTPError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
-            raise PlatformUnavailable(f"registry {self.base}: fetching {digest} failed") from exc
+            raise PlatformUnavailable(
+                f"registry {self.base}: fetching {digest} failed: {describe_failure(exc)}"
+            ) from exc
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
