@@ -457,10 +457,13 @@ static int conn_open(struct worker *w) {
     if (SSL_connect(w->ssl) != 1) {
         long v = SSL_get_verify_result(w->ssl);
         unsigned long e = ERR_peek_last_error();
-        logmsg("dsec-lazyfs: TLS handshake with the layer store %s:%s failed: %s", g_host, g_port,
-               v != X509_V_OK ? X509_verify_cert_error_string(v)
-               : e        ? ERR_reason_error_string(e)
-                          : "connection closed");
+        if (v != X509_V_OK)
+            logmsg("dsec-lazyfs: TLS handshake with the layer store %s:%s failed: its certificate "
+                   "is not trusted (%s; CAs: %s)", g_host, g_port, X509_verify_cert_error_string(v),
+                   g_ca_file ? g_ca_file : "the system store");
+        else
+            logmsg("dsec-lazyfs: TLS handshake with the layer store %s:%s failed: %s", g_host,
+                   g_port, e ? ERR_reason_error_string(e) : "connection closed");
         ERR_clear_error();
         conn_close(w);
         return -1;
