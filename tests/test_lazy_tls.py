@@ -8,13 +8,20 @@ expiry, and a wrong CA refused by both the Python side and the daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import secrets
+import ssl
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, LayerRef, PlatformUnavailable
@@ -22,11 +29,12 @@ from dsec.api.layers import LayerInfo
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.lazy.renew import renew_delay
+from dsec.images.remote.client import HTTPStore
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from dsec.images.store import digest_hex
-from tests.conftest import PlatformProcess, platform_process
+from tests.conftest import PlatformProcess, free_port, platform_process
 from tests.tls_registry import TLSRegistry, registry_available, tls_registry
 
 pytestmark = [
@@ -188,6 +196,54 @@ def read_through_daemon(treg: TLSRegistry, root: Path, digest: str, index: bytes
         assert daemon.stats()["fetch_bytes"] == 0
     finally:
         daemon.stop()
+
+
+def test_our_store_server_over_https(treg: TLSRegistry, tmp_path: Path) -> None:
+    """``dsec store serve --tls-cert/--tls-key``: the HTTPS store client and dsec-lazyfs
+    verify it with the CA setting and read from it."""
+    root = tmp_path / "store"
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "f").write_bytes(os.urandom(300_000))
+    info = publish_tree(DirStore(root), tree, "https", "1")
+    port = free_port()
+    token = "dst_" + secrets.token_hex(8)
+    argv = [sys.executable, "-m", "dsec.cli.main", "store", "serve", "--root", str(root)]
+    argv += ["--port", str(port), "--token", token]
+    argv += ["--tls-cert", str(treg.cert), "--tls-key", str(treg.key)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        verify = ssl.create_default_context(cafile=str(treg.ca))
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/health", timeout=1, verify=verify).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "no store server"
+            time.sleep(0.05)
+        store = HTTPStore(url, token, ca_file=treg.ca)
+        size = asyncio.run(store.fetch_blob(info.digest, tmp_path / "copy"))
+        asyncio.run(store.close())
+        assert size == info.size_bytes
+        blob = (tmp_path / "copy").read_bytes()
+        daemon = LazyDaemon(tmp_path / "lazy", url, token, ca_file=treg.ca, timeout=5)
+        daemon.start()
+        try:
+            index = DirStore(root).get_index(info.digest)
+            assert index is not None
+            layer = daemon.cache_dir / digest_hex(info.digest)
+            layer.mkdir(parents=True)
+            (layer / "index").write_bytes(index)
+            with open(daemon.path(digest_hex(info.digest)), "rb") as fh:
+                fh.seek(65536)
+                assert fh.read(4096) == blob[65536 : 65536 + 4096]
+            assert 0 < daemon.stats()["fetch_bytes"] < info.size_bytes
+        finally:
+            daemon.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_renewal_runs_at_half_the_remaining_life() -> None:

@@ -157,6 +157,8 @@ class TLSRegistry:
     ca: Path  # the CA that signed the registry's certificate
     other_ca: Path  # a CA that did not
     tokens: ShortTokens
+    cert: Path  # the server certificate (127.0.0.1, localhost) and its key, for
+    key: Path  # other test servers to reuse
 
     @property
     def host(self) -> str:
@@ -215,7 +217,7 @@ auth:
                     f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}"
                 )
             time.sleep(0.05)
-        yield TLSRegistry(root, port, ca[0], other[0], tokens)
+        yield TLSRegistry(root, port, ca[0], other[0], tokens, cert, key)
     finally:
         if proc is not None:
             proc.terminate()
