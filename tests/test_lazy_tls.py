@@ -26,9 +26,12 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, LayerRef, PlatformUnavailable
 from dsec.api.layers import LayerInfo
+from dsec.errors import RegistryError
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.lazy.renew import renew_delay
+from dsec.images.oci.client import RegistryClient, RegistrySettings
+from dsec.images.oci.reference import Reference
 from dsec.images.remote.client import HTTPStore
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
@@ -153,7 +156,7 @@ async def test_layers_load_lazily_over_https_across_token_expiry(
 
 async def test_wrong_ca_is_refused(treg: TLSRegistry, tmp_path: Path) -> None:
     """A registry whose certificate the configured CA did not sign: a typed error from
-    the Python side, and EIO (with the reason in its log) from dsec-lazyfs."""
+    the layer store and the pull client, and EIO (with the reason in its log) from dsec-lazyfs."""
     tree = tmp_path / "t"
     tree.mkdir()
     (tree / "f").write_bytes(os.urandom(200_000))
@@ -170,6 +173,10 @@ async def test_wrong_ca_is_refused(treg: TLSRegistry, tmp_path: Path) -> None:
             await system.get_ref("tlsca", "1")
     finally:
         await system.close()
+    settings = RegistrySettings(ca_file=treg.other_ca)  # what `dsec image pull` uses
+    async with RegistryClient(settings) as pull:
+        with pytest.raises(RegistryError, match="TLS certificate is not trusted"):
+            await pull.image(Reference.parse(f"{treg.host}/{REPO}:any"))
     index = DirStore(tmp_path / "t-store").get_index(info.digest)
     assert index is not None
     await asyncio.to_thread(read_through_daemon, treg, tmp_path / "lazy", info.digest, index)
