@@ -17,6 +17,7 @@ APT_PACKAGES=(
   btrfs-progs     # mkfs.btrfs: sandboxes' writable disk, one quota group per sandbox
   procps psmisc   # ps, fuser: leak checks in tests
   gcc libc6-dev   # the static in-sandbox agent is compiled on the host
+  libssl-dev      # dsec-lazyfs links OpenSSL: lazy loading from https:// layer stores
   libseccomp-dev  # the FnCall zygote compiles the platform's seccomp policy to BPF once
   postgresql      # cluster mode's control database (the tests start a real server)
   qemu-system-x86 # the microVM backend's VMM (TCG here, KVM where it boots a guest)

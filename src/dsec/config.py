@@ -159,6 +159,15 @@ class PlatformConfig:
             else None
         )
     )
+    # PEM CA bundle that HTTPS registries are verified against instead of the system
+    # CA store: image pulls, the oci:// layer store and its lazy loader alike.
+    registry_ca_file: Path | None = field(
+        default_factory=lambda: (
+            Path(os.environ["DSEC_REGISTRY_CA_FILE"])
+            if os.environ.get("DSEC_REGISTRY_CA_FILE")
+            else None
+        )
+    )
     insecure_registries: list[str] = field(
         default_factory=lambda: [
             h.strip()

@@ -33,8 +33,17 @@ def source_digest(source: Path) -> str:
     return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
-def binary(source: Path, *, name: str, subdir: str, cflags: list[str], what: str) -> Path:
-    """Path of ``source`` compiled with ``cflags``, compiling it if needed."""
+def binary(
+    source: Path,
+    *,
+    name: str,
+    subdir: str,
+    cflags: list[str],
+    what: str,
+    libs: tuple[str, ...] = (),
+) -> Path:
+    """Path of ``source`` compiled with ``cflags`` (and linked with ``libs``, which go
+    after the source so the linker keeps them), compiling it if needed."""
     target = cache_dir() / subdir / f"{name}-{source_digest(source)}"
     if target.is_file():
         return target
@@ -43,18 +52,20 @@ def binary(source: Path, *, name: str, subdir: str, cflags: list[str], what: str
         with open(target.parent / ".lock", "a+b") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             if not target.is_file():  # another process may have built it meanwhile
-                _compile(source, target, cflags, what)
+                _compile(source, target, cflags, what, libs)
     return target
 
 
-def _compile(source: Path, target: Path, cflags: list[str], what: str) -> None:
+def _compile(
+    source: Path, target: Path, cflags: list[str], what: str, libs: tuple[str, ...] = ()
+) -> None:
     gcc = shutil.which("gcc")
     if gcc is None:
         raise BackendError(f"cannot build {what}: gcc is not installed (apt-get install gcc)")
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         proc = subprocess.run(
-            [gcc, *cflags, "-o", str(tmp), str(source)],
+            [gcc, *cflags, "-o", str(tmp), str(source), *libs],
             capture_output=True,
             text=True,
             check=False,

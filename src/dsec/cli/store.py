@@ -1,4 +1,4 @@
-"""`dsec store serve`: the HTTP layer store other hosts' edges fetch layers from."""
+"""`dsec store serve`: the HTTP(S) layer store other hosts' edges fetch layers from."""
 
 from __future__ import annotations
 
@@ -31,12 +31,21 @@ def serve(
         str | None,
         typer.Option("--read-token", envvar="DSEC_STORE_READ_TOKEN", help="read-only token"),
     ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option("--tls-cert", help="serve HTTPS with this PEM certificate (chain)"),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", help="the PEM private key of --tls-cert")
+    ] = None,
 ) -> None:
     """Serve content-addressed blobs (range requests), chunk indexes and layer refs."""
     from dsec.images.remote.dirstore import DirStore
     from dsec.images.remote.server import Access
     from dsec.images.remote.server import serve as serve_store
 
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert")
     if token is None:
         token = "dst_" + secrets.token_urlsafe(24)
         out.print(f"store token: {token}", markup=False)
@@ -49,6 +58,7 @@ def serve(
         out.print(f"layer store {url} serving {store.root} (pid {os.getpid()})", markup=False)
 
     try:
-        serve_store(store, tokens, host=host, port=port, ready=ready)
+        tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
+        serve_store(store, tokens, host=host, port=port, ready=ready, tls=tls)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -93,6 +93,14 @@ def up(
             "--registry-auth-file", help="registry credentials, Docker config.json format"
         ),
     ] = None,
+    registry_ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--registry-ca-file",
+            help="PEM CA bundle to verify HTTPS registries and layer stores with "
+            "(default: the system CA store)",
+        ),
+    ] = None,
     registry_mirror: Annotated[
         list[str] | None,
         typer.Option(
@@ -152,6 +160,8 @@ def up(
         config.insecure_registries = [*config.insecure_registries, *insecure_registry]
     if registry_auth_file is not None:
         config.registry_auth_file = registry_auth_file
+    if registry_ca_file is not None:
+        config.registry_ca_file = registry_ca_file
     for mirror in registry_mirror or []:
         try:
             for reg, urls in parse_mirrors(mirror).items():

@@ -41,6 +41,7 @@ from dsec.images.extract import default_config, unpack_archive
 from dsec.images.hostlayers import HostLayers
 from dsec.images.layer_registry import LayerRegistry
 from dsec.images.lazy.daemon import LazyDaemon
+from dsec.images.lazy.renew import keep_fresh
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci.auth import Credentials
 from dsec.images.oci.client import RegistrySettings
@@ -144,6 +145,7 @@ class Images:
         self._held: dict[str, int] = {}  # digests a pull in flight will reference
         self.puller = Puller(self, registries or RegistrySettings())
         self._pull_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._renewer: asyncio.Task[None] | None = None  # the lazy loader's token
 
     # -- lifecycle --
 
@@ -160,11 +162,18 @@ class Images:
                 self.lazy.authorization = await self.remote.lazy_authorization()
             # Before adopting mounts: lazy layers are adopted only if their daemon is.
             await asyncio.to_thread(self.lazy.start)
+            if self.remote is not None:
+                self._renewer = asyncio.create_task(keep_fresh(self.remote, self.lazy))
         await asyncio.to_thread(self.mounts.adopt_existing)
 
     async def close(self) -> None:
         """Unmount layers no sandbox uses; used ones stay for the next run to adopt
         (and so does the lazy daemon while any lazily loaded layer is mounted)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
         await asyncio.to_thread(self.mounts.close)
         if self.lazy is not None and not any(self.host.is_lazy(d) for d in self.mounts.mounted()):
             try:

@@ -260,7 +260,9 @@ class LayerMounts:
             if exc.errno == errno.EIO:
                 raise CorruptBlob(
                     f"cannot mount layer {blob.name}: reading it failed (a chunk that does not "
-                    "match its digest, or the layer store is unreachable); it is not mounted",
+                    "match its digest, or the layer store is unreachable, refuses the "
+                    "credentials or has an untrusted TLS certificate: images/lazy/daemon.log "
+                    "says which); it is not mounted",
                     digest=f"sha256:{blob.name}",
                 ) from exc
             raise BackendError(

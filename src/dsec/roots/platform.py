@@ -98,18 +98,21 @@ def layer_store_options(config: PlatformConfig) -> dict[str, Any]:
     from dsec.images.lazy.daemon import LazyDaemon
     from dsec.images.remote.client import open_remote
 
-    remote = open_remote(config.layer_store, config.layer_store_token)
+    remote = open_remote(
+        config.layer_store, config.layer_store_token, ca_file=config.registry_ca_file
+    )
     return {
         "remote": remote,
-        # dsec-lazyfs speaks plain HTTP or reads a path: over TLS layers load eagerly.
+        # dsec-lazyfs reads a path or speaks HTTP(S) (verified with the same CA setting).
         "lazy": LazyDaemon(
             config.images_dir / "lazy",
             remote.location.rstrip("/"),
             config.layer_store_token,
             timeout=config.lazy_fetch_timeout,
             blob_prefix=remote.lazy_blob_prefix,
+            ca_file=config.registry_ca_file,
         )
-        if remote.location.startswith(("http://", "/"))
+        if remote.location.startswith(("http://", "https://", "/"))
         else None,
         "cache_bytes": config.layer_cache_bytes,
     }
@@ -119,6 +122,7 @@ def registry_settings(config: PlatformConfig) -> RegistrySettings:
     """How this host pulls from OCI registries (dsec image pull)."""
     return RegistrySettings(
         auth_file=config.registry_auth_file,
+        ca_file=config.registry_ca_file,
         insecure=frozenset(config.insecure_registries),
         mirrors=dict(config.registry_mirrors),
     )

@@ -48,18 +48,23 @@ class LazyDaemon:
         readahead: int = 128 * 1024,
         nice: int = NICE,
         blob_prefix: str = "/v1/blobs/",
+        ca_file: Path | None = None,
     ) -> None:
         self.root = Path(os.path.abspath(root))
         self.mount_dir = self.root / "fuse"
         self.cache_dir = self.root / "cache"
         self.state_file = self.root / "daemon.json"
         self.log_path = self.root / "daemon.log"
+        # The Authorization header the daemon sends, in the 0700 root-only lazy dir
+        # (never under a sandbox's reach); re-read by the daemon on a 401.
+        self.auth_file = self.root / "store-auth"
         self.source = source
         self.token = token
         # The whole Authorization header value; set from the store before start
         # (RemoteStore.lazy_authorization). A bare token is a bearer token.
         self.authorization: str | None = f"Bearer {token}" if token else None
         self.blob_prefix = blob_prefix
+        self.ca_file = ca_file  # https:// stores: trust only these CAs (else the system's)
         self.threads = threads
         self.timeout = timeout
         self.readahead = readahead
@@ -79,11 +84,26 @@ class LazyDaemon:
         pid = self._adoptable()
         if pid is not None:
             self.pid = pid
+            if self.authorization:  # an earlier run's token may be stale: the daemon
+                self.set_authorization(self.authorization)  # re-reads it on a 401
             log.info("adopted dsec-lazyfs (pid %d) serving %s", pid, self.mount_dir)
             return True
         self.cleanup_stale()
         self._spawn()
         return False
+
+    def set_authorization(self, value: str) -> None:
+        """Hand the daemon a new Authorization header (a renewed token): written next
+        to the file and renamed over it, so the daemon never reads half of one."""
+        self.authorization = value
+        tmp = self.auth_file.with_name(f".{self.auth_file.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.auth_file)
 
     def alive(self) -> bool:
         return self.pid is not None and _running(self.pid) and self.mounted()
@@ -184,11 +204,10 @@ class LazyDaemon:
         if self.source.startswith("http") and self.blob_prefix != "/v1/blobs/":
             args += ["--blob-prefix", self.blob_prefix]
         if self.authorization:
-            auth_file = self.root / "store-auth"
-            fd = os.open(auth_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.authorization)
-            args += ["--auth-file", str(auth_file)]
+            self.set_authorization(self.authorization)
+            args += ["--auth-file", str(self.auth_file)]
+        if self.source.startswith("https://") and self.ca_file is not None:
+            args += ["--ca-file", str(self.ca_file)]
         rfd, wfd = os.pipe2(os.O_CLOEXEC)
         logfd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:

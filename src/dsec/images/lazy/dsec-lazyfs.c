@@ -6,7 +6,7 @@
  * cache shared by every sandbox on the host); this daemon only answers "give me bytes
  * [off, off+len) of blob <hex>". A byte range is served from the host chunk cache
  * (<cache>/<hex>/data, a sparse file) when its chunks are there; missing chunks are
- * fetched from the layer store (an HTTP blob server or a shared file system path),
+ * fetched from the layer store (an HTTP(S) blob server or a shared file system path),
  * checked against the per-chunk SHA-256 digests of the layer's index, written to the
  * cache, and only then served. A chunk that fails verification is never served (EIO).
  * Concurrent first reads of one chunk fetch it once: the first reader claims it, the
@@ -25,8 +25,17 @@
  * <mount>/.stats is a text file of counters.
  *
  * usage: dsec-lazyfs --mount DIR --cache DIR --store URL|PATH [--token-file F]
- *                    [--threads N] [--timeout SECONDS] [--readahead BYTES]
- *                    [--ready-fd FD] [--direct-io] [--nice N]
+ *                    [--auth-file F] [--ca-file PEM] [--threads N] [--timeout SECONDS]
+ *                    [--readahead BYTES] [--ready-fd FD] [--direct-io] [--nice N]
+ *
+ * An https:// store is spoken with OpenSSL: the server's certificate chain is verified
+ * against the system CA store (or only the bundle --ca-file names) and must name the
+ * store's host (DNS name or IP address); there is no way to turn that off (a plain-HTTP
+ * store has to be named http://). Each worker keeps one TLS connection alive.
+ *
+ * --auth-file holds the Authorization header value. Registry bearer tokens expire: the
+ * platform rewrites the file (atomically, by rename) with a fresh one before that, and
+ * a request answered 401 makes the worker re-read the file and try once more.
  *
  * --nice: the workers' scheduling priority. A cold read is a chain of wake-ups (reader,
  * this daemon, the store); on a busy host each one can wait a time slice, so the
@@ -42,6 +51,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -90,7 +102,13 @@ enum { ABSENT = 0, ONDISK = 1, BUSY = 2, READY = 3, READY_SPEC = 4 };
 /* ---------------------------------------------------------------- settings, stats */
 
 static const char *g_mount, *g_cache, *g_store;
-static char g_auth[4096]; /* the Authorization header value, "" for none */
+static char g_auth[4096]; /* the Authorization header value, "" for none (under g_auth_mu) */
+static pthread_mutex_t g_auth_mu = PTHREAD_MUTEX_INITIALIZER;
+static const char *g_cred_file; /* --auth-file or --token-file, re-read on a 401 */
+static int g_cred_bearer;       /* --token-file: the file holds a bare bearer token */
+static const char *g_ca_file;   /* --ca-file: trust only this bundle (https stores) */
+static SSL_CTX *g_ssl_ctx;      /* https:// stores */
+static int g_tls, g_host_is_ip;
 static const char *g_blob_prefix = "/v1/blobs/"; /* <prefix><blob_prefix>sha256:<hex> */
 static int g_threads = 16, g_timeout = 10, g_direct_io = 0, g_ready_fd = -1, g_nice = 0;
 static unsigned g_readahead = 128 * 1024;
@@ -101,7 +119,7 @@ static atomic_int g_stop;
 
 static atomic_ullong st_read_reqs, st_read_bytes, st_fetch_reqs, st_fetch_bytes, st_fetch_errors,
     st_chunks_fetched, st_chunks_verified_disk, st_verify_failures, st_waits, st_cache_write_bytes,
-    st_ra_chunks, st_ra_used;
+    st_ra_chunks, st_ra_used, st_auth_reloads;
 
 static void logmsg(const char *fmt, ...) {
     char buf[1024];
@@ -369,6 +387,7 @@ static int layer_load(struct layer *l) {
 
 struct worker {
     int sock; /* keep-alive connection to the HTTP store, -1 if none */
+    SSL *ssl; /* its TLS session (https:// stores), else NULL */
     unsigned char *buf;
     size_t cap;
     char hdr[8192];
@@ -382,7 +401,7 @@ static void set_timeouts(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-static int http_connect(void) {
+static int tcp_connect(void) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res, *ai;
     if (getaddrinfo(g_host, g_port, &hints, &res) != 0) return -1;
     int fd = -1;
@@ -410,34 +429,132 @@ static int http_connect(void) {
     return fd;
 }
 
-static int write_all(int fd, const void *p, size_t n) {
+static void conn_close(struct worker *w) {
+    if (w->ssl) SSL_free(w->ssl); /* no close_notify: the peer copes with a plain close */
+    w->ssl = NULL;
+    if (w->sock >= 0) close(w->sock);
+    w->sock = -1;
+}
+
+/* A TCP connection, and over https:// a verified TLS session on it. 0 or -1 (logged). */
+static int conn_open(struct worker *w) {
+    w->sock = tcp_connect();
+    if (w->sock < 0) {
+        logmsg("dsec-lazyfs: cannot connect to the layer store %s:%s: %s", g_host, g_port,
+               strerror(errno));
+        return -1;
+    }
+    if (!g_tls) return 0;
+    w->ssl = SSL_new(g_ssl_ctx);
+    if (!w->ssl || SSL_set_fd(w->ssl, w->sock) != 1) goto fail;
+    /* The certificate must name the host we dialled: an IP address is matched against
+     * the IP SANs, a name against the DNS names (and sent as SNI). */
+    if (g_host_is_ip) {
+        if (X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(w->ssl), g_host) != 1) goto fail;
+    } else if (SSL_set_tlsext_host_name(w->ssl, g_host) != 1 || SSL_set1_host(w->ssl, g_host) != 1) {
+        goto fail;
+    }
+    if (SSL_connect(w->ssl) != 1) {
+        long v = SSL_get_verify_result(w->ssl);
+        unsigned long e = ERR_peek_last_error();
+        if (v != X509_V_OK)
+            logmsg("dsec-lazyfs: TLS handshake with the layer store %s:%s failed: its certificate "
+                   "is not trusted (%s; CAs: %s)", g_host, g_port, X509_verify_cert_error_string(v),
+                   g_ca_file ? g_ca_file : "the system store");
+        else
+            logmsg("dsec-lazyfs: TLS handshake with the layer store %s:%s failed: %s", g_host,
+                   g_port, e ? ERR_reason_error_string(e) : "connection closed");
+        ERR_clear_error();
+        conn_close(w);
+        return -1;
+    }
+    return 0;
+fail:
+    logmsg("dsec-lazyfs: cannot set up TLS for %s:%s", g_host, g_port);
+    ERR_clear_error();
+    conn_close(w);
+    return -1;
+}
+
+static int conn_write_all(struct worker *w, const void *p, size_t n) {
     const char *c = p;
     while (n) {
-        ssize_t w = send(fd, c, n, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return -1;
-        c += w;
-        n -= (size_t)w;
+        ssize_t wr;
+        if (w->ssl) {
+            int r = SSL_write(w->ssl, c, n > INT32_MAX ? INT32_MAX : (int)n);
+            wr = r > 0 ? r : -1;
+            if (r <= 0) ERR_clear_error();
+        } else {
+            wr = send(w->sock, c, n, MSG_NOSIGNAL);
+            if (wr < 0 && errno == EINTR) continue;
+        }
+        if (wr <= 0) return -1;
+        c += wr;
+        n -= (size_t)wr;
     }
     return 0;
 }
 
-/* One GET with a Range header on the worker's keep-alive connection. Returns 0 with
- * exactly len bytes in out, or -1 (message logged once per failure). */
-static int http_range(struct worker *w, const char *hex, uint64_t off, size_t len,
-                      unsigned char *out, int *retryable) {
-    *retryable = 0;
-    if (w->sock < 0) {
-        w->sock = http_connect();
-        if (w->sock < 0) {
-            logmsg("dsec-lazyfs: cannot connect to the layer store %s:%s: %s", g_host, g_port,
-                   strerror(errno));
+/* recv(2) or SSL_read: > 0 bytes, 0 at end of stream, -1 on error (EINTR retried). */
+static ssize_t conn_read(struct worker *w, void *p, size_t n) {
+    for (;;) {
+        if (w->ssl) {
+            int r = SSL_read(w->ssl, p, n > INT32_MAX ? INT32_MAX : (int)n);
+            if (r > 0) return r;
+            int e = SSL_get_error(w->ssl, r);
+            ERR_clear_error();
+            if (e == SSL_ERROR_ZERO_RETURN) return 0;
+            if (e == SSL_ERROR_SYSCALL && errno == EINTR) continue;
             return -1;
         }
+        ssize_t r = recv(w->sock, p, n, 0);
+        if (r < 0 && errno == EINTR) continue;
+        return r;
+    }
+}
+
+/* (Re)load the Authorization header from the credentials file: at start, and when the
+ * store answers 401 (the platform renews an expiring token by replacing the file).
+ * 0, or -1 with g_auth unchanged. */
+static int load_auth(int quiet) {
+    char buf[sizeof g_auth];
+    size_t off = g_cred_bearer ? (size_t)snprintf(buf, sizeof buf, "Bearer ") : 0;
+    int fd = open(g_cred_file, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, buf + off, sizeof buf - 1 - off) : -1;
+    if (fd >= 0) close(fd);
+    if (n < 0) {
+        if (!quiet) logmsg("dsec-lazyfs: cannot read %s: %s", g_cred_file, strerror(errno));
+        return -1;
+    }
+    if ((size_t)n >= sizeof buf - 1 - off) {
+        if (!quiet)
+            logmsg("dsec-lazyfs: %s is too long (at most %zu bytes)", g_cred_file,
+                   sizeof buf - 2 - off);
+        return -1;
+    }
+    buf[off + (size_t)n] = 0;
+    buf[strcspn(buf, "\r\n")] = 0;
+    if (buf[off] == 0) buf[0] = 0;
+    pthread_mutex_lock(&g_auth_mu);
+    memcpy(g_auth, buf, sizeof g_auth);
+    pthread_mutex_unlock(&g_auth_mu);
+    return 0;
+}
+
+/* One GET with a Range header on the worker's keep-alive connection. Returns 0 with
+ * exactly len bytes in out, or -1 (message logged once per failure; *status is the
+ * HTTP status when the store answered one, else 0). */
+static int http_range(struct worker *w, const char *hex, uint64_t off, size_t len,
+                      unsigned char *out, int *retryable, int *status_out) {
+    *retryable = 0;
+    *status_out = 0;
+    if (w->sock < 0) {
+        if (conn_open(w) != 0) return -1;
     } else {
         *retryable = 1; /* a reused connection may have been closed by the server */
     }
     char req[6144];
+    pthread_mutex_lock(&g_auth_mu);
     int n = snprintf(req, sizeof req,
                      "GET %s%ssha256:%s HTTP/1.1\r\nHost: %s:%s\r\n"
                      "Range: bytes=%llu-%llu\r\n%s%s%s"
@@ -445,17 +562,18 @@ static int http_range(struct worker *w, const char *hex, uint64_t off, size_t le
                      g_prefix, g_blob_prefix, hex, g_host, g_port, (unsigned long long)off,
                      (unsigned long long)(off + len - 1), g_auth[0] ? "Authorization: " : "",
                      g_auth, g_auth[0] ? "\r\n" : "");
+    pthread_mutex_unlock(&g_auth_mu);
     if (n < 0 || (size_t)n >= sizeof req) {
         logmsg("dsec-lazyfs: request for %s does not fit (auth header too long?)", hex);
         return -1;
     }
-    if (write_all(w->sock, req, (size_t)n) != 0) goto broken;
+    errno = 0;
+    if (conn_write_all(w, req, (size_t)n) != 0) goto broken;
     size_t have = 0;
     char *end = NULL;
     while (!end) {
         if (have == sizeof w->hdr - 1) goto broken;
-        ssize_t r = recv(w->sock, w->hdr + have, sizeof w->hdr - 1 - have, 0);
-        if (r < 0 && errno == EINTR) continue;
+        ssize_t r = conn_read(w, w->hdr + have, sizeof w->hdr - 1 - have);
         if (r <= 0) goto broken;
         have += (size_t)r;
         w->hdr[have] = 0;
@@ -490,15 +608,16 @@ static int http_range(struct worker *w, const char *hex, uint64_t off, size_t le
             got += take;
             continue;
         }
-        ssize_t r = recv(w->sock, dst, want, 0);
-        if (r < 0 && errno == EINTR) continue;
+        ssize_t r = conn_read(w, dst, want);
         if (r <= 0) goto broken;
         got += (size_t)r;
     }
-    if (close_after) { close(w->sock); w->sock = -1; }
+    if (close_after) conn_close(w);
+    *status_out = status;
     if (!ok) {
-        logmsg("dsec-lazyfs: layer store answered HTTP %d (%lld bytes) for %s range %llu+%zu",
-               status, clen, hex, (unsigned long long)off, len);
+        if (status != 401) /* the caller re-reads the credentials and says so */
+            logmsg("dsec-lazyfs: layer store answered HTTP %d (%lld bytes) for %s range %llu+%zu",
+                   status, clen, hex, (unsigned long long)off, len);
         return -1;
     }
     return 0;
@@ -506,8 +625,7 @@ broken:
     if (!*retryable)
         logmsg("dsec-lazyfs: layer store connection failed for %s: %s", hex,
                errno ? strerror(errno) : "malformed response");
-    if (w->sock >= 0) close(w->sock);
-    w->sock = -1;
+    conn_close(w);
     return -1;
 }
 
@@ -515,9 +633,18 @@ static int fetch(struct worker *w, struct layer *l, uint64_t off, size_t len, un
     atomic_fetch_add(&st_fetch_reqs, 1);
     int rc;
     if (g_http) {
-        int retryable;
-        rc = http_range(w, l->hex, off, len, out, &retryable);
-        if (rc && retryable) rc = http_range(w, l->hex, off, len, out, &retryable);
+        int retryable, status;
+        rc = http_range(w, l->hex, off, len, out, &retryable, &status);
+        if (rc && retryable) rc = http_range(w, l->hex, off, len, out, &retryable, &status);
+        if (rc && status == 401) {
+            /* An expired token: the platform has renewed the file meanwhile. */
+            atomic_fetch_add(&st_auth_reloads, 1);
+            if (g_cred_file && load_auth(0) == 0)
+                rc = http_range(w, l->hex, off, len, out, &retryable, &status);
+            if (rc && status == 401)
+                logmsg("dsec-lazyfs: the layer store refused the credentials (HTTP 401) for %s",
+                       l->hex);
+        }
     } else {
         ssize_t n = l->src_fd >= 0 ? pread(l->src_fd, out, len, (off_t)off) : -1;
         rc = n == (ssize_t)len ? 0 : -1;
@@ -722,14 +849,14 @@ static int stats_text(char *buf, size_t cap) {
                      "read_requests %llu\nread_bytes %llu\nfetch_requests %llu\nfetch_bytes %llu\n"
                      "fetch_errors %llu\nchunks_fetched %llu\nchunks_verified_from_cache %llu\n"
                      "verify_failures %llu\nwaits %llu\ncache_write_bytes %llu\n"
-                     "readahead_chunks %llu\nreadahead_chunks_used %llu\n",
+                     "readahead_chunks %llu\nreadahead_chunks_used %llu\nauth_reloads %llu\n",
                      (unsigned long long)st_read_reqs, (unsigned long long)st_read_bytes,
                      (unsigned long long)st_fetch_reqs, (unsigned long long)st_fetch_bytes,
                      (unsigned long long)st_fetch_errors, (unsigned long long)st_chunks_fetched,
                      (unsigned long long)st_chunks_verified_disk,
                      (unsigned long long)st_verify_failures, (unsigned long long)st_waits,
                      (unsigned long long)st_cache_write_bytes, (unsigned long long)st_ra_chunks,
-                     (unsigned long long)st_ra_used);
+                     (unsigned long long)st_ra_used, (unsigned long long)st_auth_reloads);
     pthread_mutex_lock(&g_layers_mu);
     for (size_t i = 0; i < g_nlayers && n < (int)cap - 100; i++)
         n += snprintf(buf + n, cap - (size_t)n, "layer %s fetched %llu opens %d\n", g_layers[i]->hex,
@@ -918,7 +1045,7 @@ static void *worker_main(void *arg) {
         default: reply(in->unique, -ENOSYS, NULL, 0); break;
         }
     }
-    if (w.sock >= 0) close(w.sock);
+    conn_close(&w);
     free(w.buf);
     free(buf);
     return NULL;
@@ -927,9 +1054,11 @@ static void *worker_main(void *arg) {
 /* ---------------------------------------------------------------- setup */
 
 static int parse_store(void) {
-    if (strncmp(g_store, "http://", 7) == 0) {
+    const char *p = NULL, *defport = "80";
+    if (strncmp(g_store, "http://", 7) == 0) p = g_store + 7;
+    else if (strncmp(g_store, "https://", 8) == 0) { p = g_store + 8; defport = "443"; g_tls = 1; }
+    if (p) {
         g_http = 1;
-        const char *p = g_store + 7;
         const char *slash = strchr(p, '/');
         size_t hostlen = slash ? (size_t)(slash - p) : strlen(p);
         char hostport[300];
@@ -945,19 +1074,40 @@ static int parse_store(void) {
             if (!close_) return -1;
             *close_ = 0;
             snprintf(g_host, sizeof g_host, "%s", hostport + 1);
-            snprintf(g_port, sizeof g_port, "%s", close_[1] == ':' ? close_ + 2 : "80");
+            snprintf(g_port, sizeof g_port, "%s", close_[1] == ':' ? close_ + 2 : defport);
         } else if (colon) {
             *colon = 0;
             snprintf(g_host, sizeof g_host, "%s", hostport);
             snprintf(g_port, sizeof g_port, "%s", colon + 1);
         } else {
             snprintf(g_host, sizeof g_host, "%s", hostport);
-            snprintf(g_port, sizeof g_port, "80");
+            snprintf(g_port, sizeof g_port, "%s", defport);
         }
+        unsigned char addr[16];
+        g_host_is_ip = inet_pton(AF_INET, g_host, addr) == 1 || inet_pton(AF_INET6, g_host, addr) == 1;
         return 0;
     }
     if (g_store[0] == '/') return 0;
     return -1;
+}
+
+/* The TLS client context of an https:// store: TLS >= 1.2, the peer verified against
+ * the system CA store or only --ca-file. 0, or -1 with the reason on stderr. */
+static int tls_setup(void) {
+    g_ssl_ctx = SSL_CTX_new(TLS_client_method());
+    if (!g_ssl_ctx) return -1;
+    SSL_CTX_set_min_proto_version(g_ssl_ctx, TLS1_2_VERSION);
+    SSL_CTX_set_verify(g_ssl_ctx, SSL_VERIFY_PEER, NULL);
+    SSL_CTX_set_mode(g_ssl_ctx, SSL_MODE_AUTO_RETRY);
+    int ok = g_ca_file ? SSL_CTX_load_verify_locations(g_ssl_ctx, g_ca_file, NULL)
+                       : SSL_CTX_set_default_verify_paths(g_ssl_ctx);
+    if (ok != 1) {
+        unsigned long e = ERR_get_error();
+        fprintf(stderr, "dsec-lazyfs: cannot load the CA certificates %s: %s\n",
+                g_ca_file ? g_ca_file : "(system store)", e ? ERR_reason_error_string(e) : "?");
+        return -1;
+    }
+    return 0;
 }
 
 static void on_term(int sig) {
@@ -968,7 +1118,7 @@ static void on_term(int sig) {
 
 static int usage(void) {
     fprintf(stderr, "usage: dsec-lazyfs --mount DIR --cache DIR --store URL|PATH [--token-file F]"
-                    " [--auth-file F] [--blob-prefix /v1/blobs/]"
+                    " [--auth-file F] [--ca-file PEM] [--blob-prefix /v1/blobs/]"
                     " [--threads N] [--timeout S] [--readahead BYTES] [--ready-fd FD] [--direct-io]"
                     " [--nice N]\n");
     return 2;
@@ -987,6 +1137,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--token-file") == 0) token_file = v;
         else if (strcmp(a, "--auth-file") == 0) auth_file = v;
         else if (strcmp(a, "--blob-prefix") == 0) g_blob_prefix = v;
+        else if (strcmp(a, "--ca-file") == 0) g_ca_file = v;
         else if (strcmp(a, "--threads") == 0) g_threads = atoi(v);
         else if (strcmp(a, "--timeout") == 0) g_timeout = atoi(v);
         else if (strcmp(a, "--readahead") == 0) g_readahead = (unsigned)atoi(v);
@@ -998,27 +1149,17 @@ int main(int argc, char **argv) {
     if (!g_mount || !g_cache || !g_store || g_threads < 1 || g_threads > 256 || g_timeout < 1)
         return usage();
     if (parse_store() != 0) {
-        fprintf(stderr, "dsec-lazyfs: --store must be http://host:port[/prefix] or an absolute path\n");
+        fprintf(stderr, "dsec-lazyfs: --store must be http(s)://host:port[/prefix] or an absolute path\n");
         return 2;
     }
+    if (g_tls && tls_setup() != 0) return 2;
     /* --token-file: a bearer token (dsec store serve); --auth-file: the whole header
      * value (an OCI registry's "Basic ..." or "Bearer ..."). */
-    const char *cred_file = auth_file ? auth_file : token_file;
-    if (cred_file) {
-        size_t off = 0;
-        if (!auth_file) off = (size_t)snprintf(g_auth, sizeof g_auth, "Bearer ");
-        int fd = open(cred_file, O_RDONLY | O_CLOEXEC);
-        ssize_t n = fd >= 0 ? read(fd, g_auth + off, sizeof g_auth - 1 - off) : -1;
-        if (fd >= 0) close(fd);
-        if (n < 0) { fprintf(stderr, "dsec-lazyfs: cannot read %s\n", cred_file); return 2; }
-        if ((size_t)n >= sizeof g_auth - 1 - off) {
-            fprintf(stderr, "dsec-lazyfs: %s is too long (at most %zu bytes)\n", cred_file,
-                    sizeof g_auth - 2 - off);
-            return 2;
-        }
-        g_auth[off + (size_t)n] = 0;
-        g_auth[strcspn(g_auth, "\r\n")] = 0;
-        if (off + (size_t)n == 0 || g_auth[off] == 0) g_auth[0] = 0;
+    g_cred_file = auth_file ? auth_file : token_file;
+    g_cred_bearer = !auth_file;
+    if (g_cred_file && load_auth(1) != 0) {
+        fprintf(stderr, "dsec-lazyfs: cannot read %s (or it is too long)\n", g_cred_file);
+        return 2;
     }
     if (g_blob_prefix[0] != '/' || strlen(g_blob_prefix) > 256 || strpbrk(g_blob_prefix, " \r\n"))
         return usage();

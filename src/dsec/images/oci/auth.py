@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from dsec.errors import InvalidArgument, RegistryError
+from dsec.images.tls import describe_failure
 
 # key="value" or key=token pairs of a challenge (RFC 7235 auth-params).
 _PARAM_RE = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
@@ -112,7 +113,8 @@ class Authorizer:
     def __init__(self, credentials: dict[str, Credentials], hint: str = PULL_HINT) -> None:
         self.credentials = credentials
         self.hint = hint
-        self._headers: dict[tuple[str, str], tuple[str, float]] = {}
+        # (registry, scope) -> (header, reuse it until, the token's own end or None)
+        self._headers: dict[tuple[str, str], tuple[str, float, float | None]] = {}
 
     def header(self, registry: str, scope: str) -> str | None:
         """A cached header for this registry and scope, if still valid."""
@@ -120,6 +122,17 @@ class Authorizer:
         if hit is None or hit[1] < time.monotonic():
             return None
         return hit[0]
+
+    def expires(self, registry: str, scope: str) -> float | None:
+        """When (time.monotonic()) the cached bearer token stops working; None for a
+        basic header (it does not expire) or none cached: what a holder of the header
+        outside this process (the lazy loader) must renew it by."""
+        hit = self._headers.get((registry, scope))
+        return hit[2] if hit is not None else None
+
+    def forget(self, registry: str, scope: str) -> None:
+        """Drop the cached header, so that the next request earns a fresh one."""
+        self._headers.pop((registry, scope), None)
 
     async def send(
         self,
@@ -175,15 +188,21 @@ class Authorizer:
                     f"registry {registry} needs a user name and password: {self.hint}",
                     registry=registry,
                 )
-            value, ttl = creds.basic(), 3600.0
+            value, ttl, ends = creds.basic(), 3600.0, False
         elif scheme == "bearer":
             value, ttl = await self._token(http, registry, scope, params, creds)
+            ends = True
         else:
             raise RegistryError(
                 f"registry {registry} asks for unsupported authentication {scheme!r}",
                 registry=registry,
             )
-        self._headers[(registry, scope)] = (value, time.monotonic() + max(ttl - 10.0, 1.0))
+        now = time.monotonic()
+        self._headers[(registry, scope)] = (
+            value,
+            now + max(ttl - 10.0, 1.0),
+            now + ttl if ends else None,
+        )
         return value
 
     async def _token(
@@ -212,7 +231,8 @@ class Authorizer:
             resp = await http.get(realm, params=query, headers=headers)
         except httpx.HTTPError as exc:
             raise RegistryError(
-                f"token service {realm} of {registry} unreachable: {exc}", registry=registry
+                f"token service {realm} of {registry} unreachable: {describe_failure(exc)}",
+                registry=registry,
             ) from None
         if resp.status_code in (401, 403):
             raise RegistryError(

@@ -32,6 +32,7 @@ from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryErr
 from dsec.images.oci.auth import Authorizer, Credentials, load_docker_config
 from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.oci.reference import DOCKER_HUB, DOCKER_HUB_API, Reference
+from dsec.images.tls import describe_failure, tls_context
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -59,6 +60,7 @@ class RegistrySettings:
     insecure: frozenset[str] = frozenset()  # host:port served over plain HTTP
     mirrors: dict[str, list[str]] = field(default_factory=dict)  # registry -> base URLs
     timeout: float = 60.0
+    ca_file: Path | None = None  # trust only these CAs over HTTPS (dsec.images.tls)
 
     def credentials(self) -> dict[str, Credentials]:
         return load_docker_config(self.auth_file) if self.auth_file is not None else {}
@@ -118,7 +120,9 @@ class RegistryClient:
         creds.update(credentials or {})
         self.auth = Authorizer(creds)
         self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.timeout, connect=10.0), follow_redirects=True
+            timeout=httpx.Timeout(settings.timeout, connect=10.0),
+            follow_redirects=True,
+            verify=tls_context(settings.ca_file),
         )
         self.bytes_fetched = 0
 
@@ -150,7 +154,7 @@ class RegistryClient:
             try:
                 resp = await self._get(ref.registry, scope, base + url_path, accept)
             except httpx.HTTPError as exc:
-                last = f"{base}: {exc.__class__.__name__}: {exc}"
+                last = f"{base}: {exc.__class__.__name__}: {describe_failure(exc)}"
                 if final:
                     raise RegistryError(
                         f"registry {ref.registry} unreachable ({last})", registry=ref.registry

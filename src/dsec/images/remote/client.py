@@ -28,6 +28,7 @@ from dsec.errors import (
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.records import LayerRecord
 from dsec.images.store import normalize_digest
+from dsec.images.tls import describe_failure, tls_context
 
 PIECE = 1 << 20
 FETCH_TIMEOUT = 3600.0
@@ -36,7 +37,7 @@ FETCH_TIMEOUT = 3600.0
 class RemoteStore(Protocol):
     """What the platform asks of a shared layer store."""
 
-    location: str  # an absolute path or http://host:port, for dsec-lazyfs --store
+    location: str  # an absolute path or http(s)://host:port, for dsec-lazyfs --store
     token: str | None
 
     async def blob_size(self, digest: str) -> int | None: ...
@@ -70,16 +71,23 @@ class RemoteStore(Protocol):
         """The Authorization header value dsec-lazyfs sends with its range requests."""
         ...
 
+    def lazy_authorization_expires(self) -> float | None:
+        """When (time.monotonic()) that header stops working; None: it does not expire."""
+        ...
 
-def open_remote(location: str, token: str | None = None) -> RemoteStore:
-    """``http://host:port`` -> HTTPStore, an absolute path -> DirRemote,
-    ``oci://host:port/repo`` (``oci+http://`` for plain HTTP) -> OCIStore."""
+
+def open_remote(
+    location: str, token: str | None = None, *, ca_file: Path | None = None
+) -> RemoteStore:
+    """``http(s)://host:port`` -> HTTPStore, an absolute path -> DirRemote,
+    ``oci://host:port/repo`` (``oci+http://`` for plain HTTP) -> OCIStore. HTTPS is
+    verified against the system CA store or only ``ca_file``."""
     if location.startswith(("oci://", "oci+http://")):
         from dsec.images.remote.ocistore import OCIStore
 
-        return OCIStore(location, token)
+        return OCIStore(location, token, ca_file=ca_file)
     if location.startswith(("http://", "https://")):
-        return HTTPStore(location, token)
+        return HTTPStore(location, token, ca_file=ca_file)
     if location.startswith("/"):
         return DirRemote(DirStore(Path(location)))
     raise ValueError(
@@ -165,16 +173,30 @@ class DirRemote:
     async def lazy_authorization(self) -> str | None:
         return None
 
+    def lazy_authorization_expires(self) -> float | None:
+        return None
+
 
 class HTTPStore:
     """Client of ``dsec store serve``."""
 
-    def __init__(self, url: str, token: str | None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout: float = 30.0,
+        ca_file: Path | None = None,
+    ) -> None:
         self.location = url.rstrip("/")
         self.token = token
+        self._tls = tls_context(ca_file)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
-            base_url=self.location, headers=headers, timeout=httpx.Timeout(timeout, connect=5.0)
+            base_url=self.location,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            verify=self._tls,
         )
 
     async def _request(self, method: str, path: str, **kwargs: object) -> httpx.Response:
@@ -182,7 +204,7 @@ class HTTPStore:
             resp = await self._http.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
             raise PlatformUnavailable(
-                f"layer store {self.location} unreachable: {exc or type(exc).__name__}"
+                f"layer store {self.location} unreachable: {describe_failure(exc)}"
             ) from exc
         return resp
 
@@ -218,8 +240,7 @@ class HTTPStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
             raise PlatformUnavailable(
-                f"layer store {self.location}: fetching {digest} failed: "
-                f"{exc or type(exc).__name__}"
+                f"layer store {self.location}: fetching {digest} failed: {describe_failure(exc)}"
             ) from exc
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -228,7 +249,13 @@ class HTTPStore:
 
     async def _fetch(self, digest: str, dest: Path) -> int:
         url = httpx.URL(self.location)
-        reader, writer = await asyncio.open_connection(url.host, url.port or 80, limit=8 * PIECE)
+        https = url.scheme == "https"
+        reader, writer = await asyncio.open_connection(
+            url.host,
+            url.port or (443 if https else 80),
+            limit=8 * PIECE,
+            ssl=self._tls if https else None,
+        )
         try:
             auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
             writer.write(
@@ -348,6 +375,9 @@ class HTTPStore:
 
     async def lazy_authorization(self) -> str | None:
         return f"Bearer {self.token}" if self.token else None
+
+    def lazy_authorization_expires(self) -> float | None:
+        return None
 
 
 def _hash_write(h: hashlib._Hash, fh: object, data: bytes) -> None:

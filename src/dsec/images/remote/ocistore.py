@@ -51,6 +51,7 @@ from dsec.images.oci.auth import Authorizer, Body, Credentials
 from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.remote.records import LayerRecord, check_name, check_version
 from dsec.images.store import digest_hex, normalize_digest
+from dsec.images.tls import describe_failure, tls_context
 
 PIECE = 4 << 20
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -92,7 +93,14 @@ def index_tag(digest: str) -> str:
 class OCIStore:
     """The layer store interface (dsec.images.remote.client.RemoteStore) on a registry."""
 
-    def __init__(self, location: str, credentials: str | None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        location: str,
+        credentials: str | None,
+        *,
+        timeout: float = 30.0,
+        ca_file: Path | None = None,
+    ) -> None:
         self.base, self.repo = parse_oci_location(location)
         self.url = f"{self.base}/v2/{self.repo}"
         # What dsec-lazyfs is given: the repository's URL; it asks for <url>/blobs/<digest>.
@@ -105,7 +113,9 @@ class OCIStore:
         self.auth = Authorizer(creds, hint=STORE_HINT)
         self._credentials = credentials
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=5.0), follow_redirects=True
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            follow_redirects=True,
+            verify=tls_context(ca_file),
         )
 
     # -- what the lazy loader needs --
@@ -116,14 +126,21 @@ class OCIStore:
 
     async def lazy_authorization(self) -> str | None:
         """The Authorization header dsec-lazyfs sends (None: anonymous). A bearer token
-        from a token service expires (the loader does not renew it): basic auth or an
-        anonymous registry suits lazy loading best."""
+        is fetched fresh on every call: it expires (lazy_authorization_expires), and
+        the platform calls again in time to hand the loader a new one."""
+        if self.auth.expires(self.host, self.scope) is not None:
+            self.auth.forget(self.host, self.scope)  # make the probe earn a new token
         try:
             await self._request("GET", f"{self.base}/v2/")
         except PlatformUnavailable:
             if self._credentials:  # the registry is down now: basic auth is the best guess
                 return Credentials.parse(self._credentials).basic()
         return self.auth.header(self.host, self.scope)
+
+    def lazy_authorization_expires(self) -> float | None:
+        """When (time.monotonic()) the bearer token last earned stops working; None
+        for basic auth or none, which do not expire."""
+        return self.auth.expires(self.host, self.scope)
 
     # -- HTTP with the registry's authentication --
 
@@ -154,7 +171,7 @@ class OCIStore:
             )
         except httpx.HTTPError as exc:
             raise PlatformUnavailable(
-                f"registry {self.base} unreachable: {exc or type(exc).__name__}"
+                f"registry {self.base} unreachable: {describe_failure(exc)}"
             ) from exc
         except RegistryError as exc:
             raise PlatformUnavailable(exc.message) from None
@@ -223,7 +240,9 @@ class OCIStore:
         except httpx.HTTPError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
-            raise PlatformUnavailable(f"registry {self.base}: fetching {digest} failed") from exc
+            raise PlatformUnavailable(
+                f"registry {self.base}: fetching {digest} failed: {describe_failure(exc)}"
+            ) from exc
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -339,8 +340,10 @@ def serve(
     host: str,
     port: int,
     ready: Callable[[str], None] | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn with httptools, on uvloop when installed)."""
+    """Serve until SIGINT/SIGTERM (uvicorn with httptools, on uvloop when installed);
+    over HTTPS with ``tls`` = (certificate chain, key), PEM files."""
     import uvicorn
 
     store.open()
@@ -353,6 +356,8 @@ def serve(
         http="httptools",
         lifespan="off",
         timeout_keep_alive=75,
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
     )
     server = uvicorn.Server(config)
 
@@ -361,7 +366,7 @@ def serve(
             while not server.started and not server.should_exit:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
             if server.started and ready is not None:
-                ready(f"http://{host}:{port}")
+                ready(f"{'https' if tls else 'http'}://{host}:{port}")
 
         task = asyncio.create_task(announce())
         try:
