@@ -183,11 +183,7 @@ def _swap_areas() -> set[tuple[str, int]]:
     """Active swap areas by name and size (``Used`` may move under the host's own),
     other than platforms' own swap files (every `dsec up` on the host, e.g. another
     test's, turns one on and off: dsec.resources.swap)."""
-    return {
-        (s.filename, s.size_bytes)
-        for s in swap.active_swaps()
-        if not swap.area_file(s).endswith("/swap/pause.swap")
-    }
+    return {(s.filename, s.size_bytes) for s in swap.operator_swaps()}
 
 
 @contextlib.contextmanager

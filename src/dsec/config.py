@@ -22,6 +22,11 @@ def client_config_path() -> Path:
     return base / "dsec" / "config.json"
 
 
+# Where a platform keeps its own pause swap under its data dir (dsec.resources.swap
+# tells these areas from the operator's by it).
+PLATFORM_SWAP = ("swap", "pause.swap")
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     url: str
@@ -248,7 +253,7 @@ class PlatformConfig:
     @property
     def managed_swap_file(self) -> Path:
         """The platform-managed swap file (DSEC_SWAP=auto)."""
-        return self.data_dir / "swap" / "pause.swap"
+        return self.data_dir.joinpath(*PLATFORM_SWAP)
 
     @property
     def url(self) -> str:

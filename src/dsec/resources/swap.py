@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec import linux
+from dsec.config import PLATFORM_SWAP
 from dsec.resources.cgroups import CgroupHost
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,18 @@ def loop_backing_file(dev: str) -> str | None:
 def area_file(entry: SwapEntry) -> str:
     """Where an active swap area keeps its pages: its own name, or a loop device's file."""
     return loop_backing_file(entry.filename) or entry.filename
+
+
+def is_platform_swap(entry: SwapEntry) -> bool:
+    """Whether an active area is some platform's own pause swap (``<data dir>/swap/
+    pause.swap``, behind a loop device or not): every ``dsec up`` on the host turns one
+    on and off, so a view of the operator's swap leaves these out."""
+    return area_file(entry).endswith("/" + "/".join(PLATFORM_SWAP))
+
+
+def operator_swaps() -> list[SwapEntry]:
+    """The active swap areas that no platform manages (the host's own)."""
+    return [s for s in active_swaps() if not is_platform_swap(s)]
 
 
 def swap_free_bytes() -> int:
