@@ -1,11 +1,14 @@
 """A real OCI registry for tests: Debian's ``docker-registry`` (the CNCF distribution
-registry) on a loopback port, filled with ``skopeo copy`` from OCI layouts built here.
-The one registry fixture of the image-pull, registry-store and Dockerfile tests.
+registry) on a loopback port, filled with ``skopeo copy`` from OCI layouts built here or
+with layers published as another host's ``dsec layer push`` would. The one registry
+fixture of the image-pull, registry-store, lazy-TLS and Dockerfile tests and benches.
 
-``registry(...)`` starts one (plain HTTP; open, htpasswd basic auth through the
-registry's own setup, or bearer tokens from our TokenServer) and removes it and its
-storage afterwards; ``Layout`` writes an OCI image layout directory from layer trees
-described as {path: bytes | None (whiteout) | "opaque" | "dir"} dicts.
+``registry(...)`` starts one (plain HTTP, or HTTPS with a server certificate from a
+throwaway CA made by ``openssl``; open, htpasswd basic auth through the registry's own
+setup, or bearer tokens from our TokenServer, whose lifetime can be a few seconds so
+expiry and renewal happen inside a test) and removes it and its storage afterwards;
+``Layout`` writes an OCI image layout directory from layer trees described as
+{path: bytes | None (whiteout) | "opaque" | "dir"} dicts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tarfile
 import tempfile
@@ -33,11 +37,15 @@ from pathlib import Path
 import httpx
 import zstandard
 
+from dsec.api.layers import LayerInfo
 from dsec.images.builders import HOST_BUSYBOX, busybox_tree
+from dsec.images.remote.dirstore import DirStore
+from dsec.images.remote.ocistore import OCIStore
+from dsec.images.remote.publish import publish_tree
 from tests.conftest import free_port
 
 # bcrypt for the htpasswd file: the stdlib's crypt (3.11, 3.12; gone in 3.13, where the
-# registry tests skip) rather than a new dependency for one line of a test fixture.
+# htpasswd registries skip) rather than a new dependency for one line of a test fixture.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     try:
@@ -46,6 +54,9 @@ with warnings.catch_warnings():
         crypt = None  # type: ignore[assignment]
 
 REGISTRY = "/usr/bin/docker-registry"
+# distribution accepts a token up to this long after its ``exp`` (clock skew): a
+# token meant to live N seconds is issued with exp = now + N - REGISTRY_LEEWAY.
+REGISTRY_LEEWAY = 60
 
 OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 OCI_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
@@ -54,9 +65,56 @@ OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 FIXED_MTIME = 1_700_000_000
 
 
-def registry_available() -> bool:
-    """docker-registry, skopeo and a bcrypt for htpasswd (install.sh brings the first two)."""
-    return all(shutil.which(x) for x in (REGISTRY, "skopeo", "openssl")) and crypt is not None
+def registry_available(*, push: bool = True, htpasswd: bool = True) -> bool:
+    """docker-registry and openssl (certificates, token signing), plus skopeo when
+    images are ``push``ed and a bcrypt for ``htpasswd`` (install.sh brings the tools)."""
+    tools = [REGISTRY, "openssl"] + (["skopeo"] if push else [])
+    return all(shutil.which(x) for x in tools) and (crypt is not None or not htpasswd)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_ca(root: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed CA: (certificate, key)."""
+    cert, key = root / f"{name}.pem", root / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-days", "1", "-subj", f"/CN={name}", "-keyout", str(key),
+             "-out", str(cert))  # fmt: skip
+    return cert, key
+
+
+def make_server_cert(root: Path, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A server certificate for 127.0.0.1 and localhost signed by ``ca``: (cert, key)."""
+    cert, key, csr, ext = (root / n for n in ("server.pem", "server.key", "server.csr", "ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))  # fmt: skip
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+             "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
+    return cert, key
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """What an HTTPS registry was set up with, for the tests to verify it (or not)."""
+
+    ca: Path  # the CA that signed the registry's certificate
+    other_ca: Path  # a CA that did not
+    cert: Path  # the server certificate (127.0.0.1, localhost) and its key, for
+    key: Path  # other test servers to reuse
+
+    @classmethod
+    def make(cls, root: Path) -> TLSFiles:
+        ca = make_ca(root, "ca")
+        other = make_ca(root, "other-ca")
+        cert, key = make_server_cert(root, ca)
+        return cls(ca[0], other[0], cert, key)
+
+    def context(self) -> ssl.SSLContext:
+        """A client context trusting only ``ca``."""
+        return ssl.create_default_context(cafile=str(self.ca))
 
 
 @dataclass
@@ -66,6 +124,7 @@ class Registry:
     tokens: TokenServer | None = None
     user: str = ""  # the first htpasswd or token user, if any
     password: str = ""
+    tls: TLSFiles | None = None  # served over HTTPS with these
 
     @property
     def port(self) -> int:
@@ -76,9 +135,16 @@ class Registry:
         """``user:password``: skopeo's --dest-creds, the layer store's token."""
         return f"{self.user}:{self.password}"
 
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA a client must trust for this registry (None: plain HTTP)."""
+        return self.tls.ca if self.tls is not None else None
+
     def store_url(self, repo: str) -> str:
-        """This registry as a plain-HTTP layer store (dsec.images.remote.ocistore)."""
-        return f"oci+http://{self.host}/{repo}"
+        """This registry as a layer store (dsec.images.remote.ocistore): ``oci://``
+        over HTTPS, ``oci+http://`` over plain HTTP."""
+        scheme = "oci" if self.tls is not None else "oci+http"
+        return f"{scheme}://{self.host}/{repo}"
 
     def push(self, layout: Path, tag: str, repo: str, *, creds: str | None = None) -> None:
         """skopeo copy --all oci:layout:tag -> docker://host/repo."""
@@ -97,6 +163,26 @@ class Registry:
         assert res.returncode == 0, res.stderr
 
 
+async def publish(
+    reg: Registry, repo: str, tree: Path, name: str, version: str = "1", **kw: object
+) -> LayerInfo:
+    """What another host's ``dsec layer push`` leaves in ``reg``'s layer store ``repo``:
+    ``tree`` published into a staging DirStore beside it, then blob, index and ref
+    pushed (``kw`` goes to publish_tree: kind, config, ...)."""
+    staging = DirStore(tree.parent / f"{tree.name}-store")
+    info = publish_tree(staging, tree, name, version, **kw)  # type: ignore[arg-type]
+    store = OCIStore(reg.store_url(repo), reg.credentials, ca_file=reg.ca_file)
+    try:
+        await store.push_blob(info.digest, staging.blob_path(info.digest))
+        index = staging.get_index(info.digest)
+        assert index is not None
+        await store.push_index(info.digest, index)
+        await store.put_ref(info)
+    finally:
+        await store.close()
+    return info
+
+
 def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -105,25 +191,35 @@ class TokenServer:
     """A Docker token server (the spec's ``GET realm?service=..&scope=..``) for a
     registry's ``auth: token`` setup: checks basic credentials and answers an RS256 JWT
     signed with ``openssl dgst`` by a key whose self-signed certificate the registry
-    trusts (``rootcertbundle``; the certificate travels in the ``x5c`` header)."""
+    trusts (``rootcertbundle``; the certificate travels in the ``x5c`` header).
+
+    A token works for ``lifetime`` seconds and says so in ``expires_in``: its ``exp``
+    is backdated by ``leeway``, the registry's allowance for clock skew, so that a
+    short lifetime really runs out inside a test."""
 
     SERVICE = "dsec-test-registry"
     ISSUER = "dsec-test-issuer"
 
-    def __init__(self, root: Path, users: dict[str, str]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        users: dict[str, str],
+        *,
+        lifetime: int = 300,
+        leeway: int = REGISTRY_LEEWAY,
+    ) -> None:
         self.key = root / "token.key"
         self.cert = root / "token.pem"
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-             str(self.key), "-out", str(self.cert), "-days", "1", "-subj", "/CN=dsec-test"],
-            capture_output=True, check=True, timeout=60,
-        )  # fmt: skip
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key),
+                 "-out", str(self.cert), "-days", "1", "-subj", "/CN=dsec-test")  # fmt: skip
         der = subprocess.run(
             ["openssl", "x509", "-in", str(self.cert), "-outform", "DER"],
             capture_output=True, check=True, timeout=30,
         ).stdout  # fmt: skip
         self.x5c = base64.b64encode(der).decode()
         self.users = users
+        self.lifetime = lifetime
+        self.leeway = leeway
         self.issued = 0
         # None: grant the actions asked; a list: grant only those (a token a client has
         # cached then falls short of a later request, as a narrowed or revoked one would).
@@ -176,9 +272,9 @@ class TokenServer:
             "iss": self.ISSUER,
             "sub": user,
             "aud": self.SERVICE,
-            "exp": now + 300,
-            "nbf": now - 10,
-            "iat": now,
+            "exp": now + self.lifetime - self.leeway,
+            "nbf": now - self.leeway - 10,
+            "iat": now - self.leeway - 10,
             "jti": os.urandom(8).hex(),
             "access": access,
         }
@@ -188,7 +284,9 @@ class TokenServer:
             ["openssl", "dgst", "-sha256", "-sign", str(self.key)],
             input=signing.encode(), capture_output=True, check=True, timeout=30,
         ).stdout  # fmt: skip
-        body = json.dumps({"token": f"{signing}.{_b64url(sig)}", "expires_in": 300}).encode()
+        body = json.dumps(
+            {"token": f"{signing}.{_b64url(sig)}", "expires_in": self.lifetime}
+        ).encode()
         self.issued += 1
         req.send_response(200)
         req.send_header("Content-Type", "application/json")
@@ -198,18 +296,22 @@ class TokenServer:
 
 
 @contextlib.contextmanager
-def _serve(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """docker-registry on ``root/config.yml``, until it answers /v2/ (200 or 401)."""
+def _serve(
+    root: Path, port: int, *, verify: ssl.SSLContext | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """docker-registry on ``root/config.yml``, until it answers /v2/ (200 or 401): over
+    HTTPS checked with ``verify`` when given, else plain HTTP."""
     log = open(root / "registry.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [REGISTRY, "serve", str(root / "config.yml")], stdout=log, stderr=subprocess.STDOUT
     )
     log.close()
+    url = f"{'https' if verify is not None else 'http'}://127.0.0.1:{port}/v2/"
     try:
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1)
+                r = httpx.get(url, timeout=1, verify=verify if verify is not None else True)
                 if r.status_code in (200, 401):
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -229,19 +331,26 @@ def _serve(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
 
 @contextlib.contextmanager
 def registry(
-    *, htpasswd: dict[str, str] | None = None, token_users: dict[str, str] | None = None
+    *,
+    htpasswd: dict[str, str] | None = None,
+    token_users: dict[str, str] | None = None,
+    token_lifetime: int = 300,
+    tls: bool = False,
 ) -> Iterator[Registry]:
     """A registry (deletes enabled, as the layer store's delete_ref needs): open, with
-    htpasswd basic auth for ``htpasswd``, or with bearer tokens from a TokenServer for
-    ``token_users``. Its storage and processes are gone afterwards, also on failure."""
+    htpasswd basic auth for ``htpasswd``, or with bearer tokens living
+    ``token_lifetime`` seconds from a TokenServer for ``token_users``; over HTTPS with
+    a CA and server certificate made here for ``tls``. Its storage and processes are
+    gone afterwards, also on failure."""
     root = Path(tempfile.mkdtemp(prefix="dsec-oci-reg-"))
     port = free_port()
     auth = ""
     tokens: TokenServer | None = None
+    files: TLSFiles | None = None
     users = htpasswd or token_users or {}
     try:
         if token_users is not None:
-            tokens = TokenServer(root, token_users)
+            tokens = TokenServer(root, token_users, lifetime=token_lifetime)
             auth = (
                 f"auth:\n  token:\n    realm: {tokens.realm}\n    service: {tokens.SERVICE}\n"
                 f"    issuer: {tokens.ISSUER}\n    rootcertbundle: {tokens.cert}\n"
@@ -253,16 +362,19 @@ def registry(
             lines = [f"{user}:{crypt.crypt(pw, salt)}" for user, pw in htpasswd.items()]
             (root / "htpasswd").write_text("\n".join(lines) + "\n")
             auth = f"auth:\n  htpasswd:\n    realm: dsec-test\n    path: {root / 'htpasswd'}\n"
+        listen = f"http:\n  addr: 127.0.0.1:{port}\n"
+        if tls:
+            files = TLSFiles.make(root)
+            listen += f"  tls:\n    certificate: {files.cert}\n    key: {files.key}\n"
         (root / "config.yml").write_text(
             "version: 0.1\n"
             "log:\n  level: warn\n"
             f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-            "  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{port}\n" + auth
+            "  delete:\n    enabled: true\n" + listen + auth
         )
         user, password = next(iter(users.items()), ("", ""))
-        with _serve(root, port):
-            yield Registry(f"127.0.0.1:{port}", root, tokens, user, password)
+        with _serve(root, port, verify=files.context() if files is not None else None):
+            yield Registry(f"127.0.0.1:{port}", root, tokens, user, password, files)
     finally:
         if tokens is not None:
             tokens.close()

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import secrets
-import ssl
 import subprocess
 import sys
 import time
@@ -25,7 +24,6 @@ import httpx
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, LayerRef, PlatformUnavailable
-from dsec.api.layers import LayerInfo
 from dsec.errors import RegistryError
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.lazy.daemon import LazyDaemon
@@ -38,13 +36,16 @@ from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from dsec.images.store import digest_hex
 from tests.conftest import PlatformProcess, free_port, platform_process
-from tests.tls_registry import TLSRegistry, registry_available, tls_registry
+from tests.oci_registry import Registry, TLSFiles, publish, registry, registry_available
 
 pytestmark = [
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for FUSE and EROFS"),
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse"),
-    pytest.mark.skipif(not registry_available(), reason="needs docker-registry (install.sh)"),
+    pytest.mark.skipif(
+        not registry_available(push=False, htpasswd=False),
+        reason="needs docker-registry (install.sh)",
+    ),
 ]
 
 REPO = "dsec/tls"
@@ -53,36 +54,28 @@ DATA = 8 << 20
 
 
 @pytest.fixture(scope="module")
-def treg() -> Iterator[TLSRegistry]:
-    with tls_registry(TOKEN_LIFETIME) as r:
+def treg() -> Iterator[Registry]:
+    users = {"dsec": secrets.token_hex(8)}
+    with registry(token_users=users, token_lifetime=TOKEN_LIFETIME, tls=True) as r:
         yield r
 
 
 @pytest.fixture(scope="module")
-def tls_platform(treg: TLSRegistry) -> Iterator[PlatformProcess]:
+def tls(treg: Registry) -> TLSFiles:
+    """The CA, the wrong CA and the server certificate of ``treg``."""
+    assert treg.tls is not None
+    return treg.tls
+
+
+@pytest.fixture(scope="module")
+def tls_platform(treg: Registry, tls: TLSFiles) -> Iterator[PlatformProcess]:
     with platform_process(
         DSEC_LAYER_STORE=treg.store_url(REPO),
-        DSEC_LAYER_STORE_TOKEN=treg.tokens.credentials,
-        DSEC_REGISTRY_CA_FILE=str(treg.ca),
+        DSEC_LAYER_STORE_TOKEN=treg.credentials,
+        DSEC_REGISTRY_CA_FILE=str(tls.ca),
         DSEC_LAZY_FETCH_TIMEOUT="5",
     ) as plat:
         yield plat
-
-
-async def publish(treg: TLSRegistry, tree: Path, name: str, **kw: object) -> LayerInfo:
-    """What another host's ``dsec layer push`` leaves in the registry."""
-    staging = DirStore(tree.parent / f"{tree.name}-store")
-    info = publish_tree(staging, tree, name, "1", **kw)  # type: ignore[arg-type]
-    store = OCIStore(treg.store_url(REPO), treg.tokens.credentials, ca_file=treg.ca)
-    try:
-        await store.push_blob(info.digest, staging.blob_path(info.digest))
-        index = staging.get_index(info.digest)
-        assert index is not None
-        await store.push_index(info.digest, index)
-        await store.put_ref(info)
-    finally:
-        await store.close()
-    return info
 
 
 def lazy_root(plat: PlatformProcess) -> Path:
@@ -107,17 +100,17 @@ def layer_fetched(root: Path, digest: str) -> int:
 
 
 async def test_layers_load_lazily_over_https_across_token_expiry(
-    tls_platform: PlatformProcess, treg: TLSRegistry, tmp_path: Path
+    tls_platform: PlatformProcess, treg: Registry, tmp_path: Path
 ) -> None:
     base = tmp_path / "base"
     base.mkdir()
     busybox_tree(base)
-    await publish(treg, base, "tlsbb", kind="base", config=dict(BUSYBOX_CONFIG))
+    await publish(treg, REPO, base, "tlsbb", kind="base", config=dict(BUSYBOX_CONFIG))
     ws = tmp_path / "ws"
     (ws / "work").mkdir(parents=True)
     data = os.urandom(DATA)
     (ws / "work" / "data.bin").write_bytes(data)
-    info = await publish(treg, ws, "tlsws")
+    info = await publish(treg, REPO, ws, "tlsws")
     client = DSecClient(tls_platform.url, tls_platform.api_key)
     await client.open()
     try:
@@ -138,6 +131,7 @@ async def test_layers_load_lazily_over_https_across_token_expiry(
             auth_file = root / "store-auth"
             st = auth_file.stat()
             assert st.st_uid == 0 and st.st_mode & 0o777 == 0o600
+            assert treg.tokens is not None
             issued = treg.tokens.issued
             # The daemon's token expires; the platform renews the file, the daemon's
             # next read is answered 401, re-reads it and goes on.
@@ -154,41 +148,43 @@ async def test_layers_load_lazily_over_https_across_token_expiry(
         await client.close()
 
 
-async def test_wrong_ca_is_refused(treg: TLSRegistry, tmp_path: Path) -> None:
+async def test_wrong_ca_is_refused(treg: Registry, tls: TLSFiles, tmp_path: Path) -> None:
     """A registry whose certificate the configured CA did not sign: a typed error from
     the layer store and the pull client, and EIO (with the reason in its log) from dsec-lazyfs."""
     tree = tmp_path / "t"
     tree.mkdir()
     (tree / "f").write_bytes(os.urandom(200_000))
-    info = await publish(treg, tree, "tlsca")
-    wrong = OCIStore(treg.store_url(REPO), treg.tokens.credentials, ca_file=treg.other_ca)
+    info = await publish(treg, REPO, tree, "tlsca")
+    wrong = OCIStore(treg.store_url(REPO), treg.credentials, ca_file=tls.other_ca)
     try:
         with pytest.raises(PlatformUnavailable, match="TLS certificate is not trusted"):
             await wrong.blob_size(info.digest)
     finally:
         await wrong.close()
-    system = OCIStore(treg.store_url(REPO), treg.tokens.credentials)  # the system CAs
+    system = OCIStore(treg.store_url(REPO), treg.credentials)  # the system CAs
     try:
         with pytest.raises(PlatformUnavailable, match="DSEC_REGISTRY_CA_FILE"):
             await system.get_ref("tlsca", "1")
     finally:
         await system.close()
-    settings = RegistrySettings(ca_file=treg.other_ca)  # what `dsec image pull` uses
+    settings = RegistrySettings(ca_file=tls.other_ca)  # what `dsec image pull` uses
     async with RegistryClient(settings) as pull:
         with pytest.raises(RegistryError, match="TLS certificate is not trusted"):
             await pull.image(Reference.parse(f"{treg.host}/{REPO}:any"))
     index = DirStore(tmp_path / "t-store").get_index(info.digest)
     assert index is not None
-    await asyncio.to_thread(read_through_daemon, treg, tmp_path / "lazy", info.digest, index)
+    await asyncio.to_thread(read_through_daemon, treg, tls, tmp_path / "lazy", info.digest, index)
 
 
-def read_through_daemon(treg: TLSRegistry, root: Path, digest: str, index: bytes) -> None:
+def read_through_daemon(
+    treg: Registry, tls: TLSFiles, root: Path, digest: str, index: bytes
+) -> None:
     daemon = LazyDaemon(
         root,
         f"https://{treg.host}/v2/{REPO}",
         None,
         blob_prefix="/blobs/",
-        ca_file=treg.other_ca,
+        ca_file=tls.other_ca,
         timeout=5,
     )
     daemon.start()
@@ -205,7 +201,7 @@ def read_through_daemon(treg: TLSRegistry, root: Path, digest: str, index: bytes
         daemon.stop()
 
 
-def test_our_store_server_over_https(treg: TLSRegistry, tmp_path: Path) -> None:
+def test_our_store_server_over_https(tls: TLSFiles, tmp_path: Path) -> None:
     """``dsec store serve --tls-cert/--tls-key``: the HTTPS store client and dsec-lazyfs
     verify it with the CA setting and read from it."""
     root = tmp_path / "store"
@@ -217,11 +213,11 @@ def test_our_store_server_over_https(treg: TLSRegistry, tmp_path: Path) -> None:
     token = "dst_" + secrets.token_hex(8)
     argv = [sys.executable, "-m", "dsec.cli.main", "store", "serve", "--root", str(root)]
     argv += ["--port", str(port), "--token", token]
-    argv += ["--tls-cert", str(treg.cert), "--tls-key", str(treg.key)]
+    argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"https://127.0.0.1:{port}"
     try:
-        verify = ssl.create_default_context(cafile=str(treg.ca))
+        verify = tls.context()
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(httpx.HTTPError):
@@ -229,12 +225,12 @@ def test_our_store_server_over_https(treg: TLSRegistry, tmp_path: Path) -> None:
                     break
             assert proc.poll() is None and time.monotonic() < deadline, "no store server"
             time.sleep(0.05)
-        store = HTTPStore(url, token, ca_file=treg.ca)
+        store = HTTPStore(url, token, ca_file=tls.ca)
         size = asyncio.run(store.fetch_blob(info.digest, tmp_path / "copy"))
         asyncio.run(store.close())
         assert size == info.size_bytes
         blob = (tmp_path / "copy").read_bytes()
-        daemon = LazyDaemon(tmp_path / "lazy", url, token, ca_file=treg.ca, timeout=5)
+        daemon = LazyDaemon(tmp_path / "lazy", url, token, ca_file=tls.ca, timeout=5)
         daemon.start()
         try:
             index = DirStore(root).get_index(info.digest)

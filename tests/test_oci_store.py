@@ -24,7 +24,7 @@ from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from tests.conftest import PlatformProcess, platform_process
-from tests.oci_registry import Registry, registry, registry_available
+from tests.oci_registry import Registry, publish, registry, registry_available
 
 pytestmark = [
     pytest.mark.root,
@@ -52,29 +52,11 @@ def oci_platform(reg: Registry) -> Iterator[PlatformProcess]:
         yield plat
 
 
-async def publish_async(
-    reg: Registry, tree: Path, name: str, version: str, **kw: object
-) -> LayerInfo:
-    """What another host's ``dsec layer push`` leaves in the registry."""
-    staging = DirStore(tree.parent / f"{tree.name}-store")
-    info = publish_tree(staging, tree, name, version, **kw)  # type: ignore[arg-type]
-    store = OCIStore(reg.store_url(REPO), reg.credentials)
-    try:
-        await store.push_blob(info.digest, staging.blob_path(info.digest))
-        index = staging.get_index(info.digest)
-        assert index is not None
-        await store.push_index(info.digest, index)
-        await store.put_ref(info)
-    finally:
-        await store.close()
-    return info
-
-
 async def test_registry_store_round_trip(reg: Registry, tmp_path: Path) -> None:
     tree = tmp_path / "t"
     (tree / "d").mkdir(parents=True)
     (tree / "d" / "big").write_bytes(os.urandom(2 << 20))
-    info = await publish_async(reg, tree, "rt", "1")
+    info = await publish(reg, REPO, tree, "rt", "1")
     store = OCIStore(reg.store_url(REPO), reg.credentials)
     try:
         assert await store.blob_size(info.digest) == info.size_bytes
@@ -161,13 +143,13 @@ async def test_sandbox_layers_lazily_loaded_from_the_registry(
     base_tree.mkdir()
     busybox_tree(base_tree)
     (base_tree / "etc" / "motd").write_text("base\n")
-    await publish_async(reg, base_tree, "regbb", "1", kind="base", config=dict(BUSYBOX_CONFIG))
+    await publish(reg, REPO, base_tree, "regbb", "1", kind="base", config=dict(BUSYBOX_CONFIG))
     ws_tree = tmp_path / "ws"
     (ws_tree / "work").mkdir(parents=True)
     (ws_tree / "work" / "data.bin").write_bytes(os.urandom(1 << 20))
     (ws_tree / "etc").mkdir()
     (ws_tree / "etc" / "motd").write_text("workspace\n")
-    await publish_async(reg, ws_tree, "regws", "1")
+    await publish(reg, REPO, ws_tree, "regws", "1")
     client = DSecClient(oci_platform.url, oci_platform.api_key)
     await client.open()
     try:
