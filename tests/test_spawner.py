@@ -146,3 +146,21 @@ async def test_reaping_under_many_children(spawner: spawn.HostSpawner) -> None:
             break
         await asyncio.sleep(0.1)
     assert _children(spawner.pid) == []
+
+
+async def test_status_of_reaped_orphans(spawner: spawn.HostSpawner) -> None:
+    """The spawner keeps how its orphans ended (a sandbox's init is one): how the edge
+    says why an init died without holding a pidfd per sandbox (dsec.edge.deaths)."""
+    spawn.use_spawner(spawner.path)
+    # The shell leaves an orphan that kills itself once the shell is gone.
+    res = await spawn.run(["/bin/sh", "-c", "sh -c 'sleep 0.2; kill -9 $$' & echo $!"])
+    orphan = int(res.stdout.split()[0])
+    status = None
+    for _ in range(100):
+        status = await spawn.reaped_status(orphan)
+        if status is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert status is not None and os.WIFSIGNALED(status)
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    assert await spawn.reaped_status(2**22 + 7) is None  # never one of ours
