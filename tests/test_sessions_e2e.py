@@ -231,6 +231,14 @@ async def test_signals(sb: Sandbox) -> None:
         await proc.send_signal("bogus")
 
 
+async def test_commands_start_with_default_signal_dispositions(sb: Sandbox) -> None:
+    """No signal ignored, caught or blocked in a command, whatever the agent does with
+    them itself (dsec-init resets only the ones it changed, on every command's path)."""
+    r = await sb.run_shell("grep -E '^Sig(Ign|Cgt|Blk)' /proc/self/status")
+    fields = dict(line.split(":\t") for line in r.stdout.splitlines())
+    assert fields == dict.fromkeys(("SigBlk", "SigIgn", "SigCgt"), "0000000000000000"), r.stdout
+
+
 async def test_background_process_streams_later_from_another_client(
     platform: PlatformProcess, sb: Sandbox
 ) -> None:
