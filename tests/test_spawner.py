@@ -133,11 +133,16 @@ async def test_reaping_under_many_children(spawner: spawn.HostSpawner) -> None:
         *(spawn.run(["/bin/sh", "-c", f"(sleep 0.1 &); exit {i}"]) for i in range(40))
     )
     assert [r.returncode for r in results] == list(range(40))
+    # The short-lived orphans (0.1 s) may all still live now, and a check that finds no
+    # zombie before they die proves nothing (it raced the assert below): wait them out.
+    await asyncio.sleep(0.15)
+    zombies: list[int] = []
     for _ in range(50):
-        if not [pid for pid, st in _children(spawner.pid) if st == "Z"]:
+        zombies = [pid for pid, st in _children(spawner.pid) if st == "Z"]
+        if not zombies:
             break
         await asyncio.sleep(0.1)
-    assert [pid for pid, st in _children(spawner.pid) if st == "Z"] == []
+    assert zombies == []
     for pid, _st in _children(spawner.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
