@@ -12,9 +12,10 @@ Two kinds of figure, both read from /proc (a few file reads, no syscall loop):
   ``file-max`` over a sandbox's, and the edge's own ``RLIMIT_NOFILE`` over the fds the
   edge holds per idle sandbox (measured: 2, the seccomp listener's notify fd and pid
   1's signal-report connection, which is also the death watch, dsec.edge.deaths;
-  ``DSEC_SANDBOX_EDGE_FDS``; root here cannot raise a hard rlimit, 20,000). The smallest of these is the sandbox-count
-  limit, and the resource that set it is reported. On this host (pid_max 32,768,
-  nofile 20,000, 24 GiB) that is 9,488, set by the edge's fds.
+  ``DSEC_SANDBOX_EDGE_FDS``; root here cannot raise a hard rlimit, 20,000). The
+  smallest of these is the sandbox-count limit, and the resource that set it is
+  reported. On this host (pid_max 32,768, nofile 20,000, 24 GiB) that is 9,488, set
+  by the edge's fds.
 * **use**: ``MemAvailable`` and the host's memory pressure stall information (PSI,
   ``/proc/pressure/memory``). cgroup v1 has no per-cgroup PSI, so the host's is used on
   every layout: it is what says the host as a whole is short, whatever the sandboxes'
