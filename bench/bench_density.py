@@ -74,6 +74,16 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def edge_fds(pid: int | None) -> int | None:
+    """How many fds the edge process holds (None: not ours to look at)."""
+    if pid is None:
+        return None
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
 def spec() -> DSecContainerRunArgs:
     return DSecContainerRunArgs(
         container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
@@ -94,10 +104,20 @@ def memory_row(base: dict[str, int], count: int) -> dict[str, float]:
 class Density:
     """One run's state: the sandboxes made so far and what each step measured."""
 
-    def __init__(self, opts: argparse.Namespace, client: DSecClient, raw: RawCrun | None):
+    def __init__(
+        self,
+        opts: argparse.Namespace,
+        client: DSecClient,
+        raw: RawCrun | None,
+        edge_pid: int | None = None,
+    ):
         self.opts = opts
         self.client = client
         self.raw = raw
+        # The edge's open fds, before the first sandbox and at each step: what one
+        # sandbox costs of its RLIMIT_NOFILE (dsec.resources.capacity, edge_fds).
+        self.edge_pid = edge_pid
+        self.base_fds = edge_fds(edge_pid)
         self.made: list[Any] = []
         self.steps: list[dict[str, Any]] = []
         self.failure: str | None = None
@@ -146,6 +166,9 @@ class Density:
                 row.update(await self.burst())
             row["count"] = len(self.made)
             row.update(memory_row(base, max(1, len(self.made))))
+            fds = edge_fds(self.edge_pid)
+            if fds is not None and self.base_fds is not None and self.made:
+                row["edge_fds_per_sandbox"] = round((fds - self.base_fds) / len(self.made), 2)
             if times:
                 s = summary(times)
                 row.update(create_p50_ms=s["p50_ms"], create_p99_ms=s["p99_ms"], creates=len(times))
@@ -199,7 +222,7 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         await asyncio.sleep(1.0)
         base = meminfo()
         with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
-            dens = Density(opts, client, raw)
+            dens = Density(opts, client, raw, plat.proc.pid if plat.proc else None)
             try:
                 await dens.run(base)
                 res["exec"] = await dens.execs()

@@ -231,6 +231,17 @@ async def test_signals(sb: Sandbox) -> None:
         await proc.send_signal("bogus")
 
 
+async def test_commands_start_with_default_signal_dispositions(sb: Sandbox) -> None:
+    """No signal ignored, caught or blocked in a command, whatever the agent does with
+    them itself (dsec-init resets only the ones it changed, on every command's path).
+    Signals 32 and 33 belong to the C library (sigaction refuses them), and a shell
+    ignores SIGQUIT itself: an argv command, and those two left out."""
+    r = await sb.exec(["grep", "-E", "^Sig(Ign|Cgt|Blk)", "/proc/self/status"])
+    fields = {k: int(v, 16) for k, v in (line.split(":\t") for line in r.stdout.splitlines())}
+    libc = (1 << 31) | (1 << 32)
+    assert fields == {"SigBlk": 0, "SigIgn": fields["SigIgn"] & libc, "SigCgt": 0}, r.stdout
+
+
 async def test_background_process_streams_later_from_another_client(
     platform: PlatformProcess, sb: Sandbox
 ) -> None:

@@ -133,11 +133,16 @@ async def test_reaping_under_many_children(spawner: spawn.HostSpawner) -> None:
         *(spawn.run(["/bin/sh", "-c", f"(sleep 0.1 &); exit {i}"]) for i in range(40))
     )
     assert [r.returncode for r in results] == list(range(40))
+    # The short-lived orphans (0.1 s) may all still live now, and a check that finds no
+    # zombie before they die proves nothing (it raced the assert below): wait them out.
+    await asyncio.sleep(0.15)
+    zombies: list[int] = []
     for _ in range(50):
-        if not [pid for pid, st in _children(spawner.pid) if st == "Z"]:
+        zombies = [pid for pid, st in _children(spawner.pid) if st == "Z"]
+        if not zombies:
             break
         await asyncio.sleep(0.1)
-    assert [pid for pid, st in _children(spawner.pid) if st == "Z"] == []
+    assert zombies == []
     for pid, _st in _children(spawner.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -146,3 +151,21 @@ async def test_reaping_under_many_children(spawner: spawn.HostSpawner) -> None:
             break
         await asyncio.sleep(0.1)
     assert _children(spawner.pid) == []
+
+
+async def test_status_of_reaped_orphans(spawner: spawn.HostSpawner) -> None:
+    """The spawner keeps how its orphans ended (a sandbox's init is one): how the edge
+    says why an init died without holding a pidfd per sandbox (dsec.edge.deaths)."""
+    spawn.use_spawner(spawner.path)
+    # The shell leaves an orphan that kills itself once the shell is gone.
+    res = await spawn.run(["/bin/sh", "-c", "sh -c 'sleep 0.2; kill -9 $$' & echo $!"])
+    orphan = int(res.stdout.split()[0])
+    status = None
+    for _ in range(100):
+        status = await spawn.reaped_status(orphan)
+        if status is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert status is not None and os.WIFSIGNALED(status)
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    assert await spawn.reaped_status(2**22 + 7) is None  # never one of ours

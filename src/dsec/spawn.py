@@ -33,8 +33,12 @@ _owned: set[int] = set()
 # The spawner's socket when one is in use (see use_spawner). The wire format mirrors
 # spawner_main() in src/dsec/agent/dsec-init.c.
 _spawner: Path | None = None
-_OP_RUN, _OP_SHUTDOWN = 1, 2
-_PID, _EXIT, _BYE = 1, 2, 3
+_OP_RUN, _OP_SHUTDOWN, _OP_STATUS = 1, 2, 3
+_PID, _EXIT, _BYE, _UNKNOWN = 1, 2, 3, 4
+# The wait statuses of the last orphans reap_orphans() collected (pid -> raw status),
+# what reaped_status() answers without a spawner; the spawner keeps its own ring.
+_RING = 1024
+_reaped: dict[int, int] = {}
 _HEADER = struct.Struct("<IiII")
 _REPLY = struct.Struct("<ii")
 
@@ -286,8 +290,31 @@ def reap_orphans(names: frozenset[str]) -> int:
         if info is None or info.si_pid in _owned or _comm(info.si_pid) not in names:
             return reaped
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(info.si_pid, os.WNOHANG)
+            pid, status = os.waitpid(info.si_pid, os.WNOHANG)
+            if pid:
+                _reaped.pop(pid, None)  # the newest status of a pid is the one kept
+                _reaped[pid] = status
+                if len(_reaped) > _RING:
+                    del _reaped[next(iter(_reaped))]
         reaped += 1
+
+
+async def reaped_status(pid: int, timeout: float = 1.0) -> int | None:
+    """The raw wait status of ``pid``, an orphan (a sandbox's init) that was reaped
+    lately by the spawner or by reap_orphans(); None when neither knows it (not reaped
+    yet, or long ago). How the edge says how an init died without a pidfd per sandbox."""
+    if _spawner is None:
+        return _reaped.get(pid)
+    sock = _connect()
+    if sock is None:
+        return _reaped.get(pid)
+    with sock:
+        try:
+            sock.send(_HEADER.pack(_OP_STATUS, pid, 0, 0))
+            kind, value = await _reply(sock, timeout)
+        except (OSError, TimeoutError):
+            return _reaped.get(pid)
+    return value if kind == _EXIT else _reaped.get(pid)
 
 
 @dataclass

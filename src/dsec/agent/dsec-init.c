@@ -795,14 +795,21 @@ static void env_add(char **envp, const char *key, const char *val)
 
 static struct rlimit g_nofile_orig;
 
+/* The only signals whose disposition the agent changes (agent_main): a command resets
+ * these, and agent_main resets all others to the default once, whatever it inherited. */
+static const int AGENT_SIGNALS[] = {SIGTERM, SIGINT, SIGHUP, SIGPIPE};
+
 /* The command process: own session, caller's user, cwd and environment, then exec. */
 static void __attribute__((noreturn)) command_main(struct exec_req *r, const struct user_info *u)
 {
+	/* The agent reset every disposition at its start (agent_main), so only the ones it
+	 * set itself differ from the default: 4 system calls here, not 64 (each also passes
+	 * the seccomp filter), on every command's path. */
 	struct sigaction dfl;
 	memset(&dfl, 0, sizeof dfl);
 	dfl.sa_handler = SIG_DFL;
-	for (int s = 1; s < NSIG; s++)
-		sigaction(s, &dfl, NULL);
+	for (size_t k = 0; k < sizeof AGENT_SIGNALS / sizeof AGENT_SIGNALS[0]; k++)
+		sigaction(AGENT_SIGNALS[k], &dfl, NULL);
 	sigset_t none;
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
@@ -2623,6 +2630,9 @@ static int agent_main(void)
 	 * handlers are for forked helpers, which get the narrower mask back. */
 	struct sigaction sa;
 	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = SIG_DFL; /* nothing inherited (an ignored signal) reaches a command */
+	for (int s = 1; s < NSIG; s++)
+		sigaction(s, &sa, NULL);
 	sa.sa_handler = noop_handler;
 	sigaction(SIGTERM, &sa, NULL);
 	sigaction(SIGINT, &sa, NULL);
@@ -2855,11 +2865,23 @@ usage:
 /*            each NUL-terminated; SCM_RIGHTS carries stdout, stderr[, extra fd].       */
 /*   replies: i32 kind, i32 value: PID (pid, or -errno if it could not start), later    */
 /*            EXIT (raw wait status). op SHUTDOWN is answered with BYE, then we exit.   */
+/* op STATUS (extra_target = a pid, no strings or fds) is answered with EXIT and the    */
+/* wait status of that pid if it is among the last SP_RING orphans we reaped, else with */
+/* UNKNOWN: how the platform learns how a sandbox's init died without holding a pidfd */
+/* per sandbox (an init is our orphan, not the platform's child).                     */
 /* Mirrored in src/dsec/spawn.py. A client that goes away only loses its replies: the   */
 /* child runs on and is reaped like any orphan.                                         */
 
-enum { SP_OP_RUN = 1, SP_OP_SHUTDOWN = 2 };
-enum { SP_PID = 1, SP_EXIT = 2, SP_BYE = 3 };
+enum { SP_OP_RUN = 1, SP_OP_SHUTDOWN = 2, SP_OP_STATUS = 3 };
+enum { SP_PID = 1, SP_EXIT = 2, SP_BYE = 3, SP_UNKNOWN = 4 };
+#define SP_RING 1024
+
+/* The wait statuses of the last SP_RING orphans reaped (no client waited for them). */
+static struct {
+	pid_t pid;
+	int status;
+} sp_ring[SP_RING];
+static size_t sp_ring_next;
 #define SP_MAX_MSG (256 * 1024)
 #define SP_MAX_FDS 3
 
@@ -2936,6 +2958,9 @@ static pid_t sp_start(char **argv, char **envp, const int *fds, int nfds, int ta
 	return *err ? -1 : pid;
 }
 
+static void sp_reap_pid(pid_t pid);
+static int sp_ring_find(pid_t pid, int *status);
+
 /* Handle one readable client; returns 1 when asked to shut down. */
 static int sp_request(size_t i)
 {
@@ -2987,6 +3012,18 @@ static int sp_request(size_t i)
 		quit = 1;
 		goto bad;
 	}
+	if (hdr.op == SP_OP_STATUS) {
+		int status = 0;
+		sp_reap_pid(hdr.target); /* exited but its SIGCHLD merged: reap it now */
+		if (sp_ring_find(hdr.target, &status) == 0)
+			sp_reply(sp_clients[i].fd, SP_EXIT, status);
+		else
+			sp_reply(sp_clients[i].fd, SP_UNKNOWN, 0);
+		for (int j = 0; j < nfds; j++)
+			close(fds[j]);
+		sp_drop(i);
+		return 0;
+	}
 	if (hdr.op != SP_OP_RUN || hdr.argc == 0 || nfds != (hdr.target >= 0 ? 3 : 2) ||
 	    (hdr.target >= 0 && hdr.target < 3))
 		goto bad;
@@ -3031,6 +3068,22 @@ static void sp_reaped(pid_t pid, int status)
 			return;
 		}
 	}
+	sp_ring[sp_ring_next].pid = pid;
+	sp_ring[sp_ring_next].status = status;
+	sp_ring_next = (sp_ring_next + 1) % SP_RING;
+}
+
+/* The newest ring entry of `pid`: -1 when there is none. */
+static int sp_ring_find(pid_t pid, int *status)
+{
+	for (size_t k = 1; k <= SP_RING; k++) {
+		size_t j = (sp_ring_next + SP_RING - k) % SP_RING;
+		if (sp_ring[j].pid == pid && pid > 0) {
+			*status = sp_ring[j].status;
+			return 0;
+		}
+	}
+	return -1;
 }
 
 static void sp_reap_pid(pid_t pid)

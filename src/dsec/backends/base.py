@@ -334,6 +334,13 @@ class Backend(ABC):
         VMM the backend then ended); None: the edge says how the init died."""
         return None
 
+    def watch_init_channel(self, rec: SandboxRecord, on_closed: Callable[[str], None]) -> bool:
+        """Whether the backend holds, now, a connection that ends when the init of
+        ``rec`` does; then it calls ``on_closed(sandbox_id)`` when that connection
+        ends, and the edge's death watch spends no fd of its own on the sandbox
+        (dsec.edge.deaths). False (the default): the edge holds a pidfd."""
+        return False
+
     def supervised(self) -> list[tuple[str, Callable[[], str | None], Callable[[], None]]]:
         """Thread-backed parts the edge's supervisor watches (dsec.supervise): each as
         (name, healthy() -> None or why not, restart())."""

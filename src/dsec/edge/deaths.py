@@ -9,6 +9,15 @@ process exits. The init is not our child (the host spawner reaps it, dsec.spawn)
 spawner reaped it, which takes it microseconds: we ask a few times, briefly. On an
 older kernel, or if the status never shows, the death is reported without it.
 
+A pidfd costs the edge an fd per sandbox, and its fd limit bounds how many sandboxes
+fit (dsec.resources.capacity). Where the backend already holds a connection to the init
+that ends when the init does (a container's pid 1 signal-report connection,
+dsec.security.init_signals), the watch is *passive*: no pidfd, the backend tells
+``closed()`` when that connection ends, and only then is the init looked at. Gone: its
+status comes from whoever reaped it (dsec.spawn.reaped_status). Still there (the
+connection ended first, e.g. a pid 1 that closed it, or an init on its way out): a
+pidfd watches it from then on, so no death goes unnoticed either way.
+
 fds are bounded: at most a third of the soft ``nofile`` limit is spent on pidfds, so
 the data path keeps its own; beyond that (or on EMFILE) a sandbox is not watched, and
 its death is noticed as before, by the next request that fails (logged once).
@@ -25,6 +34,8 @@ import resource
 import signal
 import struct
 from collections.abc import Callable
+
+from dsec import spawn
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,17 @@ def exit_status(pidfd: int) -> int | None:
         return None
     fields = _INFO.unpack(buf)
     return fields[-1] if fields[0] & _PIDFD_INFO_EXIT else None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (/proc/PID/stat field 22): tells a pid's reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
 
 
 def describe(status: int | None) -> str:
@@ -73,6 +95,7 @@ class InitWatcher:
         self.on_death = on_death
         self._fds: dict[str, int] = {}
         self._pids: dict[str, int] = {}
+        self._passive: dict[str, tuple[int, str | None]] = {}  # sid -> (pid, start time)
         self._tasks: set[asyncio.Task[None]] = set()
         soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.max_watched = (
@@ -82,12 +105,24 @@ class InitWatcher:
 
     @property
     def watched(self) -> int:
+        return len(self._fds) + len(self._passive)
+
+    @property
+    def pidfds(self) -> int:
+        """fds held: one per init watched actively."""
         return len(self._fds)
 
-    def watch(self, sandbox_id: str, pid: int) -> bool:
+    def watch(self, sandbox_id: str, pid: int, *, passive: bool = False) -> bool:
         """Watch ``pid``, the init of ``sandbox_id``; False if it cannot be (no fd
-        left, or the process is already gone: then ``on_death`` is called soon)."""
+        left, or the process is already gone: then ``on_death`` is called soon).
+        ``passive``: the caller's backend holds a connection that ends with the init
+        and calls ``closed()`` then (module doc); no fd is spent until it does."""
         self.forget(sandbox_id)
+        if passive:
+            start = _start_time(pid)
+            if start is not None:
+                self._passive[sandbox_id] = (pid, start)
+                return True
         if len(self._fds) >= self.max_watched:
             self._not_watched(sandbox_id, f"more than {self.max_watched} pidfds")
             return False
@@ -114,8 +149,46 @@ class InitWatcher:
             )
         self.unwatched += 1
 
+    def closed(self, sandbox_id: str) -> None:
+        """The backend's connection to the init of a passively watched sandbox ended:
+        report the init's death if it is gone, else watch it with a pidfd."""
+        entry = self._passive.pop(sandbox_id, None)
+        if entry is None:
+            return  # not watched passively (a verifier, or already forgotten)
+        pid, start = entry
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = None
+        except OSError as exc:
+            self._not_watched(sandbox_id, str(exc))
+            return
+        if fd is not None and _start_time(pid) != start:
+            os.close(fd)  # the pid was reused: ours is gone
+            fd = None
+        if fd is None:
+            task = asyncio.get_running_loop().create_task(self._reaped(sandbox_id, pid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._fds[sandbox_id] = fd
+        self._pids[sandbox_id] = pid
+        asyncio.get_running_loop().add_reader(fd, self._exited, sandbox_id)
+
+    async def _reaped(self, sandbox_id: str, pid: int) -> None:
+        """An init already gone: how it died, from its reaper (briefly retried)."""
+        status: int | None = None
+        for delay in _STATUS_TRIES:
+            if delay:
+                await asyncio.sleep(delay)
+            status = await spawn.reaped_status(pid)
+            if status is not None:
+                break
+        self._report(sandbox_id, pid, status)
+
     def forget(self, sandbox_id: str) -> None:
         """Stop watching (before the edge kills the sandbox itself)."""
+        self._passive.pop(sandbox_id, None)
         fd = self._fds.pop(sandbox_id, None)
         self._pids.pop(sandbox_id, None)
         if fd is None:
@@ -155,6 +228,7 @@ class InitWatcher:
             log.exception("handling the death of %s failed", sandbox_id)
 
     async def close(self) -> None:
+        self._passive.clear()
         for sid in list(self._fds):
             self.forget(sid)
         for task in list(self._tasks):

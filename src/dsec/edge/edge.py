@@ -613,7 +613,9 @@ class Edge:
     def _watch_init(self, rec: SandboxRecord) -> None:
         pid = rec.facts.init_pid
         if pid is not None:
-            self.deaths.watch(rec.id, pid)
+            # A connection the backend holds to the init anyway saves a pidfd a sandbox.
+            passive = self.backend_of(rec).watch_init_channel(rec, self.deaths.closed)
+            self.deaths.watch(rec.id, pid, passive=passive)
 
     def _committed_memory_mb(self, spec: RunArgs) -> int:
         """Admission's charge for ``spec``: what its backend says it commits."""

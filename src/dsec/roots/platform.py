@@ -217,7 +217,10 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
                 max_sandboxes=config.max_sandboxes,
                 memory_overcommit=config.memory_overcommit,
                 cpu_overcommit=config.cpu_overcommit,
-                cost=SandboxCost(host_memory_bytes=config.sandbox_host_cost_kb * 1024),
+                cost=SandboxCost(
+                    host_memory_bytes=config.sandbox_host_cost_kb * 1024,
+                    edge_fds=max(1, config.sandbox_edge_fds),
+                ),
                 pressure_limit=config.admission_pressure,
             ),
             network=network,

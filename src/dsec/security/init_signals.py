@@ -10,6 +10,8 @@ holds open to its agent socket (operation ``N``; frame ``G``, see dsec-init.c). 
 module holds one such connection per sandbox on the edge's event loop (no thread: a
 report is a few bytes, and an idle connection costs nothing) and turns each report
 into a ``signal_to_init`` event, rate-limited per sandbox like the seccomp listener.
+The connection ends when pid 1 does, so it doubles as the edge's death watch of the
+init (``on_closed``, dsec.edge.deaths): one fd per sandbox for both, not two.
 
 Everything in a report is the sandbox's word except what the kernel filled in: the
 signal, the si_code, and the sender's pid for SI_USER/SI_TKILL. A queued signal
@@ -24,6 +26,7 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +101,9 @@ class InitSignalWatcher:
         self._rate: dict[str, list[float]] = {}
         self._suppressed: dict[str, int] = {}
         self._report_as: dict[str, str] = {}  # a verifier's reports are its sandbox's
+        # Told the sandbox id when a connection ends other than by unwatch(): pid 1
+        # died (or closed it, or broke the protocol). The edge's death watch.
+        self.on_closed: Callable[[str], None] = lambda sandbox_id: None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -153,6 +159,13 @@ class InitSignalWatcher:
         self._suppressed.pop(sandbox_id, None)
         self._report_as.pop(sandbox_id, None)
 
+    def _closed(self, sandbox_id: str) -> None:
+        self.unwatch(sandbox_id)
+        try:
+            self.on_closed(sandbox_id)
+        except Exception:
+            log.exception("sandbox %s: handling the end of its report connection", sandbox_id)
+
     def _readable(self, sandbox_id: str) -> None:
         w = self._watches.get(sandbox_id)
         if w is None:
@@ -164,14 +177,14 @@ class InitSignalWatcher:
         except OSError:
             data = b""
         if not data:  # pid 1 is gone (the sandbox ended) or closed us for a newer edge
-            self.unwatch(sandbox_id)
+            self._closed(sandbox_id)
             return
         w.buf += data
         while len(w.buf) >= _HDR.size:
             kind, size = _HDR.unpack_from(w.buf)
             if size > _MAX_FRAME:
                 log.warning("sandbox %s: malformed signal report; not watching", sandbox_id)
-                self.unwatch(sandbox_id)
+                self._closed(sandbox_id)
                 return
             if len(w.buf) < _HDR.size + size:
                 break

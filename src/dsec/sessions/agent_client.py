@@ -304,7 +304,8 @@ class AgentClient:
     """Talks to one sandbox's agent through the host-side path of its unix socket."""
 
     def __init__(self, socket_path: Path) -> None:
-        self.socket_path = Path(socket_path)
+        # Built several times per command: no copy of a Path we were given.
+        self.socket_path = socket_path if isinstance(socket_path, Path) else Path(socket_path)
 
     async def exec(
         self,

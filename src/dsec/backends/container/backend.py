@@ -463,6 +463,11 @@ class ContainerBackend(AgentDataPath, Backend):
             rec.facts = facts
         return facts
 
+    def watch_init_channel(self, rec: SandboxRecord, on_closed: Callable[[str], None]) -> bool:
+        """pid 1's signal-report connection ends with pid 1 (dsec.security.init_signals)."""
+        self.init_signals.on_closed = on_closed
+        return self.init_signals.watching(rec.id)
+
     def load_facts(self, data: Mapping[str, Any]) -> ContainerFacts:
         return ContainerFacts.from_json(data)
 
