@@ -248,6 +248,8 @@ def test_a_snapshot_with_network_rules_starts_on_a_new_lease(desktop: Desktop) -
     with desktop.client.run_fullvm(spec, timeout=BOOT) as clone:
         print(f"debian-desktop start from snapshot: {time.monotonic() - t0:.1f}s")
         assert clone.info.spec.network_rules == {"pypi": True, "npm": False}
+        # the restored guest's agent is linked anew (its old host end is gone)
+        assert clone.session().run("echo $((2*21))").stdout == "42\n"
 
         def moved() -> bool:
             ips = clone.run_shell("hostname -I").stdout.split()
