@@ -14,7 +14,8 @@ backend replugs its cable, networkd asks DHCP again and moves to the new address
 the saved rules apply there. The image runs DSec's own agent (dsec-vminit --service as a
 systemd unit, dsec.backends.fullvm.agentlink): sessions keep their state, a PTY and a
 streamed command work as in a container, also after a job pause saved the VM to a
-file and a request restored it. One boot for all.
+file and a request restored it, and after its mux died (the unit restarts it, the host
+links the new one). One boot for all.
 Marked ``slow`` (it builds the Debian image).
 """
 
@@ -217,6 +218,26 @@ def test_dsecs_agent_serves_sessions_a_pty_and_streams(desktop: Desktop) -> None
         while term.read():
             pass
         assert term.exit is not None and term.exit.exit_code == 3
+
+
+def test_dsecs_agent_comes_back_when_its_mux_dies(desktop: Desktop) -> None:
+    """The guest's mux killed (outside the agent's process tree): the service restarts
+    mux and agent, the host sees the port close and links the new mux."""
+    sb = desktop.sb
+    sb.exec(["systemd-run", "--on-active=1", "pkill", "-x", "dsec-vmmux"])
+    t0 = time.monotonic()
+
+    def back() -> bool:
+        try:
+            restarts = sb.session().run(
+                "systemctl show -p NRestarts --value dsec-agent.service", timeout=10
+            )
+        except DSecError:
+            return False  # the old link dropped under the request, or not linked yet
+        return restarts.stdout == "1\n"
+
+    until("the agent linked again", back, 90)
+    print(f"agent back {time.monotonic() - t0:.1f}s after its mux was killed")
 
 
 def test_dsecs_agent_survives_a_pause(desktop: Desktop) -> None:

@@ -86,6 +86,7 @@
 #include <sys/time.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <sys/xattr.h>
 #include <linux/openat2.h>
 #include <time.h>
@@ -1590,8 +1591,11 @@ int main(int argc, char **args)
 {
 	if (argc == 3 && !strcmp(args[1], "--service"))
 		return service_main(args[2]);
-	if (getpid() != 1)
-		die("must run as pid 1 of a microVM (it mounts, loads modules and switches root)");
+	if (getpid() != 1) { /* never die() here: its reboot would be the host's or a guest's */
+		dprintf(2, "dsec-vminit: must run as pid 1 of a microVM (it mounts, loads modules "
+			   "and switches root), or as: dsec-vminit --service /path/to/dsec-init\n");
+		return 2;
+	}
 	umask(022);
 	mkdir_p("/dev", 0755);
 	mkdir_p("/proc", 0555);
@@ -1704,11 +1708,14 @@ int main(int argc, char **args)
  * guest booted itself, so none of pid 1's work happens here (no mounts, modules, root
  * switch, network, hostname): find the dsec.agent port, bind the agent's listening
  * socket in a root-only directory of /run (unreachable to unprivileged guest users),
- * fork the mux (the same one as a microVM's: the host sees one channel protocol) and
- * exec the agent with fd 3 that socket and DSEC_AGENT_FD=3. The agent, not being pid 1,
- * makes itself the subreaper of what it starts; the mux dies with it (parent-death
- * signal), so the service manager restarts both as one. No port (a VM booted without
- * the channel): nothing to serve, exit 0.
+ * then fork the mux (the same one as a microVM's: the host sees one channel protocol)
+ * and the agent (exec'd with fd 3 that socket and DSEC_AGENT_FD=3; not being pid 1, it
+ * makes itself the subreaper of what it starts). This process stays as their
+ * supervisor: when either ends, the other is killed and it exits 1, so the service
+ * manager restarts all three as one (a lone agent without its mux would serve nobody;
+ * the host sees the port close and links the new mux). Both children die with it
+ * (parent-death signal). No port (a VM booted without the channel): nothing to serve,
+ * exit 0.
  */
 static int service_main(const char *agent_path)
 {
@@ -1748,7 +1755,7 @@ static int service_main(const char *agent_path)
 		die("fork: %s", strerror(errno));
 	if (mux == 0) {
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent) /* the agent is gone already */
+		if (getppid() != parent) /* the supervisor is gone already */
 			_exit(1);
 		close(lfd);
 		close(agent);
@@ -1757,23 +1764,47 @@ static int service_main(const char *agent_path)
 		_exit(1);
 	}
 	close(exec_pipe[0]);
-	if (lfd != 3) {
-		if (agent == 3) {
-			agent = fcntl(3, F_DUPFD_CLOEXEC, 4);
-			if (agent < 0)
-				die("fcntl: %s", strerror(errno));
+	pid_t child = fork();
+	if (child < 0) {
+		kill(mux, SIGKILL);
+		die("fork: %s", strerror(errno));
+	}
+	if (child == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(1);
+		if (lfd != 3) {
+			if (agent == 3) {
+				agent = fcntl(3, F_DUPFD_CLOEXEC, 4);
+				if (agent < 0)
+					die("fcntl: %s", strerror(errno));
+			}
+			if (dup2(lfd, 3) < 0)
+				die("dup2: %s", strerror(errno));
+			close(lfd);
+		} else if (fcntl(3, F_SETFD, 0) < 0) {
+			die("fcntl: %s", strerror(errno));
 		}
-		if (dup2(lfd, 3) < 0)
-			die("dup2: %s", strerror(errno));
-		close(lfd);
-	} else if (fcntl(3, F_SETFD, 0) < 0) {
-		die("fcntl: %s", strerror(errno));
+		char *argv[] = {(char *)"dsec-init", NULL};
+		char *envp[] = {(char *)"PATH=" DEFAULT_PATH, (char *)"DSEC_AGENT_FD=3", NULL};
+		syscall(SYS_execveat, agent, "", argv, envp, AT_EMPTY_PATH);
+		int err = errno;
+		if (write(exec_pipe[1], &err, sizeof err) < 0) {
+		}
+		die("exec the agent: %s", strerror(err));
 	}
-	char *argv[] = {(char *)"dsec-init", NULL};
-	char *envp[] = {(char *)"PATH=" DEFAULT_PATH, (char *)"DSEC_AGENT_FD=3", NULL};
-	syscall(SYS_execveat, agent, "", argv, envp, AT_EMPTY_PATH);
-	int err = errno;
-	if (write(exec_pipe[1], &err, sizeof err) < 0) {
+	close(exec_pipe[1]);
+	close(lfd);
+	close(agent);
+	prctl(PR_SET_NAME, "dsec-agentsv");
+	int status = 0;
+	pid_t ended;
+	while ((ended = waitpid(-1, &status, 0)) < 0 && errno == EINTR) {
 	}
-	die("exec the agent: %s", strerror(err));
+	warn_line("the %s ended (status %d): restarting both", ended == mux ? "mux" : "agent",
+		  status);
+	kill(ended == mux ? child : mux, SIGKILL);
+	while (waitpid(-1, NULL, 0) > 0 || errno == EINTR) {
+	}
+	return 1;
 }

@@ -81,12 +81,14 @@ FILES: dict[str, str] = {
         "xterm -geometry 100x30+10+10 &\nexec matchbox-window-manager -use_titlebar no\n"
     ),
     # the agent starts early (before sysinit's end: it needs only /run and /dev) and comes
-    # back if it dies; without the port it exits 0 and stays down
+    # back if it dies, its port closed for 5 s: longer than the host's check interval
+    # (the backend's guest-end watcher), so the host sees it and links the new mux;
+    # without the port it exits 0 and stays down
     "etc/systemd/system/dsec-agent.service": (
         "[Unit]\nDescription=DSec agent (sessions, PTY, streaming for the host)\n"
         "DefaultDependencies=no\nConflicts=shutdown.target\nBefore=shutdown.target\n\n"
         "[Service]\nExecStart=/usr/local/lib/dsec/dsec-vminit --service "
-        "/usr/local/lib/dsec/dsec-init\nRestart=on-failure\nRestartSec=1\n"
+        "/usr/local/lib/dsec/dsec-init\nRestart=on-failure\nRestartSec=5\n"
         "KillMode=control-group\n\n[Install]\nWantedBy=sysinit.target\n"
     ),
 }

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 5.0  # seconds an image with the agent has to answer once qemu-ga does
 OPEN_WAIT = 3.0  # seconds a restored VM's port takes to show as open again
+RELINK_WAIT = 15.0  # seconds a guest's restarted agent service has to open the port
 
 
 class AgentLink:
@@ -63,18 +64,33 @@ class AgentLink:
                 return False
             await asyncio.sleep(0.1)
 
+    async def check(self, qmp: Qmp) -> None:
+        """Drop the channel of a ready agent whose guest end closed its port (its mux
+        or agent ended and the service restarts them): the new mux waits for a RESET
+        that only a new channel sends, so ``needs_relink`` turns true."""
+        if not self.ready or self._channel is None or self._channel.lost is not None:
+            return
+        try:
+            opened = await qmp.guest_opened(AGENT_CHARDEV)
+        except QmpError:
+            return  # QEMU busy or gone: the guest-end watcher's business
+        if not opened:
+            log.warning("agent channel %s: the guest closed its port", self.chardev)
+            await self.drop()
+
     def needs_relink(self) -> bool:
         """True when a ready agent has no live channel (the guest broke it: a protocol
         violation, its mux died; or a pause that failed dropped it)."""
         return self.ready and (self._channel is None or self._channel.lost is not None)
 
-    async def probe(self, qmp: Qmp, *, restored: bool = False) -> bool:
+    async def probe(self, qmp: Qmp, *, open_wait: float = 0.0) -> bool:
         """Link a new channel and wait for the agent; ``ready`` says the outcome.
-        ``restored``: the VM was just loaded from a saved state, whose port state QEMU
-        sets again only shortly after the load (a timer): look for a moment."""
+        ``open_wait``: how long the port may take to show as open (a VM just loaded
+        from a saved state gets its port state back from QEMU only shortly after the
+        load, a timer; a restarted agent service needs a moment)."""
         await self.drop()
         timeout = PROBE_TIMEOUT
-        if not await self._guest_opened(qmp, OPEN_WAIT if restored else 0.0):
+        if not await self._guest_opened(qmp, open_wait):
             await self.close()
             return False
         if self._listener is None:

@@ -58,7 +58,7 @@ from dsec.backends.base import (
     SandboxRecord,
 )
 from dsec.backends.fullvm import capture, guestops, nic, restore
-from dsec.backends.fullvm.agentlink import AgentLink
+from dsec.backends.fullvm.agentlink import OPEN_WAIT, RELINK_WAIT, AgentLink
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
 from dsec.backends.fullvm.facts import FullVMFacts
@@ -284,11 +284,11 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             return self.capabilities | {Capability.SESSIONS}
         return self.capabilities
 
-    async def _probe_agent(self, sid: str, vm: _VM, *, restored: bool = False) -> None:
+    async def _probe_agent(self, sid: str, vm: _VM, *, open_wait: float = 0.0) -> None:
         """Link DSec's agent if the guest runs it (quick when it does not)."""
         if vm.link is None or vm.proc is None:
             return
-        if await vm.link.probe(await vm.connect_qmp(), restored=restored):
+        if await vm.link.probe(await vm.connect_qmp(), open_wait=open_wait):
             log.info("fullvm %s: DSec's agent answers: sessions on", sid)
 
     def _relink_lost(self, sid: str, vm: _VM) -> None:
@@ -300,7 +300,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             return
         log.warning("fullvm %s: agent channel lost, linking again", sid)
         vm.relinking = asyncio.get_running_loop().create_task(
-            self._probe_agent(sid, vm), name=f"fullvm-relink-{sid}"
+            self._probe_agent(sid, vm, open_wait=RELINK_WAIT), name=f"fullvm-relink-{sid}"
         )
 
     # -- facts (paths, memory: dsec.backends.qemuvm) ----------------------------------
@@ -427,7 +427,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
                 if inp.net is not None:  # the guest still holds the saved VM's address
                     await nic.relink(qmp)
             await self._wait_agent(vm, BOOT_TIMEOUT)
-            await self._probe_agent(sid, vm, restored=image.state is not None)
+            await self._probe_agent(sid, vm, open_wait=OPEN_WAIT if image.state else 0.0)
         except BaseException as exc:
             tail = await self._console_tail(vm)
             with contextlib.suppress(Exception):
@@ -604,9 +604,12 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             for sid, vm in list(self._vms.items()):
                 if vm.proc is None or vm.busy():
                     continue
-                self._relink_lost(sid, vm)
                 try:
-                    if not await (await vm.connect_qmp()).guest_ended(timeout=2):
+                    qmp = await vm.connect_qmp()
+                    if vm.link is not None:
+                        await vm.link.check(qmp)
+                        self._relink_lost(sid, vm)
+                    if not await qmp.guest_ended(timeout=2):
                         continue
                 except Exception as exc:  # a VM torn down under us: not the loop's end
                     log.debug("fullvm %s: guest state unknown: %s", sid, exc)
@@ -710,7 +713,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             vm.snapshot.unlink(missing_ok=True)
             log.info("fullvm %s resumed in %.3fs", sid, time.monotonic() - t0)
             if vm.link is not None:
-                await self._probe_agent(sid, vm, restored=True)
+                await self._probe_agent(sid, vm, open_wait=OPEN_WAIT)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
