@@ -48,6 +48,7 @@ class AgentLink:
         self.chardev = chardev  # QEMU's -chardev socket (in its own directory)
         self.listen = listen  # the edge's socket AgentClient connects to
         self.ready = False  # the guest's agent answered the last probe
+        self.parked = False  # channel dropped on purpose (QEMU saved to a file): no relink
         self._listener: socket.socket | None = None
         self._channel: GuestChannel | None = None
 
@@ -81,7 +82,9 @@ class AgentLink:
     def needs_relink(self) -> bool:
         """True when a ready agent has no live channel (the guest broke it: a protocol
         violation, its mux died; or a pause that failed dropped it)."""
-        return self.ready and (self._channel is None or self._channel.lost is not None)
+        if not self.ready or self.parked:
+            return False
+        return self._channel is None or self._channel.lost is not None
 
     async def probe(self, qmp: Qmp, *, open_wait: float = 0.0) -> bool:
         """Link a new channel and wait for the agent; ``ready`` says the outcome.
@@ -89,6 +92,7 @@ class AgentLink:
         from a saved state gets its port state back from QEMU only shortly after the
         load, a timer; a restarted agent service needs a moment)."""
         await self.drop()
+        self.parked = False
         timeout = PROBE_TIMEOUT
         if not await self._guest_opened(qmp, open_wait):
             await self.close()
@@ -111,6 +115,12 @@ class AgentLink:
             return False
         self.ready = True
         return True
+
+    async def park(self) -> None:
+        """Drop the channel until the next probe (a pause ends QEMU: the next one
+        comes with the restore), keeping ``ready`` and the edge's socket."""
+        self.parked = True
+        await self.drop()
 
     async def drop(self) -> None:
         """End the channel (QEMU is about to end, or a new one follows); the edge's

@@ -658,12 +658,14 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         qmp = await vm.connect_qmp()
         await vm.agent.close()
         if vm.link is not None:  # its socket stays: requests wait for the restore
-            await vm.link.drop()
+            await vm.link.park()
         facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
         try:
             await snapshot.pause_to_file(proc, qmp, vm.snapshot)
         except BaseException:
             facts.pid = proc.pid
+            if vm.link is not None:  # QEMU runs on: the watcher links it again
+                vm.link.parked = False
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGSTOP)
             vm.stopped = True
