@@ -427,7 +427,9 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
                 if inp.net is not None:  # the guest still holds the saved VM's address
                     await nic.relink(qmp)
             await self._wait_agent(vm, BOOT_TIMEOUT)
-            await self._probe_agent(sid, vm, open_wait=OPEN_WAIT if image.state else 0.0)
+            # qemu-ga answered: a restored guest's port state is back (QEMU sets it when
+            # the loaded VM runs), so no wait here either
+            await self._probe_agent(sid, vm)
         except BaseException as exc:
             tail = await self._console_tail(vm)
             with contextlib.suppress(Exception):
@@ -714,8 +716,9 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             await snapshot.load_into(await vm.connect_qmp(), vm.snapshot, timeout=120)
             vm.snapshot.unlink(missing_ok=True)
             log.info("fullvm %s resumed in %.3fs", sid, time.monotonic() - t0)
-            if vm.link is not None:
-                await self._probe_agent(sid, vm, open_wait=OPEN_WAIT)
+            if vm.link is not None:  # wait for the port only where an agent answered
+                wait = OPEN_WAIT if vm.link.ready else 0.5
+                await self._probe_agent(sid, vm, open_wait=wait)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
