@@ -11,7 +11,11 @@ slot's lease (dsec.net.dhcp), and the egress rules and DNS responder apply as fo
 container: the allowed service answers, the denied one does not. Last, a snapshot of
 that VM (its NIC and rules saved with it) starts without booting on a new slot: the
 backend replugs its cable, networkd asks DHCP again and moves to the new address, and
-the saved rules apply there. One boot for all.
+the saved rules apply there. The image runs DSec's own agent (dsec-vminit --service as a
+systemd unit, dsec.backends.fullvm.agentlink): sessions keep their state, a PTY and a
+streamed command work as in a container, also after a job pause saved the VM to a
+file and a request restored it, and after its mux died (the unit restarts it, the host
+links the new one). One boot for all.
 Marked ``slow`` (it builds the Debian image).
 """
 
@@ -57,6 +61,7 @@ pytestmark = [
 BOOT = 600  # seconds to the guest agent under TCG on a loaded 2-core host
 IMAGE = "debian-desktop:test"
 SNAP = "debian-desktop-net:snap"
+JOB = "desktop-test-job"
 
 
 @dataclass
@@ -94,6 +99,7 @@ def desktop() -> Iterator[Desktop]:
                 memory_limit_mb=1024,
                 cpu_cores_limit=2,
                 network_rules={"pypi": True, "npm": False},
+                job_id=JOB,
             )
             t0 = time.monotonic()
             sb = client.run_fullvm(spec, timeout=BOOT)
@@ -187,6 +193,70 @@ def test_the_desktop_gets_its_network_by_dhcp(desktop: Desktop) -> None:
     assert code != 0 and body == ""
 
 
+def test_dsecs_agent_serves_sessions_a_pty_and_streams(desktop: Desktop) -> None:
+    sb = desktop.sb
+    session = sb.session()
+    session.run("mkdir -p /tmp/proj && cd /tmp/proj && export X=41")
+    assert session.run("pwd; echo $((X+1))").stdout == "/tmp/proj\n42\n"
+    # commands go through the agent too: any user, not only qemu-ga's root
+    assert sb.exec(["id", "-un"], user="nobody").stdout == "nobody\n"
+
+    t0, first, chunks = time.monotonic(), None, []
+    for chunk in sb.stream("echo first; sleep 3; echo second"):
+        first = time.monotonic() - t0 if first is None else first
+        chunks.append(chunk.data)
+    assert b"".join(chunks) == b"first\nsecond\n"
+    assert first is not None and first < time.monotonic() - t0 - 2  # before the end
+
+    with sb.pty(rows=20, cols=70) as term:
+        term.write("stty size; echo pty-$((6*7))\n")
+        seen, deadline = b"", time.monotonic() + 30
+        while b"pty-42" not in seen or b"20 70" not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += term.read()
+        term.write("exit 3\n")
+        while term.read():
+            pass
+        assert term.exit is not None and term.exit.exit_code == 3
+
+
+def test_dsecs_agent_comes_back_when_its_mux_dies(desktop: Desktop) -> None:
+    """The guest's mux killed (outside the agent's process tree): the service restarts
+    mux and agent, the host sees the port close and links the new mux."""
+    sb = desktop.sb
+    sb.exec(["systemd-run", "--on-active=1", "pkill", "-x", "dsec-vmmux"])
+    t0 = time.monotonic()
+
+    def back() -> bool:
+        try:
+            restarts = sb.session().run(
+                "systemctl show -p NRestarts --value dsec-agent.service", timeout=10
+            )
+        except DSecError:
+            return False  # the old link dropped under the request, or not linked yet
+        return restarts.stdout == "1\n"
+
+    until("the agent linked again", back, 90)
+    print(f"agent back {time.monotonic() - t0:.1f}s after its mux was killed")
+
+
+def test_dsecs_agent_survives_a_pause(desktop: Desktop) -> None:
+    sb = desktop.sb
+    session = sb.session()
+    session.run("cd /etc && export Y=7")
+    t0 = time.monotonic()
+    report = desktop.client.pause_job(JOB)
+    assert report.paused == 1, report
+    assert sb.refresh().state.value == "paused"
+    print(f"debian-desktop paused to its file in {time.monotonic() - t0:.1f}s")
+    t0 = time.monotonic()
+    # the session's request resumes the VM; the agent is linked again, state kept
+    assert session.run("pwd; echo $Y").stdout == "/etc\n7\n"
+    print(f"debian-desktop resumed for a session in {time.monotonic() - t0:.1f}s")
+    assert sb.refresh().state.value == "running"
+    assert [c.data for c in sb.stream("echo after")] == [b"after\n"]
+
+
 def test_a_snapshot_with_network_rules_starts_on_a_new_lease(desktop: Desktop) -> None:
     """Last in the module: a second VM beside the first."""
     old_ip = desktop.sb.run_shell("hostname -I").stdout.split()[0]
@@ -199,6 +269,8 @@ def test_a_snapshot_with_network_rules_starts_on_a_new_lease(desktop: Desktop) -
     with desktop.client.run_fullvm(spec, timeout=BOOT) as clone:
         print(f"debian-desktop start from snapshot: {time.monotonic() - t0:.1f}s")
         assert clone.info.spec.network_rules == {"pypi": True, "npm": False}
+        # the restored guest's agent is linked anew (its old host end is gone)
+        assert clone.session().run("echo $((2*21))").stdout == "42\n"
 
         def moved() -> bool:
             ips = clone.run_shell("hostname -I").stdout.split()

@@ -19,6 +19,7 @@ __all__ = [
     "source_digest",
     "untrusted_binary",
     "vminit_binary",
+    "vminit_source_digest",
 ]
 
 
@@ -49,6 +50,10 @@ def untrusted_binary() -> Path:
 
 
 VMINIT_SOURCE = Path(__file__).with_name("dsec-vminit.c")
+
+
+def vminit_source_digest() -> str:
+    return native.source_digest(VMINIT_SOURCE)
 
 
 def vminit_binary() -> Path:

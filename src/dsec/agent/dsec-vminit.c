@@ -86,12 +86,15 @@
 #include <sys/time.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <sys/xattr.h>
 #include <linux/openat2.h>
 #include <time.h>
 #include <unistd.h>
 
 #define AGENT_SOCK "/.dsec-agent.sock"
+#define SERVICE_DIR "/run/dsec-agent"
+#define SERVICE_SOCK SERVICE_DIR "/agent.sock"
 #define PORT_NAME "dsec.agent"
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define MAX_LAYERS 32
@@ -126,6 +129,8 @@
 /* ------------------------------------------------------------------------------------ */
 /* failure                                                                              */
 
+static int g_service; /* --service: a full VM's system service, not pid 1 (see service_main) */
+
 static void __attribute__((noreturn, format(printf, 1, 2))) die(const char *fmt, ...)
 {
 	char msg[512];
@@ -134,6 +139,8 @@ static void __attribute__((noreturn, format(printf, 1, 2))) die(const char *fmt,
 	vsnprintf(msg, sizeof msg, fmt, ap);
 	va_end(ap);
 	dprintf(2, "dsec-vminit: %s\n", msg);
+	if (g_service)
+		_exit(1); /* a service's failure is its own, never the machine's */
 	sync();
 	reboot(RB_AUTOBOOT); /* QEMU runs with -no-reboot: this ends it */
 	_exit(1);
@@ -354,8 +361,9 @@ static void load_modules(int phase)
 	fclose(f);
 }
 
-/* /dev/vportNpM whose sysfs name is PORT_NAME, waiting for it to appear. */
-static void find_port(char *dev, size_t len)
+/* /dev/vportNpM whose sysfs name is PORT_NAME, waiting for it to appear; -1 when it
+ * never does. */
+static int find_port(char *dev, size_t len)
 {
 	for (int waited = 0; waited < DEVICE_WAIT_MS; waited += 5) {
 		DIR *d = opendir("/sys/class/virtio-ports");
@@ -369,7 +377,7 @@ static void find_port(char *dev, size_t len)
 				snprintf(dev, len, "/dev/%s", e->d_name);
 				closedir(d);
 				if (access(dev, F_OK) == 0)
-					return;
+					return 0;
 				d = NULL;
 				break;
 			}
@@ -378,8 +386,7 @@ static void find_port(char *dev, size_t len)
 			closedir(d);
 		sleep_ms(5);
 	}
-	die("no virtio-serial port named %s (is -device virtserialport,name=%s there?)", PORT_NAME,
-	    PORT_NAME);
+	return -1;
 }
 
 /* /dev/vdX whose /sys/block/vdX/serial is `serial`, or "" while it is missing. */
@@ -558,6 +565,7 @@ static unsigned char g_nonce[8];
 static uint32_t g_last_id; /* highest channel id the host opened since its RESET */
 static int g_state = ST_BOOTING;
 static int g_go_fd = -1;   /* template mode: where the GO parameters go to pid 1 */
+static const char *g_agent_sock = AGENT_SOCK; /* SERVICE_SOCK in service mode */
 
 static void put_le32(unsigned char *p, uint32_t v)
 {
@@ -642,7 +650,8 @@ static void chan_open(uint32_t id)
 		return;
 	}
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	struct sockaddr_un sun = {.sun_family = AF_UNIX, .sun_path = AGENT_SOCK};
+	struct sockaddr_un sun = {.sun_family = AF_UNIX};
+	snprintf(sun.sun_path, sizeof sun.sun_path, "%s", g_agent_sock);
 	if (fd < 0 || connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0) {
 		warn_line("agent channel: connect to the agent: %s", strerror(errno));
 		if (fd >= 0)
@@ -1576,10 +1585,17 @@ static void remove_initramfs_files(void)
 	unlink("/init");
 }
 
-int main(void)
+static int service_main(const char *agent_path);
+
+int main(int argc, char **args)
 {
-	if (getpid() != 1)
-		die("must run as pid 1 of a microVM (it mounts, loads modules and switches root)");
+	if (argc == 3 && !strcmp(args[1], "--service"))
+		return service_main(args[2]);
+	if (getpid() != 1) { /* never die() here: its reboot would be the host's or a guest's */
+		dprintf(2, "dsec-vminit: must run as pid 1 of a microVM (it mounts, loads modules "
+			   "and switches root), or as: dsec-vminit --service /path/to/dsec-init\n");
+		return 2;
+	}
 	umask(022);
 	mkdir_p("/dev", 0755);
 	mkdir_p("/proc", 0555);
@@ -1597,7 +1613,9 @@ int main(void)
 
 	load_modules(0);
 	char port[300];
-	find_port(port, sizeof port);
+	if (find_port(port, sizeof port) < 0)
+		die("no virtio-serial port named %s (is -device virtserialport,name=%s there?)",
+		    PORT_NAME, PORT_NAME);
 
 	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	struct sockaddr_un sun = {.sun_family = AF_UNIX, .sun_path = AGENT_SOCK};
@@ -1679,4 +1697,114 @@ int main(void)
 	if (write(exec_pipe[1], &err, sizeof err) < 0) {
 	}
 	die("exec the agent: %s", strerror(err));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* service mode                                                                         */
+
+/*
+ * `dsec-vminit --service /path/to/dsec-init`: the agent in a full VM, started by the
+ * image's own init (a systemd unit in debian-desktop, dsec.guest.desktopimage). The
+ * guest booted itself, so none of pid 1's work happens here (no mounts, modules, root
+ * switch, network, hostname): find the dsec.agent port, bind the agent's listening
+ * socket in a root-only directory of /run (unreachable to unprivileged guest users),
+ * then fork the mux (the same one as a microVM's: the host sees one channel protocol)
+ * and the agent (exec'd with fd 3 that socket and DSEC_AGENT_FD=3; not being pid 1, it
+ * makes itself the subreaper of what it starts). This process stays as their
+ * supervisor: when either ends, the other is killed and it exits 1, so the service
+ * manager restarts all three as one (a lone agent without its mux would serve nobody;
+ * the host sees the port close and links the new mux). Both children die with it
+ * (parent-death signal). No port (a VM booted without the channel): nothing to serve,
+ * exit 0.
+ */
+static int service_main(const char *agent_path)
+{
+	g_service = 1;
+	umask(022);
+	if (agent_path[0] != '/')
+		die("--service needs the agent's absolute path, not %s", agent_path);
+	int agent = open(agent_path, O_RDONLY | O_CLOEXEC);
+	if (agent < 0)
+		die("open %s: %s", agent_path, strerror(errno));
+	char port[300];
+	if (find_port(port, sizeof port) < 0) {
+		warn_line("no virtio-serial port named %s: no agent channel in this VM", PORT_NAME);
+		return 0;
+	}
+	struct stat st;
+	if (mkdir(SERVICE_DIR, 0700) < 0 && errno != EEXIST)
+		die("mkdir %s: %s", SERVICE_DIR, strerror(errno));
+	if (lstat(SERVICE_DIR, &st) < 0 || !S_ISDIR(st.st_mode) || st.st_uid != 0 ||
+	    chmod(SERVICE_DIR, 0700) < 0)
+		die("%s is not root's directory", SERVICE_DIR);
+	g_agent_sock = SERVICE_SOCK;
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sun = {.sun_family = AF_UNIX, .sun_path = SERVICE_SOCK};
+	unlink(SERVICE_SOCK);
+	if (lfd < 0 || bind(lfd, (struct sockaddr *)&sun, sizeof sun) < 0 ||
+	    chmod(SERVICE_SOCK, 0600) < 0 || listen(lfd, 4096) < 0)
+		die("agent socket %s: %s", SERVICE_SOCK, strerror(errno));
+	int exec_pipe[2];
+	if (pipe2(exec_pipe, O_CLOEXEC) < 0)
+		die("pipe: %s", strerror(errno));
+	if (chdir("/") < 0)
+		die("chdir /: %s", strerror(errno));
+	pid_t parent = getpid();
+	pid_t mux = fork();
+	if (mux < 0)
+		die("fork: %s", strerror(errno));
+	if (mux == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent) /* the supervisor is gone already */
+			_exit(1);
+		close(lfd);
+		close(agent);
+		close(exec_pipe[1]);
+		mux_main(port, exec_pipe[0], -1);
+		_exit(1);
+	}
+	close(exec_pipe[0]);
+	pid_t child = fork();
+	if (child < 0) {
+		kill(mux, SIGKILL);
+		die("fork: %s", strerror(errno));
+	}
+	if (child == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(1);
+		if (lfd != 3) {
+			if (agent == 3) {
+				agent = fcntl(3, F_DUPFD_CLOEXEC, 4);
+				if (agent < 0)
+					die("fcntl: %s", strerror(errno));
+			}
+			if (dup2(lfd, 3) < 0)
+				die("dup2: %s", strerror(errno));
+			close(lfd);
+		} else if (fcntl(3, F_SETFD, 0) < 0) {
+			die("fcntl: %s", strerror(errno));
+		}
+		char *argv[] = {(char *)"dsec-init", NULL};
+		char *envp[] = {(char *)"PATH=" DEFAULT_PATH, (char *)"DSEC_AGENT_FD=3", NULL};
+		syscall(SYS_execveat, agent, "", argv, envp, AT_EMPTY_PATH);
+		int err = errno;
+		if (write(exec_pipe[1], &err, sizeof err) < 0) {
+		}
+		die("exec the agent: %s", strerror(err));
+	}
+	close(exec_pipe[1]);
+	close(lfd);
+	close(agent);
+	prctl(PR_SET_NAME, "dsec-agentsv");
+	int status = 0;
+	pid_t ended;
+	while ((ended = waitpid(-1, &status, 0)) < 0 && errno == EINTR) {
+	}
+	warn_line("the %s ended (status %d): restarting both", ended == mux ? "mux" : "agent",
+		  status);
+	kill(ended == mux ? child : mux, SIGKILL);
+	while (waitpid(-1, NULL, 0) > 0 || errno == EINTR) {
+	}
+	return 1;
 }

@@ -255,6 +255,22 @@ class Backend(ABC):
                 capability=capability.value,
             )
 
+    def capabilities_of(self, rec: SandboxRecord) -> frozenset[Capability]:
+        """What this backend does for the sandbox ``rec``: ``capabilities``, unless a
+        sandbox's own guest adds to them (a full VM whose image runs DSec's agent has
+        sessions; one without has not)."""
+        return self.capabilities
+
+    def require_of(self, rec: SandboxRecord, capability: Capability) -> None:
+        """``require`` for one sandbox (``capabilities_of``): Unsupported (501)."""
+        if capability not in self.capabilities_of(rec):
+            raise Unsupported(
+                f"the {self.kind.value} backend does not support {capability.value}"
+                + ("" if capability in self.capabilities else f" for sandbox {rec.id}"),
+                backend=self.kind.value,
+                capability=capability.value,
+            )
+
     async def start(self) -> None:
         """Prepare the host (binaries, directories); called once before any create."""
 

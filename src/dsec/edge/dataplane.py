@@ -461,7 +461,7 @@ class DataPlane:
             self._pending.add(sandbox_id)  # paused (frozen: its agent cannot answer now)
             return
         backend = self.edge.backends.get(rec.kind)
-        if backend is None or Capability.SESSIONS not in backend.capabilities:
+        if backend is None or Capability.SESSIONS not in backend.capabilities_of(rec):
             return  # no agent to ask: nothing of it to follow again
         agent = backend.agent(rec)
         try:
@@ -613,8 +613,8 @@ class DataPlane:
     def _without_agent(self, sandbox_id: str) -> bool:
         """Whether the sandbox's backend has files but no session agent (a full VM's
         guest agent): its file routes then go through the backend, buffered."""
-        backend = self.edge.backend_of(self.edge.running_record(sandbox_id))
-        caps = backend.capabilities
+        rec = self.edge.running_record(sandbox_id)
+        caps = self.edge.backend_of(rec).capabilities_of(rec)
         return Capability.SESSIONS not in caps and Capability.FILES in caps
 
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:

@@ -727,8 +727,12 @@ class Edge:
         return backend
 
     def backend_of(self, rec: SandboxRecord, capability: Capability | None = None) -> Backend:
-        """The backend of the sandbox ``rec`` (see ``backend_for``)."""
-        return self.backend_for(rec.kind, capability)
+        """The backend of the sandbox ``rec`` (see ``backend_for``); the capability is
+        the sandbox's own (``Backend.capabilities_of``)."""
+        backend = self.backend_for(rec.kind)
+        if capability is not None:
+            backend.require_of(rec, capability)
+        return backend
 
     def _disk_pressure(self) -> str | None:
         """The first backend's reason its writable disks are held short, if any."""

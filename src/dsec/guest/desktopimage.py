@@ -16,6 +16,14 @@ a VM started from a snapshot moves to its new slot's address (the backend unplug
 replugs the cable after the restore, dsec.backends.fullvm.nic.relink); without rules
 there is no eth0 and nothing waits for one.
 
+DSec's own agent (``dsec-init``, the containers' and microVMs' agent) serves what
+qemu-ga cannot (sessions, PTY, streaming): ``dsec-agent.service`` runs
+``dsec-vminit --service``, which finds the ``dsec.agent`` virtio-serial port, relays it
+to the agent's root-only socket and execs the agent (dsec-vminit.c, service_main). Both
+binaries are the project's static builds, copied root-owned into /usr/local/lib/dsec;
+the key hashes their sources, so an agent change rebuilds the image (the host speaks
+to the agent it was built with).
+
 Built on the host with debootstrap (as ``debian-python``, dsec.images.builders), into
 ``$DSEC_CACHE_DIR/fullvm/debian-desktop-<key>`` (disk.qcow2, vmlinuz, initrd.img), in
 a temporary directory renamed into place when complete, under a file lock; the key
@@ -34,6 +42,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from dsec.agent import build as agent_build
 from dsec.errors import ImageBuildError
 from dsec.guest.vmimage import VMImageFiles
 from dsec.images.builders import ProgressFn, debootstrap, run_logged
@@ -71,11 +80,26 @@ FILES: dict[str, str] = {
     "root/.xinitrc": (
         "xterm -geometry 100x30+10+10 &\nexec matchbox-window-manager -use_titlebar no\n"
     ),
+    # the agent starts early (before sysinit's end: it needs only /run and /dev) and comes
+    # back if it dies, its port closed for 5 s: longer than the host's check interval
+    # (the backend's guest-end watcher), so the host sees it and links the new mux;
+    # without the port it exits 0 and stays down
+    "etc/systemd/system/dsec-agent.service": (
+        "[Unit]\nDescription=DSec agent (sessions, PTY, streaming for the host)\n"
+        "DefaultDependencies=no\nConflicts=shutdown.target\nBefore=shutdown.target\n\n"
+        "[Service]\nExecStart=/usr/local/lib/dsec/dsec-vminit --service "
+        "/usr/local/lib/dsec/dsec-init\nRestart=on-failure\nRestartSec=5\n"
+        "KillMode=control-group\n\n[Install]\nWantedBy=sysinit.target\n"
+    ),
 }
+AGENT_DIR = "usr/local/lib/dsec"
 # the guest agent's unit is static (udev wants it when its port appears); wanted by
 # multi-user too, so a missing udev rule cannot leave the VM without an agent; the
 # network (networkd, resolved) enabled; resolv.conf is resolved's stub (symlinks all)
 WANTS = {
+    "etc/systemd/system/sysinit.target.wants/dsec-agent.service": (
+        "/etc/systemd/system/dsec-agent.service"
+    ),
     "etc/systemd/system/multi-user.target.wants/qemu-guest-agent.service": (
         "/lib/systemd/system/qemu-guest-agent.service"
     ),
@@ -94,6 +118,7 @@ WANTS = {
 
 def _key() -> str:
     parts = [FORMAT_VERSION, SUITE, ",".join(PACKAGES), str(SLACK_MB), CMDLINE, repr(FILES)]
+    parts += [repr(WANTS), agent_build.source_digest(), agent_build.vminit_source_digest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -124,6 +149,13 @@ def _configure(tree: Path) -> None:
         link.parent.mkdir(parents=True, exist_ok=True)
         if not os.path.lexists(link):
             link.symlink_to(target)
+    agent_dir = tree / AGENT_DIR
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    for binary in (agent_build.agent_binary(), agent_build.vminit_binary()):
+        dest = agent_dir / binary.name.rsplit("-", 1)[0]  # dsec-init-<digest> -> dsec-init
+        shutil.copyfile(binary, dest)
+        os.chown(dest, 0, 0)
+        dest.chmod(0o755)
     for pattern in ("var/cache/apt/archives/*.deb", "var/lib/apt/lists/*_Packages"):
         for path in tree.glob(pattern):
             path.unlink()

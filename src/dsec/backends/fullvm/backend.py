@@ -12,9 +12,14 @@ Job pause is a microVM's: SIGSTOP, then the VM's memory and device state saved t
 file through QMP and QEMU ended; resume starts the same command line again
 (``machine.Launch``, kept next to the VM) with ``-incoming`` and restores the file.
 
-What a full VM does not have (yet): sessions, PTYs, streaming and background
-processes (the guest agent runs one-shot commands only: not declared, so the edge
-refuses them with 501), verify steps.
+Sessions, PTYs, streaming and background processes are DSec's own agent's
+(agentlink.py): every VM gets its ``dsec.agent`` port, and a VM whose image runs the
+agent there (debian-desktop does) declares ``sessions`` once the agent answers a
+probe after qemu-ga (again after a resume, a restore or an edge restart); then
+commands and files go through it too, the data path of containers and microVMs
+(dsec.backends.agentpath). An image without it keeps qemu-ga's one-shot commands and
+files, and the edge refuses sessions with 501 (``capabilities_of``). Not yet: verify
+steps.
 
 A snapshot of a VM with network rules keeps its NIC and rules (``VMMachine.nic``,
 ``network_rules``); a sandbox started from it gets a new slot, tap and lease (its own
@@ -43,6 +48,7 @@ from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, ExecResult
 from dsec.api.images import ImageInfo
 from dsec.api.spec import BackendKind, DSecFullVMRunArgs, RunArgs
+from dsec.backends.agentpath import AgentDataPath
 from dsec.backends.base import (
     Backend,
     BackendHost,
@@ -52,10 +58,12 @@ from dsec.backends.base import (
     SandboxRecord,
 )
 from dsec.backends.fullvm import capture, guestops, nic, restore
+from dsec.backends.fullvm.agentlink import OPEN_WAIT, RELINK_WAIT, AgentLink
 from dsec.backends.fullvm.disk import create_overlay, overlay_size
 from dsec.backends.fullvm.display import Display
 from dsec.backends.fullvm.facts import FullVMFacts
 from dsec.backends.fullvm.machine import (
+    AGENT_SOCKET,
     OVMF_CODE,
     OVMF_VARS,
     VNC_SOCKET,
@@ -115,6 +123,8 @@ class _VM:
     proc: QemuProcess | None
     agent: GuestAgent
     display: Display
+    link: AgentLink | None = None  # DSec's agent port (None: launched without one)
+    relinking: asyncio.Task[None] | None = None
     qmp: Qmp | None = None
     ended: str | None = None
     stopped: bool = False  # SIGSTOPped by a pause: QMP would not answer
@@ -144,7 +154,13 @@ class _VM:
 
     async def close(self) -> None:
         """Drop this process's links to the VM (QEMU itself runs on)."""
+        if self.relinking is not None and not self.relinking.done():
+            self.relinking.cancel()
+            with contextlib.suppress(BaseException):
+                await self.relinking
         await self.agent.close()
+        if self.link is not None:
+            await self.link.close()
         if self.qmp is not None:
             qmp, self.qmp = self.qmp, None
             with contextlib.suppress(Exception):
@@ -162,7 +178,7 @@ class _VM:
             await asyncio.to_thread(proc.kill)
 
 
-class FullVMBackend(QemuVMBackend, Backend):
+class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
     kind = BackendKind.FULLVM
     capabilities = frozenset(
         {
@@ -248,6 +264,44 @@ class FullVMBackend(QemuVMBackend, Backend):
             await vm.close()  # QEMU runs on: the next edge adopts it
         self._vms.clear()
         await self.remove_parent_cgroup_if_empty()
+
+    # -- DSec's agent, when the image has it (agentlink.py) ----------------------------
+    def agent_socket(self, sandbox_id: str) -> Path:
+        """The edge's socket of the VM's agent (root's; QEMU's chardev is in q/)."""
+        return self.vm_dir(sandbox_id) / "agent.sock"
+
+    def _link(self, sid: str, launch: Launch) -> AgentLink | None:
+        chardev = launch.agent_socket
+        return AgentLink(chardev, self.agent_socket(sid)) if chardev is not None else None
+
+    def _has_agent(self, sid: str) -> bool:
+        vm = self._vms.get(sid)
+        return vm is not None and vm.link is not None and vm.link.ready
+
+    def capabilities_of(self, rec: SandboxRecord) -> frozenset[Capability]:
+        """Sessions (PTY, streaming, the agent's files) for a VM whose agent answered."""
+        if self._has_agent(rec.id):
+            return self.capabilities | {Capability.SESSIONS}
+        return self.capabilities
+
+    async def _probe_agent(self, sid: str, vm: _VM, *, open_wait: float = 0.0) -> None:
+        """Link DSec's agent if the guest runs it (quick when it does not)."""
+        if vm.link is None or vm.proc is None:
+            return
+        if await vm.link.probe(await vm.connect_qmp(), open_wait=open_wait):
+            log.info("fullvm %s: DSec's agent answers: sessions on", sid)
+
+    def _relink_lost(self, sid: str, vm: _VM) -> None:
+        """A ready agent whose channel broke (or was dropped by a failed pause) gets a
+        new one in the background; a second failure turns its sessions off."""
+        if vm.link is None or not vm.link.needs_relink():
+            return
+        if vm.relinking is not None and not vm.relinking.done():
+            return
+        log.warning("fullvm %s: agent channel lost, linking again", sid)
+        vm.relinking = asyncio.get_running_loop().create_task(
+            self._probe_agent(sid, vm, open_wait=RELINK_WAIT), name=f"fullvm-relink-{sid}"
+        )
 
     # -- facts (paths, memory: dsec.backends.qemuvm) ----------------------------------
     def load_facts(self, data: Mapping[str, Any]) -> FullVMFacts:
@@ -342,6 +396,7 @@ class FullVMBackend(QemuVMBackend, Backend):
                 display=spec.display,
                 vnc_socket=root / "q" / VNC_SOCKET,
                 nic_mac=str(inp.net["mac"]) if inp.net is not None else None,
+                agent_socket=root / "q" / AGENT_SOCKET,
             )
             if saved is not None:
                 config = restore.shaped(config, saved)
@@ -364,6 +419,7 @@ class FullVMBackend(QemuVMBackend, Backend):
                     tap.close()  # QEMU holds its own copy
             facts.pid, facts.pid_start = proc.pid, proc.start_time
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
+            vm.link = self._link(sid, launch)
             self._vms[sid] = vm
             if image.state is not None:  # no boot: the saved guest runs on
                 qmp = await vm.connect_qmp()
@@ -371,6 +427,9 @@ class FullVMBackend(QemuVMBackend, Backend):
                 if inp.net is not None:  # the guest still holds the saved VM's address
                     await nic.relink(qmp)
             await self._wait_agent(vm, BOOT_TIMEOUT)
+            # qemu-ga answered: a restored guest's port state is back (QEMU sets it when
+            # the loaded VM runs), so no wait here either
+            await self._probe_agent(sid, vm)
         except BaseException as exc:
             tail = await self._console_tail(vm)
             with contextlib.suppress(Exception):
@@ -385,6 +444,7 @@ class FullVMBackend(QemuVMBackend, Backend):
             AuditKind.LIFECYCLE,
             "fullvm_restored" if saved is not None else "fullvm_started",
             accel=facts.accel,
+            dsec_agent=self._has_agent(sid),
         )
         return facts
 
@@ -465,6 +525,7 @@ class FullVMBackend(QemuVMBackend, Backend):
             await vm.close()
             return False
         self._vms[rec.id] = vm
+        await self._probe_agent(rec.id, vm)
         return True
 
     async def _resume_interrupted_capture(self, sid: str, vm: _VM) -> None:
@@ -494,7 +555,9 @@ class FullVMBackend(QemuVMBackend, Backend):
                     facts.pid, facts.pid_start, Path(launch.qmp_socket), Path(launch.log_path)
                 )
         display = Display(Path(launch.qmp_socket).parent)
-        return _VM(root, launch, proc, GuestAgent(Path(launch.ga_socket)), display)
+        vm = _VM(root, launch, proc, GuestAgent(Path(launch.ga_socket)), display)
+        vm.link = self._link(rec.id, launch)
+        return vm
 
     async def adopt_paused(self, rec: SandboxRecord) -> bool:
         """A VM paused across an edge restart: saved to its file (no QEMU), or stopped
@@ -544,7 +607,11 @@ class FullVMBackend(QemuVMBackend, Backend):
                 if vm.proc is None or vm.busy():
                     continue
                 try:
-                    if not await (await vm.connect_qmp()).guest_ended(timeout=2):
+                    qmp = await vm.connect_qmp()
+                    if vm.link is not None:
+                        await vm.link.check(qmp)
+                        self._relink_lost(sid, vm)
+                    if not await qmp.guest_ended(timeout=2):
                         continue
                 except Exception as exc:  # a VM torn down under us: not the loop's end
                     log.debug("fullvm %s: guest state unknown: %s", sid, exc)
@@ -592,11 +659,15 @@ class FullVMBackend(QemuVMBackend, Backend):
         vm.stopped = False
         qmp = await vm.connect_qmp()
         await vm.agent.close()
+        if vm.link is not None:  # its socket stays: requests wait for the restore
+            await vm.link.park()
         facts.pid = None  # its exit is on purpose: the edge must not fail the sandbox
         try:
             await snapshot.pause_to_file(proc, qmp, vm.snapshot)
         except BaseException:
             facts.pid = proc.pid
+            if vm.link is not None:  # QEMU runs on: the watcher links it again
+                vm.link.parked = False
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGSTOP)
             vm.stopped = True
@@ -645,6 +716,9 @@ class FullVMBackend(QemuVMBackend, Backend):
             await snapshot.load_into(await vm.connect_qmp(), vm.snapshot, timeout=120)
             vm.snapshot.unlink(missing_ok=True)
             log.info("fullvm %s resumed in %.3fs", sid, time.monotonic() - t0)
+            if vm.link is not None:  # wait for the port only where an agent answered
+                wait = OPEN_WAIT if vm.link.ready else 0.5
+                await self._probe_agent(sid, vm, open_wait=wait)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -724,6 +798,8 @@ class FullVMBackend(QemuVMBackend, Backend):
 
     async def exec(self, rec: SandboxRecord, req: ExecRequest) -> ExecResult:
         vm = await self._vm(rec)
+        if self._has_agent(rec.id):  # DSec's agent: any user, the containers' semantics
+            return await AgentDataPath.exec(self, rec, req)
         if req.user not in ROOT_USERS:
             raise Unsupported(
                 "the fullvm backend runs commands as the guest agent's user only (root): "
@@ -755,6 +831,8 @@ class FullVMBackend(QemuVMBackend, Backend):
 
     async def read_file(self, rec: SandboxRecord, path: str, *, max_bytes: int) -> bytes:
         vm = await self._vm(rec)
+        if self._has_agent(rec.id):
+            return await AgentDataPath.read_file(self, rec, path, max_bytes=max_bytes)
         try:
             return await guestops.read_file(vm.agent, path, max_bytes=max_bytes)
         except GuestCommandError as exc:
@@ -762,6 +840,9 @@ class FullVMBackend(QemuVMBackend, Backend):
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, *, mode: int) -> None:
         vm = await self._vm(rec)
+        if self._has_agent(rec.id):
+            await AgentDataPath.write_file(self, rec, path, data, mode=mode)
+            return
         try:
             await guestops.write_file(vm.agent, path, data, mode=mode)
         except GuestCommandError as exc:

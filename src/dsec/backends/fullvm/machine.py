@@ -37,6 +37,11 @@ from dsec.errors import BackendError
 
 Firmware = Literal["bios", "uefi"]
 GA_PORT = "org.qemu.guest_agent.0"  # the name every qemu-ga looks for
+# DSec's own agent, in images that have it (dsec.backends.fullvm.agentlink): its port
+# name is the one the guest end looks for (dsec-vminit.c, service mode)
+AGENT_PORT = "dsec.agent"
+AGENT_CHARDEV = "dsecagent"
+AGENT_SOCKET = "agent.sock"  # in the VM's socket directory, beside qmp.sock
 # Debian's OVMF (package ovmf): the firmware code, shared read-only, and the template
 # of the variable store each UEFI VM gets a private copy of (it writes boot entries).
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
@@ -74,6 +79,7 @@ class FullVMConfig:
     display: tuple[int, int] = DEFAULT_DISPLAY
     vnc_socket: Path | None = None  # the live view's VNC server (unix socket), if any
     nic_mac: str | None = None  # a virtio-net NIC on the sandbox's tap (dsec.net.vmtap)
+    agent_socket: Path | None = None  # the chardev of DSec's agent port, if any
 
     def readable_files(self) -> list[Path]:
         """What QEMU reads besides the disk chain (for the jail's read-only binds);
@@ -92,7 +98,8 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         raise BackendError("a UEFI VM needs its own copy of the OVMF variable store")
     if config.vcpus < 1 or config.memory_mb < 64:
         raise BackendError(f"bad VM size: {config.vcpus} vCPUs, {config.memory_mb} MiB")
-    for path in (config.disk, config.ga_socket, config.qmp_socket, config.vnc_socket or ""):
+    paths = (config.disk, config.ga_socket, config.qmp_socket, config.vnc_socket or "")
+    for path in (*paths, config.agent_socket or ""):
         if "," in str(path):
             raise BackendError(f"a VM path contains a comma: {path}")
     argv = [
@@ -117,6 +124,11 @@ def build_argv(config: FullVMConfig, *, binary: str | None = None) -> list[str]:
         "-device", f"virtserialport,chardev=ga,name={GA_PORT}",
         "-device", "virtio-tablet-pci",
     ]  # fmt: skip
+    if config.agent_socket is not None:
+        argv += [
+            "-chardev", f"socket,id={AGENT_CHARDEV},path={config.agent_socket},server=on,wait=off",
+            "-device", f"virtserialport,chardev={AGENT_CHARDEV},name={AGENT_PORT}",
+        ]  # fmt: skip
     if config.nic_mac is not None:
         argv += nic.qemu_args(config.nic_mac)
     if config.firmware == "uefi":
@@ -188,6 +200,17 @@ class Launch:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    @property
+    def agent_socket(self) -> Path | None:
+        """The agent port's chardev, None for a VM launched without one (before the
+        port existed: its launch.json is read back after an edge restart)."""
+        path = Path(self.qmp_socket).parent / AGENT_SOCKET
+        chardev = f"socket,id={AGENT_CHARDEV},path={path},server=on,wait=off"
+        return path if chardev in self.argv else None
+
+    def _agent_stale(self) -> tuple[Path, ...]:
+        return (self.agent_socket,) if self.agent_socket is not None else ()
+
     def spawn(
         self, jail: Jail, *, incoming: bool = False, tap_fd: int | None = None
     ) -> QemuProcess:
@@ -203,6 +226,6 @@ class Launch:
             argv,
             qmp_socket=Path(self.qmp_socket),
             log_path=Path(self.log_path),
-            stale=(Path(self.qmp_socket), Path(self.ga_socket)),
+            stale=(Path(self.qmp_socket), Path(self.ga_socket), *self._agent_stale()),
             pass_fds=[tap_fd] if tap_fd is not None else [],
         )

@@ -107,6 +107,14 @@ class Qmp:
         """Whether the guest is over while QEMU still runs (read the console, kill)."""
         return await self.status(timeout) in GUEST_ENDED
 
+    async def guest_opened(self, chardev: str, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Whether the guest has opened the device of ``chardev`` (a virtio-serial
+        port: a guest program holds it open), False for no such chardev."""
+        for dev in await self.execute("query-chardev", timeout=timeout):
+            if dev.get("label") == chardev:
+                return dev.get("frontend-open") is True
+        return False
+
     async def send_fd(self, name: str, fd: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Hand QEMU one of our fds under ``name`` (getfd + SCM_RIGHTS): how QEMU gets
         a snapshot file it may not open itself (jailed, spawn denied)."""
