@@ -71,6 +71,21 @@ async def test_writers_on_many_threads_lose_nothing() -> None:
     await log.close()
 
 
+def test_has_record_finds_a_process_end_batched_or_written(tmp_path: Path) -> None:
+    """What a restarted edge asks before it takes an agent's word that an end was
+    recorded: pending rows count, other processes and sandboxes do not."""
+    audit = AuditLog(tmp_path / "audit.db")
+    audit.record("s1", AuditKind.COMMAND, "process_end", process="p1", exit_code=0)
+    assert audit.has_record("s1", AuditKind.COMMAND, "process_end", process="p1")
+    assert not audit.has_record("s1", AuditKind.COMMAND, "process_end", process="p2")
+    assert not audit.has_record("s2", AuditKind.COMMAND, "process_end", process="p1")
+    assert not audit.has_record("s1", AuditKind.COMMAND, "process_start", process="p1")
+    audit.flush()
+    assert AuditLog(tmp_path / "audit.db").has_record(
+        "s1", AuditKind.COMMAND, "process_end", process="p1"
+    )
+
+
 def test_huge_detail_is_clipped_not_refused() -> None:
     log = AuditLog(None)
     log.record("s-1", AuditKind.COMMAND, "exec", command="x" * 100_000)

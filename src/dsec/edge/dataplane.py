@@ -499,7 +499,12 @@ class DataPlane:
                 background=True,
                 kept=True,
                 started_at=datetime.fromtimestamp(k.started_ns / 1e9, UTC),
-                ended_before=k.delivered,
+                # The agent says the end went out to a client, not that the edge that
+                # got it lived to record it: the record itself decides (exactly once).
+                ended_before=k.delivered
+                and self.edge.audit.has_record(
+                    rec.id, AuditKind.COMMAND, "process_end", process=k.key
+                ),
             )
             counts["running" if k.running else "exited"] += 1
 

@@ -357,6 +357,20 @@ class AuditLog:
         """Everything recorded, oldest first, matching every filter given."""
         return [_record(r) for r in self._select(False, [k.value for k in kinds or ()], filters)]
 
+    def has_record(self, sandbox_id: str, kind: AuditKind, action: str, process: str) -> bool:
+        """Whether ``action`` on ``process`` of a sandbox is on record (written, or
+        waiting in the batch): what an edge that takes over a sandbox's processes
+        checks, rather than trusting that the edge before it wrote what it saw end
+        (it may have died between seeing the end and recording it)."""
+        self.flush()
+        with self._db_lock:
+            row = self._db.execute(
+                "SELECT 1 FROM audit WHERE sandbox = ? AND kind = ? AND action = ? "
+                "AND json_extract(detail, '$.process') = ? LIMIT 1",
+                (sandbox_id, kind.value, action, process),
+            ).fetchone()
+        return row is not None
+
     def events(
         self, *, kinds: Iterable[EventKind] | None = None, **filters: Unpack[Filters]
     ) -> list[SecurityEvent]:
