@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,13 @@ def pause(host: CgroupHost, rel: str) -> None:
     protected.freeze(host, rel, timeout=2.0)
 
 
-async def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> ReclaimFigures:
+async def _measured(
+    host: CgroupHost, rel: str, step: Callable[[], tuple[int | None, int | None]]
+) -> ReclaimFigures:
+    """Run one reclaim ``step`` (in a thread: it blocks in the kernel) and say what it
+    gave back, anonymous memory and swap included."""
     anon_before = memory.anon_bytes(host, rel)
-    before, after = await asyncio.to_thread(memory.reclaim, host, rel, swap=swap)
+    before, after = await asyncio.to_thread(step)
     return ReclaimFigures(
         before=before,
         after=after,
@@ -68,18 +73,14 @@ async def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> ReclaimFigures:
         anon_after=memory.anon_bytes(host, rel),
         swap=memory.swap_bytes(host, rel),
     )
+
+
+async def reclaim(host: CgroupHost, rel: str, *, swap: bool) -> ReclaimFigures:
+    return await _measured(host, rel, lambda: memory.reclaim(host, rel, swap=swap))
 
 
 async def reclaim_idle(host: CgroupHost, rel: str, *, anon: bool) -> ReclaimFigures:
-    anon_before = memory.anon_bytes(host, rel)
-    before, after = await asyncio.to_thread(memory.reclaim_idle, host, rel, anon=anon)
-    return ReclaimFigures(
-        before=before,
-        after=after,
-        anon_before=anon_before,
-        anon_after=memory.anon_bytes(host, rel),
-        swap=memory.swap_bytes(host, rel),
-    )
+    return await _measured(host, rel, lambda: memory.reclaim_idle(host, rel, anon=anon))
 
 
 async def prefetch(
