@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import secrets
 import socket
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,52 +25,13 @@ from dsec import DSecClient, DSecContainerRunArgs, ProtectedMount
 from dsec.api.events import AuditKind, EventKind
 from dsec.errors import DSecError, LimitExceeded
 from dsec.native import binary
-from dsec.resources import swap
 from dsec.sdk.client import Sandbox
 from tests.conftest import REPO, FakeInternet, PlatformProcess
+from tests.hostprint import HostPrint
 
 pytestmark = pytest.mark.root
 
 ATTACK_IN_SANDBOX = "/usr/local/bin/attack"
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except FileNotFoundError:
-        return ""
-
-
-@dataclass(frozen=True)
-class HostPrint:
-    """What a successful attack on the host would change."""
-
-    clock_offset: float
-    modules: str
-    swaps: str
-    hostname: str
-    mounts: int
-    keys: int
-
-    @classmethod
-    def take(cls) -> HostPrint:
-        return cls(
-            clock_offset=time.time() - time.monotonic(),
-            modules=_read("/proc/modules"),  # absent on kernels built without modules
-            # the host's own swap; platforms' pause swaps (other tests') come and go
-            swaps=repr(sorted((s.filename, s.size_bytes) for s in swap.operator_swaps())),
-            hostname=socket.gethostname(),
-            mounts=len(Path("/proc/self/mountinfo").read_text().splitlines()),
-            # crun gives each container a session keyring; count only what attacks name.
-            keys=sum("dsec" in line for line in _read("/proc/keys").splitlines()),
-        )
-
-    def assert_same(self, other: HostPrint) -> None:
-        assert abs(self.clock_offset - other.clock_offset) < 2.0, "host clock changed"
-        assert self.modules == other.modules, "kernel modules changed"
-        assert self.swaps == other.swaps, "swap changed"
-        assert self.hostname == other.hostname, "host name changed"
-        assert self.keys == other.keys, "host keyring changed"
 
 
 @pytest.fixture(scope="module")

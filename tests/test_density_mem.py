@@ -20,6 +20,7 @@ from dsec.errors import AdmissionRejected
 from dsec.resources import capacity, cgroups, swap
 from dsec.resources.capacity import Pressure, SandboxCost
 from tests.conftest import PlatformProcess, platform_process
+from tests.hostprint import operator_swap_areas
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -211,10 +212,7 @@ async def test_idle_sandbox_gives_back_its_page_cache() -> None:
 
 @pytest.mark.root
 def test_platform_swap_file_is_adopted_after_a_crash_and_removed(tmp_path: Path) -> None:
-    def areas() -> set[tuple[str, int]]:  # not other platforms' own (they come and go)
-        return {(s.filename, s.size_bytes) for s in swap.operator_swaps()}
-
-    before = areas()
+    before = operator_swap_areas()
     path = tmp_path / "swap" / "adopt.swap"
     first = swap.SwapFile(path, 64 * MiB, loop=True, managed=True)
     try:
@@ -229,7 +227,7 @@ def test_platform_swap_file_is_adopted_after_a_crash_and_removed(tmp_path: Path)
         assert not any(swap.area_file(s) == str(path) for s in swap.active_swaps())
     finally:
         swap.remove_areas_below(tmp_path)
-    assert areas() == before
+    assert operator_swap_areas() == before
 
 
 @pytest.mark.root

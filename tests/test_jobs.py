@@ -22,6 +22,7 @@ from dsec.errors import InvalidArgument
 from dsec.resources import cgroups, swap
 from dsec.security import protected
 from tests.conftest import PlatformProcess, platform_process
+from tests.hostprint import operator_swap_areas
 
 pytestmark = pytest.mark.root
 
@@ -179,18 +180,11 @@ async def test_pause_survives_platform_restart() -> None:
             await client.close()
 
 
-def _swap_areas() -> set[tuple[str, int]]:
-    """Active swap areas by name and size (``Used`` may move under the host's own),
-    other than platforms' own swap files (every `dsec up` on the host, e.g. another
-    test's, turns one on and off: dsec.resources.swap)."""
-    return {(s.filename, s.size_bytes) for s in swap.operator_swaps()}
-
-
 @contextlib.contextmanager
 def _scratch_swap_dir() -> Iterator[Path]:
     """A directory for a test swap file: whatever happens in the test, the file is
     turned off and removed, and the host's swap is exactly what it was before."""
-    before = _swap_areas()
+    before = operator_swap_areas()
     base = Path(tempfile.mkdtemp(prefix="dsec-test-swap-", dir="/tmp"))
     try:
         yield base
@@ -199,7 +193,7 @@ def _scratch_swap_dir() -> Iterator[Path]:
             if Path(swap.area_file(area)).parent == base:  # the file, or its loop device
                 swap.SwapFile(Path(area.filename), 0, activated=True).disable()
         shutil.rmtree(base, ignore_errors=True)
-        assert _swap_areas() == before, "the host's swap changed"
+        assert operator_swap_areas() == before, "the host's swap changed"
 
 
 def _mstat(edge_id: str, sandbox_id: str) -> dict[str, int]:

@@ -25,6 +25,7 @@ from dsec.native import binary
 from dsec.security import seccomp
 from dsec.security.seccomp_listener import BURST, PAUSE
 from tests.conftest import PlatformProcess, platform_process
+from tests.hostprint import HostPrint
 
 pytestmark = pytest.mark.root
 
@@ -126,19 +127,10 @@ def init_pid(plat: PlatformProcess, sandbox_id: str) -> int:
     return int((plat.data_dir / "sandboxes" / sandbox_id / "init.pid").read_text())
 
 
-def host_state() -> dict[str, str]:
-    """What the refused calls would change on the host (modules only if the kernel has
-    them); the clock is checked against CLOCK_MONOTONIC, which no one can set."""
-    paths = ("/proc/modules", "/proc/swaps", "/proc/sys/kernel/hostname")
-    state = {p: Path(p).read_text() for p in paths if Path(p).exists()}
-    state["clock_offset_s"] = str(round(time.time() - time.monotonic()))
-    return state
-
-
 def test_dangerous_calls_refused_recorded_host_unaffected(
     sync: DSecSyncClient, platform: PlatformProcess, probe: bytes
 ) -> None:
-    before = host_state()
+    before = HostPrint.take()
     sb = sync.run_container(run_args(job_id="job-seccomp"), timeout=60)
     try:
         sb.write_file(PROBE_IN_SANDBOX, probe, mode=0o755)
@@ -164,7 +156,7 @@ def test_dangerous_calls_refused_recorded_host_unaffected(
         assert job == "job-seccomp"
     finally:
         sb.stop()
-    assert host_state() == before
+    before.assert_same(HostPrint.take())
 
 
 def test_normal_work_and_quiet_refusals(
