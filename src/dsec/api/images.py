@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -34,7 +34,7 @@ class BuildImageRequest(Strict):
 
 class ImageConfigSpec(Strict):
     """What a sandbox started from an image inherits (a Dockerfile's ENV, WORKDIR,
-    USER, CMD, ENTRYPOINT; LABEL and EXPOSE are recorded)."""
+    USER, CMD, ENTRYPOINT; LABEL, EXPOSE, SHELL, STOPSIGNAL and HEALTHCHECK are recorded)."""
 
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
@@ -43,6 +43,11 @@ class ImageConfigSpec(Strict):
     entrypoint: list[str] | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     exposed_ports: list[str] = Field(default_factory=list)
+    # Recorded for whoever runs the image (Docker's Shell, StopSignal, Healthcheck): a
+    # Dockerfile build inherits SHELL from its base; the platform runs no health checks.
+    shell: list[str] | None = None
+    stop_signal: str | None = Field(None, max_length=32)
+    healthcheck: dict[str, Any] | None = None
 
     @field_validator("workdir")
     @classmethod

@@ -157,6 +157,10 @@ def build(
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="with -f: run every step again")
     ] = False,
+    stage: Annotated[
+        str | None,
+        typer.Option("--target", help="with -f: build this stage (default: the last)"),
+    ] = None,
     name: Annotated[
         str | None, typer.Option("--name", help="store as this name:tag instead")
     ] = None,
@@ -172,7 +176,7 @@ def build(
         if ref is None:
             raise typer.BadParameter("usage: dsec image build -f Dockerfile CONTEXT NAME:TAG")
         _build_dockerfile(
-            ctx, file, Path(target), ref, build_arg or [], allow or [], no_cache, as_json
+            ctx, file, Path(target), ref, build_arg or [], allow or [], no_cache, stage, as_json
         )
         return
     if ref is not None:
@@ -203,6 +207,7 @@ def _build_dockerfile(
     build_args: list[str],
     allow: list[str],
     no_cache: bool,
+    stage: str | None,
     as_json: bool,
 ) -> None:
     import asyncio
@@ -233,6 +238,7 @@ def _build_dockerfile(
                 build_args=args,
                 network_rules={name: True for name in allow},
                 no_cache=no_cache,
+                target=stage,
                 on_step=on_step,
             )
             return result.image
