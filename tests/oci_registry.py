@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import ssl
+import struct
 import subprocess
 import tarfile
 import tempfile
@@ -492,3 +493,35 @@ class Layout:
         (self.path / "index.json").write_text(
             json.dumps({"schemaVersion": 2, "manifests": self.index})
         )
+
+
+CAP_NET_RAW_V2 = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)  # cap_net_raw+ep
+CAP_NET_RAW_V3 = struct.pack("<IIIIII", 0x03000001, 1 << 13, 0, 0, 0, 1000)  # with a rootid
+
+
+def fidelity_tar(lower_file: str) -> bytes:
+    """A layer on a base holding ``lower_file``: file capabilities (v2 and v3) and other
+    xattrs, device nodes, and two hard links to the base's ``lower_file``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, caps in (("bin/pingish", CAP_NET_RAW_V2), ("bin/pingv3", CAP_NET_RAW_V3)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = 4, 0o755, FIXED_MTIME
+            info.pax_headers = {
+                "SCHILY.xattr.security.capability": caps.decode("utf-8", "surrogateescape"),
+                "SCHILY.xattr.user.note": "kept",
+                "SCHILY.xattr.trusted.overlay.redirect": "/etc",  # never applied
+            }
+            tf.addfile(info, io.BytesIO(b"ping"))
+        for name, kind, major, minor in (
+            ("dev/mem2", tarfile.CHRTYPE, 1, 1),
+            ("dev/sda9", tarfile.BLKTYPE, 8, 0),
+        ):
+            info = tarfile.TarInfo(name)
+            info.type, info.devmajor, info.devminor, info.mode = kind, major, minor, 0o666
+            tf.addfile(info)
+        for name in ("bin/linked", "bin/linked2"):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mode = tarfile.LNKTYPE, lower_file, 0o644
+            tf.addfile(info)
+    return buf.getvalue()

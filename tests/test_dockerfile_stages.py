@@ -248,6 +248,7 @@ async def test_hostile_contexts_and_dockerfiles(
         ("ADD abslink.tar.gz /x/", InvalidArgument, "archive member refused"),
         ("ADD bomb.tar.gz /x/", PayloadTooLarge, "unpacks to more than"),
         ("VOLUME /data", InvalidArgument, "VOLUME is not supported"),
+        ("RUN --mount=type=cache,target=/c true", InvalidArgument, "RUN --mount is not"),
         ("STOPSIGNAL SIGFOO", InvalidArgument, "not a signal"),
         ("HEALTHCHECK --interval=soon CMD true", InvalidArgument, "duration"),
         ("HEALTHCHECK --bogus=1 CMD true", InvalidArgument, "--bogus is not supported"),

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +34,11 @@ from dsec.images.remote.client import open_remote
 from dsec.sdk.dockerfile import build_dockerfile
 from tests.conftest import PlatformProcess, platform_process
 from tests.oci_registry import (
+    CAP_NET_RAW_V2,
     Layout,
     Registry,
     busybox_base,
+    fidelity_tar,
     layer_tar,
     registry,
     registry_available,
@@ -153,6 +156,13 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
     layout.tag("multi", [amd64, arm64])
     second = layout.image([(base, "gzip"), (layer_tar({"second.txt": b"2\n"}), "gzip")], config)
     layout.tag("second", [second])
+    # Layer fidelity: the same top layer (caps, devices, hard links to the base's file)
+    # on two bases whose linked file differs.
+    fidelity = fidelity_tar("etc/lowerfile.txt")
+    for tag, text in (("fidelity", b"from base one\n"), ("fidelity2", b"from base two\n")):
+        fbase = busybox_base({"etc/lowerfile.txt": text})
+        fcfg = {**config, "WorkingDir": "/"}
+        layout.tag(tag, [layout.image([(fbase, "gzip"), (fidelity, "gzip")], fcfg)])
     unique = layer_tar({"unique.txt": b"only in this image\n" * 4096})
     layout.tag("corrupt", [layout.image([(base, "gzip"), (unique, "gzip")], config)])
     return layout
@@ -166,6 +176,8 @@ def open_registry(layout: Layout) -> Iterator[Registry]:
         reg.push(layout.path, "second", "test/oncreate:v1")
         reg.push(layout.path, "corrupt", "test/corrupt:v1")
         reg.push(layout.path, "second", "test/dfbase:v1")
+        reg.push(layout.path, "fidelity", "test/fidelity:v1")
+        reg.push(layout.path, "fidelity2", "test/fidelity2:v1")
         yield reg
 
 
@@ -239,6 +251,55 @@ def test_pull_multiarch_whiteouts_and_run(plat: PlatformProcess, open_registry: 
         again = client.pull_image(ref)
         assert all(layer.reused for layer in again.layers)
         assert again.image.layers == result.image.layers
+
+
+def _layer_xattrs(plat: PlatformProcess, digest: str, paths: list[str]) -> list[dict[str, bytes]]:
+    """The xattrs of ``paths`` in our EROFS layer ``digest``, read from a read-only
+    loop mount of its blob (unmounted again; the loop device goes with it)."""
+    found = plat.data_dir.rglob(digest.removeprefix("sha256:"))
+    blob = next(p for p in found if p.parent.parent.name == "blobs")
+    with tempfile.TemporaryDirectory(prefix="dsec-fidelity-") as tmp:
+        mnt = Path(tmp)
+        subprocess.run(["mount", "-t", "erofs", "-o", "ro,loop", str(blob), tmp], check=True)
+        try:
+            return [{n: os.getxattr(mnt / p, n) for n in os.listxattr(mnt / p)} for p in paths]
+        finally:
+            subprocess.run(["umount", tmp], check=True)
+
+
+def test_layer_fidelity_caps_devices_lower_hard_links(
+    plat: PlatformProcess, open_registry: Registry
+) -> None:
+    """File capabilities kept (v3 stored as v2), other archive xattrs only ``user.*``,
+    device nodes left out and reported, hard links to the base's file copied up; the
+    layer is keyed by its chain id, so the same layer on another base is converted
+    again and links that base's file."""
+    with DSecSyncClient(plat.url, plat.api_key) as client:
+        one = client.pull_image(f"{open_registry.host}/test/fidelity:v1")
+        top = one.layers[1]
+        assert top.lower_links == 1
+        assert sorted(top.left_out) == [
+            "dev/mem2 (character device: not part of a layer)",
+            "dev/sda9 (block device: not part of a layer)",
+        ]
+        out = _run(
+            client,
+            one.image.ref,
+            "cat /bin/linked /bin/linked2 /etc/lowerfile.txt; ls /dev/mem2 /dev/sda9 2>&1 | wc -l;"
+            " [ $(stat -c %i /bin/linked) = $(stat -c %i /bin/linked2) ] && echo same-inode",
+        )
+        assert out.splitlines() == ["from base one"] * 3 + ["2", "same-inode"]
+        xattrs = _layer_xattrs(plat, top.digest, ["bin/pingish", "bin/pingv3"])
+        for found in xattrs:
+            assert found == {"security.capability": CAP_NET_RAW_V2, "user.note": b"kept"}
+        two = client.pull_image(f"{open_registry.host}/test/fidelity2:v1")
+        assert two.layers[1].diff_id == top.diff_id and not two.layers[1].reused
+        assert two.layers[1].digest != top.digest
+        out = _run(client, two.image.ref, "cat /bin/linked")
+        assert out == "from base two\n"
+        again = client.pull_image(f"{open_registry.host}/test/fidelity:v1")
+        assert [layer.reused for layer in again.layers] == [True, True]  # by chain id
+        assert again.image.layers == one.image.layers
 
 
 def test_second_image_shares_the_base(plat: PlatformProcess, open_registry: Registry) -> None:

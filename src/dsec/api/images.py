@@ -126,6 +126,11 @@ class PullLayerReport(Reply):
     uncompressed_bytes: int
     erofs_bytes: int
     convert_seconds: float
+    left_out: list[str] = Field(
+        default_factory=list,
+        description="entries not converted, with why (device nodes: never part of a layer)",
+    )
+    lower_links: int = Field(0, description="hard links to a lower layer's file, copied up")
 
 
 class PullResult(Reply):

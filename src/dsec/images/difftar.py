@@ -15,8 +15,16 @@ the layer more than files:
 * types: directories, regular files, symlinks, FIFOs, hard links to a regular file the
   archive already wrote; device nodes and anything else are left out and counted;
 * metadata: numeric owner, mode (setuid kept, as in a container's upper), nanosecond
-  mtime; **no xattr** of the archive is applied (a crafted ``trusted.overlay.redirect``
-  or ``metacopy`` would redirect lookups in the layer), only the opaque marker we derive;
+  mtime; **no xattr** of the archive is applied unless the caller names it in
+  ``xattrs`` (a crafted ``trusted.overlay.redirect`` or ``metacopy`` would redirect
+  lookups in the layer; ``trusted.*`` can never be named). A registry layer keeps
+  ``security.capability`` (file capabilities, e.g. ping's ``cap_net_raw``; a v3 value
+  with a namespace root id is stored as v2, which every mount honours the same way) and
+  ``user.*``; a sandbox's packed diff keeps none;
+* hard links: to a file the archive already wrote, or (registry layers, ``lower``)
+  to a file of a layer below, which OCI allows: that file is copied up into this layer
+  first with its owner, mode, mtime and kept xattrs (what overlayfs itself does when a
+  lower file is linked), and the link made to the copy (``DiffTree.lower_links``);
 * bounds: at most ``MAX_ENTRIES`` members and ``max_bytes`` of file data (the caller's
   disk limit), or the pack fails with a typed error and the tree is removed.
 """
@@ -26,8 +34,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -38,6 +47,25 @@ from dsec.images.extract import OPAQUE, WHITEOUT, forget_members, mtime_ns, spli
 CHUNK = 1 << 20
 MAX_ENTRIES = 2_000_000
 OPAQUE_XATTR = "trusted.overlay.opaque"
+CAPABILITY_XATTR = "security.capability"
+REGISTRY_XATTRS = (CAPABILITY_XATTR, "user.")  # names, or prefixes ending in "."
+MAX_XATTR_BYTES = 64 << 10
+_CAP_V2, _CAP_V3 = 0x02000000, 0x03000000
+
+# A file of a layer below, by path components: its host path, or None when absent.
+LowerLookup = Callable[[list[str]], str | None]
+
+
+def capability_v2(raw: bytes) -> bytes | None:
+    """A ``security.capability`` value as VFS_CAP_REVISION_2 (20 bytes), or None when
+    it is neither v2 nor v3: the v3 root id only scopes the caps to a user namespace."""
+    if len(raw) not in (20, 24):
+        return None
+    (magic,) = struct.unpack_from("<I", raw)
+    revision, flags = magic & 0xFF000000, magic & 0x00FFFFFF
+    if flags & ~1 or (revision, len(raw)) not in ((_CAP_V2, 20), (_CAP_V3, 24)):
+        return None
+    return struct.pack("<I", _CAP_V2 | flags) + raw[4:20]
 
 
 @dataclass
@@ -45,8 +73,11 @@ class DiffTree:
     """What ``write_diff_tree`` wrote: entries kept, and what it left out and why."""
 
     entries: int = 0
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # "name (why)"
     excluded: list[str] = field(default_factory=list)
+    xattrs: int = 0  # archive xattrs applied
+    xattrs_dropped: int = 0  # archive xattrs not allowed (or malformed)
+    lower_links: int = 0  # hard links to a file of a layer below, copied up
 
 
 def _under(parts: list[str], excluded: Sequence[list[str]]) -> bool:
@@ -54,8 +85,19 @@ def _under(parts: list[str], excluded: Sequence[list[str]]) -> bool:
 
 
 class _Writer:
-    def __init__(self, root: Path, excluded: Sequence[str], max_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        excluded: Sequence[str],
+        max_bytes: int,
+        xattrs: Sequence[str] = (),
+        lower: LowerLookup | None = None,
+    ) -> None:
         self.root = root
+        if any(x.startswith("trusted.") or not x for x in xattrs):
+            raise ValueError("trusted.* xattrs are never taken from an archive")
+        self.xattrs = tuple(xattrs)
+        self.lower = lower
         self.excluded = [split_member_name(e.lstrip("/"), "excluded path") for e in excluded]
         self.max_bytes = max_bytes
         self.data = 0
@@ -131,7 +173,7 @@ class _Writer:
             try:
                 tst = os.lstat(target)
             except FileNotFoundError:
-                raise InvalidArgument(f"hard link {m.name!r} to a missing file") from None
+                tst = self._copy_up(target_parts, target, m.name)
             if not stat.S_ISREG(tst.st_mode):
                 raise InvalidArgument(f"hard link {m.name!r} to a non-file")
             if target != path:
@@ -141,10 +183,56 @@ class _Writer:
             self._replace(path)
             os.mkfifo(path, 0o600)
             self._meta(path, m)
-        else:
-            self.result.skipped.append(m.name)  # device nodes, sockets, anything else
+        else:  # never a device node from an archive: a sandbox must not reach one
+            kind = "character device" if m.ischr() else "block device" if m.isblk() else "other"
+            self.result.skipped.append(f"{m.name} ({kind}: not part of a layer)")
             return
         self.result.entries += 1
+
+    def _copy_up(self, parts: list[str], target: str, name: str) -> os.stat_result:
+        """The hard link target ``parts`` from a layer below, copied into this tree."""
+        src = self.lower(parts) if self.lower is not None else None
+        if src is None:
+            raise InvalidArgument(f"hard link {name!r} to a missing file")
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb", closefd=True) as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(f"hard link {name!r} to a non-file")
+            self.data += st.st_size
+            if self.data > self.max_bytes:
+                raise LimitExceeded(
+                    f"the layer exceeds {self.max_bytes // (1 << 20)} MiB",
+                    limit_mb=self.max_bytes // (1 << 20),
+                )
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with open(os.open(target, flags, 0o600), "wb", closefd=True) as out:
+                shutil.copyfileobj(fh, out, CHUNK)
+            os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
+            os.chmod(target, stat.S_IMODE(st.st_mode))
+            for xname in os.listxattr(fh.fileno()):
+                if self._allowed(xname):
+                    os.setxattr(target, xname, os.getxattr(fh.fileno(), xname))
+            os.utime(target, ns=(st.st_mtime_ns, st.st_mtime_ns), follow_symlinks=False)
+        self.result.lower_links += 1
+        return os.lstat(target)
+
+    def _allowed(self, name: str) -> bool:
+        return any(name == x or (x.endswith(".") and name.startswith(x)) for x in self.xattrs)
+
+    def _xattrs(self, path: str, m: tarfile.TarInfo) -> None:
+        for key, value in m.pax_headers.items():
+            if not key.startswith("SCHILY.xattr."):
+                continue
+            name = key.removeprefix("SCHILY.xattr.")
+            raw: bytes | None = value.encode("utf-8", "surrogateescape")
+            if name == CAPABILITY_XATTR and raw is not None:
+                raw = capability_v2(raw) if m.isreg() else None
+            if raw is None or not self._allowed(name) or len(raw) > MAX_XATTR_BYTES:
+                self.result.xattrs_dropped += 1
+                continue
+            os.setxattr(path, name, raw, follow_symlinks=False)
+            self.result.xattrs += 1
 
     def _replace(self, path: str) -> None:
         try:
@@ -170,24 +258,32 @@ class _Writer:
         with src, open(os.open(path, flags, 0o600), "wb", closefd=True) as out:
             shutil.copyfileobj(src, out, CHUNK)
 
-    @staticmethod
-    def _meta(path: str, m: tarfile.TarInfo) -> None:
-        os.chown(path, m.uid, m.gid, follow_symlinks=False)  # first: it clears setuid
+    def _meta(self, path: str, m: tarfile.TarInfo) -> None:
+        os.chown(path, m.uid, m.gid, follow_symlinks=False)  # first: it clears setuid and caps
         if not m.issym():
             os.chmod(path, m.mode & 0o7777)
+            self._xattrs(path, m)
         if not m.isdir():
             ns = mtime_ns(m)
             os.utime(path, ns=(ns, ns), follow_symlinks=False)
 
 
 def write_diff_tree(
-    stream: IO[bytes], root: Path, *, excluded: Sequence[str], max_bytes: int
+    stream: IO[bytes],
+    root: Path,
+    *,
+    excluded: Sequence[str],
+    max_bytes: int,
+    xattrs: Sequence[str] = (),
+    lower: LowerLookup | None = None,
 ) -> DiffTree:
     """Write the tar ``stream`` into the new directory ``root`` (see the module
     docstring); on any failure ``root`` is removed and the error raised (typed: a
-    malformed stream is InvalidArgument, too much data LimitExceeded)."""
+    malformed stream is InvalidArgument, too much data LimitExceeded). ``xattrs``:
+    archive xattr names (or ``prefix.``) to keep; ``lower``: where hard links to a
+    file of a layer below are looked up (None: such a link is refused)."""
     root.mkdir(mode=0o755)
-    writer = _Writer(root, excluded, max_bytes)
+    writer = _Writer(root, excluded, max_bytes, xattrs, lower)
     try:
         with tarfile.open(fileobj=stream, mode="r|", errorlevel=2) as tf:
             for n, member in enumerate(tf):

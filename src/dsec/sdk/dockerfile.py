@@ -597,6 +597,9 @@ class DockerfileBuild:
             state.entrypoint = self._command(state, value, line, name)
             state.cmd = None  # Docker: a new ENTRYPOINT drops the CMD it inherited
         elif name == "RUN":
+            if value.lstrip().startswith("--"):
+                flag = value.split()[0].split("=", 1)[0]
+                raise _fail(line, f"RUN {flag} is not supported (no cache or secret mounts)")
             argv = self._command(state, value, line, name)
             return await self._layer_step(
                 state, f"RUN {json.dumps(argv)}", line, self._run_action(state, argv, line)

@@ -3,8 +3,12 @@
 A registry layer keeps its deletions, so it is written the way a packed sandbox diff
 is (dsec.images.difftar, shared code): ``.wh.name`` becomes an overlayfs whiteout and
 ``.wh..wh..opq`` the opaque xattr, and overlayfs applies them against the layers below
-when the image is mounted. Registry content is as untrusted as a sandbox's: no archive
-xattr, no device node, no path outside the tree.
+when the image is mounted. Registry content is as untrusted as a sandbox's: no path
+outside the tree; no device node (left out, and listed with the reason in the pull's
+report: a sandbox must never reach a host device through an image); of the archive's
+xattrs only file capabilities (``security.capability``) and ``user.*`` are kept, never
+``trusted.*`` (overlayfs' own). Hard links to a file of a layer below are copied up
+through ``lower`` (dsec.images.oci.lower).
 
 Conversion can run while the blob downloads (``ChunkPipe`` feeds a worker thread from
 the event loop): decompression and extraction then overlap the network. The layer's
@@ -29,7 +33,7 @@ from typing import IO, Any, cast
 import zstandard
 
 from dsec.errors import ImageBuildError, InsufficientStorage, InvalidArgument
-from dsec.images.difftar import write_diff_tree
+from dsec.images.difftar import REGISTRY_XATTRS, LowerLookup, write_diff_tree
 from dsec.images.extract import CHUNK, HashingReader
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -41,6 +45,8 @@ class ConvertedTree:
     diff_id: str  # sha256 of the uncompressed tar
     entries: int
     skipped: list[str]
+    lower_links: int
+    xattrs: int
     compression: str  # "gzip", "zstd" or "none"
     uncompressed_bytes: int
     seconds: float
@@ -104,7 +110,9 @@ def _decompressor(raw: io.RawIOBase) -> tuple[str, IO[bytes]]:
     return "none", cast(IO[bytes], reader)
 
 
-def convert_layer(stream: io.RawIOBase, root: Path, *, max_bytes: int) -> ConvertedTree:
+def convert_layer(
+    stream: io.RawIOBase, root: Path, *, max_bytes: int, lower: LowerLookup | None = None
+) -> ConvertedTree:
     """Decompress and write the layer ``stream`` into the new directory ``root``; the
     stream is read to its end either way. Blocking: run it in a thread."""
     start = time.monotonic()
@@ -113,7 +121,14 @@ def convert_layer(stream: io.RawIOBase, root: Path, *, max_bytes: int) -> Conver
         hashing = HashingReader(plain)
         tar_stream = io.BufferedReader(hashing, CHUNK)
         try:
-            result = write_diff_tree(tar_stream, root, excluded=(), max_bytes=max_bytes)
+            result = write_diff_tree(
+                tar_stream,
+                root,
+                excluded=(),
+                max_bytes=max_bytes,
+                xattrs=REGISTRY_XATTRS,
+                lower=lower,
+            )
             while tar_stream.read(CHUNK):  # the tar's end padding counts in the diff id
                 pass
             while stream.read(CHUNK):  # and the producer must reach its digest check
@@ -132,6 +147,8 @@ def convert_layer(stream: io.RawIOBase, root: Path, *, max_bytes: int) -> Conver
             diff_id="sha256:" + hashing.hash.hexdigest(),
             entries=result.entries,
             skipped=result.skipped,
+            lower_links=result.lower_links,
+            xattrs=result.xattrs,
             compression=kind,
             uncompressed_bytes=hashing.size,
             seconds=time.monotonic() - start,

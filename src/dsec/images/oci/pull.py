@@ -7,14 +7,21 @@ downloads nothing for those layers and shares their EROFS blobs and page cache. 
 shared layer store the converted layer is published there (blob, chunk index, record)
 and every other host finds it by the same name and loads it lazily: converted once
 per cluster.
+
+A layer that hard-links a file of a layer below it (legal in OCI) depends on those
+layers too: it is converted with the file copied up (dsec.images.oci.lower) and
+recorded under its *chain id* (the OCI digest of the layer stack up to it) instead of
+its diff id, so it is shared only by images with the same stack below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +33,7 @@ from dsec.images.extract import image_config
 from dsec.images.oci.auth import Credentials
 from dsec.images.oci.client import Descriptor, RegistryClient, RegistrySettings
 from dsec.images.oci.convert import ChunkPipe, ConvertedTree, convert_layer
+from dsec.images.oci.lower import LowerLayers
 from dsec.images.oci.reference import Reference
 from dsec.images.registry import NewLayer
 
@@ -37,10 +45,30 @@ log = logging.getLogger(__name__)
 LAYER_NAME = "oci"  # layer registry name of converted registry layers
 DEFAULT_MAX_LAYER_BYTES = 64 << 30  # uncompressed data of one layer
 PIPE_BATCH = 4 << 20  # bytes handed to the converter thread at once
+MAX_LEFT_OUT = 100  # entries named in a layer report's left_out
+
+
+@dataclass(frozen=True)
+class _Below:
+    """What lies under a layer being pulled: its chain id and our layers below it."""
+
+    chain: str
+    digests: list[str]
 
 
 def layer_version(diff_id: str) -> str:
     return "sha256-" + diff_id.removeprefix("sha256:")
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """OCI chain ids: ``chain(0) = diff(0)``, ``chain(n) = sha256(chain(n-1) + " " + diff(n))``."""
+    out: list[str] = []
+    for diff in diff_ids:
+        if not out:
+            out.append(diff)
+        else:
+            out.append("sha256:" + hashlib.sha256(f"{out[-1]} {diff}".encode()).hexdigest())
+    return out
 
 
 def _diff_ids(config: dict[str, Any], count: int, ref: Reference) -> list[str]:
@@ -92,8 +120,12 @@ class Puller:
             reports: list[PullLayerReport] = []
             held: list[str] = []
             try:
-                for desc, diff_id in zip(manifest.layers, diff_ids, strict=True):
-                    report = await self._layer(client, parsed, desc, diff_id, streaming)
+                chains = chain_ids(diff_ids)
+                for desc, diff_id, chain in zip(manifest.layers, diff_ids, chains, strict=True):
+                    below = [r.digest for r in reports]
+                    report = await self._layer(
+                        client, parsed, desc, diff_id, streaming, _Below(chain, below)
+                    )
                     self.images.hold(report.digest)
                     held.append(report.digest)
                     reports.append(report)
@@ -127,8 +159,15 @@ class Puller:
             seconds=time.monotonic() - start,
         )
 
-    async def _known(self, diff_id: str) -> LayerInfo | None:
-        """The EROFS layer converted from this diff id, here or in the shared store."""
+    async def _known(self, diff_id: str, chain: str) -> LayerInfo | None:
+        """The EROFS layer converted from this diff id (or, for a layer that needed
+        files of the layers below, this chain id), here or in the shared store."""
+        info = await self._find(diff_id)
+        if info is None and chain != diff_id:
+            info = await self._find(chain)
+        return info
+
+    async def _find(self, diff_id: str) -> LayerInfo | None:
         try:
             info = await self.images.find_layer(LayerRef(LAYER_NAME, layer_version(diff_id)))
         except DSecError as exc:  # an unreachable shared store: convert here instead
@@ -149,11 +188,12 @@ class Puller:
         desc: Descriptor,
         diff_id: str,
         streaming: bool,
+        below: _Below,
     ) -> PullLayerReport:
         lock = self._converting.setdefault(diff_id, asyncio.Lock())
         try:
             async with lock:
-                return await self._layer_locked(client, ref, desc, diff_id, streaming)
+                return await self._layer_locked(client, ref, desc, diff_id, streaming, below)
         finally:
             if not lock.locked():
                 self._converting.pop(diff_id, None)
@@ -165,8 +205,9 @@ class Puller:
         desc: Descriptor,
         diff_id: str,
         streaming: bool,
+        below: _Below,
     ) -> PullLayerReport:
-        known = await self._known(diff_id)
+        known = await self._known(diff_id, below.chain)
         if known is not None:
             return PullLayerReport(
                 blob=desc.digest,
@@ -182,10 +223,16 @@ class Puller:
             tree = work / "tree"
             before = client.bytes_fetched
             start = time.monotonic()
-            if streaming:
-                converted = await self._convert_streaming(client, ref, desc, tree)
-            else:
-                converted = await self._convert_after_download(client, ref, desc, tree, work)
+            lower = LowerLayers(self.images.mounts, below.digests, asyncio.get_running_loop())
+            try:
+                if streaming:
+                    converted = await self._convert_streaming(client, ref, desc, tree, lower)
+                else:
+                    converted = await self._convert_after_download(
+                        client, ref, desc, tree, work, lower
+                    )
+            finally:
+                await asyncio.to_thread(lower.close)
             if converted.diff_id != diff_id:
                 raise CorruptBlob(
                     f"layer {desc.digest} of {ref} unpacks to {converted.diff_id}, but the "
@@ -196,9 +243,10 @@ class Puller:
             digest = await self.images.build_layer(tree)
             try:
                 seconds = time.monotonic() - start
+                keyed = below.chain if converted.lower_links else diff_id
                 info = LayerInfo(
                     name=LAYER_NAME,
-                    version=layer_version(diff_id),
+                    version=layer_version(keyed),
                     digest=digest,
                     size_bytes=self.images.store.size(digest),
                     kind="base",
@@ -229,17 +277,26 @@ class Puller:
             uncompressed_bytes=converted.uncompressed_bytes,
             erofs_bytes=info.size_bytes,
             convert_seconds=seconds,
+            left_out=converted.skipped[:MAX_LEFT_OUT],
+            lower_links=converted.lower_links,
         )
 
     async def _convert_streaming(
-        self, client: RegistryClient, ref: Reference, desc: Descriptor, tree: Path
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        desc: Descriptor,
+        tree: Path,
+        lower: LowerLayers,
     ) -> ConvertedTree:
         """Download and convert at once: the event loop feeds a ChunkPipe, a thread
         decompresses and writes the tree. The tree is only used after the download's
         digest check passed (the producer raising fails the whole layer)."""
         pipe = ChunkPipe()
         consumer = asyncio.ensure_future(
-            asyncio.to_thread(convert_layer, pipe, tree, max_bytes=self.max_layer_bytes)
+            asyncio.to_thread(
+                convert_layer, pipe, tree, max_bytes=self.max_layer_bytes, lower=lower.lookup
+            )
         )
         try:
             try:
@@ -265,7 +322,13 @@ class Puller:
             raise
 
     async def _convert_after_download(
-        self, client: RegistryClient, ref: Reference, desc: Descriptor, tree: Path, work: Path
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        desc: Descriptor,
+        tree: Path,
+        work: Path,
+        lower: LowerLayers,
     ) -> ConvertedTree:
         """Download the whole blob (digest checked), then convert it."""
         blob = work / "blob"
@@ -276,4 +339,6 @@ class Puller:
         finally:
             await asyncio.to_thread(fh.close)
         src = await asyncio.to_thread(open, blob, "rb", buffering=0)
-        return await asyncio.to_thread(convert_layer, src, tree, max_bytes=self.max_layer_bytes)
+        return await asyncio.to_thread(
+            convert_layer, src, tree, max_bytes=self.max_layer_bytes, lower=lower.lookup
+        )
