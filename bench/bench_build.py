@@ -3,7 +3,9 @@ our own store server, in one run.
 
 1. A Dockerfile (COPY of a context of N MiB, several RUN steps writing files) is built
    on a fresh platform: ``cold`` runs every step (``no_cache``), ``cached`` rebuilds the
-   unchanged Dockerfile; the two alternate, so host noise falls on both.
+   unchanged Dockerfile; and a two-stage Dockerfile (the context joined in a build
+   stage, one ``COPY --from`` of the result into the final stage, cold and cached)
+   against that single-stage baseline. All four rotate, so host noise falls on each.
 2. The layer store interface (what ``dsec layer push/pull`` and the lazy loader use)
    against Debian's distribution registry (``oci+http://``, htpasswd auth) and
    ``dsec store serve``, interleaved: push of a fresh EROFS layer (blob, chunk index,
@@ -54,6 +56,13 @@ RUN mkdir -p /opt/tool && dd if=/dev/urandom of=/opt/tool/blob bs=1M count=4 2>/
 RUN for i in $(seq 1 200); do echo "line $i" > /srv/app/f$i.txt; done
 RUN rm -f /srv/app/f1.txt && echo done > /srv/app/built
 """
+MULTI_DOCKERFILE = """\
+FROM busybox:latest AS build
+COPY data/ /src/data/
+RUN mkdir -p /out && cat /src/data/* > /out/joined.bin
+FROM busybox:latest
+COPY --from=build /out/joined.bin /app/joined.bin
+"""
 
 
 def make_context(root: Path, mib: int) -> Path:
@@ -64,33 +73,38 @@ def make_context(root: Path, mib: int) -> Path:
     for i in range(max(1, mib)):
         (data / f"part{i:03d}.bin").write_bytes(rng.randbytes(1 << 20))
     (ctx / "Dockerfile").write_text(DOCKERFILE)
+    (ctx / "Dockerfile.multi").write_text(MULTI_DOCKERFILE)
+    (ctx / ".dockerignore").write_text("Dockerfile*\n")
     return ctx
 
 
 async def bench_dockerfile(url: str, key: str, ctx: Path, rounds: int) -> dict[str, Any]:
-    cold: list[float] = []
-    cached: list[float] = []
+    files = {"": ctx / "Dockerfile", "multi_": ctx / "Dockerfile.multi"}
+    times: dict[str, list[float]] = {}
     steps: dict[str, list[float]] = {}
+    modes = ["cold", "cached", "multi_cold", "multi_cached"]
     async with DSecClient(url, key, timeout=None) as client:
         await client.build_image("busybox")
-        await build_dockerfile(client, ctx / "Dockerfile", ctx, "benchbuild:warm")
+        for df in files.values():
+            await build_dockerfile(client, df, ctx, "benchbuild:warm")
         for i in range(rounds):
-            order = ("cold", "cached") if i % 2 == 0 else ("cached", "cold")
-            for mode in order:
+            for mode in modes[i % 4 :] + modes[: i % 4]:
+                prefix = "multi_" if mode.startswith("multi_") else ""
+                cold = mode.endswith("cold")
                 t0 = time.perf_counter()
                 res = await build_dockerfile(
-                    client, ctx / "Dockerfile", ctx, "benchbuild:1", no_cache=mode == "cold"
+                    client, files[prefix], ctx, f"benchbuild:{prefix}1", no_cache=cold
                 )
-                (cold if mode == "cold" else cached).append(time.perf_counter() - t0)
-                if mode == "cold":
+                times.setdefault(mode, []).append(time.perf_counter() - t0)
+                if cold:
                     for s in res.steps:
                         if s.layer is not None:
-                            steps.setdefault(f"{s.instruction}@{s.line}", []).append(s.seconds)
+                            name = f"{prefix}{s.instruction}@{s.line}"
+                            steps.setdefault(name, []).append(s.seconds)
                 else:
                     assert res.cached_steps == len(res.steps), "a rebuild missed the cache"
     return {
-        "cold": summary(cold),
-        "cached": summary(cached),
+        **{mode: summary(times[mode]) for mode in modes},
         "cold_step_p50_ms": {k: summary(v)["p50_ms"] for k, v in steps.items()},
     }
 

@@ -161,7 +161,15 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
     fidelity = fidelity_tar("etc/lowerfile.txt")
     for tag, text in (("fidelity", b"from base one\n"), ("fidelity2", b"from base two\n")):
         fbase = busybox_base({"etc/lowerfile.txt": text})
-        fcfg = {**config, "WorkingDir": "/"}
+        fcfg = {
+            **config,
+            "WorkingDir": "/",
+            "Labels": {"team": "rl", "bad": 7},  # a non-string value is not kept
+            "ExposedPorts": {"8080/tcp": {}},
+            "StopSignal": "SIGINT",
+            "Shell": ["/bin/sh", "-ec"],
+            "Healthcheck": {"Test": ["CMD", "true"], "Interval": 30 * 10**9, "Retries": -1},
+        }
         layout.tag(tag, [layout.image([(fbase, "gzip"), (fidelity, "gzip")], fcfg)])
     unique = layer_tar({"unique.txt": b"only in this image\n" * 4096})
     layout.tag("corrupt", [layout.image([(base, "gzip"), (unique, "gzip")], config)])
@@ -276,6 +284,10 @@ def test_layer_fidelity_caps_devices_lower_hard_links(
     again and links that base's file."""
     with DSecSyncClient(plat.url, plat.api_key) as client:
         one = client.pull_image(f"{open_registry.host}/test/fidelity:v1")
+        cfg = one.image.config
+        assert cfg["labels"] == {"team": "rl"} and cfg["exposed_ports"] == ["8080/tcp"]
+        assert cfg["stop_signal"] == "SIGINT" and cfg["shell"] == ["/bin/sh", "-ec"]
+        assert cfg["healthcheck"] == {"test": ["CMD", "true"], "interval": 30.0}
         top = one.layers[1]
         assert top.lower_links == 1
         assert sorted(top.left_out) == [

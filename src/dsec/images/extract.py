@@ -516,8 +516,53 @@ def _pick_manifest(arc: _Archive, index: Any, depth: int = 0) -> dict[str, Any]:
     return doc
 
 
+MAX_CONFIG_ITEMS = 1024  # labels or exposed ports kept from one image config
+MAX_CONFIG_STR = 4096
+
+
+def _short_str(value: object) -> str | None:
+    return value if isinstance(value, str) and len(value) <= MAX_CONFIG_STR else None
+
+
+def _recorded_config(cfg: dict[str, Any], out: dict[str, object]) -> None:
+    """What an image config records for whoever runs it (Labels, ExposedPorts, Shell,
+    StopSignal, Healthcheck), bounded and type-checked: a registry's config is
+    untrusted, and a Dockerfile ``FROM`` inherits these."""
+    labels = cfg.get("Labels")
+    if isinstance(labels, dict):
+        kept = {k: v for k, v in labels.items() if _short_str(k) and _short_str(v) is not None}
+        out["labels"] = dict(list(kept.items())[:MAX_CONFIG_ITEMS])
+    ports = cfg.get("ExposedPorts")
+    if isinstance(ports, dict):
+        out["exposed_ports"] = [p for p in ports if _short_str(p)][:MAX_CONFIG_ITEMS]
+    shell = cfg.get("Shell")
+    if isinstance(shell, list) and shell and all(_short_str(x) for x in shell[:16]):
+        out["shell"] = [str(x) for x in shell[:16]]
+    signal = _short_str(cfg.get("StopSignal"))
+    if signal and len(signal) <= 32:
+        out["stop_signal"] = signal
+    health = cfg.get("Healthcheck")
+    test = health.get("Test") if isinstance(health, dict) else None
+    if isinstance(health, dict) and isinstance(test, list) and all(_short_str(x) for x in test):
+        check: dict[str, object] = {"test": [str(x) for x in test[:64]]}
+        for key, name in (
+            ("Interval", "interval"),
+            ("Timeout", "timeout"),
+            ("StartPeriod", "start_period"),
+            ("StartInterval", "start_interval"),
+        ):
+            ns = health.get(key)
+            if isinstance(ns, int) and 0 < ns < 10**15:
+                check[name] = ns / 1e9
+        retries = health.get("Retries")
+        if isinstance(retries, int) and 0 < retries <= 1000:
+            check["retries"] = retries
+        out["healthcheck"] = check
+
+
 def image_config(raw: Any) -> dict[str, object]:
-    """Env, WorkingDir, User, Entrypoint and Cmd of an OCI/docker image config."""
+    """Env, WorkingDir, User, Entrypoint and Cmd of an OCI/docker image config (what a
+    sandbox runs with), and what it records (see ``_recorded_config``)."""
     out = default_config()
     cfg = raw.get("config") if isinstance(raw, dict) else None
     if not isinstance(cfg, dict):
@@ -539,6 +584,7 @@ def image_config(raw: Any) -> dict[str, object]:
         value = cfg.get(key)
         if isinstance(value, list) and value:
             out[name] = [str(v) for v in value]
+    _recorded_config(cfg, out)
     return out
 
 

@@ -673,7 +673,7 @@ class DockerfileBuild:
         for src in srcs:
             if any(c in src for c in "*?[") or "\x00" in src:
                 raise _fail(line, "wildcards in COPY --from sources are not supported")
-        paths = [clean_abs(source.workdir if index is not None else "/", s) for s in srcs]
+        paths = [clean_abs("/", s) for s in srcs]  # from the source's root, as in Docker
         text = (
             f"COPY --from {source_key} {json.dumps(paths)} {dest} "
             f"chown={flags.chown} chmod={flags.chmod}"
