@@ -87,7 +87,11 @@ async def test_multi_stage_target_and_copy_from(
         await client.remove_image(ref)
 
 
-def _tar_gz(members: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
+def _tar_gz(
+    members: dict[str, bytes],
+    links: dict[str, str] | None = None,
+    hardlinks: dict[str, str] | None = None,
+) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
         for name, data in members.items():
@@ -98,6 +102,11 @@ def _tar_gz(members: dict[str, bytes], links: dict[str, str] | None = None) -> b
         for name, target in (links or {}).items():
             info = tarfile.TarInfo(name)
             info.type = tarfile.SYMTYPE
+            info.linkname = target
+            tf.addfile(info)
+        for name, target in (hardlinks or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.LNKTYPE
             info.linkname = target
             tf.addfile(info)
     return buf.getvalue()
@@ -228,6 +237,8 @@ async def test_hostile_contexts_and_dockerfiles(
     (ctx / "escape.tar.gz").write_bytes(_tar_gz({"../../evil": b"x"}))
     (ctx / "abslink.tar.gz").write_bytes(_tar_gz({}, links={"l": "/etc/shadow"}))
     (ctx / "bomb.tar.gz").write_bytes(_tar_gz({"zeros": bytes(2 << 20)}))
+    (ctx / "dangling.tar.gz").write_bytes(_tar_gz({}, hardlinks={"h": "missing"}))
+    (ctx / "hardout.tar.gz").write_bytes(_tar_gz({}, hardlinks={"h": "../../etc/passwd"}))
     cases: list[tuple[str, type[Exception], str]] = [
         ("COPY ../outside/secret /x", InvalidArgument, "outside the build context"),
         ("COPY /../../outside/secret /x", InvalidArgument, "outside the build context"),
@@ -247,6 +258,8 @@ async def test_hostile_contexts_and_dockerfiles(
         ("ADD escape.tar.gz /x/", InvalidArgument, "archive member refused"),
         ("ADD abslink.tar.gz /x/", InvalidArgument, "archive member refused"),
         ("ADD bomb.tar.gz /x/", PayloadTooLarge, "unpacks to more than"),
+        ("ADD dangling.tar.gz /x/", InvalidArgument, "linkname 'missing' not found"),
+        ("ADD hardout.tar.gz /x/", InvalidArgument, "archive member refused"),
         ("VOLUME /data", InvalidArgument, "VOLUME is not supported"),
         ("RUN --mount=type=cache,target=/c true", InvalidArgument, "RUN --mount is not"),
         ("STOPSIGNAL SIGFOO", InvalidArgument, "not a signal"),

@@ -311,6 +311,9 @@ def extract_archive(path: Path, kind: str, dest: Path, line: int, *, limit: int)
                 except tarfile.FilterError as exc:
                     raise fail(line, f"ADD archive member refused: {exc}") from None
                 tf.members.clear()  # type: ignore[attr-defined]  # streamed: never looked back
+    except KeyError as exc:  # a hard link to a member the archive did not have
+        shutil.rmtree(dest, ignore_errors=True)
+        raise fail(line, f"ADD archive: {exc.args[0] if exc.args else exc}") from None
     except (tarfile.TarError, EOFError, lzma.LZMAError, OSError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
         if isinstance(exc, tarfile.FilterError):
