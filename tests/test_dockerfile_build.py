@@ -155,6 +155,19 @@ def test_image_build_cli(platform: PlatformProcess, busybox_image: str, tmp_path
     built = dsec("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "dfcli:1", "--json")
     assert built.returncode == 0, built.stderr
     assert '"dfcli"' in built.stdout and "line 2: COPY" in built.stderr
+    (ctx / "Dockerfile").write_text(
+        "FROM busybox:latest AS one\nRUN echo one > /stage\n"
+        "FROM busybox:latest AS two\nRUN echo two > /stage\n"
+    )
+    staged = dsec(
+        "image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "dfcli:3", "--target", "one"
+    )
+    assert staged.returncode == 0 and "line 2: RUN" in staged.stderr, staged.stderr
+    assert "line 4: RUN" not in staged.stderr  # stage "two" is not built
+    assert dsec("image", "rm", "dfcli:3").returncode == 0
+    (ctx / "Dockerfile").write_text("FROM busybox:latest\n" + "# padding\n" * 120_000)
+    big = dsec("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "dfcli:2")
+    assert big.returncode == 1 and "larger than" in big.stderr
     (ctx / "Dockerfile").write_text("FROM busybox:latest\nVOLUME /data\n")
     bad = dsec("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "dfcli:2")
     assert bad.returncode == 1 and "line 2: VOLUME is not supported" in bad.stderr

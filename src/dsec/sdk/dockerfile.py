@@ -59,7 +59,14 @@ from urllib.parse import urlsplit
 from dsec.api.fields import ENV_KEY_RE, names_registry
 from dsec.api.images import ImageConfigSpec, ImageInfo
 from dsec.api.spec import DSecContainerRunArgs
-from dsec.errors import ImageBuildError, ImageNotFound, InvalidArgument, NotFound, Unsupported
+from dsec.errors import (
+    ImageBuildError,
+    ImageNotFound,
+    InvalidArgument,
+    NotFound,
+    PayloadTooLarge,
+    Unsupported,
+)
 from dsec.sdk.buildcontext import (
     MAX_COPY_BYTES,
     BuildContext,
@@ -80,6 +87,7 @@ CACHE_IMAGE = "dsec-build-cache"
 CACHE_LAYER = "dsec-build"
 RUN_TIMEOUT = 1800.0
 MAX_URL_BYTES = 1 << 30
+MAX_DOCKERFILE_BYTES = 1 << 20
 DEFAULT_SHELL = ["/bin/sh", "-c"]
 SUPPORTED = (
     *("FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "CMD", "ENTRYPOINT"),
@@ -897,7 +905,12 @@ async def build_dockerfile(
     if not await asyncio.to_thread(ctx.is_dir):
         raise InvalidArgument(f"build context {ctx} is not a directory")
     try:
+        size = (await asyncio.to_thread(Path(dockerfile).stat)).st_size
+        if size > MAX_DOCKERFILE_BYTES:
+            raise PayloadTooLarge(f"{dockerfile} is larger than {MAX_DOCKERFILE_BYTES} bytes")
         text = await asyncio.to_thread(Path(dockerfile).read_text)
     except OSError as exc:
         raise InvalidArgument(f"cannot read {dockerfile}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{dockerfile} is not UTF-8 text") from None
     return await DockerfileBuild(client, text, ctx, ref, **options).run()
