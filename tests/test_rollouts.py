@@ -428,12 +428,18 @@ def test_edge_killed_while_scaffolds_run(plat: PlatformProcess) -> None:
 
 
 def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
-    """A tenant starts rollouts only where it may run sandboxes, and cannot cancel
-    another tenant's: a typed 403 at the request, not a failed rollout later."""
-    from dsec.errors import PermissionDenied
+    """Jobs and rollouts belong to a project (dsec.control.jobs). A second tenant, with
+    the runtime role on its own project only, attacks the admin's job by every route
+    under /v1/rollouts, /v1/jobs and /v1/trajectories: ids it saw or guessed are 404 as
+    if they did not exist, the job's routes are 403, the job id cannot be reused, its
+    endpoint cannot be pointed elsewhere; and the admin's rollout is untouched."""
+    import httpx
+
+    from dsec import NotFound, PermissionDenied
 
     tag = secrets.token_hex(3)
     trainer = ScriptedTrainer().start()
+    evil = ScriptedTrainer().start()
     try:
         with DSecSyncClient(plat.url, plat.api_key) as admin:
             admin.create_project(f"ro-{tag}")
@@ -441,25 +447,81 @@ def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
             admin.grant(f"tenant-{tag}", "runtime", project=f"ro-{tag}")
             key = admin.create_key(f"tenant-{tag}").key
             ep = ModelEndpoint(base_url=trainer.url, api_key="sk-x")
-            theirs = admin.start_rollout(
-                spec(f"job-admin-{tag}", model=ep, reward=None, scaffold="sleep 30")
-            )
+            job = f"job-admin-{tag}"
+            theirs = admin.start_rollout(spec(job, model=ep, reward=None, scaffold="sleep 30"))
+            assert theirs.project == "default"
+            mine_job = f"job-t-{tag}"
             with DSecSyncClient(plat.url, key) as tenant:
                 elsewhere = spec(
-                    f"job-t-{tag}",
+                    mine_job,
                     model=ep,
                     reward=None,
                     sandbox=DSecContainerRunArgs(
                         container_image="busybox:latest", memory_limit_mb=64, project="default"
                     ),
                 )
-                with pytest.raises(PermissionDenied):
+                with pytest.raises(PermissionDenied):  # a project it has no role on
                     tenant.start_rollout(elsewhere)
-                with pytest.raises(PermissionDenied):
-                    tenant.cancel_rollout(theirs.id)
-                own = tenant.start_rollout(spec(f"job-t-{tag}", model=ep, reward=None))
+                # Rollout ids, seen or guessed: 404 alike, whatever the route.
+                for rid in (theirs.id, theirs.id[:-1] + "0", "nope-ro00"):
+                    with pytest.raises(NotFound):
+                        tenant.get_rollout(rid)
+                    with pytest.raises(NotFound):
+                        tenant.wait_rollout(rid, timeout=0.1)
+                    with pytest.raises(NotFound):
+                        tenant.cancel_rollout(rid)
+                # The job's routes: 403.
+                attacks = [
+                    lambda: tenant.list_rollouts(job),
+                    lambda: tenant.finished_rollouts(job),
+                    lambda: tenant.ack_rollouts(job, [theirs.id]),
+                    lambda: tenant.set_model_endpoint(job, ModelEndpoint(base_url=evil.url)),
+                    lambda: tenant.pause_job(job),
+                    lambda: tenant.resume_job(job),
+                    # the job id reused, by a rollout or a sandbox
+                    lambda: tenant.start_rollout(spec(job, model=ep, reward=None)),
+                    lambda: tenant.run_sandbox(
+                        DSecContainerRunArgs(container_image="busybox:latest", job_id=job)
+                    ),
+                ]
+                for n, attack in enumerate(attacks):
+                    with pytest.raises(PermissionDenied):
+                        attack()
+                        raise AssertionError(f"attack {n} went through")
+                # Its trajectories: read, export, log into, discard.
+                h = {"Authorization": f"Bearer {key}"}
+                rid = theirs.rollout_id
+                with httpx.Client(base_url=plat.url, headers=h, timeout=30) as http:
+                    for method, path, kw in [
+                        ("GET", f"/v1/trajectories/{job}", {}),
+                        ("GET", f"/v1/trajectories/{job}?format=jsonl", {}),
+                        ("GET", f"/v1/trajectories/{job}/{rid}", {}),
+                        ("GET", f"/v1/trajectories/{job}/{rid}/steps", {}),
+                        ("DELETE", f"/v1/trajectories/{job}/{rid}?from_step=0", {}),
+                        (
+                            "POST",
+                            f"/v1/trajectories/{job}/{rid}/steps",
+                            {"json": {"steps": []}},
+                        ),
+                    ]:
+                        r = http.request(method, path, **kw)
+                        assert r.status_code == 403, (method, path, r.status_code, r.text)
+                # Its own job: fine, and another's id in its ack is "unknown", not acked.
+                own = tenant.start_rollout(spec(mine_job, model=ep, reward=None))
+                assert own.project == f"ro-{tag}"
+                assert [r.id for r in tenant.list_rollouts(mine_job)] == [own.id]
                 assert tenant.cancel_rollout(own.id).state.value in {"cancelled", "finished"}
-            assert admin.get_rollout(theirs.id).state.value not in {"cancelled", "failed"}
+                res = tenant.ack_rollouts(mine_job, [own.id, theirs.id])
+                assert res.acked == [own.id] and res.unknown == [theirs.id]
+                tenant.set_model_endpoint(mine_job, ep)
+            # The admin (a role on every project) sees both; its rollout is untouched and
+            # its calls still reach its own trainer.
+            assert admin.get_rollout(own.id).project == f"ro-{tag}"
+            got = admin.get_rollout(theirs.id)
+            assert got.state.value not in {"cancelled", "failed"} and not got.acked
+            assert evil.prompts() == []
             assert admin.cancel_rollout(theirs.id).state.value == "cancelled"
+            assert [r.rollout.id for r in admin.finished_rollouts(job)] == [theirs.id]
     finally:
         trainer.stop()
+        evil.stop()

@@ -206,7 +206,8 @@ class RolloutManager:
         if isinstance(spec.reward, VerifyRequest) and spec.reward.mode != "fresh":
             raise InvalidArgument("a rollout's reward step runs in fresh mode (the agent is done)")
         await self.creator.authorize(principal, spec.sandbox.project, "starting a rollout")
-        rid = "ro-" + secrets.token_hex(8)
+        # The edge's id first, as in a sandbox id: a cluster apiserver routes by it.
+        rid = f"{self.edge.edge_id}-ro{secrets.token_hex(8)}"
         if spec.rollout_id is not None and self.trajectory.log.infos(spec.job_id, spec.rollout_id):
             raise AlreadyExists(
                 f"trajectory {spec.job_id}/{spec.rollout_id} exists already: a hosted rollout "
