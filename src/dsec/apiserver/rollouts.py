@@ -35,7 +35,7 @@ from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.responses import model_response
 from dsec.control.jobs import JobAccess
-from dsec.errors import NotFound
+from dsec.errors import NotFound, PermissionDenied
 from dsec.rl.jobs import check_job_id
 from dsec.rollouts.manager import RolloutManager
 
@@ -47,7 +47,9 @@ _results: TypeAdapter[list[RolloutResult]] = TypeAdapter(list[RolloutResult])
 class Rollouts(Protocol):
     """Where rollouts live: this edge (LocalRollouts) or a cluster's edges."""
 
-    async def start(self, principal: str, spec: RolloutSpec) -> RolloutInfo: ...
+    async def start(
+        self, principal: str, spec: RolloutSpec, sandbox_id: str | None
+    ) -> RolloutInfo: ...
     async def get(self, rollout_id: str) -> RolloutInfo: ...
     async def of_job(self, job_id: str, state: RolloutState | None) -> list[RolloutInfo]: ...
     async def wait(self, rollout_id: str, timeout: float) -> RolloutInfo: ...
@@ -63,8 +65,8 @@ class LocalRollouts:
     def __init__(self, manager: RolloutManager) -> None:
         self.manager = manager
 
-    async def start(self, principal: str, spec: RolloutSpec) -> RolloutInfo:
-        return await self.manager.start_rollout(principal, spec)
+    async def start(self, principal: str, spec: RolloutSpec, sandbox_id: str | None) -> RolloutInfo:
+        return await self.manager.start_rollout(principal, spec, sandbox_id=sandbox_id)
 
     async def get(self, rollout_id: str) -> RolloutInfo:
         return self.manager.get(rollout_id)
@@ -114,15 +116,29 @@ def rollout_router(
         return info
 
     @router.post("/v1/rollouts", response_model=RolloutInfo, status_code=201, summary="Start")
-    async def start(body: RolloutSpec, principal: Principal) -> Response:
+    async def start(
+        body: RolloutSpec,
+        principal: Principal,
+        sandbox_id: Annotated[
+            str | None,
+            Query(
+                max_length=64,
+                description="cluster apiservers only: the agent sandbox, made and charged "
+                "already on this edge",
+            ),
+        ] = None,
+    ) -> Response:
         """Start a rollout; it runs on the platform whatever happens to the caller."""
+        if sandbox_id is not None and access.enforced:
+            # Where tenants call, a rollout never adopts a sandbox named by the caller.
+            raise PermissionDenied("sandbox_id is for a cluster apiserver calling its edge")
         project = await access.claim(
             principal, body.job_id, body.sandbox.project, "starting a rollout"
         )
         if project != body.sandbox.project:  # the rollout carries its project
             sandbox = body.sandbox.model_copy(update={"project": project})
             body = body.model_copy(update={"sandbox": sandbox})
-        return model_response(await backend.start(principal, body), 201)
+        return model_response(await backend.start(principal, body, sandbox_id), 201)
 
     @router.get("/v1/rollouts", response_model=list[RolloutInfo], summary="A job's rollouts")
     async def list_rollouts(

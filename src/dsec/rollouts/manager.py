@@ -56,6 +56,7 @@ from dsec.api.rollouts import (
     RolloutState,
 )
 from dsec.api.sandbox import SandboxState
+from dsec.api.spec import RunArgs
 from dsec.api.trajectory import StepRequest
 from dsec.api.verify import VerifyRequest
 from dsec.errors import (
@@ -89,6 +90,21 @@ REATTACH_GRACE = 20.0
 #: A rule that gives the agent sandbox a network namespace of its own with nothing
 #: allowed in it (the gateway is reached through the edge's service port).
 NO_EGRESS = {"host": False}
+
+
+def agent_sandbox(spec: RolloutSpec, trajectory_id: str | None) -> RunArgs:
+    """The agent sandbox's run args: the rollout's job and trajectory on it, no idle
+    stop (the rollout's own timeout bounds it), and a network namespace with nothing
+    allowed unless the spec says so (the gateway is reached through the service port).
+    A cluster apiserver makes it with these (dsec.cluster.rollouts)."""
+    sbx = spec.sandbox
+    update: dict[str, Any] = {
+        "job_id": spec.job_id,
+        "trajectory_id": trajectory_id,
+        "ttl_running_stop": None,
+        "network_rules": dict(sbx.network_rules) or dict(NO_EGRESS),
+    }
+    return sbx.model_copy(update=update)
 
 
 class Worker:
@@ -195,7 +211,17 @@ class RolloutManager:
         await self._probe.aclose()
 
     # -- API ------------------------------------------------------------------------------
-    async def start_rollout(self, principal: str, spec: RolloutSpec) -> RolloutInfo:
+    async def start_rollout(
+        self, principal: str, spec: RolloutSpec, *, sandbox_id: str | None = None
+    ) -> RolloutInfo:
+        """``sandbox_id``: an agent sandbox made already on this edge (by a cluster
+        apiserver, which placed and charged it: dsec.cluster.rollouts)."""
+        if sandbox_id is not None:
+            rec = self.edge.find(sandbox_id)
+            if rec is None or rec.state is not SandboxState.RUNNING:
+                raise SandboxNotFound(
+                    f"no running sandbox {sandbox_id} on this edge", sandbox_id=sandbox_id
+                )
         if spec.model is None and self.store.endpoint(spec.job_id) is None:
             raise InvalidArgument(
                 f"job {spec.job_id!r} has no model endpoint: pass model=ModelEndpoint(...) "
@@ -224,7 +250,7 @@ class RolloutManager:
             spec=spec,
             state=RolloutState.STARTING,
             token="dsro_" + secrets.token_urlsafe(24),
-            sandbox_id=None,
+            sandbox_id=sandbox_id,
             process_id=None,
             exit_code=None,
             reward=None,
@@ -456,17 +482,10 @@ class RolloutManager:
         ro = w.ro
         spec = ro.spec
         if ro.sandbox_id is None:
-            sbx = spec.sandbox
-            update: dict[str, Any] = {
-                "job_id": ro.job_id,
-                "trajectory_id": ro.rollout_id,
-                "ttl_running_stop": None,  # the rollout's own timeout bounds it
-                "network_rules": dict(sbx.network_rules) or dict(NO_EGRESS),
-            }
             create = asyncio.ensure_future(
                 self.creator.create_keyed(
                     ro.principal,
-                    sbx.model_copy(update=update),
+                    agent_sandbox(spec, ro.rollout_id),
                     timeout=SANDBOX_CREATE_TIMEOUT,
                     key=ro.id,
                 )
