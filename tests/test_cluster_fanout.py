@@ -253,6 +253,7 @@ def test_rollouts_through_the_cluster(two_edges: Cluster) -> None:
         RolloutSpec,
         RolloutState,
     )
+    from dsec.api.rollouts import RolloutInfo
     from tests.scripted_trainer import ScriptedTrainer
 
     c = two_edges
@@ -290,7 +291,7 @@ def test_rollouts_through_the_cluster(two_edges: Cluster) -> None:
             # Held by the dead endpoint until the other apiserver points every edge's
             # rollouts of the job at the trainer.
             deadline = time.monotonic() + 60
-            states: list[object] = []
+            states: list[RolloutInfo] = []
             while time.monotonic() < deadline:
                 states = [a1.get_rollout(i) for i in ids]
                 if all(s.state is RolloutState.WAITING_FOR_MODEL for s in states):

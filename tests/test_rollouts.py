@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -427,6 +427,73 @@ def test_edge_killed_while_scaffolds_run(plat: PlatformProcess) -> None:
         trainer.stop()
 
 
+# A scaffold whose client retries as the OpenAI SDK does: 2 retries after a reset or a
+# refusal, ~0.5 s then ~1 s apart, each numbered in x-stainless-retry-count; a call
+# that fails all three attempts is lost (written down, the scaffold exits 3).
+OPENAI_LIKE = """mkdir -p /work
+call() {
+  n=0
+  while :; do
+    body='{"messages":[{"role":"user","content":"'"$DSEC_ROLLOUT_ID step $1"'"}]}'
+    wget -q -O /dev/null --header "Authorization: Bearer $OPENAI_API_KEY" \\
+      --header "x-stainless-retry-count: $n" --header 'Content-Type: application/json' \\
+      --post-data "$body" "$OPENAI_BASE_URL/chat/completions" 2>/dev/null && return 0
+    n=$((n+1))
+    [ $n -gt 2 ] && return 1
+    sleep $n
+  done
+}
+for i in 0 1; do
+  call $i || { echo "lost $i" >> /work/lost; exit 3; }
+  echo $i >> /work/steps
+done
+"""
+
+
+def test_held_call_survives_the_edge_dying(plat: PlatformProcess) -> None:
+    """A call held (the trainer is away) when the edge is SIGKILLed: the scaffold's
+    connection is reset and its client retries twice within ~3 s, far less than a
+    restart; the gateway's listening socket outlives the edge (dsec.rollouts.listener),
+    so the retry waits in its backlog, the restarted edge accepts it, and it is
+    answered and logged once, as the client's retry of the same call."""
+    job = "job-keeper"
+    trainer = ScriptedTrainer()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            dead = ModelEndpoint(base_url="http://127.0.0.1:9/v1")  # nobody listens
+            ro = client.start_rollout(
+                spec(job, model=dead, scaffold=OPENAI_LIKE, reward=None, pause_after=300.0)
+            )
+            wait_for(
+                "the first call held",
+                lambda: (
+                    client.get_rollout(ro.id).state
+                    in (RolloutState.WAITING_FOR_MODEL, RolloutState.FAILED, RolloutState.FINISHED)
+                ),
+            )
+            held = client.get_rollout(ro.id)
+            assert held.state is RolloutState.WAITING_FOR_MODEL, held
+        plat.kill()
+        time.sleep(1.5)  # the scaffold's first retry is made while no edge runs
+        plat.start()
+        trainer.start()
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            client.set_model_endpoint(job, ModelEndpoint(base_url=trainer.url))
+            final = client.wait_rollout(ro.id, timeout=120)
+            assert final.state is RolloutState.FINISHED and final.exit_code == 0, final
+            assert final.model_calls == 2, final
+            (res,) = client.finished_rollouts(job)
+            calls = [s for s in res.steps if s.op == "model_call"]
+            prompts = [s.request["body"]["messages"][-1]["content"] for s in calls]
+            assert prompts == [f"{ro.id} step 0", f"{ro.id} step 1"], prompts
+            assert all(s.status == "ok" for s in calls)
+            assert calls[0].result is not None and calls[0].result.get("client_retry", 0) >= 1
+            assert sorted(trainer.prompts()) == sorted(prompts)  # each reached it once
+            client.ack_rollouts(job, [ro.id])
+    finally:
+        trainer.stop()
+
+
 def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
     """Jobs and rollouts belong to a project (dsec.control.jobs). A second tenant, with
     the runtime role on its own project only, attacks the admin's job by every route
@@ -471,7 +538,7 @@ def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
                     with pytest.raises(NotFound):
                         tenant.cancel_rollout(rid)
                 # The job's routes: 403.
-                attacks = [
+                attacks: list[Callable[[], object]] = [
                     lambda: tenant.list_rollouts(job),
                     lambda: tenant.finished_rollouts(job),
                     lambda: tenant.ack_rollouts(job, [theirs.id]),
@@ -492,19 +559,16 @@ def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
                 h = {"Authorization": f"Bearer {key}"}
                 rid = theirs.rollout_id
                 with httpx.Client(base_url=plat.url, headers=h, timeout=30) as http:
-                    for method, path, kw in [
-                        ("GET", f"/v1/trajectories/{job}", {}),
-                        ("GET", f"/v1/trajectories/{job}?format=jsonl", {}),
-                        ("GET", f"/v1/trajectories/{job}/{rid}", {}),
-                        ("GET", f"/v1/trajectories/{job}/{rid}/steps", {}),
-                        ("DELETE", f"/v1/trajectories/{job}/{rid}?from_step=0", {}),
-                        (
-                            "POST",
-                            f"/v1/trajectories/{job}/{rid}/steps",
-                            {"json": {"steps": []}},
-                        ),
-                    ]:
-                        r = http.request(method, path, **kw)
+                    routes: list[tuple[str, str, object]] = [
+                        ("GET", f"/v1/trajectories/{job}", None),
+                        ("GET", f"/v1/trajectories/{job}?format=jsonl", None),
+                        ("GET", f"/v1/trajectories/{job}/{rid}", None),
+                        ("GET", f"/v1/trajectories/{job}/{rid}/steps", None),
+                        ("DELETE", f"/v1/trajectories/{job}/{rid}?from_step=0", None),
+                        ("POST", f"/v1/trajectories/{job}/{rid}/steps", {"steps": []}),
+                    ]
+                    for method, path, body in routes:
+                        r = http.request(method, path, json=body)
                         assert r.status_code == 403, (method, path, r.status_code, r.text)
                 # Its own job: fine, and another's id in its ack is "unknown", not acked.
                 own = tenant.start_rollout(spec(mine_job, model=ep, reward=None))

@@ -70,6 +70,7 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.rollouts.gateway import GatewayRollout, ModelGateway
+from dsec.rollouts.listener import ListenerKeeper
 from dsec.rollouts.store import Rollout, RolloutStore
 
 if TYPE_CHECKING:
@@ -147,7 +148,16 @@ class RolloutManager:
         store: RolloutStore,
         creator: SandboxCreator,
         fncall: FnCallService | None = None,
+        *,
+        listener: ListenerKeeper | None = None,
+        keep_listener: bool = True,
     ) -> None:
+        """``listener``: the gateway's listening socket outlives this edge (held calls
+        survive its death: dsec.rollouts.listener); ``keep_listener=False``: let it go
+        on a clean exit (an edge that stops its sandboxes on exit)."""
+        self.listener = listener
+        self.keep_listener = keep_listener
+        self._sock: socket.socket | None = None
         self.fncall = fncall
         self.edge = edge
         self.dataplane = dataplane
@@ -181,8 +191,19 @@ class RolloutManager:
     async def _serve_gateway(self, port: int) -> None:
         if self.edge.network is not None:
             self.edge.network.open_service_port(port)
+        sock = None
+        if self.listener is not None:
+            sock = await asyncio.to_thread(self.listener.acquire, port)  # OSError: taken
+        self._sock = sock
         self.gateway = ModelGateway(self, port)
-        await self.gateway.start()
+        await self.gateway.start(sock)
+        if self.store.live():
+            await self._keep_listener()
+
+    async def _keep_listener(self) -> None:
+        """Once rollouts use the gateway, its socket outlives this edge."""
+        if self.listener is not None and self._sock is not None and not self.listener.kept:
+            await asyncio.to_thread(self.listener.keep, self._sock)
 
     def _gateway_port(self, *, fresh: bool = False) -> int:
         """Stable across restarts: scaffolds have the gateway's address in their env."""
@@ -208,6 +229,8 @@ class RolloutManager:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.gateway is not None:
             await self.gateway.close()
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.release, quit=not self.keep_listener)
         await self._probe.aclose()
 
     # -- API ------------------------------------------------------------------------------
@@ -265,6 +288,7 @@ class RolloutManager:
             deadline=now + spec.timeout,
             acked=False,
         )
+        await self._keep_listener()
         self.store.insert(ro)  # AlreadyExists (409) for a rollout id the job has
         if spec.model is not None:
             self.store.set_endpoint(spec.job_id, spec.model, only_if_unset=True)
