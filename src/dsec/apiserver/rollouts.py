@@ -15,6 +15,7 @@ reports it ``unknown``.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the local Principal type.
+import asyncio
 from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Depends, Query
@@ -40,6 +41,8 @@ from dsec.rl.jobs import check_job_id
 from dsec.rollouts.manager import RolloutManager
 
 _JSON = "application/json"
+#: Rollouts looked up at once while checking an ack's ids.
+ACK_LOOKUPS = 32
 _infos: TypeAdapter[list[RolloutInfo]] = TypeAdapter(list[RolloutInfo])
 _results: TypeAdapter[list[RolloutResult]] = TypeAdapter(list[RolloutResult])
 
@@ -199,14 +202,20 @@ def rollout_router(
         not see are ``unknown`` (and left as they are)."""
         job = check_job_id(job_id)
         await access.require(principal, job, "acknowledging a job's rollouts")
-        mine: list[str] = []
-        hidden: list[str] = []
-        for rid in dict.fromkeys(body.ids):
-            try:
-                await visible(principal, rid)
-                mine.append(rid)
-            except NotFound:
-                hidden.append(rid)
+        ids = list(dict.fromkeys(body.ids))
+        gate = asyncio.Semaphore(ACK_LOOKUPS)
+
+        async def seen(rid: str) -> bool:
+            async with gate:  # a cluster asks each id's edge
+                try:
+                    await visible(principal, rid)
+                except NotFound:
+                    return False
+                return True
+
+        shown = await asyncio.gather(*(seen(rid) for rid in ids))
+        mine = [rid for rid, ok in zip(ids, shown, strict=True) if ok]
+        hidden = [rid for rid, ok in zip(ids, shown, strict=True) if not ok]
         result = (
             await backend.ack(job, mine) if mine else AckResult(acked=[], already=[], unknown=[])
         )
