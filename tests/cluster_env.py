@@ -200,7 +200,16 @@ class Cluster:
         self.watcher = Proc("watcher", argv, self.base / "watcher.log", self._env())
         self.watcher.start()
 
-    def add_edge(self, index: int, *, capacity: int, labels: dict[str, str] | None = None) -> Edge:
+    def add_edge(
+        self,
+        index: int,
+        *,
+        capacity: int,
+        labels: dict[str, str] | None = None,
+        network: bool = False,
+    ) -> Edge:
+        """``network``: sandboxes get networks (egress rules; the rollouts' model
+        gateway); off by default, as most cluster tests need none."""
         ns = self.net.add_namespace(index)
         edge_id = f"c{self.net.tag}{index}"
         ip = self.net.edge_ip(index)
@@ -222,7 +231,11 @@ class Cluster:
             edge_id,
             argv,
             self.base / f"edge{index}.log",
-            self._env(DSEC_NETWORK="0", DSEC_SANDBOX_DISK_GB="4", DSEC_EDGE_ID=edge_id),
+            self._env(
+                DSEC_NETWORK="1" if network else "0",
+                DSEC_SANDBOX_DISK_GB="4",
+                DSEC_EDGE_ID=edge_id,
+            ),
         )
         edge = Edge(edge_id, index, f"http://{ip}:8471", data_dir, proc)
         self.edges[edge_id] = edge
@@ -308,13 +321,18 @@ def cluster(pg: PostgresServer, apiservers: int = 1) -> Iterator[Cluster]:
 
 @contextlib.contextmanager
 def busybox_cluster(
-    pg: PostgresServer, *, edges: int, apiservers: int, capacity: int = 20
+    pg: PostgresServer,
+    *,
+    edges: int,
+    apiservers: int,
+    capacity: int = 20,
+    network: bool = False,
 ) -> Iterator[Cluster]:
     """``cluster`` with ``edges`` edges that each have busybox and are up in the
     apiservers' placement view."""
     with cluster(pg, apiservers=apiservers) as c:
         for i in range(edges):
-            c.add_edge(i, capacity=capacity)
+            c.add_edge(i, capacity=capacity, network=network)
         for edge in c.edges.values():
             with DSecSyncClient(edge.url, c.token) as client:
                 client.build_image("busybox")

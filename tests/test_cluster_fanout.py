@@ -40,7 +40,8 @@ TAMPER = "rm /bin/ls"  # a binary_tampering event, raised before the command ret
 
 @pytest.fixture(scope="module")
 def two_edges(postgres: PostgresServer) -> Iterator[Cluster]:
-    with busybox_cluster(postgres, edges=2, apiservers=2) as c:
+    # Networks on: the hosted rollouts' scaffolds reach their edge's model gateway.
+    with busybox_cluster(postgres, edges=2, apiservers=2, network=True) as c:
         yield c
 
 
@@ -225,6 +226,116 @@ async def test_trajectory_through_an_apiserver(two_edges: Cluster, spread: list[
         assert [i.rollout_id for i in await b.trajectories(job)] == ["r0"]
         assert (await b.export_trajectories(job)).count("\n") == 4
         assert await b.discard_trajectory_steps(job, "r0", 2) == 2
+
+
+ROLLOUT_STEPS = 2
+SCAFFOLD = """i=0
+while [ $i -lt STEPS ]; do
+  body='{"messages":[{"role":"user","content":"'"$DSEC_ROLLOUT_ID step $i"'"}]}'
+  until wget -q -O /dev/null --header "Authorization: Bearer $OPENAI_API_KEY" \
+      --header 'Content-Type: application/json' --post-data "$body" \
+      "$OPENAI_BASE_URL/chat/completions" 2>/dev/null; do sleep 0.3; done
+  i=$((i+1))
+done
+""".replace("STEPS", str(ROLLOUT_STEPS))
+
+
+def test_rollouts_through_the_cluster(two_edges: Cluster) -> None:
+    """Hosted rollouts through the apiservers (dsec.cluster.rollouts): started through
+    one, spread over both edges, pointed at the trainer through the other (the endpoint
+    fans out), listed, waited, handed off and acknowledged through either; a second
+    tenant sees none of it."""
+    from dsec import (
+        DSecSyncClient,
+        ModelEndpoint,
+        NotFound,
+        PermissionDenied,
+        RolloutSpec,
+        RolloutState,
+    )
+    from dsec.api.rollouts import RolloutInfo
+    from tests.scripted_trainer import ScriptedTrainer
+
+    c = two_edges
+    job = "cl-rollouts"
+    trainer = ScriptedTrainer(host=c.net.host_ip).start()
+    dead = ModelEndpoint(base_url=f"http://{c.net.host_ip}:9/v1")  # nobody listens
+    made: list[str] = []
+    try:
+        with (
+            DSecSyncClient(c.api_urls[0], c.admin_key, timeout=120) as a0,
+            DSecSyncClient(c.api_urls[1], c.admin_key, timeout=120) as a1,
+        ):
+
+            def start(scaffold: str) -> str:
+                ro = a0.start_rollout(
+                    RolloutSpec(
+                        job_id=job,
+                        sandbox=DSecContainerRunArgs(
+                            container_image="busybox:latest", memory_limit_mb=64
+                        ),
+                        scaffold=scaffold,
+                        model=dead,
+                        timeout=180,
+                        pause_after=60,
+                    )
+                )
+                made.append(ro.id)
+                return ro.id
+
+            ids: list[str] = []
+            while len({i.split("-")[0] for i in ids}) < 2 and len(ids) < 6:
+                ids.append(start(SCAFFOLD))
+            assert len({i.split("-")[0] for i in ids}) == 2, ids
+            assert {r.id for r in a1.list_rollouts(job)} == set(ids)
+            # Held by the dead endpoint until the other apiserver points every edge's
+            # rollouts of the job at the trainer.
+            deadline = time.monotonic() + 60
+            states: list[RolloutInfo] = []
+            while time.monotonic() < deadline:
+                states = [a1.get_rollout(i) for i in ids]
+                if all(s.state is RolloutState.WAITING_FOR_MODEL for s in states):
+                    break
+                time.sleep(0.3)
+            assert all(s.state is RolloutState.WAITING_FOR_MODEL for s in states), states
+            url = f"http://{c.net.host_ip}:{trainer.port}/v1"
+            assert a1.set_model_endpoint(job, ModelEndpoint(base_url=url)).rollouts == len(ids)
+            for i in ids:
+                final = a1.wait_rollout(i, timeout=120)
+                assert final.state is RolloutState.FINISHED, final
+                assert final.model_calls == ROLLOUT_STEPS, final
+            assert sorted(trainer.prompts()) == sorted(
+                f"{i} step {n}" for i in ids for n in range(ROLLOUT_STEPS)
+            )
+            extra = start("sleep 60")
+            assert a1.cancel_rollout(extra).state is RolloutState.CANCELLED
+            done = a0.finished_rollouts(job)
+            assert {d.rollout.id for d in done} == {*ids, extra}
+            calls = [s for d in done for s in d.steps if s.op == "model_call"]
+            assert len(calls) == ROLLOUT_STEPS * len(ids)
+            res = a1.ack_rollouts(job, [*ids, extra, "nowhere-ro00"])
+            assert sorted(res.acked) == sorted([*ids, extra])
+            assert res.unknown == ["nowhere-ro00"]
+            assert a0.ack_rollouts(job, ids).already == ids
+            assert a0.finished_rollouts(job) == []
+            # Another tenant, through the cluster: nothing to see, nothing to change.
+            a0.create_project("cl-tenant")
+            a0.create_principal("cl-tenant", default_project="cl-tenant")
+            a0.grant("cl-tenant", "runtime", project="cl-tenant")
+            key = a0.create_key("cl-tenant").key
+            with DSecSyncClient(c.api_urls[1], key, timeout=60) as t:
+                with pytest.raises(NotFound):
+                    t.get_rollout(ids[0])
+                with pytest.raises(PermissionDenied):
+                    t.list_rollouts(job)
+                with pytest.raises(PermissionDenied):
+                    t.set_model_endpoint(job, dead)
+    finally:
+        with DSecSyncClient(c.api_urls[0], c.admin_key, timeout=120) as a0:
+            for rid in made:
+                with contextlib.suppress(Exception):
+                    a0.cancel_rollout(rid)
+        trainer.stop()
 
 
 async def test_down_edge_is_reported_missing(two_edges: Cluster, spread: list[Sandbox]) -> None:

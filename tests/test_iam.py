@@ -206,6 +206,59 @@ async def test_delegation_is_bounded(iam: IAM) -> None:
         await iam.grant("admin", "bob", "Bad Path", Role.RUNTIME)
 
 
+async def test_jobs_belong_to_the_project_that_first_used_them(iam: IAM) -> None:
+    """dsec.control.jobs: the first use of a job id claims it for the caller's project;
+    another tenant may neither use nor read it; two apiservers racing for a new id
+    agree on one owner; without IAM everything passes."""
+    from dsec.control.jobs import JobAccess
+
+    for name, project in (("alice", "team-a"), ("bob", "team-b")):
+        await iam.create_project("admin", project)
+        await iam.create_principal(
+            "admin", PrincipalCreate(name=name, kind="agent", default_project=project)
+        )
+        await iam.grant("admin", name, project, Role.RUNTIME)
+    await iam.create_project("admin", "team-a/sub")
+    jobs, other = JobAccess(iam), JobAccess(iam)  # two apiservers, one database
+    assert await jobs.claim("alice", "j1", None, "x") == "team-a"  # her default project
+    assert await other.owner("j1") == "team-a"
+    await other.require("alice", "j1", "x")
+    # the endpoint of a known job (no project named): checked on the job's project
+    assert await other.claim("alice", "j1", None, "x") == "team-a"
+    # alice may put work of her job in a sub-project she has a role on
+    assert await jobs.claim("alice", "j1", "team-a/sub", "x") == "team-a/sub"
+    for attempt in (
+        jobs.claim("bob", "j1", None, "x"),
+        jobs.claim("bob", "j1", "team-b", "x"),  # the id reused in his own project
+        jobs.require("bob", "j1", "x"),
+        other.require("bob", "j1", "x"),
+        jobs.claim("bob", "j2", "team-a", "x"),  # a project he has no role on
+    ):
+        with pytest.raises(PermissionDenied):
+            await attempt
+    assert await jobs.owner("j2") is None  # a refused claim claims nothing
+    # a job nobody owns counts as the default project's (work from before ownership)
+    with pytest.raises(PermissionDenied):
+        await jobs.require("bob", "old-job", "x")
+    await jobs.require("admin", "old-job", "x")
+    assert await jobs.may_see("alice", "team-a/sub") and not await jobs.may_see("bob", "team-a")
+    assert not await jobs.may_see("bob", None) and await jobs.may_see("admin", None)
+    # a race for a fresh id: one owner, the loser refused
+    got = await asyncio.gather(
+        jobs.claim("alice", "race", None, "x"),
+        other.claim("bob", "race", None, "x"),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(g, PermissionDenied) for g in got) == 1, got
+    assert await jobs.owner("race") in {"team-a", "team-b"}
+    # without IAM (one user): no checks, nothing recorded
+    off = JobAccess(None)
+    assert not off.enforced
+    assert await off.claim("anyone", "j1", None, "x") is None
+    await off.require("anyone", "j1", "x")
+    assert await off.may_see("anyone", "team-a")
+
+
 async def test_reconcile_releases_charges_of_vanished_sandboxes(iam: IAM) -> None:
     await iam.charge("default", "e7-00000000000000a1", 1, 10)
     await iam.charge("default", "e7-00000000000000a2", 1, 10)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -427,13 +427,86 @@ def test_edge_killed_while_scaffolds_run(plat: PlatformProcess) -> None:
         trainer.stop()
 
 
+# A scaffold whose client retries as the OpenAI SDK does: 2 retries after a reset or a
+# refusal, ~0.5 s then ~1 s apart, each numbered in x-stainless-retry-count; a call
+# that fails all three attempts is lost (written down, the scaffold exits 3).
+OPENAI_LIKE = """mkdir -p /work
+call() {
+  n=0
+  while :; do
+    body='{"messages":[{"role":"user","content":"'"$DSEC_ROLLOUT_ID step $1"'"}]}'
+    wget -q -O /dev/null --header "Authorization: Bearer $OPENAI_API_KEY" \\
+      --header "x-stainless-retry-count: $n" --header 'Content-Type: application/json' \\
+      --post-data "$body" "$OPENAI_BASE_URL/chat/completions" 2>/dev/null && return 0
+    n=$((n+1))
+    [ $n -gt 2 ] && return 1
+    sleep $n
+  done
+}
+for i in 0 1; do
+  call $i || { echo "lost $i" >> /work/lost; exit 3; }
+  echo $i >> /work/steps
+done
+"""
+
+
+def test_held_call_survives_the_edge_dying(plat: PlatformProcess) -> None:
+    """A call held (the trainer is away) when the edge is SIGKILLed: the scaffold's
+    connection is reset and its client retries twice within ~3 s, far less than a
+    restart; the gateway's listening socket outlives the edge (dsec.rollouts.listener),
+    so the retry waits in its backlog, the restarted edge accepts it, and it is
+    answered and logged once, as the client's retry of the same call."""
+    job = "job-keeper"
+    trainer = ScriptedTrainer()
+    try:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            dead = ModelEndpoint(base_url="http://127.0.0.1:9/v1")  # nobody listens
+            ro = client.start_rollout(
+                spec(job, model=dead, scaffold=OPENAI_LIKE, reward=None, pause_after=300.0)
+            )
+            wait_for(
+                "the first call held",
+                lambda: (
+                    client.get_rollout(ro.id).state
+                    in (RolloutState.WAITING_FOR_MODEL, RolloutState.FAILED, RolloutState.FINISHED)
+                ),
+            )
+            held = client.get_rollout(ro.id)
+            assert held.state is RolloutState.WAITING_FOR_MODEL, held
+        plat.kill()
+        time.sleep(1.5)  # the scaffold's first retry is made while no edge runs
+        plat.start()
+        trainer.start()
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            client.set_model_endpoint(job, ModelEndpoint(base_url=trainer.url))
+            final = client.wait_rollout(ro.id, timeout=120)
+            assert final.state is RolloutState.FINISHED and final.exit_code == 0, final
+            assert final.model_calls == 2, final
+            (res,) = client.finished_rollouts(job)
+            calls = [s for s in res.steps if s.op == "model_call"]
+            prompts = [s.request["body"]["messages"][-1]["content"] for s in calls]
+            assert prompts == [f"{ro.id} step 0", f"{ro.id} step 1"], prompts
+            assert all(s.status == "ok" for s in calls)
+            assert calls[0].result is not None and calls[0].result.get("client_retry", 0) >= 1
+            assert sorted(trainer.prompts()) == sorted(prompts)  # each reached it once
+            client.ack_rollouts(job, [ro.id])
+    finally:
+        trainer.stop()
+
+
 def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
-    """A tenant starts rollouts only where it may run sandboxes, and cannot cancel
-    another tenant's: a typed 403 at the request, not a failed rollout later."""
-    from dsec.errors import PermissionDenied
+    """Jobs and rollouts belong to a project (dsec.control.jobs). A second tenant, with
+    the runtime role on its own project only, attacks the admin's job by every route
+    under /v1/rollouts, /v1/jobs and /v1/trajectories: ids it saw or guessed are 404 as
+    if they did not exist, the job's routes are 403, the job id cannot be reused, its
+    endpoint cannot be pointed elsewhere; and the admin's rollout is untouched."""
+    import httpx
+
+    from dsec import NotFound, PermissionDenied
 
     tag = secrets.token_hex(3)
     trainer = ScriptedTrainer().start()
+    evil = ScriptedTrainer().start()
     try:
         with DSecSyncClient(plat.url, plat.api_key) as admin:
             admin.create_project(f"ro-{tag}")
@@ -441,25 +514,78 @@ def test_rollouts_are_governed_by_roles(plat: PlatformProcess) -> None:
             admin.grant(f"tenant-{tag}", "runtime", project=f"ro-{tag}")
             key = admin.create_key(f"tenant-{tag}").key
             ep = ModelEndpoint(base_url=trainer.url, api_key="sk-x")
-            theirs = admin.start_rollout(
-                spec(f"job-admin-{tag}", model=ep, reward=None, scaffold="sleep 30")
-            )
+            job = f"job-admin-{tag}"
+            theirs = admin.start_rollout(spec(job, model=ep, reward=None, scaffold="sleep 30"))
+            assert theirs.project == "default"
+            mine_job = f"job-t-{tag}"
             with DSecSyncClient(plat.url, key) as tenant:
                 elsewhere = spec(
-                    f"job-t-{tag}",
+                    mine_job,
                     model=ep,
                     reward=None,
                     sandbox=DSecContainerRunArgs(
                         container_image="busybox:latest", memory_limit_mb=64, project="default"
                     ),
                 )
-                with pytest.raises(PermissionDenied):
+                with pytest.raises(PermissionDenied):  # a project it has no role on
                     tenant.start_rollout(elsewhere)
-                with pytest.raises(PermissionDenied):
-                    tenant.cancel_rollout(theirs.id)
-                own = tenant.start_rollout(spec(f"job-t-{tag}", model=ep, reward=None))
+                # Rollout ids, seen or guessed: 404 alike, whatever the route.
+                for rid in (theirs.id, theirs.id[:-1] + "0", "nope-ro00"):
+                    with pytest.raises(NotFound):
+                        tenant.get_rollout(rid)
+                    with pytest.raises(NotFound):
+                        tenant.wait_rollout(rid, timeout=0.1)
+                    with pytest.raises(NotFound):
+                        tenant.cancel_rollout(rid)
+                # The job's routes: 403.
+                attacks: list[Callable[[], object]] = [
+                    lambda: tenant.list_rollouts(job),
+                    lambda: tenant.finished_rollouts(job),
+                    lambda: tenant.ack_rollouts(job, [theirs.id]),
+                    lambda: tenant.set_model_endpoint(job, ModelEndpoint(base_url=evil.url)),
+                    lambda: tenant.pause_job(job),
+                    lambda: tenant.resume_job(job),
+                    # the job id reused, by a rollout or a sandbox
+                    lambda: tenant.start_rollout(spec(job, model=ep, reward=None)),
+                    lambda: tenant.run_sandbox(
+                        DSecContainerRunArgs(container_image="busybox:latest", job_id=job)
+                    ),
+                ]
+                for n, attack in enumerate(attacks):
+                    with pytest.raises(PermissionDenied):
+                        attack()
+                        raise AssertionError(f"attack {n} went through")
+                # Its trajectories: read, export, log into, discard.
+                h = {"Authorization": f"Bearer {key}"}
+                rid = theirs.rollout_id
+                with httpx.Client(base_url=plat.url, headers=h, timeout=30) as http:
+                    routes: list[tuple[str, str, object]] = [
+                        ("GET", f"/v1/trajectories/{job}", None),
+                        ("GET", f"/v1/trajectories/{job}?format=jsonl", None),
+                        ("GET", f"/v1/trajectories/{job}/{rid}", None),
+                        ("GET", f"/v1/trajectories/{job}/{rid}/steps", None),
+                        ("DELETE", f"/v1/trajectories/{job}/{rid}?from_step=0", None),
+                        ("POST", f"/v1/trajectories/{job}/{rid}/steps", {"steps": []}),
+                    ]
+                    for method, path, body in routes:
+                        r = http.request(method, path, json=body)
+                        assert r.status_code == 403, (method, path, r.status_code, r.text)
+                # Its own job: fine, and another's id in its ack is "unknown", not acked.
+                own = tenant.start_rollout(spec(mine_job, model=ep, reward=None))
+                assert own.project == f"ro-{tag}"
+                assert [r.id for r in tenant.list_rollouts(mine_job)] == [own.id]
                 assert tenant.cancel_rollout(own.id).state.value in {"cancelled", "finished"}
-            assert admin.get_rollout(theirs.id).state.value not in {"cancelled", "failed"}
+                res = tenant.ack_rollouts(mine_job, [own.id, theirs.id])
+                assert res.acked == [own.id] and res.unknown == [theirs.id]
+                tenant.set_model_endpoint(mine_job, ep)
+            # The admin (a role on every project) sees both; its rollout is untouched and
+            # its calls still reach its own trainer.
+            assert admin.get_rollout(own.id).project == f"ro-{tag}"
+            got = admin.get_rollout(theirs.id)
+            assert got.state.value not in {"cancelled", "failed"} and not got.acked
+            assert evil.prompts() == []
             assert admin.cancel_rollout(theirs.id).state.value == "cancelled"
+            assert [r.rollout.id for r in admin.finished_rollouts(job)] == [theirs.id]
     finally:
         trainer.stop()
+        evil.stop()

@@ -153,6 +153,9 @@ class RolloutInfo(Reply):
     rollout_id: str = Field(description="its trajectory's rollout id (job_id, rollout_id)")
     state: RolloutState
     sandbox_id: str | None = None
+    project: str | None = Field(
+        None, description="the project its sandbox is charged to (who may see it)"
+    )
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None

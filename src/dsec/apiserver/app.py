@@ -147,13 +147,15 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(fncall_router(services.fncall, auth))
         app.include_router(sandboxfusion_router(services.fncall, keys))
     if services.trajectory is not None:
-        app.include_router(trajectory_router(services.trajectory, auth))
+        app.include_router(trajectory_router(services.trajectory, auth, creator.jobs))
     if services.rl is not None and services.roles is not None:  # job pause, pack_diff, fork
-        app.include_router(rl_router(services.rl, auth, services.roles, charge=iam is not None))
-    if services.rollouts is not None:  # hosted rollouts (dsec.rollouts)
+        app.include_router(
+            rl_router(services.rl, auth, services.roles, creator.jobs, charge=iam is not None)
+        )
+    if services.rollouts is not None:  # hosted rollouts (dsec.rollouts, dsec.cluster)
         from dsec.apiserver.rollouts import rollout_router
 
-        app.include_router(rollout_router(services.rollouts, auth))
+        app.include_router(rollout_router(services.rollouts, auth, creator.jobs))
     if iam is not None:  # projects, principals, keys, quotas, project roles
         app.include_router(iam_router(iam, keys, auth))
     if sessions is not None:

@@ -23,6 +23,7 @@ from dsec.api.sandbox import IDEMPOTENCY_HEADER, SandboxInfo, SandboxState
 from dsec.api.spec import RunArgs
 from dsec.backends.kinds import require_backend
 from dsec.control.iam import IAM, Role
+from dsec.control.jobs import JobAccess
 from dsec.edge.api import EdgeAPI, KeyedCreates
 from dsec.edge.idempotency import IdempotencyClaim
 from dsec.errors import Unsupported
@@ -37,6 +38,8 @@ class SandboxCreator:
     def __init__(self, edge: EdgeAPI, *, iam: IAM | None = None) -> None:
         self.edge = edge
         self.iam = iam
+        #: Who may touch which job (its sandboxes, rollouts, trajectories).
+        self.jobs = JobAccess(iam)
 
     async def authorize(
         self, principal: str, project: str | None, action: str, *, owner: str | None = None
@@ -60,6 +63,8 @@ class SandboxCreator:
             return await self.edge.create(spec, timeout=timeout)
         project = spec.project or await iam.default_project(principal)
         await iam.require(principal, Role.RUNTIME, project, "creating a sandbox")
+        if spec.job_id is not None:  # another tenant's job id: 403
+            await self.jobs.claim(principal, spec.job_id, project, "creating a sandbox")
         provisional = iam.provisional_id()
         await iam.charge(project, provisional, spec.cpu_cores_limit, spec.memory_limit_mb)
         if spec.project != project:
@@ -91,6 +96,8 @@ class SandboxCreator:
         if iam is not None:
             project = spec.project or await iam.default_project(principal)
             await iam.require(principal, Role.RUNTIME, project, "creating a sandbox")
+            if spec.job_id is not None:  # another tenant's job id: 403
+                await self.jobs.claim(principal, spec.job_id, project, "creating a sandbox")
         claim = IdempotencyClaim.of(f"{principal}\n{project}", key, spec)
         found = await edge.replay(claim, timeout=timeout)
         if found is not None:

@@ -2,7 +2,7 @@
 
 Packing publishes an environment other sandboxes start from, so it needs the
 ``builder`` role on the sandbox's project or an ancestor (dsec.control.iam); pausing
-and resuming a job does not (it only touches that job's own sandboxes).
+and resuming a job needs ``runtime`` on the job's project (dsec.control.jobs).
 ``/v1/roles/{principal}/{role}`` grants and revokes on ROOT (every project), so only a
 root admin may (bounded delegation); per-project roles: /v1/projects/{path}/-/roles.
 """
@@ -28,6 +28,7 @@ from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import check_sandbox_id
 from dsec.apiserver.responses import model_response
 from dsec.control.iam import IAM, Request
+from dsec.control.jobs import JobAccess
 from dsec.control.roles import Role, RoleStore
 from dsec.errors import QuotaExceeded
 from dsec.rl.jobs import check_job_id
@@ -42,7 +43,12 @@ class RLEdge(Protocol):
 
 
 def rl_router(
-    edge: RLEdge, auth: Authenticator, roles: RoleStore, *, charge: bool = True
+    edge: RLEdge,
+    auth: Authenticator,
+    roles: RoleStore,
+    access: JobAccess,
+    *,
+    charge: bool = True,
 ) -> APIRouter:
     """``charge=False`` on a cluster edge: its apiservers charged the fork already."""
     router = APIRouter(
@@ -58,14 +64,19 @@ def rl_router(
         return info
 
     @router.post("/v1/jobs/{job_id}/pause", response_model=JobPauseReport, summary="Pause a job")
-    async def pause_job(job_id: str, _p: Principal) -> Response:
+    async def pause_job(job_id: str, principal: Principal) -> Response:
         """Freeze every running sandbox of the job and reclaim its memory; all state is
-        kept. The next request to one of them, or resume, thaws it."""
-        return model_response(await edge.pause_job(check_job_id(job_id)))
+        kept. The next request to one of them, or resume, thaws it. Needs ``runtime``
+        on the job's project (dsec.control.jobs)."""
+        job = check_job_id(job_id)
+        await access.require(principal, job, "pausing a job")
+        return model_response(await edge.pause_job(job))
 
     @router.post("/v1/jobs/{job_id}/resume", response_model=JobResumeReport, summary="Resume a job")
-    async def resume_job(job_id: str, _p: Principal) -> Response:
-        return model_response(await edge.resume_job(check_job_id(job_id)))
+    async def resume_job(job_id: str, principal: Principal) -> Response:
+        job = check_job_id(job_id)
+        await access.require(principal, job, "resuming a job")
+        return model_response(await edge.resume_job(job))
 
     @router.post(
         "/v1/sandboxes/{sandbox_id}/pack",

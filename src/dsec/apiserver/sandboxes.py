@@ -142,8 +142,10 @@ def sandbox_router(
         return with_load(model_response(info))
 
     @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
-    async def exec_command(sandbox_id: str, body: ExecRequest) -> Response:
+    async def exec_command(sandbox_id: str, body: ExecRequest, principal: Principal) -> Response:
         """Run one command to completion; a string goes through `/bin/sh -c`."""
+        if body.trajectory is not None:  # a step of a job's log: the job's owner only
+            await creator.jobs.claim(principal, body.trajectory.job_id, None, "logging a step")
         return model_response(await edge.exec(check_sandbox_id(sandbox_id), body))
 
     @router.post("/{sandbox_id}/verify", response_model=VerifyResult, summary="Run a verifier step")
@@ -194,6 +196,7 @@ def sandbox_router(
     async def write_file(
         request: Request,
         sandbox_id: str,
+        principal: Principal,
         path: Annotated[str, Query(description="absolute path")],
         mode: Annotated[str, Query(description="octal permissions")] = "644",
         job_id: Annotated[str | None, Query(description="trajectory: job")] = None,
@@ -206,6 +209,8 @@ def sandbox_router(
         target = check_sandbox_path(path)
         perms = parse_mode(mode)
         traj = trajectory_ref(job_id, rollout_id, step)
+        if traj is not None:  # a step of a job's log: the job's owner only
+            await creator.jobs.claim(principal, traj.job_id, None, "logging a step")
         if traj is None and streams is not None:  # constant memory
             await write_body(streams, request, limits, sid, target, perms)
             return Response(status_code=204)

@@ -17,6 +17,7 @@ from dsec.apiserver.fncall import FnCallBackend
 from dsec.apiserver.limits import ApiLimits
 from dsec.apiserver.relay import EdgeRelay
 from dsec.apiserver.rl import RLEdge
+from dsec.apiserver.rollouts import Rollouts
 from dsec.apiserver.security import AuditQuery
 from dsec.apiserver.trajectory import TrajectoryRemote
 from dsec.control.iam import IAM
@@ -81,4 +82,4 @@ class ApiServices:
     # Prometheus metrics served at /metrics (dsec.observe.metrics); None: not served.
     metrics: Metrics | None = None
     # Hosted rollouts and their model gateway (dsec.rollouts); None: not served.
-    rollouts: RolloutManager | None = None
+    rollouts: RolloutManager | Rollouts | None = None

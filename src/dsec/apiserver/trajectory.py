@@ -19,6 +19,7 @@ from dsec.api.trajectory import StepAnswer, StepBatch, StepRecord, TrajectoryInf
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
+from dsec.control.jobs import JobAccess
 from dsec.errors import InvalidArgument, NotFound
 from dsec.rl.trajectory import TrajectoryService
 
@@ -56,8 +57,11 @@ class TrajectoryRemote(Protocol):
 
 
 def trajectory_router(
-    service: TrajectoryService | TrajectoryRemote, auth: Authenticator
+    service: TrajectoryService | TrajectoryRemote, auth: Authenticator, access: JobAccess
 ) -> APIRouter:
+    """Logging a step claims the job (dsec.control.jobs); reading or discarding needs
+    ``runtime`` on the job's project."""
+    caller = Depends(auth)  # a default, not an annotation: this module defers those
     router = APIRouter(
         prefix="/v1/trajectories",
         tags=["trajectories"],
@@ -76,11 +80,14 @@ def trajectory_router(
             }
         },
     )
-    async def steps(request: Request, job_id: str, rollout_id: str) -> Response:
+    async def steps(
+        request: Request, job_id: str, rollout_id: str, principal: str = caller
+    ) -> Response:
         """Consecutive steps, handled in order as if sent one by one: a step that matches
         the log (number and content hash) is answered from it without touching the
         sandbox (`replayed: true`); the first that differs runs for real and the log
         after it is discarded. Stops after the first step that failed (its `error`)."""
+        await access.claim(principal, check_name(job_id, "job id"), None, "logging steps")
         raw = await request.body()
         try:
             batch = StepBatch.model_validate_json(raw)
@@ -99,12 +106,13 @@ def trajectory_router(
     )
     async def job(
         job_id: str,
+        principal: str = caller,
         format: Annotated[str, Query(pattern="^(json|jsonl)$")] = "json",
         rollout_id: str | None = None,
     ) -> Response:
         """`format=jsonl`: every logged step (of `rollout_id` only, if given), one JSON
         object a line, in order; for auditing what an agent did."""
-        check_name(job_id, "job id")
+        await access.require(principal, check_name(job_id, "job id"), "reading a trajectory")
         if rollout_id is not None:
             check_name(rollout_id, "rollout id")
         if not isinstance(service, TrajectoryService):
@@ -117,7 +125,8 @@ def trajectory_router(
         return Response("[" + ",".join(i.model_dump_json() for i in infos) + "]", media_type=_JSON)
 
     @router.get("/{job_id}/{rollout_id}", response_model=TrajectoryInfo, summary="One rollout")
-    async def rollout(job_id: str, rollout_id: str) -> Response:
+    async def rollout(job_id: str, rollout_id: str, principal: str = caller) -> Response:
+        await access.require(principal, check_name(job_id, "job id"), "reading a trajectory")
         if not isinstance(service, TrajectoryService):
             check_name(job_id, "job id")
             return await service.rollout(job_id, check_name(rollout_id, "rollout id"))
@@ -134,10 +143,12 @@ def trajectory_router(
     async def records(
         job_id: str,
         rollout_id: str,
+        principal: str = caller,
         after: Annotated[int, Query(ge=-1, le=INT64_MAX)] = -1,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> Response:
         """Steps with a number greater than `after`, in order (page with the last one)."""
+        await access.require(principal, check_name(job_id, "job id"), "reading a trajectory")
         if not isinstance(service, TrajectoryService):
             check_name(job_id, "job id")
             check_name(rollout_id, "rollout id")
@@ -152,10 +163,14 @@ def trajectory_router(
 
     @router.delete("/{job_id}/{rollout_id}", summary="Discard steps from a step on")
     async def discard(
-        job_id: str, rollout_id: str, from_step: Annotated[int, Query(ge=0, le=INT64_MAX)]
+        job_id: str,
+        rollout_id: str,
+        from_step: Annotated[int, Query(ge=0, le=INT64_MAX)],
+        principal: str = caller,
     ) -> dict[str, int]:
         """Drop `from_step` and everything after it (e.g. an in-doubt step after a
         platform crash, once you checked the sandbox); the next run executes them."""
+        await access.require(principal, check_name(job_id, "job id"), "discarding steps")
         if not isinstance(service, TrajectoryService):
             return await service.discard(job_id, rollout_id, from_step)
         return {"discarded": service.discard(job_id, rollout_id, from_step)}

@@ -92,6 +92,19 @@ class ChargeRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+class JobRow(Base):
+    """Who a job belongs to (dsec.control.jobs): the project (and principal) that first
+    used the job id, by a rollout, a sandbox, a trajectory or its model endpoint.
+    Rows are never changed, so they may be cached forever."""
+
+    __tablename__ = "iam_jobs"
+
+    job_id: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    project: Mapped[str] = mapped_column(String(PATH_LEN))
+    principal: Mapped[str] = mapped_column(String(NAME_LEN))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 IAM_TABLES = (
     PrincipalRow.__tablename__,
     ProjectRow.__tablename__,
@@ -99,4 +112,5 @@ IAM_TABLES = (
     QuotaRow.__tablename__,
     UsageRow.__tablename__,
     ChargeRow.__tablename__,
+    JobRow.__tablename__,
 )

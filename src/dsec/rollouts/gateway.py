@@ -51,6 +51,7 @@ MAX_RECORDED = 4 << 20
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 2.0
 CONNECT_TIMEOUT = 5.0
+CLIENT_RETRY_HEADER = "x-stainless-retry-count"
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -88,9 +89,21 @@ class _Call:
     body: dict[str, Any]
     started: float = field(default_factory=time.monotonic)
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    #: The scaffold's own retry of a call it saw fail (e.g. its connection reset when
+    #: an edge died holding it: dsec.rollouts.listener), as its client numbers it.
+    client_retry: int = 0
 
     def request_record(self) -> dict[str, Any]:
         return {"path": self.path, "body": self.body}
+
+    def client(self) -> dict[str, Any]:
+        return {"client_retry": self.client_retry} if self.client_retry else {}
+
+
+def client_retry(headers: Any) -> int:
+    """``x-stainless-retry-count`` (the OpenAI SDKs send it): 0 when absent or odd."""
+    raw = headers.get(CLIENT_RETRY_HEADER) or "0"
+    return int(raw) if raw.isdigit() and len(raw) <= 4 else 0
 
 
 def _error(status: int, message: str, kind: str = "gateway_error") -> JSONResponse:
@@ -194,21 +207,23 @@ class ModelGateway:
         )
 
     # -- serving ----------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
         """Listen on every address (each sandbox reaches its own veth's host side) at a
-        port that stays the same across edge restarts (scaffolds have it in their env)."""
+        port that stays the same across edge restarts (scaffolds have it in their env).
+        ``sock``: that port's listening socket, made already (dsec.rollouts.listener)."""
         import uvicorn
 
         _QuietServer = _quiet_server_class()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", self.port))
-        except OSError:
-            sock.close()
-            await self._client.aclose()
-            raise
-        sock.listen(1024)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("0.0.0.0", self.port))
+            except OSError:
+                sock.close()
+                await self._client.aclose()
+                raise
+            sock.listen(1024)
         sock.setblocking(False)
         from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
 
@@ -288,7 +303,7 @@ class ModelGateway:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_request_error")
         ro.inflight += 1
-        call = _Call(path, body)
+        call = _Call(path, body, client_retry=client_retry(request.headers))
         try:
             if body.get("stream"):
                 return await self._stream(ro, call)
@@ -368,6 +383,7 @@ class ModelGateway:
             "endpoint": url,
             "attempts": len(call.attempts) + 1,
             "retries": call.attempts,
+            **call.client(),
             # time in the gateway from the body read to the answer ready (upstream
             # included): minus ``latency``, what the gateway itself added
             "handled": round(time.monotonic() - call.started, 6),
@@ -391,6 +407,7 @@ class ModelGateway:
                 "error": "deadline passed",
                 "attempts": len(call.attempts),
                 "retries": call.attempts,
+                **call.client(),
             },
         )
         return _error(504, "the model endpoint did not come back before the rollout's deadline")
@@ -457,6 +474,7 @@ class ModelGateway:
                 "endpoint": url,
                 "attempts": len(call.attempts) + 1,
                 "retries": call.attempts,
+                **call.client(),
             }
             if error is not None:
                 result["error"] = error

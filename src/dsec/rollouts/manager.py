@@ -56,6 +56,7 @@ from dsec.api.rollouts import (
     RolloutState,
 )
 from dsec.api.sandbox import SandboxState
+from dsec.api.spec import RunArgs
 from dsec.api.trajectory import StepRequest
 from dsec.api.verify import VerifyRequest
 from dsec.errors import (
@@ -69,6 +70,7 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.rollouts.gateway import GatewayRollout, ModelGateway
+from dsec.rollouts.listener import ListenerKeeper
 from dsec.rollouts.store import Rollout, RolloutStore
 
 if TYPE_CHECKING:
@@ -89,6 +91,21 @@ REATTACH_GRACE = 20.0
 #: A rule that gives the agent sandbox a network namespace of its own with nothing
 #: allowed in it (the gateway is reached through the edge's service port).
 NO_EGRESS = {"host": False}
+
+
+def agent_sandbox(spec: RolloutSpec, trajectory_id: str | None) -> RunArgs:
+    """The agent sandbox's run args: the rollout's job and trajectory on it, no idle
+    stop (the rollout's own timeout bounds it), and a network namespace with nothing
+    allowed unless the spec says so (the gateway is reached through the service port).
+    A cluster apiserver makes it with these (dsec.cluster.rollouts)."""
+    sbx = spec.sandbox
+    update: dict[str, Any] = {
+        "job_id": spec.job_id,
+        "trajectory_id": trajectory_id,
+        "ttl_running_stop": None,
+        "network_rules": dict(sbx.network_rules) or dict(NO_EGRESS),
+    }
+    return sbx.model_copy(update=update)
 
 
 class Worker:
@@ -131,7 +148,16 @@ class RolloutManager:
         store: RolloutStore,
         creator: SandboxCreator,
         fncall: FnCallService | None = None,
+        *,
+        listener: ListenerKeeper | None = None,
+        keep_listener: bool = True,
     ) -> None:
+        """``listener``: the gateway's listening socket outlives this edge (held calls
+        survive its death: dsec.rollouts.listener); ``keep_listener=False``: let it go
+        on a clean exit (an edge that stops its sandboxes on exit)."""
+        self.listener = listener
+        self.keep_listener = keep_listener
+        self._sock: socket.socket | None = None
         self.fncall = fncall
         self.edge = edge
         self.dataplane = dataplane
@@ -165,8 +191,19 @@ class RolloutManager:
     async def _serve_gateway(self, port: int) -> None:
         if self.edge.network is not None:
             self.edge.network.open_service_port(port)
+        sock = None
+        if self.listener is not None:
+            sock = await asyncio.to_thread(self.listener.acquire, port)  # OSError: taken
+        self._sock = sock
         self.gateway = ModelGateway(self, port)
-        await self.gateway.start()
+        await self.gateway.start(sock)
+        if self.store.live():
+            await self._keep_listener()
+
+    async def _keep_listener(self) -> None:
+        """Once rollouts use the gateway, its socket outlives this edge."""
+        if self.listener is not None and self._sock is not None and not self.listener.kept:
+            await asyncio.to_thread(self.listener.keep, self._sock)
 
     def _gateway_port(self, *, fresh: bool = False) -> int:
         """Stable across restarts: scaffolds have the gateway's address in their env."""
@@ -192,10 +229,22 @@ class RolloutManager:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.gateway is not None:
             await self.gateway.close()
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.release, quit=not self.keep_listener)
         await self._probe.aclose()
 
     # -- API ------------------------------------------------------------------------------
-    async def start_rollout(self, principal: str, spec: RolloutSpec) -> RolloutInfo:
+    async def start_rollout(
+        self, principal: str, spec: RolloutSpec, *, sandbox_id: str | None = None
+    ) -> RolloutInfo:
+        """``sandbox_id``: an agent sandbox made already on this edge (by a cluster
+        apiserver, which placed and charged it: dsec.cluster.rollouts)."""
+        if sandbox_id is not None:
+            rec = self.edge.find(sandbox_id)
+            if rec is None or rec.state is not SandboxState.RUNNING:
+                raise SandboxNotFound(
+                    f"no running sandbox {sandbox_id} on this edge", sandbox_id=sandbox_id
+                )
         if spec.model is None and self.store.endpoint(spec.job_id) is None:
             raise InvalidArgument(
                 f"job {spec.job_id!r} has no model endpoint: pass model=ModelEndpoint(...) "
@@ -206,7 +255,8 @@ class RolloutManager:
         if isinstance(spec.reward, VerifyRequest) and spec.reward.mode != "fresh":
             raise InvalidArgument("a rollout's reward step runs in fresh mode (the agent is done)")
         await self.creator.authorize(principal, spec.sandbox.project, "starting a rollout")
-        rid = "ro-" + secrets.token_hex(8)
+        # The edge's id first, as in a sandbox id: a cluster apiserver routes by it.
+        rid = f"{self.edge.edge_id}-ro{secrets.token_hex(8)}"
         if spec.rollout_id is not None and self.trajectory.log.infos(spec.job_id, spec.rollout_id):
             raise AlreadyExists(
                 f"trajectory {spec.job_id}/{spec.rollout_id} exists already: a hosted rollout "
@@ -223,7 +273,7 @@ class RolloutManager:
             spec=spec,
             state=RolloutState.STARTING,
             token="dsro_" + secrets.token_urlsafe(24),
-            sandbox_id=None,
+            sandbox_id=sandbox_id,
             process_id=None,
             exit_code=None,
             reward=None,
@@ -238,6 +288,7 @@ class RolloutManager:
             deadline=now + spec.timeout,
             acked=False,
         )
+        await self._keep_listener()
         self.store.insert(ro)  # AlreadyExists (409) for a rollout id the job has
         if spec.model is not None:
             self.store.set_endpoint(spec.job_id, spec.model, only_if_unset=True)
@@ -455,17 +506,10 @@ class RolloutManager:
         ro = w.ro
         spec = ro.spec
         if ro.sandbox_id is None:
-            sbx = spec.sandbox
-            update: dict[str, Any] = {
-                "job_id": ro.job_id,
-                "trajectory_id": ro.rollout_id,
-                "ttl_running_stop": None,  # the rollout's own timeout bounds it
-                "network_rules": dict(sbx.network_rules) or dict(NO_EGRESS),
-            }
             create = asyncio.ensure_future(
                 self.creator.create_keyed(
                     ro.principal,
-                    sbx.model_copy(update=update),
+                    agent_sandbox(spec, ro.rollout_id),
                     timeout=SANDBOX_CREATE_TIMEOUT,
                     key=ro.id,
                 )

@@ -90,6 +90,7 @@ class Rollout:
             rollout_id=self.rollout_id,
             state=self.state,
             sandbox_id=self.sandbox_id,
+            project=self.spec.sandbox.project,
             created_at=datetime.fromtimestamp(self.created_at, UTC),
             updated_at=datetime.fromtimestamp(self.updated_at, UTC),
             finished_at=_ts(self.finished_at),

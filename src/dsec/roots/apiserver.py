@@ -27,6 +27,7 @@ from dsec.apiserver.services import ApiServices, BatchLimits
 from dsec.cluster.fanout import ClusterAudit, ClusterTrajectories
 from dsec.cluster.fncall import ClusterFnCall
 from dsec.cluster.registry import Registry
+from dsec.cluster.rollouts import ClusterRollouts
 from dsec.cluster.router import ClusterEdge
 from dsec.control.db import check_reachable, database_url, make_engine, migrate
 from dsec.control.iam import IAM
@@ -75,6 +76,7 @@ async def serve_apiserver(
         await router.start()
         fncall = ClusterFnCall(router)
         await fncall.start()
+        creator = SandboxCreator(router, iam=iam)
         app = create_app(
             ApiServices(
                 edge=router,
@@ -91,7 +93,9 @@ async def serve_apiserver(
                 streams=router,
                 # E2B's envd and per-sandbox calls go to the sandbox's edge.
                 relay=router,
-                creator=SandboxCreator(router, iam=iam),
+                creator=creator,
+                # Hosted rollouts: the agent sandbox made here, the rollout on its edge.
+                rollouts=ClusterRollouts(router, creator),
                 iam=iam,
                 batches=cluster_batch_limits(),
                 metrics=router.metrics,

@@ -330,6 +330,7 @@ async def serve(
         trajectory_log = TrajectoryLog(config.data_dir / "trajectory.db")
         stack.callback(trajectory_log.close)
         platform.edge.trajectory = TrajectoryService(platform.edge, trajectory_log, dataplane)
+        from dsec.rollouts.listener import ListenerKeeper
         from dsec.rollouts.manager import RolloutManager
         from dsec.rollouts.store import RolloutStore
 
@@ -344,6 +345,9 @@ async def serve(
             rollout_store,
             creator,
             fncall=platform.fncall,
+            # Held model calls survive this process (dsec.rollouts.listener).
+            listener=ListenerKeeper(config.data_dir / "run" / "gateway.sock"),
+            keep_listener=not config.stop_sandboxes_on_exit,
         )
         # Hosted rollouts go on after a restart; stopped (not ended) on the way out.
         await rollouts.start()
