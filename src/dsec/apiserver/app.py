@@ -10,13 +10,10 @@ exec at ~2 ms.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import Depends, FastAPI, Query
+from fastapi import Depends, FastAPI
 from starlette.responses import PlainTextResponse, Response
 
 from dsec.api.health import HealthInfo
-from dsec.api.sandbox import SandboxStats
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.batch import batch_router, batch_runner
 from dsec.apiserver.creator import SandboxCreator
@@ -29,9 +26,11 @@ from dsec.apiserver.layers import layer_router
 from dsec.apiserver.limits import BodyLimitMiddleware
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.rl import rl_router
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.sandboxes import sandbox_router
 from dsec.apiserver.security import security_router
 from dsec.apiserver.services import ApiServices
+from dsec.apiserver.stats import stats_router
 from dsec.apiserver.trajectory import trajectory_router
 from dsec.apiserver.ui import ui_router
 from dsec.apiserver.uisession import UISessions
@@ -60,6 +59,8 @@ def create_app(services: ApiServices) -> FastAPI:
     jobs = services.rl is not None and services.roles is not None
     sessions = UISessions() if serve_ui else None
     auth = Authenticator(keys, sessions)
+    # The one check of "may this caller use this sandbox" (dsec.apiserver.sandboxaccess).
+    access = SandboxAccess(edge, iam, auth)
     app = FastAPI(
         title="DSec API",
         version=API_VERSION,
@@ -70,6 +71,7 @@ def create_app(services: ApiServices) -> FastAPI:
         ),
         responses={"default": {"model": ErrorBody, "description": "typed error"}},
     )
+    app.state.sandbox_access = access  # a cluster apiserver's own routes use it too
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, default_limit=limits.max_json_bytes)
 
@@ -78,25 +80,7 @@ def create_app(services: ApiServices) -> FastAPI:
         """Liveness and capacity; needs no API key."""
         return model_response(await edge.health())
 
-    @app.get(
-        "/v1/stats",
-        response_model=list[SandboxStats],
-        tags=["platform"],
-        summary="Resource use of live sandboxes",
-        dependencies=[Depends(auth)],
-    )
-    async def sandbox_stats(
-        sandbox_id: Annotated[
-            str | None,
-            Query(max_length=64, description="only this sandbox (empty list if not live)"),
-        ] = None,
-    ) -> Response:
-        """Memory, CPU time, disk and idle time of every live sandbox, read now (a
-        cluster apiserver asks every edge that answers). CPU use is the change of
-        ``cpu_seconds`` between two calls."""
-        items = await edge.stats(sandbox_id)
-        body = "[" + ",".join(i.model_dump_json() for i in items) + "]"
-        return Response(body, media_type="application/json")
+    app.include_router(stats_router(edge, auth, access))
 
     if services.metrics is not None:
         metrics = services.metrics
@@ -126,6 +110,7 @@ def create_app(services: ApiServices) -> FastAPI:
             creator=creator,
             report_load=services.report_load,
             streams=services.streams or dataplane,
+            access=access,
         )
     )
     app.state.batches = batch_runner(  # see cancel_batches_on_exit
@@ -136,13 +121,13 @@ def create_app(services: ApiServices) -> FastAPI:
     )
     app.include_router(batch_router(app.state.batches, auth))
     if dataplane is not None:
-        install_data_path(app, dataplane, keys, auth, limits)
+        install_data_path(app, dataplane, keys, auth, limits, access)
     if services.images is not None:  # cluster mode: images live on the edges
         app.include_router(image_router(services.images, auth, limits))
     if services.layers is not None:
         app.include_router(layer_router(services.layers, auth))
     if services.audit is not None:
-        app.include_router(security_router(services.audit, auth))
+        app.include_router(security_router(services.audit, auth, access, creator.jobs))
     if services.fncall is not None:
         app.include_router(fncall_router(services.fncall, auth))
         app.include_router(sandboxfusion_router(services.fncall, keys))
@@ -150,7 +135,9 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(trajectory_router(services.trajectory, auth, creator.jobs))
     if services.rl is not None and services.roles is not None:  # job pause, pack_diff, fork
         app.include_router(
-            rl_router(services.rl, auth, services.roles, creator.jobs, charge=iam is not None)
+            rl_router(
+                services.rl, auth, services.roles, creator.jobs, access, charge=iam is not None
+            )
         )
     if services.rollouts is not None:  # hosted rollouts (dsec.rollouts, dsec.cluster)
         from dsec.apiserver.rollouts import rollout_router

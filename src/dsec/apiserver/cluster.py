@@ -16,8 +16,8 @@ from dsec.api.cluster import EdgeReport, EdgeStatus, HeartbeatReply
 from dsec.api.sandbox import DataPathInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.params import check_sandbox_id
 from dsec.apiserver.responses import model_response
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.cluster.registry import Registry
 from dsec.cluster.router import ClusterEdge
 from dsec.control.roles import ADMIN
@@ -27,12 +27,18 @@ _bearer = HTTPBearer(auto_error=False, description="the cluster token (edges onl
 
 
 def cluster_router(
-    router: ClusterEdge, registry: Registry, token: str, auth: Authenticator
+    router: ClusterEdge,
+    registry: Registry,
+    token: str,
+    auth: Authenticator,
+    access: SandboxAccess,
 ) -> APIRouter:
     api = APIRouter(
         tags=["cluster"], responses={"default": {"model": ErrorBody, "description": "typed error"}}
     )
     Principal = Annotated[str, Depends(auth)]
+    # A token is minted only for a sandbox the caller may use (404 for another's).
+    Sandbox = Annotated[str, Depends(access.runtime)]
 
     async def edge_auth(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
@@ -71,8 +77,8 @@ def cluster_router(
         tags=["sandboxes"],
         summary="Get a data-path token (minted by the sandbox's edge)",
     )
-    async def data_path(sandbox_id: str, _p: Principal) -> Response:
-        return model_response(await router.data_path(check_sandbox_id(sandbox_id)))
+    async def data_path(sandbox_id: Sandbox) -> Response:
+        return model_response(await router.data_path(sandbox_id))
 
     @api.post(
         "/v1/sandboxes/{sandbox_id}/view-token",
@@ -80,8 +86,7 @@ def cluster_router(
         tags=["sandboxes"],
         summary="Get a live-view-only token (minted by the sandbox's edge)",
     )
-    async def view_token(sandbox_id: str, _p: Principal) -> Response:
-        sid = check_sandbox_id(sandbox_id)
-        return model_response(await router.data_path(sid, scope="view"))
+    async def view_token(sandbox_id: Sandbox) -> Response:
+        return model_response(await router.data_path(sandbox_id, scope="view"))
 
     return api

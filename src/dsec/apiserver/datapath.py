@@ -39,6 +39,7 @@ from dsec.apiserver.limits import ApiLimits, set_body_limit
 from dsec.apiserver.params import MAX_LIST_LIMIT, check_sandbox_id, check_sandbox_path, parse_mode
 from dsec.apiserver.responses import model_response
 from dsec.apiserver.rpc import RpcConnection
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.wsmux import close_with_error, refuse_handshake
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.liveview import LiveViews
@@ -52,11 +53,13 @@ _bearer = HTTPBearer(auto_error=False, description="sandbox token (dst1/dsv1...)
 
 
 class DataAuth:
-    """A sandbox token bound to the path's sandbox, or any valid API key."""
+    """A sandbox token bound to the path's sandbox, or an API key whose principal may
+    use that sandbox (dsec.apiserver.sandboxaccess: 404 for another tenant's)."""
 
-    def __init__(self, keys: KeyVerifier, plane: DataPlane) -> None:
+    def __init__(self, keys: KeyVerifier, plane: DataPlane, access: SandboxAccess) -> None:
         self.keys = keys
         self.plane = plane
+        self.access = access
 
     async def check(
         self, sandbox_id: str | None, credential: str | None, *, scope: Scope = "full"
@@ -69,10 +72,14 @@ class DataAuth:
                 raise Unauthenticated("a sandbox token is only valid on that sandbox's routes")
             self.plane.authorize(sandbox_id, credential, scope=scope)
         else:
-            await self.keys.verify(credential)
+            principal = await self.keys.verify(credential)
+            if sandbox_id is None:
+                raise Unauthenticated("this route needs a sandbox id")
+            await self.access.require(principal, sandbox_id)
 
-    async def handshake(self, credential: str | None) -> bool:
-        """Check the credential of a multiplexed socket; whether it is an API key.
+    async def handshake(self, credential: str | None) -> str | None:
+        """Check the credential of a multiplexed socket: the principal of an API key
+        (each frame's sandbox is then checked against it), None for a sandbox token.
 
         A token must carry our signature, but may have expired: every frame is checked
         again against its own sandbox's token, and an SDK holding an expired token must
@@ -80,8 +87,7 @@ class DataAuth:
         if not credential:
             raise Unauthenticated(MISSING_KEY + " or a sandbox token")
         if not looks_like_token(credential):
-            await self.keys.verify(credential)
-            return True
+            return await self.keys.verify(credential)
         parts = credential.split(".")
         sandbox_id = parts[1] if len(parts) == 4 else ""
         try:
@@ -89,7 +95,7 @@ class DataAuth:
         except Unauthenticated as exc:
             if "expired_at" not in exc.details:
                 raise
-        return False
+        return None
 
     async def __call__(
         self,
@@ -273,15 +279,19 @@ def install_data_path(
     keys: KeyVerifier,
     api_auth: Authenticator,
     limits: ApiLimits,
+    access: SandboxAccess | None = None,
 ) -> None:
-    data_auth = DataAuth(keys, plane)
+    access = access or SandboxAccess(plane.edge, None, api_auth)
+    data_auth = DataAuth(keys, plane, access)
+    # Every token is minted for a sandbox the caller may use (404 for another's).
+    runtime = Depends(access.runtime)
 
     @app.post(
         "/v1/sandboxes/{sandbox_id}/token",
         response_model=DataPathInfo,
         tags=["sandboxes"],
         summary="Get a data-path token",
-        dependencies=[Depends(api_auth)],
+        dependencies=[runtime],
     )
     async def token(sandbox_id: str) -> Response:
         """A fresh per-sandbox token and the edge URL that accepts it."""
@@ -292,7 +302,7 @@ def install_data_path(
         response_model=DataPathInfo,
         tags=["sandboxes"],
         summary="Get a live-view-only token",
-        dependencies=[Depends(api_auth)],
+        dependencies=[runtime],
     )
     async def view_token(sandbox_id: str) -> Response:
         """A short-lived token (``dsv1``) that opens only the sandbox's live view
@@ -305,7 +315,9 @@ def install_data_path(
     app.include_router(file_router(plane, limits, data_auth), prefix=prefix)
     app.include_router(desktop_router(plane, data_auth), prefix=prefix)
     app.include_router(snapshot_router(plane, data_auth), prefix=prefix)
-    app.include_router(file_router(plane, limits, api_auth), prefix="/v1/sandboxes/{sandbox_id}")
+    app.include_router(
+        file_router(plane, limits, access.runtime), prefix="/v1/sandboxes/{sandbox_id}"
+    )
 
     @app.websocket(RPC_PATH)
     async def rpc(ws: WebSocket) -> None:
@@ -317,12 +329,12 @@ def install_data_path(
         a typed 401 before any frame is read."""
         credential = _header_credential(ws)
         try:
-            trusted = await data_auth.handshake(credential)
+            principal = await data_auth.handshake(credential)
         except DSecError as exc:
             await refuse_handshake(ws, exc)
             return
         await ws.accept()
-        await RpcConnection(ws, plane, trusted=trusted).serve()
+        await RpcConnection(ws, plane, principal=principal, access=access).serve()
 
     @app.websocket(prefix + "/pty")
     async def pty(

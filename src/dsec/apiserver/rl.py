@@ -25,8 +25,8 @@ from dsec.api.rl import (
 from dsec.api.sandbox import SandboxInfo
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
-from dsec.apiserver.params import check_sandbox_id
 from dsec.apiserver.responses import model_response
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.control.iam import IAM, Request
 from dsec.control.jobs import JobAccess
 from dsec.control.roles import Role, RoleStore
@@ -47,6 +47,7 @@ def rl_router(
     auth: Authenticator,
     roles: RoleStore,
     access: JobAccess,
+    sandboxes: SandboxAccess | None = None,
     *,
     charge: bool = True,
 ) -> APIRouter:
@@ -55,6 +56,9 @@ def rl_router(
         tags=["rl"], responses={"default": {"model": ErrorBody, "description": "typed error"}}
     )
     Principal = Annotated[str, Depends(auth)]
+    sandboxes = sandboxes or SandboxAccess(edge, roles.iam if charge else None, auth)
+    # Builder on the path's sandbox's project; no role there at all: 404 (not 403).
+    Built = Annotated[str, Depends(sandboxes.builder)]
 
     async def require_builder(principal: str, sandbox_id: str, action: str) -> SandboxInfo:
         """Builder on the sandbox's project (sandboxes from before IAM: the default)."""
@@ -83,8 +87,8 @@ def rl_router(
         response_model=PackedEnv,
         summary="Pack a sandbox's changes into a layer (builder role)",
     )
-    async def pack(sandbox_id: str, body: PackRequest, principal: Principal) -> Response:
-        sid = check_sandbox_id(sandbox_id)
+    async def pack(sandbox_id: Built, body: PackRequest, principal: Principal) -> Response:
+        sid = sandbox_id
         await require_builder(principal, sid, "pack_diff")
         env = await edge.pack_diff(sid, body.name, body.version)
         return model_response(env, 201)
@@ -94,8 +98,8 @@ def rl_router(
         response_model=ForkResult,
         summary="pack_diff + n sandboxes from it (builder role)",
     )
-    async def fork(sandbox_id: str, body: ForkRequest, principal: Principal) -> Response:
-        sid = check_sandbox_id(sandbox_id)
+    async def fork(sandbox_id: Built, body: ForkRequest, principal: Principal) -> Response:
+        sid = sandbox_id
         parent = await require_builder(principal, sid, "fork")
         if not charge:
             return model_response(await edge.fork(sid, body), 201)

@@ -24,6 +24,7 @@ from dsec.api.exec import CommandArgs, SessionArgs, signal_number
 from dsec.api.files import ChmodRequest, MkdirRequest, MoveRequest, RemoveRequest
 from dsec.apiserver.errors import validation_message
 from dsec.apiserver.params import INT64_MAX, MAX_LIST_LIMIT, check_sandbox_id
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.wsmux import MuxConnection, close_with_error, error_payload
 from dsec.edge.dataplane import DataPlane, check_path
 from dsec.errors import DSecError, InvalidArgument, PayloadTooLarge, Unauthenticated
@@ -42,17 +43,24 @@ def _arg(args: dict[str, Any], key: str) -> str:
 class RpcConnection(MuxConnection):
     kind = "data path"
 
-    def __init__(self, ws: WebSocket, plane: DataPlane, *, trusted: bool) -> None:
+    def __init__(
+        self, ws: WebSocket, plane: DataPlane, *, principal: str | None, access: SandboxAccess
+    ) -> None:
+        """``principal``: the API key's (each frame's sandbox checked against it by
+        ``access``); None: a token connection, each frame carries its sandbox's token."""
         super().__init__(ws)
         self.plane = plane
-        self.trusted = trusted
+        self.principal = principal
+        self.access = access
 
     async def answer(self, rid: int, op: str, msg: dict[str, Any]) -> Any:
         handler = HANDLERS.get(op)
         if handler is None:
             raise InvalidArgument(f"unknown op {op!r}; one of {sorted(HANDLERS)}")
         sandbox_id = check_sandbox_id(str(msg.get("sandbox", "")))
-        if not self.trusted:
+        if self.principal is not None:  # an API key: its principal may use the sandbox
+            await self.access.require(self.principal, sandbox_id)
+        else:
             token = msg.get("token")
             if not isinstance(token, str) or not token:
                 raise Unauthenticated("a sandbox token is required (field 'token')")

@@ -27,8 +27,9 @@ from dsec.apiserver.creator import SandboxCreator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.filestreams import FileStreams, read_response, write_body
 from dsec.apiserver.limits import ApiLimits, set_body_limit
-from dsec.apiserver.params import check_sandbox_id, check_sandbox_path, parse_labels, parse_mode
+from dsec.apiserver.params import check_sandbox_path, parse_labels, parse_mode
 from dsec.apiserver.responses import model_response, sandboxes_response
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.trajectory import trajectory_ref
 from dsec.control.placement import LOAD_HEADER, EdgeLoad
 from dsec.edge.admission import Admission
@@ -49,9 +50,13 @@ def sandbox_router(
     creator: SandboxCreator | None = None,
     report_load: Admission | None = None,
     streams: FileStreams | None = None,
+    access: SandboxAccess | None = None,
 ) -> APIRouter:
     creator = creator or SandboxCreator(edge)
+    access = access or SandboxAccess(edge, creator.iam, auth)
     Principal = Annotated[str, Depends(auth)]
+    # The path's sandbox, checked: the caller holds `runtime` on its project (else 404).
+    Sandbox = Annotated[str, Depends(access.runtime)]
 
     async def with_data_path(info: SandboxInfo) -> SandboxInfo:
         """Create and inspect answers carry the edge URL and a token for the data path."""
@@ -111,6 +116,7 @@ def sandbox_router(
 
     @router.get("", response_model=list[SandboxInfo], summary="List sandboxes")
     async def list_sandboxes(
+        principal: Principal,
         label: Annotated[
             list[str], Query(description="`key=value` selector; repeat to AND several")
         ] = [],  # noqa: B006 - FastAPI copies query defaults
@@ -129,41 +135,43 @@ def sandbox_router(
         """
         states = set(state) if state else set(LIVE_STATES)
         items = await edge.list(labels=parse_labels(label) or None, states=states)
-        return sandboxes_response(items)
+        return sandboxes_response(await access.visible(principal, items))
 
     @router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Inspect a sandbox")
-    async def get_sandbox(sandbox_id: str) -> Response:
-        return model_response(await with_data_path(await edge.get(check_sandbox_id(sandbox_id))))
+    async def get_sandbox(sandbox_id: Sandbox) -> Response:
+        return model_response(await with_data_path(await edge.get(sandbox_id)))
 
     @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Stop a sandbox")
-    async def stop_sandbox(sandbox_id: str, principal: Principal) -> Response:
+    async def stop_sandbox(sandbox_id: Sandbox, principal: Principal) -> Response:
         """Terminate and release everything; idempotent. Returns the final state."""
-        info = await creator.stop(principal, check_sandbox_id(sandbox_id))
+        info = await creator.stop(principal, sandbox_id)
         return with_load(model_response(info))
 
     @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
-    async def exec_command(sandbox_id: str, body: ExecRequest, principal: Principal) -> Response:
+    async def exec_command(
+        sandbox_id: Sandbox, body: ExecRequest, principal: Principal
+    ) -> Response:
         """Run one command to completion; a string goes through `/bin/sh -c`."""
         if body.trajectory is not None:  # a step of a job's log: the job's owner only
             await creator.jobs.claim(principal, body.trajectory.job_id, None, "logging a step")
-        return model_response(await edge.exec(check_sandbox_id(sandbox_id), body))
+        return model_response(await edge.exec(sandbox_id, body))
 
     @router.post("/{sandbox_id}/verify", response_model=VerifyResult, summary="Run a verifier step")
-    async def verify_command(sandbox_id: str, body: VerifyRequest) -> Response:
+    async def verify_command(sandbox_id: Sandbox, body: VerifyRequest) -> Response:
         """Run a grader in a short-lived verifier built from the pristine image: it sees
         read-only snapshots of the graded paths and the protected paths (which the
         sandbox itself never does), never the agent's other changes. ``mode=fresh``
         (default) stops the sandbox first; ``isolated`` freezes it and lets it go on.
         The default user is root, the default timeout 600 s."""
-        return model_response(await edge.verify(check_sandbox_id(sandbox_id), body))
+        return model_response(await edge.verify(sandbox_id, body))
 
     @router.put(
         "/{sandbox_id}/network", response_model=NetworkRules, summary="Replace egress rules"
     )
-    async def update_network(sandbox_id: str, body: NetworkRules) -> Response:
+    async def update_network(sandbox_id: Sandbox, body: NetworkRules) -> Response:
         """REPLACE (not merge) the egress rules of a running sandbox that was created
         with `network_rules`; new connections follow them at once, open ones go on."""
-        rules = await edge.update_network(check_sandbox_id(sandbox_id), body.network_rules)
+        rules = await edge.update_network(sandbox_id, body.network_rules)
         return model_response(rules)
 
     @router.get(
@@ -173,14 +181,12 @@ def sandbox_router(
         summary="Read a file",
     )
     async def read_file(
-        sandbox_id: str, path: Annotated[str, Query(description="absolute path")]
+        sandbox_id: Sandbox, path: Annotated[str, Query(description="absolute path")]
     ) -> Response:
         if streams is not None:  # constant memory (dsec.apiserver.filestreams)
-            return await read_response(
-                streams, check_sandbox_id(sandbox_id), check_sandbox_path(path)
-            )
+            return await read_response(streams, sandbox_id, check_sandbox_path(path))
         data = await edge.read_file(
-            check_sandbox_id(sandbox_id),
+            sandbox_id,
             check_sandbox_path(path),
             max_bytes=limits.max_file_bytes,
         )
@@ -195,7 +201,7 @@ def sandbox_router(
     )
     async def write_file(
         request: Request,
-        sandbox_id: str,
+        sandbox_id: Sandbox,
         principal: Principal,
         path: Annotated[str, Query(description="absolute path")],
         mode: Annotated[str, Query(description="octal permissions")] = "644",
@@ -205,7 +211,7 @@ def sandbox_router(
     ) -> Response:
         """Create or replace a file with the raw request body. With `job_id`,
         `rollout_id` and `step` it is a logged, replayable trajectory step."""
-        sid = check_sandbox_id(sandbox_id)
+        sid = sandbox_id
         target = check_sandbox_path(path)
         perms = parse_mode(mode)
         traj = trajectory_ref(job_id, rollout_id, step)

@@ -2,10 +2,13 @@
 
 A trainer polls ``/v1/events?job_id=...&since_seq=N`` after (or during) a rollout and
 discards or penalises it; ``/v1/audit`` is the full record for an investigation.
+
+With IAM the records are a tenant's: a caller without a role on every project must
+filter by a sandbox it may use (dsec.apiserver.sandboxaccess; another's is 404) or a
+job of a project it holds ``runtime`` on (dsec.control.jobs; another's is 403).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI must see the local dependencies.
 from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -16,7 +19,9 @@ from dsec.api.events import AuditKind, AuditRecord, EventKind, SecurityEvent
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.errors import ErrorBody
 from dsec.apiserver.params import INT64_MAX
-from dsec.errors import InvalidArgument
+from dsec.apiserver.sandboxaccess import SandboxAccess
+from dsec.control.jobs import JobAccess
+from dsec.errors import InvalidArgument, PermissionDenied
 from dsec.security.audit import AuditLog, Filters
 from dsec.security.auditstream import AuditFollower
 
@@ -55,6 +60,11 @@ def query_filters(
 
 QueryFilters = Annotated[Filters, Depends(query_filters)]
 
+WHOLE_LOG = (
+    "reading the audit log of every sandbox needs a role on every project; "
+    "filter by sandbox_id (a sandbox you may use) or job_id (a job of your project)"
+)
+
 
 class AuditQuery(Protocol):
     """Rows kept elsewhere (cluster mode: every edge's own log, dsec.cluster.fanout)."""
@@ -75,7 +85,27 @@ def _no_cluster_cursor(request: Request) -> None:
         )
 
 
-def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRouter:
+def security_router(
+    audit: AuditLog | AuditQuery,
+    auth: Authenticator,
+    access: SandboxAccess,
+    jobs: JobAccess,
+) -> APIRouter:
+    async def scoped(principal: Annotated[str, Depends(auth)], filters: QueryFilters) -> Filters:
+        """The query's filters, once the caller may read what they select."""
+        if await access.sees_all(principal):
+            return filters
+        sandbox_id = filters.get("sandbox_id")
+        job_id = filters.get("job_id")
+        if sandbox_id is None and job_id is None:
+            raise PermissionDenied(WHOLE_LOG)
+        if sandbox_id is not None:
+            await access.require(principal, sandbox_id, action="reading a sandbox's audit log")
+        if job_id is not None:
+            await jobs.require(principal, job_id, "reading a job's audit log")
+        return filters
+
+    Scoped = Annotated[Filters, Depends(scoped)]
     router = APIRouter(
         tags=["security"],
         dependencies=[Depends(auth)],
@@ -85,7 +115,7 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
     @router.get("/v1/events", response_model=list[SecurityEvent], summary="Misbehaviour events")
     async def events(
         request: Request,
-        filters: QueryFilters,
+        filters: Scoped,
         kind: Annotated[list[EventKind], Query(description="repeatable")] = [],  # noqa: B006
     ) -> Response:
         """Events in order; page with ``since_seq`` = the last ``seq`` seen."""
@@ -97,7 +127,7 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
     @router.get("/v1/audit", response_model=list[AuditRecord], summary="Audit log")
     async def audit_records(
         request: Request,
-        filters: QueryFilters,
+        filters: Scoped,
         kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
     ) -> Response:
         """Every command, file operation, network decision and event, in order."""
@@ -114,7 +144,7 @@ def security_router(audit: AuditLog | AuditQuery, auth: Authenticator) -> APIRou
     )
     async def stream(
         request: Request,
-        filters: QueryFilters,
+        filters: Scoped,
         kind: Annotated[list[AuditKind], Query(description="repeatable")] = [],  # noqa: B006
     ) -> Response:
         """Every audit record as it is written (lifecycle changes, commands, file and

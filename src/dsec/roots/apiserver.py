@@ -23,6 +23,7 @@ from dsec.apiserver.app import API_VERSION, create_app
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.cluster import cluster_router
 from dsec.apiserver.creator import SandboxCreator
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.services import ApiServices, BatchLimits
 from dsec.cluster.fanout import ClusterAudit, ClusterTrajectories
 from dsec.cluster.fncall import ClusterFnCall
@@ -102,7 +103,8 @@ async def serve_apiserver(
             )
         )
         auth = Authenticator(keys)
-        app.include_router(cluster_router(router, registry, config.cluster_token, auth))
+        access: SandboxAccess = app.state.sandbox_access  # the app's one sandbox check
+        app.include_router(cluster_router(router, registry, config.cluster_token, auth, access))
 
         async def started() -> None:
             if ready is not None:
