@@ -32,7 +32,15 @@ def install(app: FastAPI, services: ApiServices, creator: SandboxCreator) -> Non
     plane, relay = services.dataplane, services.relay
     if plane is None and relay is None:
         return
-    access = Access(services.keys, services.edge, plane, services.iam, services.rl, relay)
+    access = Access(
+        services.keys,
+        services.edge,
+        plane,
+        services.iam,
+        services.rl,
+        relay,
+        sandboxes=app.state.sandbox_access,
+    )
     app.include_router(control_router(access, creator, E2BConfig.from_env()))
     if plane is not None:
         app.include_router(envd_router(Envd(access, plane, services.limits)))

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from dsec.api.iam import Role
 from dsec.api.sandbox import SandboxInfo
-from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.auth import Authenticator, KeyVerifier
 from dsec.apiserver.relay import EdgeRelay
 from dsec.apiserver.rl import RLEdge
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.control.iam import IAM
 from dsec.edge.api import EdgeAPI
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import looks_like_token
 from dsec.errors import (
     BackendError,
-    PermissionDenied,
     SandboxNotFound,
     Unauthenticated,
     Unsupported,
@@ -44,6 +44,7 @@ class Access:
         iam: IAM | None,
         rl: RLEdge | None = None,
         relay: EdgeRelay | None = None,
+        sandboxes: SandboxAccess | None = None,
     ) -> None:
         if plane is None and relay is None:
             raise ValueError("E2B needs a data plane or a relay to the sandboxes' edges")
@@ -53,6 +54,8 @@ class Access:
         self.plane = plane
         self.relay = relay
         self.iam = iam
+        # The platform's one check of who may use which sandbox (shared with our API).
+        self.sandboxes = sandboxes or SandboxAccess(edge, iam, Authenticator(keys))
 
     async def principal(self, api_key: str | None) -> str:
         if not api_key:
@@ -60,14 +63,7 @@ class Access:
         return await self.keys.verify(api_key)
 
     async def may_use(self, principal: str, info: SandboxInfo) -> bool:
-        if self.iam is None:
-            return True
-        try:
-            project = info.spec.project or self.iam.default
-            await self.iam.require(principal, Role.RUNTIME, project, "using a sandbox")
-        except PermissionDenied:
-            return False
-        return True
+        return await self.sandboxes.may_use(principal, info)
 
     async def sandbox(self, principal: str, sandbox_id: str) -> SandboxInfo:
         """A live sandbox the principal may use, else SandboxNotFound."""
