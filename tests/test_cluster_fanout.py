@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, NotFound
 from dsec.api.events import EventKind, SecurityEvent
 from dsec.api.fncall import DSecFnCallRunArgs, RunCodeRequest
 from dsec.api.sandbox import SandboxState
@@ -31,6 +32,7 @@ from dsec.errors import EdgeUnavailable, InvalidArgument
 from dsec.sdk import Sandbox
 from tests.cluster_env import Cluster, busybox_cluster
 from tests.pg import PostgresServer
+from tests.test_sandbox_access import sandbox_routes
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -336,6 +338,82 @@ def test_rollouts_through_the_cluster(two_edges: Cluster) -> None:
                 with contextlib.suppress(Exception):
                     a0.cancel_rollout(rid)
         trainer.stop()
+
+
+def test_a_second_tenant_cannot_touch_sandboxes_through_the_cluster(two_edges: Cluster) -> None:
+    """Tenant isolation on a cluster apiserver (dsec.apiserver.sandboxaccess): another
+    project's sandbox is 404 on every sandbox route (the app's routes walked, as in
+    tests/test_sandbox_access.py) including the cluster's own token routes; lists,
+    stats and the fanned-out audit log are the tenant's own; and the edge itself takes
+    neither the tenant's API key nor its own sandbox's token for another sandbox."""
+    c = two_edges
+    tag = secrets.token_hex(3)
+    with DSecSyncClient(c.api_urls[0], c.admin_key, timeout=120) as admin:
+        admin.create_project(f"cl-{tag}")
+        admin.create_principal(f"tenant-{tag}", default_project=f"cl-{tag}")
+        admin.grant(f"tenant-{tag}", "runtime", project=f"cl-{tag}")
+        key = admin.create_key(f"tenant-{tag}").key
+        theirs = admin.run_sandbox(spec(f"cl-admin-{tag}"))
+        try:
+            with DSecSyncClient(c.api_urls[1], key, timeout=120) as tenant:
+                mine = tenant.run_sandbox(
+                    DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
+                )
+                try:
+                    with pytest.raises(NotFound):
+                        tenant.get(theirs.id)
+                    assert [s.id for s in tenant.list_sandboxes()] == [mine.id]
+                    _cluster_attacks(c, key, theirs.id, mine.id)
+                finally:
+                    mine.stop()
+        finally:
+            theirs.stop()
+
+
+def _cluster_attacks(c: Cluster, key: str, theirs: str, mine: str) -> None:
+    h = {"Authorization": f"Bearer {key}", "X-API-KEY": key}
+    checked = {
+        "/v1/sandboxes/{sandbox_id}",
+        "/v1/sandboxes/{sandbox_id}/exec",
+        "/v1/sandboxes/{sandbox_id}/files",
+        "/v1/sandboxes/{sandbox_id}/token",
+        "/v1/sandboxes/{sandbox_id}/view-token",
+        "/v1/sandboxes/{sandbox_id}/network",
+        "/v1/sandboxes/{sandbox_id}/verify",
+        "/v1/sandboxes/{sandbox_id}/fork",
+        "/v1/sandboxes/{sandbox_id}/pack",
+    }
+    with httpx.Client(base_url=c.api_urls[0], headers=h, timeout=60) as http:
+        for method, path in sandbox_routes():
+            if method == "WS":
+                continue
+            r = http.request(
+                method, path.replace("{sandbox_id}", theirs), params={"path": "/"}, content=b"{}"
+            )
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+            if path in checked:
+                assert r.json()["error"]["code"] == "sandbox_not_found", (method, path, r.text)
+        stats = [s["id"] for s in http.get("/v1/stats").json()]
+        assert mine in stats and theirs not in stats
+        assert http.get("/v1/audit").status_code == 403
+        assert http.get("/v1/audit", params={"sandbox_id": theirs}).status_code == 404
+        assert http.get("/v1/audit", params={"sandbox_id": mine}).status_code == 200
+        own = http.post(f"/v1/sandboxes/{mine}/token").json()
+    # Around the apiserver, straight to the edges: the tenant's key is no key there, and
+    # its own sandbox's token opens nothing else.
+    for edge in c.edges.values():
+        for cred in (key, own["token"]):
+            r = httpx.get(
+                f"{edge.url}/v1/edge/sandboxes/{theirs}/fs/stat",
+                params={"path": "/"},
+                headers={"Authorization": f"Bearer {cred}"},
+                timeout=30,
+            )
+            assert r.status_code in (401, 403), (edge.edge_id, r.status_code, r.text)
+        r = httpx.get(
+            f"{edge.url}/v1/sandboxes/{theirs}", headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 401, r.text
 
 
 async def test_down_edge_is_reported_missing(two_edges: Cluster, spread: list[Sandbox]) -> None:
