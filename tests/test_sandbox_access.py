@@ -15,6 +15,8 @@ import re
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from unittest.mock import MagicMock
 
 import httpx
@@ -27,10 +29,18 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from dsec import DSecSyncClient, NotFound
-from dsec.api.spec import DSecContainerRunArgs
+from dsec.api.iam import PrincipalCreate, Role
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.apiserver.app import create_app
+from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.datapath import DataAuth
+from dsec.apiserver.sandboxaccess import SandboxAccess
 from dsec.apiserver.services import ApiServices
+from dsec.control.db import make_engine, migrate, sqlite_url
+from dsec.control.iam import IAM
+from dsec.control.keys import KeyStore
+from dsec.errors import PermissionDenied, SandboxNotFound
 from tests.conftest import PlatformProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -308,3 +318,78 @@ def test_e2b_sdk_attacks(tenants: Tenants) -> None:
         assert e2b.Sandbox.kill(tenants.theirs, api_key=tenants.key) is False
         listed = e2b.Sandbox.list(api_key=tenants.key).next_items()
         assert tenants.theirs not in [s.sandbox_id for s in listed]
+
+
+A, B, C, F = (f"e0-{c * 16}" for c in "abcf")
+
+
+class _Records:
+    """Sandbox records by id, counting lookups (the decision's only input besides IAM)."""
+
+    def __init__(self, *infos: SandboxInfo) -> None:
+        self.infos = {i.id: i for i in infos}
+        self.lookups = 0
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        self.lookups += 1
+        info = self.infos.get(sandbox_id)
+        if info is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on edge e0")
+        return info
+
+
+def _info(sid: str, project: str | None) -> SandboxInfo:
+    now = datetime.now(UTC)
+    spec = DSecContainerRunArgs(container_image="busybox:latest", project=project)
+    return SandboxInfo(
+        id=sid,
+        backend=BackendKind.CONTAINER,
+        state=SandboxState.RUNNING,
+        image="busybox:latest",
+        created_at=now,
+        updated_at=now,
+        edge="e0",
+        spec=spec,
+    )
+
+
+async def test_the_decision(tmp_path: Path) -> None:
+    """No IAM: everything passes without a lookup. An admin of every project: no
+    lookup either (unknown ids keep the edge's own answer). A tenant: 404 on another
+    project's sandbox and on pre-IAM ones (the default project), 403 for pack/fork with
+    only runtime; the project is read once per sandbox."""
+    engine = make_engine(sqlite_url(tmp_path / "c.db"))
+    await migrate(engine)
+    iam = IAM(engine, cache_ttl=0.0)
+    try:
+        await iam.ensure_bootstrap()
+        await iam.create_project("admin", "t")
+        await iam.create_principal("admin", PrincipalCreate(name="bob", default_project="t"))
+        await iam.grant("admin", "bob", "t", Role.RUNTIME)
+        recs = _Records(
+            _info(A, "t"),
+            _info(B, "default"),
+            _info(C, None),
+        )
+        auth = Authenticator(KeyStore(engine))
+        off = SandboxAccess(recs, None, auth)
+        assert await off.require("bob", B, Role.BUILDER) == B
+        assert recs.lookups == 0
+        on = SandboxAccess(recs, iam, auth)
+        assert await on.require("admin", F) == F
+        assert recs.lookups == 0
+        assert await on.require("bob", A) == A
+        assert await on.require("bob", A) == A
+        assert recs.lookups == 1  # remembered
+        for sid in (B, C, F):
+            with pytest.raises(SandboxNotFound):
+                await on.require("bob", sid)
+        with pytest.raises(PermissionDenied):
+            await on.require("bob", A, Role.BUILDER, "forking")
+        with pytest.raises(SandboxNotFound):  # not an id at all: checked before anything
+            await on.require("bob", "../etc")
+        seen = await on.visible("bob", recs.infos.values())
+        assert [i.id for i in seen] == [A]
+    finally:
+        await iam.close()
+        await engine.dispose()
