@@ -125,6 +125,10 @@ async def test_only_builders_may_pack(
 ) -> None:
     principal = "runner-" + secrets.token_hex(3)
     key = await _key_for(platform, principal)
+    # Sandboxes belong to projects: a key needs a role on the sandbox's project to see
+    # it at all (dsec.apiserver.sandboxaccess), here runtime on the default project.
+    await client.create_principal(principal)
+    await client.grant(principal, "runtime", project="default")
     other = DSecClient(platform.url, key)
     await other.open()
     sb = await client.run_container(

@@ -294,6 +294,16 @@ def test_sdk_attacks(tenants: Tenants) -> None:
             with pytest.raises(NotFound):
                 tenant.stop_sandbox(sid)
         assert [s.id for s in tenant.list_sandboxes()] == [tenants.mine]
+    # Word for word what an id nobody holds gets: the message leaks nothing either.
+    h = {"Authorization": f"Bearer {tenants.key}"}
+    unheld = tenants.theirs.split("-")[0] + "-" + "0" * 16
+    answers = [
+        httpx.get(f"{tenants.url}/v1/sandboxes/{sid}", headers=h).json()["error"]
+        for sid in (tenants.theirs, unheld)
+    ]
+    assert json.dumps(answers[0]).replace(tenants.theirs, unheld) == json.dumps(answers[1])
+    assert answers[0]["code"] == "sandbox_not_found"
+    with DSecSyncClient(tenants.url, tenants.key) as tenant:
         own = tenant.get(tenants.mine).info.data_path
         assert own is not None
         # its own token does not open the admin's sandbox on the data path

@@ -41,8 +41,10 @@ class SandboxLookup(Protocol):
 
 
 def hidden(sandbox_id: str) -> SandboxNotFound:
-    """What a sandbox of a project the caller may not use looks like: not there."""
-    return SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+    """What a sandbox of a project the caller may not use looks like: not there, word
+    for word as its edge answers for an id it does not hold (dsec.edge.edge)."""
+    edge_id = sandbox_id.split("-", 1)[0]
+    return SandboxNotFound(f"no sandbox {sandbox_id!r} on edge {edge_id}", sandbox_id=sandbox_id)
 
 
 class SandboxAccess:
