@@ -122,6 +122,13 @@ class ManagedProcess:
             self.error = SandboxNotRunning(self._detached or "the command was abandoned")
         finally:
             self.ended_monotonic = time.monotonic()
+            if self.exit is not None:
+                # It ended and said how: whoever waits (the reply to the client) goes
+                # first; closing the agent connection and the bookkeeping (on_exit: the
+                # audit record, the detectors) follow in this task a loop iteration or
+                # two later, off the command's critical path (nothing is skipped).
+                self._done.set()
+                self._changed.set()
             await self._stream.aclose()
             self._done.set()
             self._changed.set()
