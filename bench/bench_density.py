@@ -225,8 +225,10 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         res["raw_note"] = why
         if opts.qos:
             qos = importlib.import_module("bench.bench_qos")
-            qopts = argparse.Namespace(rounds=opts.qos_rounds, batch=10, burners=2)
-            res["qos"] = await qos.run(qopts, plat.url, plat.api_key, plat.edge_id)
+            qopts = argparse.Namespace(rounds=opts.qos_rounds, batch=8, burners=2, settle=0.15)
+            res["qos"] = await qos.run(
+                qopts, plat.url, plat.api_key, plat.edge_id, plat.proc.pid if plat.proc else None
+            )
     return res
 
 
@@ -273,7 +275,7 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
         out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
         out["exec_over_agent_socket_p50"] = res["exec"]["sdk_async"]["over_agent_p50"]
     if "qos" in res:
-        out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50"]
+        out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50_per_round"]
     return out
 
 
