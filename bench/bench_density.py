@@ -225,7 +225,9 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         res["raw_note"] = why
         if opts.qos:
             qos = importlib.import_module("bench.bench_qos")
-            qopts = argparse.Namespace(rounds=opts.qos_rounds, batch=8, burners=2, settle=0.15)
+            qopts = argparse.Namespace(
+                rounds=opts.qos_rounds, batch_ms=250.0, burners=1, burner_cpus=1.0, settle=0.1
+            )
             res["qos"] = await qos.run(
                 qopts, plat.url, plat.api_key, plat.edge_id, plat.proc.pid if plat.proc else None
             )
