@@ -129,14 +129,16 @@ class ManagedProcess:
                 # two later, off the command's critical path (nothing is skipped).
                 self._done.set()
                 self._changed.set()
-            await self._stream.aclose()
-            self._done.set()
-            self._changed.set()
-            if not self._suspended:
-                if self._on_activity is not None:
-                    self._on_activity()
-                if self._on_exit is not None:
-                    self._on_exit(self)
+            try:
+                await self._stream.aclose()
+            finally:  # also when cancelled while closing: the end is still on record
+                self._done.set()
+                self._changed.set()
+                if not self._suspended:
+                    if self._on_activity is not None:
+                        self._on_activity()
+                    if self._on_exit is not None:
+                        self._on_exit(self)
 
     async def output(
         self, start: int = 0, *, trim: bool = False
