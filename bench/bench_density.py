@@ -17,7 +17,8 @@ limit and no idle TTL. Per step (every ``--step`` sandboxes):
 - raw ``crun run --detach`` of the same EROFS layer with an own overlay, ``--raw`` times
   (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same).
 
-At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox, all sandboxes stopped
+At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox with its floors (the
+agent socket's round trip, nsenter) interleaved (bench/exec_floor.py), all sandboxes stopped
 (timed), the platform stopped and the host checked for leaks (mounts, cgroups,
 processes, runtime state, loop devices, netns/veths/nft, spawners). ``--qos`` adds the
 QoS run of bench/bench_qos.py on the same platform once the sandboxes are gone; the pause
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
+from bench.exec_floor import exec_vs_floor  # noqa: E402
 from bench.stats import summary  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 from dsec.crun_baseline import RawCrun, blob_path, unavailable  # noqa: E402
@@ -179,20 +181,6 @@ class Density:
             print(json.dumps(row), flush=True)
             target += self.opts.step
 
-    async def execs(self) -> dict[str, float]:
-        if not self.made:
-            return {}
-        sb = self.made[0]
-        for _ in range(20):
-            await sb.run_shell("true")
-        out = []
-        for _ in range(self.opts.execs):
-            t = time.perf_counter()
-            await sb.run_shell("true")
-            out.append(time.perf_counter() - t)
-        s = summary(out)
-        return {"exec_p50_ms": s["p50_ms"], "exec_p99_ms": s["p99_ms"], "n": s["n"]}
-
     async def remove_all(self) -> dict[str, float]:
         gate = asyncio.Semaphore(16)
 
@@ -225,7 +213,11 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
             dens = Density(opts, client, raw, plat.proc.pid if plat.proc else None)
             try:
                 await dens.run(base)
-                res["exec"] = await dens.execs()
+                if dens.made:  # exec with its floors (agent socket, nsenter) interleaved
+                    res["exec"] = await exec_vs_floor(
+                        plat.url, plat.api_key, dens.made[0].id, plat.data_dir,
+                        execs=opts.execs, edge_pid=plat.proc.pid if plat.proc else None,
+                    )  # fmt: skip
             finally:
                 res["remove"] = await dens.remove_all()
         res["steps"] = dens.steps
@@ -233,8 +225,12 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         res["raw_note"] = why
         if opts.qos:
             qos = importlib.import_module("bench.bench_qos")
-            qopts = argparse.Namespace(rounds=opts.qos_rounds, batch=10, burners=2)
-            res["qos"] = await qos.run(qopts, plat.url, plat.api_key, plat.edge_id)
+            qopts = argparse.Namespace(
+                rounds=opts.qos_rounds, batch_ms=250.0, burners=1, burner_cpus=1.0, settle=0.1
+            )
+            res["qos"] = await qos.run(
+                qopts, plat.url, plat.api_key, plat.edge_id, plat.proc.pid if plat.proc else None
+            )
     return res
 
 
@@ -279,8 +275,9 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
             out["create_over_raw_p50"] = sorted(ratios)[len(ratios) // 2]
     if res.get("exec"):
         out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
+        out["exec_over_agent_socket_p50"] = res["exec"]["sdk_async"]["over_agent_p50"]
     if "qos" in res:
-        out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50"]
+        out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50_per_round"]
     return out
 
 

@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox
-from dsec.edge.tokens import TokenSigner
+from dsec.edge.tokens import MAX_SIGNED_CACHE, TokenSigner
 from dsec.errors import PermissionDenied, Unauthenticated
 from tests.conftest import PlatformProcess
 
@@ -165,3 +165,23 @@ def test_signer_unit() -> None:
         s.verify(view, "e0-0123456789abcdef", now=1000)
     with pytest.raises(Unauthenticated, match="signature"):
         s.verify("dst1" + view[4:], "e0-0123456789abcdef", now=1000)
+
+
+def test_signer_remembers_only_good_signatures() -> None:
+    """The verified-signature cache (it saves the HMAC of every data-path frame) changes
+    no answer: a forged signature of a remembered body, an expired or a foreign token
+    fail as before, and a full cache starts over."""
+    s = TokenSigner(b"s" * 32, ttl=60)
+    sid = "e0-0123456789abcdef"
+    tok = s.mint(sid, now=1000).value
+    for _ in range(2):  # the second time from the cache
+        s.verify(tok, sid, now=1000)
+        with pytest.raises(Unauthenticated, match="signature"):
+            s.verify(tok[:-2] + ("AA" if not tok.endswith("AA") else "BB"), sid, now=1000)
+        with pytest.raises(Unauthenticated, match="expired"):
+            s.verify(tok, sid, now=1060)
+        with pytest.raises(PermissionDenied):
+            s.verify(tok, "e0-aaaaaaaaaaaaaaaa", now=1000)
+    for i in range(MAX_SIGNED_CACHE + 10):
+        s.verify(s.mint(sid, now=1000 + i).value, sid, now=1000)
+    s.verify(tok, sid, now=1000)

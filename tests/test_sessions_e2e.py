@@ -16,6 +16,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, Sandbox
+from dsec.api.events import AuditKind
 from dsec.errors import InvalidArgument, NotFound, SandboxNotRunning
 from dsec.sdk.datapath import OutputChunk
 from tests.conftest import PlatformProcess
@@ -422,3 +423,25 @@ async def test_file_path_is_relative_to_sandbox(sb: Sandbox) -> None:
     inside = await sb.read_file("/tmp/../../../../etc/passwd")
     assert inside != HOST_PASSWD
     assert inside == (await sb.run_shell("cat /etc/passwd")).stdout_bytes
+
+
+async def test_every_fast_command_is_on_record_once(
+    client: DSecClient, sb: Sandbox, platform: PlatformProcess
+) -> None:
+    """The reply to a command goes out as soon as the agent reports its exit and the
+    edge's bookkeeping (process_end, detectors) follows it: commands sent back to back,
+    async and sync, still each have one process_start and one process_end with their
+    exit code."""
+    for i in range(20):
+        assert (await sb.run_shell(f"exit {i % 3}")).exit_code == i % 3
+    with DSecSyncClient(platform.url, platform.api_key) as sync:
+        ssb = sync.get(sb.id)
+        for i in range(10):
+            assert ssb.run_shell(f"exit {i % 2}").exit_code == i % 2
+    rows = await client.audit(sandbox=sb.id, kinds=[AuditKind.COMMAND])
+    starts = {r.detail["process"]: r.detail["command"] for r in rows if r.action == "process_start"}
+    ends = [r for r in rows if r.action == "process_end"]
+    codes = sorted(r.detail["exit_code"] for r in ends)
+    assert len(starts) == 30 and len(ends) == 30
+    assert {r.detail["process"] for r in ends} == set(starts)
+    assert codes == sorted([i % 3 for i in range(20)] + [i % 2 for i in range(10)])

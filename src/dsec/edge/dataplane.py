@@ -169,15 +169,22 @@ class DataPlane:
         return self._boxes.setdefault(sandbox_id, _Box())
 
     def _target(self, sandbox_id: str) -> tuple[SandboxRecord, AgentClient]:
-        rec = self.edge.running_record(sandbox_id)
+        rec = self._running(sandbox_id)
         return rec, self.edge.backend_of(rec, Capability.SESSIONS).agent(rec)
+
+    def _running(self, sandbox_id: str) -> SandboxRecord:
+        """The running record of a sandbox with sessions (typed Unsupported if it has
+        none), without building its agent client: the command path builds it once."""
+        rec = self.edge.running_record(sandbox_id)
+        self.edge.backend_of(rec, Capability.SESSIONS)
+        return rec
 
     def _touch(self, sandbox_id: str) -> None:
         self.edge.mark_active(sandbox_id)  # also keeps the idle deadline durable
 
     # -- sessions -------------------------------------------------------------------------
     async def open_session(self, sandbox_id: str, args: SessionArgs) -> SessionInfo:
-        rec, _ = self._target(sandbox_id)
+        rec = self._running(sandbox_id)
         box = self._box(sandbox_id)
         if len(box.sessions) >= MAX_SESSIONS:
             raise InvalidArgument(
@@ -261,7 +268,7 @@ class DataPlane:
         pty: tuple[int, int] | None = None,
     ) -> ManagedProcess:
         """Start a command; a session command waits for the session's previous one."""
-        rec, _ = self._target(sandbox_id)
+        rec = self._running(sandbox_id)
         sess = None
         if args.session is not None:
             sess = self._session(sandbox_id, args.session)
@@ -336,6 +343,7 @@ class DataPlane:
         proc = self._follow(
             rec,
             stream,
+            agent=agent,
             process_id=process_id,
             command=command,
             session=session,
@@ -363,6 +371,7 @@ class DataPlane:
         rec: SandboxRecord,
         stream: ExecStream,
         *,
+        agent: AgentClient,
         process_id: str,
         command: str | list[str],
         session: _Session | str | None,
@@ -375,7 +384,6 @@ class DataPlane:
         """The edge's handle of a started (or re-attached) command."""
         box = self._box(rec.id)
         audit = self.edge.audit
-        agent = self.edge.backend_of(rec, Capability.SESSIONS).agent(rec)
 
         def ended(proc: ManagedProcess) -> None:
             if ended_before:  # an edge saw it end (and put that on record) before
@@ -493,6 +501,7 @@ class DataPlane:
             self._follow(
                 rec,
                 stream,
+                agent=agent,
                 process_id=k.key,
                 command=command if isinstance(command, str | list) else str(command),
                 session=session if isinstance(session, str) else None,

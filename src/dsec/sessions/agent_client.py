@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import errno
 import math
+import socket
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -110,6 +111,22 @@ def agent_error(err: int, message: str, *, reading: bool = False) -> DSecError:
     return BackendError(message, **details)
 
 
+def _connect(path: str) -> socket.socket:
+    """A connected unix socket to ``path``, without blocking. A unix connect completes
+    at once or fails at once: then the socket is used right away, where
+    ``open_unix_connection(path)`` waited a loop turn for writability first, on every
+    command. A full backlog (a stalled or hostile agent) fails with EAGAIN, as libuv's
+    connect did, and never blocks the loop."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _Connection:
     """One connection to the agent, carrying exactly one operation."""
 
@@ -124,7 +141,7 @@ class _Connection:
     @classmethod
     async def open(cls, path: Path, op: str) -> _Connection:
         try:
-            reader, writer = await asyncio.open_unix_connection(str(path))
+            reader, writer = await asyncio.open_unix_connection(sock=_connect(str(path)))
         except OSError as exc:
             raise BackendError(
                 f"sandbox agent is not reachable at {path}: {exc.strerror or exc}",

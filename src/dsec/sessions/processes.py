@@ -122,14 +122,23 @@ class ManagedProcess:
             self.error = SandboxNotRunning(self._detached or "the command was abandoned")
         finally:
             self.ended_monotonic = time.monotonic()
-            await self._stream.aclose()
-            self._done.set()
-            self._changed.set()
-            if not self._suspended:
-                if self._on_activity is not None:
-                    self._on_activity()
-                if self._on_exit is not None:
-                    self._on_exit(self)
+            if self.exit is not None:
+                # It ended and said how: whoever waits (the reply to the client) goes
+                # first; closing the agent connection and the bookkeeping (on_exit: the
+                # audit record, the detectors) follow in this task a loop iteration or
+                # two later, off the command's critical path (nothing is skipped).
+                self._done.set()
+                self._changed.set()
+            try:
+                await self._stream.aclose()
+            finally:  # also when cancelled while closing: the end is still on record
+                self._done.set()
+                self._changed.set()
+                if not self._suspended:
+                    if self._on_activity is not None:
+                        self._on_activity()
+                    if self._on_exit is not None:
+                        self._on_exit(self)
 
     async def output(
         self, start: int = 0, *, trim: bool = False

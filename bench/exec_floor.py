@@ -1,0 +1,208 @@
+"""Exec latency against its floor, interleaved (issue 19: exec p50 <= 1.4 ms).
+
+    .venv/bin/python bench/exec_floor.py [--execs 600] [--rounds 20]
+
+``run_shell("true")`` through the SDK, async and sync (the sync twin runs the async one
+on its portal thread), against the two floors of the same command in the same sandbox:
+the agent socket's own round trip (``AgentClient.exec`` of ``sh -c true`` from this
+process, what the edge does per command without the data path around it) and
+``nsenter -t PID -a true`` (the kernel's way in, no agent). The four arms alternate in
+``--rounds`` short batches, the order turning every round, so each sees the same share
+of a noisy host's load; the ratios to the agent floor are the figures to read (the
+absolute ones move with the host's load). CPU per command is measured too: this
+process's (``time.process_time``, the SDK's part) and the edge's (``/proc/PID/stat``),
+which do not depend on load.
+
+bench/bench_density.py calls :func:`exec_vs_floor` for its exec figure; standalone, this
+starts its own ``dsec up`` and writes bench/results/exec_floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.stats import summary  # noqa: E402
+from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
+from dsec.sdk.sync import DSecSyncClient  # noqa: E402
+from dsec.sessions.agent_client import AgentClient  # noqa: E402
+
+ARMS = ("sdk_async", "sdk_sync", "agent_socket", "nsenter")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _timed(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _timed_sync(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _nsenter(argv: list[str]) -> None:
+    pid = os.posix_spawn(argv[0], argv, os.environ)
+    os.waitpid(pid, 0)
+
+
+async def exec_vs_floor(
+    url: str,
+    key: str,
+    sandbox_id: str,
+    data_dir: Path,
+    *,
+    execs: int = 600,
+    rounds: int = 20,
+    edge_pid: int | None = None,
+) -> dict[str, Any]:
+    """The four arms on container ``sandbox_id`` (see the module doc); ``execs`` per arm
+    (nsenter: a third of that, it is a process start each)."""
+    sock = data_dir / "sandboxes" / sandbox_id / "agent.sock"
+    init_pid = int((data_dir / "sandboxes" / sandbox_id / "init.pid").read_text())
+    agent = AgentClient(sock)
+    nsenter = [shutil.which("nsenter") or "/usr/bin/nsenter", "-t", str(init_pid), "-a", "true"]
+
+    async def raw() -> object:
+        return await agent.exec(
+            ["/bin/sh", "-c", "true"], env={}, cwd="/", user="root", timeout=None,
+            max_output=1024, stdin=None,
+        )  # fmt: skip
+
+    samples: dict[str, list[float]] = {a: [] for a in ARMS}
+    cpu = {a: 0.0 for a in ARMS}
+    edge_cpu = {a: 0.0 for a in ARMS}
+    per = max(1, execs // rounds)
+    async with DSecClient(url, key) as client:
+        sb = await client.get(sandbox_id)
+        sync = DSecSyncClient(url, key)
+        try:
+            ssb = await asyncio.to_thread(sync.get, sandbox_id)
+            batches: dict[str, Callable[[int], Awaitable[list[float]]]] = {
+                "sdk_async": lambda k: _timed(lambda: sb.run_shell("true"), k),
+                # the whole batch in one thread: the timings are the sync client's own
+                "sdk_sync": lambda k: asyncio.to_thread(
+                    _timed_sync, lambda: ssb.run_shell("true"), k
+                ),
+                "agent_socket": lambda k: _timed(raw, k),
+                "nsenter": lambda k: asyncio.to_thread(
+                    _timed_sync, lambda: _nsenter(nsenter), max(1, k // 3)
+                ),
+            }
+            for arm in ARMS:  # warm every path (connections, the agent, the page cache)
+                await batches[arm](20)
+            for r in range(rounds):
+                k = r % len(ARMS)
+                for arm in ARMS[k:] + ARMS[:k]:
+                    t0 = time.process_time()
+                    e0 = cpu_seconds(edge_pid) if edge_pid else 0.0
+                    samples[arm] += await batches[arm](per)
+                    cpu[arm] += time.process_time() - t0
+                    if edge_pid:
+                        edge_cpu[arm] += cpu_seconds(edge_pid) - e0
+        finally:
+            await asyncio.to_thread(sync.close)
+    res: dict[str, Any] = {}
+    for arm in ARMS:
+        s = summary(samples[arm])
+        n = max(1, len(samples[arm]))
+        s["client_cpu_ms"] = round(cpu[arm] / n * 1000, 3)
+        if edge_pid:
+            s["edge_cpu_ms"] = round(edge_cpu[arm] / n * 1000, 3)
+        res[arm] = s
+    floor = res["agent_socket"]["p50_ms"]
+    for arm in ("sdk_async", "sdk_sync", "nsenter"):
+        res[arm]["over_agent_p50"] = round(res[arm]["p50_ms"] / floor, 3)
+    res["exec_p50_ms"] = res["sdk_async"]["p50_ms"]
+    res["exec_p99_ms"] = res["sdk_async"]["p99_ms"]
+    res["n"] = res["sdk_async"]["n"]
+    return res
+
+
+def print_table(res: dict[str, Any]) -> None:
+    labels = {
+        "sdk_async": 'run_shell("true"), async SDK',
+        "sdk_sync": 'run_shell("true"), sync SDK',
+        "agent_socket": "floor: agent socket round trip",
+        "nsenter": "floor: nsenter -t PID -a true",
+    }
+    print(f"\n{'':34} {'n':>5} {'p50 ms':>7} {'p99 ms':>7} {'/agent':>7} {'cpu ms':>7} {'edge':>6}")
+    for arm in ARMS:
+        s = res[arm]
+        ratio = f"{s['over_agent_p50']:.2f}x" if "over_agent_p50" in s else ""
+        edge = f"{s['edge_cpu_ms']:.3f}" if "edge_cpu_ms" in s else ""
+        print(
+            f"{labels[arm]:34} {s['n']:>5} {s['p50_ms']:>7.3f} {s['p99_ms']:>7.2f} "
+            f"{ratio:>7} {s['client_cpu_ms']:>7.3f} {edge:>6}"
+        )
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg", encoding="ascii") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
+async def _standalone(opts: argparse.Namespace, url: str, key: str, plat: Any) -> dict[str, Any]:
+    async with DSecClient(url, key, timeout=300) as client:
+        await client.build_image("busybox")
+        sb = await client.run_container(
+            DSecContainerRunArgs(
+                container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
+            )
+        )
+        try:
+            return await exec_vs_floor(
+                url, key, sb.id, plat.data_dir, execs=opts.execs, rounds=opts.rounds,
+                edge_pid=plat.proc.pid if plat.proc else None,
+            )  # fmt: skip
+        finally:
+            await sb.stop()
+
+
+def main() -> None:
+    from tests.conftest import platform_process
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--execs", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=20)
+    opts = ap.parse_args()
+    load_start = loadavg()
+    with platform_process() as plat:
+        res = asyncio.run(_standalone(opts, plat.url, plat.api_key, plat))
+    res["host"] = {"loadavg_start": load_start, "loadavg_end": loadavg()}
+    out = REPO / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "exec_floor.json").write_text(json.dumps(res, indent=2))
+    print_table(res)
+    print(f"host load {load_start} -> {res['host']['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = "/tmp"
+    main()
