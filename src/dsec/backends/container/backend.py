@@ -50,6 +50,7 @@ from dsec.net.oci import net_mounts
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.resources.disk import GiB, MiB, SandboxDisk
+from dsec.resources.lowprio import LowPriorityPool
 from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
 from dsec.security.init_signals import InitSignalWatcher
@@ -243,6 +244,9 @@ class ContainerBackend(AgentDataPath, Backend):
         # pid 1's reports of signals sent to it from inside (dsec.security.init_signals)
         self.init_signals = InitSignalWatcher(self.audit)
         self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
+        # Teardown's blocking work: its own threads at a lower CPU priority, so that it
+        # neither takes the cores nor the to_thread workers creates need.
+        self.teardown_pool = LowPriorityPool("dsec-teardown", workers=max(4, 2 * self.host_cpus))
 
     # -- paths (public: the verifier builds its containers beside the sandboxes) -------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -327,6 +331,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 self.cgroups.remove_if_empty(f"/{top}")
         await asyncio.to_thread(self.disk.close)  # unmounts only when no sandbox is left
         await asyncio.to_thread(self.runtime.close)  # likewise
+        await asyncio.to_thread(self.teardown_pool.close)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, inp: CreateInput) -> ContainerFacts:
@@ -489,7 +494,8 @@ class ContainerBackend(AgentDataPath, Backend):
         # deleted cgroup does not linger as a dying memcg (see CgroupHost.drop_charges).
         # A sandbox whose cgroup is empty is dead: its cgroups and runtime state go
         # without the runtime (one fork+exec less); else `delete --force` kills it.
-        forgotten = await asyncio.to_thread(self._empty_and_forget, sid, cgroup)
+        low = self.teardown_pool
+        forgotten = await low.run(self._empty_and_forget, sid, cgroup)
         if not forgotten:
             try:
                 async with self.runtime_slots:
@@ -497,7 +503,7 @@ class ContainerBackend(AgentDataPath, Backend):
             except BackendError as exc:
                 errors.append(str(exc))
             # Belt and braces: a crashed create may have left a cgroup crun does not know.
-            await asyncio.to_thread(self.cgroups.kill_and_remove, self.cgroup_of(sid))
+            await low.run(self.cgroups.kill_and_remove, self.cgroup_of(sid))
         await self._reap(facts.pid)
         # The overlay lives in the sandbox's own mount namespace and is gone with its
         # last process; a host mount here can only be a leftover of an older version.
@@ -516,11 +522,11 @@ class ContainerBackend(AgentDataPath, Backend):
         still_mounted = leftover_mount and linux.is_mounted(rootfs)
         if root.exists() and not still_mounted:
             try:  # a quota subvolume goes in one call, its quota group with it
-                await asyncio.to_thread(self.disk.remove_dir, root)
+                await low.run(self.disk.remove_dir, root)
             except OSError as exc:
                 errors.append(f"remove {root}: {exc}")
         if root.exists() and not still_mounted:
-            await asyncio.to_thread(shutil.rmtree, root, True)
+            await low.run(shutil.rmtree, root, True)
         if errors:
             raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
 
