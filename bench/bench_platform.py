@@ -1,7 +1,7 @@
 """Single-node platform benchmark (issue 2, roadmap item 1), one run, side by side.
 
     .venv/bin/python bench/bench_platform.py [--rounds 200] [--creates 200] [--idle 500]
-        [--execs 300] [--only-create]
+        [--execs 300] [--only-create] [--overlap]
 
 Starts its own `dsec up` on a fresh data directory, then measures through the SDK:
 
@@ -9,7 +9,9 @@ Starts its own `dsec up` on a fresh data directory, then measures through the SD
   through the SDK and one raw ``crun run --detach`` of the same EROFS layer with an
   own overlay (dsec.crun_baseline, create to ready), interleaved and alternating which
   goes first, so both see the same host at the same moments; each sandbox is stopped
-  and each raw container deleted untimed before the next round;
+  and each raw container deleted untimed before the next round. ``--overlap`` runs the
+  rounds again with each create beside the previous sandbox's stop (an RL loop: the
+  teardown competes with the create);
 - create latency of ``--creates`` sandboxes kept, then stopped; creates right after
   a stop (churn); `run_shell("true")` latency with 1 and with N idle sandboxes, burst
   creation of N sandboxes, host memory per idle sandbox; and raw `crun run` of
@@ -82,25 +84,42 @@ async def exec_latency(sb: Any, n: int) -> list[float]:
 
 
 async def interleaved(
-    client: DSecClient, spec: DSecContainerRunArgs, raw: RawCrun, rounds: int
+    client: DSecClient,
+    spec: DSecContainerRunArgs,
+    raw: RawCrun,
+    rounds: int,
+    *,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     """Create via the SDK and raw ``crun run --detach``, one of each per round, the
-    order alternating (ABBA), each undone untimed before the next round."""
+    order alternating (ABBA), each undone untimed before the next round. ``overlap``:
+    the previous round's sandbox is stopped while this round's create runs (an RL
+    rollout loop), so its teardown competes with the create; raw crun is unchanged."""
     ours: list[float] = []
     theirs: list[float] = []
+    previous: Any = None
     for i in range(rounds + 3):  # 3 warm-up rounds
         samples: dict[str, float] = {}
         for who in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
             if who == "raw":
                 samples[who] = raw.detached_once()
                 continue
+            stopping = asyncio.ensure_future(previous.stop()) if previous is not None else None
             t = time.perf_counter()
             sb = await client.run_container(spec)
             samples[who] = time.perf_counter() - t
-            await sb.stop()
+            if stopping is not None:
+                await stopping
+            previous = None
+            if overlap:
+                previous = sb
+            else:
+                await sb.stop()
         if i >= 3:
             ours.append(samples["ours"])
             theirs.append(samples["raw"])
+    if previous is not None:
+        await previous.stop()
     mine, base = summary(ours), summary(theirs)
     return {
         "create_interleaved": mine,
@@ -126,6 +145,10 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
         layer = image.layers[0]
         with RawCrun(layer_blob=blob_path(data_dir, layer)) as raw:
             results["vs_raw"] = await interleaved(client, spec, raw, opts.rounds)
+            if opts.overlap:
+                results["vs_raw_overlap"] = await interleaved(
+                    client, spec, raw, opts.rounds, overlap=True
+                )
         if opts.only_create:
             return results
 
@@ -198,9 +221,16 @@ def print_table(res: dict[str, Any], idle: int) -> None:
         ("raw crun run --detach, same layer", v["raw_crun_detach"]),
     ):
         print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
-    print(
-        f"{'create ours / raw (target <= 1.25)':58} {v['ratio_p50']:>15.2f} {v['ratio_p99']:>9.2f}"
-    )
+    label = "create ours / raw, p50 (target <= 1.25) and p99"
+    print(f"{label:58} {v['ratio_p50']:>15.2f} {v['ratio_p99']:>9.2f}")
+    o = res.get("vs_raw_overlap")
+    if o is not None:
+        for name, s in (
+            ("create while the previous sandbox stops", o["create_interleaved"]),
+            ("raw crun run --detach, same rounds", o["raw_crun_detach"]),
+        ):
+            print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
+        print(f"{'  its ratio, p50 and p99':58} {o['ratio_p50']:>15.2f} {o['ratio_p99']:>9.2f}")
     if "create" not in res:
         return
     rows = [
@@ -228,6 +258,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=200, help="interleaved create/raw rounds")
     ap.add_argument("--only-create", action="store_true", help="only the interleaved rounds")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="interleaved rounds again, each create beside the previous sandbox's stop",
+    )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--execs", type=int, default=300)
