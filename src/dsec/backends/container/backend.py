@@ -107,13 +107,17 @@ def _host_mounted(path: Path) -> bool:
 def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     """Reclaim the pages still charged to an emptied sandbox cgroup, and only those.
 
-    v1's ``memory.force_empty`` retries reclaim 16 times while *any* charge is left,
-    and kernel objects (dentries, inodes: reparented to the parent when the cgroup is
-    removed, so they never pin it) always are: ~3 ms of CPU per teardown, measured,
-    for nothing. Pages are what keeps a removed memcg alive, so: no page, no reclaim;
-    otherwise a zero limit, which reclaims page batches until a pass frees nothing and
-    then gives up (EBUSY, expected: kernel objects are left); force_empty only if a
-    page is still charged after that."""
+    Pages (page cache, anonymous) are what keeps a removed memcg alive as a dying one.
+    They are counted in ``memory.stat``; ``usage - kmem`` also counts the charges each
+    CPU holds in advance for the cgroup (up to 64 pages per CPU), which its removal
+    drains anyway, and kernel objects (dentries, inodes: reparented at removal). Here,
+    right after the kill, memory.stat said no page was left in every teardown measured,
+    while usage - kmem was 16-430 KiB: the zero limit written for it reclaimed nothing
+    and cost ~6.1 ms of CPU a teardown (v1's reclaim retries while any charge is left),
+    the largest part of a stop and CPU taken from the next create. So: no page, no
+    reclaim; otherwise a zero limit, which reclaims page batches until a pass frees
+    nothing (EBUSY, expected: kernel objects are left); force_empty only if a page is
+    still charged after that."""
     memory = cgroups.v1.get("memory")
     if memory is None:
         cgroups.drop_charges(rel)
@@ -121,8 +125,11 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     d = memory / rel.strip("/")
 
     def pages_left() -> bool:
-        usage = int((d / "memory.usage_in_bytes").read_text())
-        return usage > int((d / "memory.kmem.usage_in_bytes").read_text())
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in _PAGE_KEYS and int(value):
+                return True
+        return False
 
     try:
         if not pages_left():
@@ -134,6 +141,10 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     except (OSError, ValueError):
         pass
     cgroups.drop_charges(rel)
+
+
+# v1 memory.stat lines that count pages charged to the cgroup and its children.
+_PAGE_KEYS = frozenset({"total_cache", "total_rss", "total_rss_huge", "total_shmem"})
 
 
 class ContainerBackend(AgentDataPath, Backend):
