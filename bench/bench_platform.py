@@ -1,12 +1,23 @@
 """Single-node platform benchmark (issue 2, roadmap item 1), one run, side by side.
 
-    .venv/bin/python bench/bench_platform.py [--creates 200] [--idle 500] [--execs 300]
+    .venv/bin/python bench/bench_platform.py [--rounds 200] [--creates 200] [--idle 500]
+        [--execs 300] [--only-create] [--overlap]
 
 Starts its own `dsec up` on a fresh data directory, then measures through the SDK:
-create latency, `run_shell("true")` latency with 1 and with N idle sandboxes, burst
-creation of N sandboxes, host memory per idle sandbox; and, as the baseline in the same
-run, the same create path done by raw `crun run` (overlay on the same EROFS layer,
-all namespaces, cgroups). Prints a table and writes bench/results/platform.json.
+
+- the create ratio (issue 19's target, <= 1.25x): ``--rounds`` rounds, each one create
+  through the SDK and one raw ``crun run --detach`` of the same EROFS layer with an
+  own overlay (dsec.crun_baseline, create to ready), interleaved and alternating which
+  goes first, so both see the same host at the same moments; each sandbox is stopped
+  and each raw container deleted untimed before the next round. ``--overlap`` runs the
+  rounds again with each create beside the previous sandbox's stop (an RL loop: the
+  teardown competes with the create);
+- create latency of ``--creates`` sandboxes kept, then stopped; creates right after
+  a stop (churn); `run_shell("true")` latency with 1 and with N idle sandboxes, burst
+  creation of N sandboxes, host memory per idle sandbox; and raw `crun run` of
+  /bin/true in the foreground. ``--only-create`` skips these.
+
+Prints a table and writes bench/results/platform.json.
 """
 
 from __future__ import annotations
@@ -72,6 +83,52 @@ async def exec_latency(sb: Any, n: int) -> list[float]:
     return out
 
 
+async def interleaved(
+    client: DSecClient,
+    spec: DSecContainerRunArgs,
+    raw: RawCrun,
+    rounds: int,
+    *,
+    overlap: bool = False,
+) -> dict[str, Any]:
+    """Create via the SDK and raw ``crun run --detach``, one of each per round, the
+    order alternating (ABBA), each undone untimed before the next round. ``overlap``:
+    the previous round's sandbox is stopped while this round's create runs (an RL
+    rollout loop), so its teardown competes with the create; raw crun is unchanged."""
+    ours: list[float] = []
+    theirs: list[float] = []
+    previous: Any = None
+    for i in range(rounds + 3):  # 3 warm-up rounds
+        samples: dict[str, float] = {}
+        for who in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+            if who == "raw":
+                samples[who] = raw.detached_once()
+                continue
+            stopping = asyncio.ensure_future(previous.stop()) if previous is not None else None
+            t = time.perf_counter()
+            sb = await client.run_container(spec)
+            samples[who] = time.perf_counter() - t
+            if stopping is not None:
+                await stopping
+            previous = None
+            if overlap:
+                previous = sb
+            else:
+                await sb.stop()
+        if i >= 3:
+            ours.append(samples["ours"])
+            theirs.append(samples["raw"])
+    if previous is not None:
+        await previous.stop()
+    mine, base = summary(ours), summary(theirs)
+    return {
+        "create_interleaved": mine,
+        "raw_crun_detach": base,
+        "ratio_p50": mine["p50_ms"] / base["p50_ms"],
+        "ratio_p99": mine["p99_ms"] / base["p99_ms"],
+    }
+
+
 async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> dict[str, Any]:
     client = DSecClient(url, key, timeout=300)
     await client.open()
@@ -83,6 +140,17 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
         )
         for _ in range(10):  # warm-up: layer mount, page cache
             await (await client.run_container(spec)).stop()
+
+        # 0. the create ratio: platform and raw crun --detach interleaved
+        layer = image.layers[0]
+        with RawCrun(layer_blob=blob_path(data_dir, layer)) as raw:
+            results["vs_raw"] = await interleaved(client, spec, raw, opts.rounds)
+            if opts.overlap:
+                results["vs_raw_overlap"] = await interleaved(
+                    client, spec, raw, opts.rounds, overlap=True
+                )
+        if opts.only_create:
+            return results
 
         # 1. create latency, sequential, through the SDK (sandboxes kept, then stopped)
         lat: list[float] = []
@@ -134,7 +202,6 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
         results["stop_all_s"] = time.perf_counter() - t
 
         # 5. baseline: raw crun run on the same layer, same host, same run
-        layer = image.layers[0]
         raw = RawCrun(layer_blob=blob_path(data_dir, layer))
         with raw:
             results["raw_crun_run"] = summary(raw.measure(opts.creates))
@@ -147,6 +214,25 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
 
 
 def print_table(res: dict[str, Any], idle: int) -> None:
+    v = res["vs_raw"]
+    print(f"\n{'interleaved, one of each per round':58} {'n':>5} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, s in (
+        ("create via SDK", v["create_interleaved"]),
+        ("raw crun run --detach, same layer", v["raw_crun_detach"]),
+    ):
+        print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
+    label = "create ours / raw, p50 (target <= 1.25) and p99"
+    print(f"{label:58} {v['ratio_p50']:>15.2f} {v['ratio_p99']:>9.2f}")
+    o = res.get("vs_raw_overlap")
+    if o is not None:
+        for name, s in (
+            ("create while the previous sandbox stops", o["create_interleaved"]),
+            ("raw crun run --detach, same rounds", o["raw_crun_detach"]),
+        ):
+            print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
+        print(f"{'  its ratio, p50 and p99':58} {o['ratio_p50']:>15.2f} {o['ratio_p99']:>9.2f}")
+    if "create" not in res:
+        return
     rows = [
         ("create via SDK (p50 <= 15 ms, p99 <= 40 ms)", res["create"]),
         ("raw crun run baseline", res["raw_crun_run"]),
@@ -170,6 +256,13 @@ def print_table(res: dict[str, Any], idle: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=200, help="interleaved create/raw rounds")
+    ap.add_argument("--only-create", action="store_true", help="only the interleaved rounds")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="interleaved rounds again, each create beside the previous sandbox's stop",
+    )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--execs", type=int, default=300)

@@ -67,6 +67,8 @@ class RawCrun:
         self.crun = shutil.which("crun") or "crun"
         self.wrapper = agent_binary()
         self.empty = self.base / "empty"
+        self._subreaper = False
+        self._detached = 0  # detached runs so far: each its own directory and name
 
     def __enter__(self) -> RawCrun:
         self.lower.mkdir()
@@ -129,50 +131,61 @@ class RawCrun:
         return out
 
     def measure_detached(self, n: int, warmup: int = 3) -> list[float]:
-        """``n`` timed ``crun run --detach`` of an idle ``sleep`` (seconds, overlay mount
-        included: create to ready, the figure the issue compares a create with), each
-        deleted and unmounted untimed. The container's init is re-parented to us on
-        ``--detach``, so this process becomes a subreaper and reaps exactly that pid
-        (never ``waitpid(-1)``: a caller's other children are not ours to collect)."""
-        _become_subreaper()
+        """``n`` timed ``crun run --detach`` of an idle ``sleep`` (seconds) after
+        ``warmup`` untimed ones; see detached_once."""
         out = []
         for i in range(n + warmup):
-            run = self.base / f"d{i}"
-            rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
-            for d in (rootfs, upper, work):
-                d.mkdir(parents=True)
-            cfg = dict(self.config)
-            cfg["process"] = dict(self.config["process"], args=["sleep", "3600"])
-            cfg["root"] = {"path": str(rootfs), "readonly": False}
-            cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/d{i}")
-            (run / "config.json").write_text(json.dumps(cfg))
-            cid, pid_file = f"rawd{i}", run / "init.pid"
-            argv = self._argv(run, cid)
-            argv[argv.index("run") + 1 : argv.index("run") + 1] = [
-                "--detach",
-                "--pid-file",
-                str(pid_file),
-            ]
-            t = time.perf_counter()
-            linux.mount(
-                "overlay",
-                rootfs,
-                "overlay",
-                0,
-                f"lowerdir={self.lower},upperdir={upper},workdir={work}",
-            )
-            subprocess.run(argv, check=True, stdin=subprocess.DEVNULL)
-            elapsed = time.perf_counter() - t
-            pid = int(pid_file.read_text().strip())
-            crun = [self.crun, "--root", str(self.base / "state"), "delete", "--force", cid]
-            subprocess.run(crun, check=True, capture_output=True)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            linux.umount(rootfs)
-            shutil.rmtree(run)
+            elapsed = self.detached_once()
             if i >= warmup:
                 out.append(elapsed)
         return out
+
+    def detached_once(self) -> float:
+        """One timed ``crun run --detach`` of an idle ``sleep`` (seconds, overlay mount
+        included: create to ready, the figure the issue compares a create with), then
+        deleted and unmounted untimed: one round of an interleaved comparison
+        (bench/bench_platform.py). The container's init is re-parented to us on
+        ``--detach``, so this process becomes a subreaper and reaps exactly that pid
+        (never ``waitpid(-1)``: a caller's other children are not ours to collect)."""
+        if not self._subreaper:
+            _become_subreaper()
+            self._subreaper = True
+        i = self._detached
+        self._detached += 1
+        run = self.base / f"d{i}"
+        rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
+        for d in (rootfs, upper, work):
+            d.mkdir(parents=True)
+        cfg = dict(self.config)
+        cfg["process"] = dict(self.config["process"], args=["sleep", "3600"])
+        cfg["root"] = {"path": str(rootfs), "readonly": False}
+        cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/d{i}")
+        (run / "config.json").write_text(json.dumps(cfg))
+        cid, pid_file = f"rawd{i}", run / "init.pid"
+        argv = self._argv(run, cid)
+        argv[argv.index("run") + 1 : argv.index("run") + 1] = [
+            "--detach",
+            "--pid-file",
+            str(pid_file),
+        ]
+        t = time.perf_counter()
+        linux.mount(
+            "overlay",
+            rootfs,
+            "overlay",
+            0,
+            f"lowerdir={self.lower},upperdir={upper},workdir={work}",
+        )
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL)
+        elapsed = time.perf_counter() - t
+        pid = int(pid_file.read_text().strip())
+        crun = [self.crun, "--root", str(self.base / "state"), "delete", "--force", cid]
+        subprocess.run(crun, check=True, capture_output=True)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        linux.umount(rootfs)
+        shutil.rmtree(run)
+        return elapsed
 
     def __exit__(
         self,

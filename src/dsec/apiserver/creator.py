@@ -7,10 +7,12 @@ place, whether the edge is in-process (``dsec up``) or a cluster router
 
 With IAM (dsec.control.iam): the project is ``spec.project`` or the principal's
 default; the principal needs ``runtime`` there (403); the sandbox is charged to the
-project's chain (429) *before* the edge does any work. The edge picks the sandbox id,
-so the charge is made under a provisional id and moved to the real one once the
-sandbox runs; a failed or cancelled create releases it. Without IAM (unit tests of the
-HTTP layer) it is a pass-through.
+project's chain (429) *before* the edge does any work. An edge that names sandboxes up
+front (dsec.edge.api.NamedCreates: the in-process edge of `dsec up`) is asked for the
+id first and the charge is made under it: one quota write per create. Otherwise (a
+cluster router: the edge it places on picks the id) the charge is made under a
+provisional id and moved to the real one once the sandbox runs. A failed or cancelled
+create releases it. Without IAM (unit tests of the HTTP layer) it is a pass-through.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dsec.api.spec import RunArgs
 from dsec.backends.kinds import require_backend
 from dsec.control.iam import IAM, Role
 from dsec.control.jobs import JobAccess
-from dsec.edge.api import EdgeAPI, KeyedCreates
+from dsec.edge.api import EdgeAPI, KeyedCreates, NamedCreates
 from dsec.edge.idempotency import IdempotencyClaim
 from dsec.errors import Unsupported
 
@@ -40,6 +42,8 @@ class SandboxCreator:
         self.iam = iam
         #: Who may touch which job (its sandboxes, rollouts, trajectories).
         self.jobs = JobAccess(iam)
+        # Looked up once: a protocol check per create costs more than the rest of it.
+        self._named = edge if isinstance(edge, NamedCreates) else None
 
     async def authorize(
         self, principal: str, project: str | None, action: str, *, owner: str | None = None
@@ -65,16 +69,21 @@ class SandboxCreator:
         await iam.require(principal, Role.RUNTIME, project, "creating a sandbox")
         if spec.job_id is not None:  # another tenant's job id: 403
             await self.jobs.claim(principal, spec.job_id, project, "creating a sandbox")
-        provisional = iam.provisional_id()
-        await iam.charge(project, provisional, spec.cpu_cores_limit, spec.memory_limit_mb)
+        named = self._named
+        charged = named.new_sandbox_id() if named is not None else iam.provisional_id()
+        await iam.charge(project, charged, spec.cpu_cores_limit, spec.memory_limit_mb)
         if spec.project != project:
             spec = spec.model_copy(update={"project": project})
         try:
+            if named is not None:
+                # Charged under its final id: nothing to move afterwards. A crash in
+                # between leaves a charge recovery releases (attach_iam: not live).
+                return await named.create_named(spec, timeout=timeout, sandbox_id=charged)
             info = await self.edge.create(spec, timeout=timeout)
         except BaseException:
-            await asyncio.shield(iam.release(provisional))
+            await asyncio.shield(iam.release(charged))
             raise
-        await self._bind_charge(provisional, info)
+        await self._bind_charge(charged, info)
         return info
 
     async def create_keyed(

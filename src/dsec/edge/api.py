@@ -72,6 +72,21 @@ class EdgeAPI(Protocol):
 
 
 @runtime_checkable
+class NamedCreates(Protocol):
+    """An edge that names a sandbox before making it: the in-process edge of a single
+    node. The creator charges the quota under the final id up front, so a create needs
+    no second quota write to move a provisional charge (dsec.apiserver.creator)."""
+
+    def new_sandbox_id(self) -> str:
+        """A fresh id for a sandbox this edge will make (nothing is reserved)."""
+        ...
+
+    async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
+        """``create`` under ``sandbox_id`` (from new_sandbox_id)."""
+        ...
+
+
+@runtime_checkable
 class KeyedCreates(Protocol):
     """An edge that makes at most one sandbox per Idempotency-Key: the in-process edge
     of a single node (dsec.edge.idempotency) and the cluster router (dsec.cluster.keys)."""

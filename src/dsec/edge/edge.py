@@ -292,6 +292,18 @@ class Edge:
     async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         return await self._create(spec, timeout=timeout, claim=None)
 
+    def new_sandbox_id(self) -> str:
+        """A fresh id of this edge's form (``<edge id>-<16 hex>``); nothing is reserved:
+        128 random bits do not collide."""
+        return f"{self.edge_id}-{secrets.token_hex(8)}"
+
+    async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
+        """``create`` under an id from new_sandbox_id, so that the caller could charge
+        the quota under the final id before the create (dsec.apiserver.creator)."""
+        if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
+            raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
+        return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
+
     async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
         """The sandbox an earlier create with ``claim``'s key made, whatever its state
         (waiting up to ``timeout`` for one still in flight); None: the key is unused.
@@ -332,10 +344,15 @@ class Edge:
         return await asyncio.shield(task), True
 
     async def _create(
-        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self,
+        spec: RunArgs,
+        *,
+        timeout: float,
+        claim: IdempotencyClaim | None,
+        sandbox_id: str | None = None,
     ) -> SandboxInfo:
         if claim is None:
-            return await self._build(spec, timeout=timeout, claim=None)
+            return await self._build(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
         made: str | None = None
         try:
             info = await self._build(spec, timeout=timeout, claim=claim)
@@ -345,14 +362,21 @@ class Edge:
             self.keys.end(claim, made)
 
     async def _build(
-        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self,
+        spec: RunArgs,
+        *,
+        timeout: float,
+        claim: IdempotencyClaim | None,
+        sandbox_id: str | None = None,
     ) -> SandboxInfo:
         started = time.perf_counter()
         try:
             runnable = require_backend(spec)  # 501 for a kind without a backend, first
             self._check_exhaustion()  # 507/503 before any work while the host is out
             with self.exhaustion.mapped():
-                info = await self._build_mapped(runnable, timeout=timeout, claim=claim)
+                info = await self._build_mapped(
+                    runnable, timeout=timeout, claim=claim, sandbox_id=sandbox_id
+                )
         except BaseException as exc:
             code = (
                 exc.code
@@ -450,7 +474,12 @@ class Edge:
         )
 
     async def _build_mapped(
-        self, spec: RunArgs, *, timeout: float, claim: IdempotencyClaim | None
+        self,
+        spec: RunArgs,
+        *,
+        timeout: float,
+        claim: IdempotencyClaim | None,
+        sandbox_id: str | None,
     ) -> SandboxInfo:
         backend = self.backend_for(BackendKind(spec.backend))  # 501 for a kind not run here
         allowed = sorted(name for name, allow in spec.network_rules.items() if allow)
@@ -497,7 +526,7 @@ class Edge:
         self.admission.admit(spec)
         now = _now()
         rec = SandboxRecord(
-            id=f"{self.edge_id}-{secrets.token_hex(8)}",
+            id=sandbox_id or self.new_sandbox_id(),
             spec=spec,
             image=image,
             state=SandboxState.CREATING,
@@ -531,7 +560,10 @@ class Edge:
                 protected_files=tuple(inline),
                 net=rec.net,
             )
-            rec.facts = await asyncio.wait_for(backend.create(inp), timeout)
+            # asyncio.timeout, not wait_for: no task of its own (two event-loop turns
+            # less on the create path); a timeout cancels the create just the same.
+            async with asyncio.timeout(timeout):
+                rec.facts = await backend.create(inp)
             if self.network is not None:
                 self.network.joined(rec.id)  # the sandbox holds its netns from now on
         except BaseException as exc:

@@ -50,6 +50,7 @@ from dsec.net.oci import net_mounts
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.resources.disk import GiB, MiB, SandboxDisk
+from dsec.resources.lowprio import LowPriorityPool
 from dsec.security import protected as protected_paths
 from dsec.security.audit import AuditSink, NullAudit
 from dsec.security.init_signals import InitSignalWatcher
@@ -106,13 +107,17 @@ def _host_mounted(path: Path) -> bool:
 def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     """Reclaim the pages still charged to an emptied sandbox cgroup, and only those.
 
-    v1's ``memory.force_empty`` retries reclaim 16 times while *any* charge is left,
-    and kernel objects (dentries, inodes: reparented to the parent when the cgroup is
-    removed, so they never pin it) always are: ~3 ms of CPU per teardown, measured,
-    for nothing. Pages are what keeps a removed memcg alive, so: no page, no reclaim;
-    otherwise a zero limit, which reclaims page batches until a pass frees nothing and
-    then gives up (EBUSY, expected: kernel objects are left); force_empty only if a
-    page is still charged after that."""
+    Pages (page cache, anonymous) are what keeps a removed memcg alive as a dying one.
+    They are counted in ``memory.stat``; ``usage - kmem`` also counts the charges each
+    CPU holds in advance for the cgroup (up to 64 pages per CPU), which its removal
+    drains anyway, and kernel objects (dentries, inodes: reparented at removal). Here,
+    right after the kill, memory.stat said no page was left in every teardown measured,
+    while usage - kmem was 16-430 KiB: the zero limit written for it reclaimed nothing
+    and cost ~6.1 ms of CPU a teardown (v1's reclaim retries while any charge is left),
+    the largest part of a stop and CPU taken from the next create. So: no page, no
+    reclaim; otherwise a zero limit, which reclaims page batches until a pass frees
+    nothing (EBUSY, expected: kernel objects are left); force_empty only if a page is
+    still charged after that."""
     memory = cgroups.v1.get("memory")
     if memory is None:
         cgroups.drop_charges(rel)
@@ -120,8 +125,11 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     d = memory / rel.strip("/")
 
     def pages_left() -> bool:
-        usage = int((d / "memory.usage_in_bytes").read_text())
-        return usage > int((d / "memory.kmem.usage_in_bytes").read_text())
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in _PAGE_KEYS and int(value):
+                return True
+        return False
 
     try:
         if not pages_left():
@@ -133,6 +141,10 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     except (OSError, ValueError):
         pass
     cgroups.drop_charges(rel)
+
+
+# v1 memory.stat lines that count pages charged to the cgroup and its children.
+_PAGE_KEYS = frozenset({"total_cache", "total_rss", "total_rss_huge", "total_shmem"})
 
 
 class ContainerBackend(AgentDataPath, Backend):
@@ -243,6 +255,9 @@ class ContainerBackend(AgentDataPath, Backend):
         # pid 1's reports of signals sent to it from inside (dsec.security.init_signals)
         self.init_signals = InitSignalWatcher(self.audit)
         self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
+        # Teardown's blocking work: its own threads at a lower CPU priority, so that it
+        # neither takes the cores nor the to_thread workers creates need.
+        self.teardown_pool = LowPriorityPool("dsec-teardown", workers=max(4, 2 * self.host_cpus))
 
     # -- paths (public: the verifier builds its containers beside the sandboxes) -------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -327,6 +342,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 self.cgroups.remove_if_empty(f"/{top}")
         await asyncio.to_thread(self.disk.close)  # unmounts only when no sandbox is left
         await asyncio.to_thread(self.runtime.close)  # likewise
+        await asyncio.to_thread(self.teardown_pool.close)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def create(self, inp: CreateInput) -> ContainerFacts:
@@ -489,7 +505,8 @@ class ContainerBackend(AgentDataPath, Backend):
         # deleted cgroup does not linger as a dying memcg (see CgroupHost.drop_charges).
         # A sandbox whose cgroup is empty is dead: its cgroups and runtime state go
         # without the runtime (one fork+exec less); else `delete --force` kills it.
-        forgotten = await asyncio.to_thread(self._empty_and_forget, sid, cgroup)
+        low = self.teardown_pool
+        forgotten = await low.run(self._empty_and_forget, sid, cgroup)
         if not forgotten:
             try:
                 async with self.runtime_slots:
@@ -497,7 +514,7 @@ class ContainerBackend(AgentDataPath, Backend):
             except BackendError as exc:
                 errors.append(str(exc))
             # Belt and braces: a crashed create may have left a cgroup crun does not know.
-            await asyncio.to_thread(self.cgroups.kill_and_remove, self.cgroup_of(sid))
+            await low.run(self.cgroups.kill_and_remove, self.cgroup_of(sid))
         await self._reap(facts.pid)
         # The overlay lives in the sandbox's own mount namespace and is gone with its
         # last process; a host mount here can only be a leftover of an older version.
@@ -516,11 +533,11 @@ class ContainerBackend(AgentDataPath, Backend):
         still_mounted = leftover_mount and linux.is_mounted(rootfs)
         if root.exists() and not still_mounted:
             try:  # a quota subvolume goes in one call, its quota group with it
-                await asyncio.to_thread(self.disk.remove_dir, root)
+                await low.run(self.disk.remove_dir, root)
             except OSError as exc:
                 errors.append(f"remove {root}: {exc}")
         if root.exists() and not still_mounted:
-            await asyncio.to_thread(shutil.rmtree, root, True)
+            await low.run(shutil.rmtree, root, True)
         if errors:
             raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
 

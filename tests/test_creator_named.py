@@ -1,0 +1,88 @@
+"""dsec.apiserver.creator with an edge that names sandboxes up front (NamedCreates): the
+quota is charged once, under the sandbox's final id, and given back if the create
+fails. A stub edge over a real IAM (SQLite): no platform, ~0.3 s."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from dsec.api.sandbox import SandboxInfo, SandboxState
+from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
+from dsec.apiserver.creator import SandboxCreator
+from dsec.control.db import make_engine, migrate, sqlite_url
+from dsec.control.iam import IAM, PENDING_PREFIX
+from dsec.edge.api import NamedCreates
+from dsec.errors import BackendError
+
+
+class NamedEdge:
+    """Just enough of an edge: names sandboxes, makes them (or fails), records ids."""
+
+    edge_id = "e1"
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.made: list[str] = []
+
+    def new_sandbox_id(self) -> str:
+        return f"{self.edge_id}-{secrets.token_hex(8)}"
+
+    async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
+        self.made.append(sandbox_id)
+        if self.fail:
+            raise BackendError("the runtime failed")
+        now = datetime.now(UTC)
+        return SandboxInfo(
+            id=sandbox_id,
+            backend=BackendKind.CONTAINER,
+            state=SandboxState.RUNNING,
+            image=spec.image_ref,
+            created_at=now,
+            updated_at=now,
+            edge=self.edge_id,
+            spec=spec,
+        )
+
+    async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
+        raise AssertionError("an edge that names sandboxes is asked by name")
+
+
+@pytest.fixture
+async def iam(tmp_path: Path) -> AsyncIterator[IAM]:
+    engine = make_engine(sqlite_url(tmp_path / "control.db"))
+    await migrate(engine)
+    iam = IAM(engine, cache_ttl=0.0)
+    try:
+        await iam.ensure_bootstrap()
+        yield iam
+    finally:
+        await iam.close()
+        await engine.dispose()
+
+
+SPEC = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
+
+
+async def test_charged_once_under_the_final_id(iam: IAM) -> None:
+    edge = NamedEdge()
+    assert isinstance(edge, NamedCreates)
+    creator = SandboxCreator(edge, iam=iam)  # type: ignore[arg-type]  # a stub edge
+    info = await creator.create("admin", SPEC, timeout=10)
+    assert edge.made == [info.id]
+    assert [sid for sid, _ in await iam.charger.charged()] == [info.id]
+    assert await iam.charger.charged(PENDING_PREFIX) == []  # nothing provisional
+    assert await iam.release(info.id)
+
+
+async def test_a_failed_create_gives_the_charge_back(iam: IAM) -> None:
+    edge = NamedEdge(fail=True)
+    creator = SandboxCreator(edge, iam=iam)  # type: ignore[arg-type]  # a stub edge
+    with pytest.raises(BackendError):
+        await creator.create("admin", SPEC, timeout=10)
+    assert len(edge.made) == 1
+    assert await iam.charger.charged() == []
