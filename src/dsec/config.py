@@ -228,6 +228,15 @@ class PlatformConfig:
     layer_cache_bytes: int = field(
         default_factory=lambda: env_int("DSEC_LAYER_CACHE_BYTES", 20 << 30)
     )
+    # Where built-in recipes keep their finished trees (debian-python's debootstrap);
+    # unset: <data dir>/images/cache. DSEC_BUILD_CACHE=/path shares one between the data
+    # dirs of a host (several platforms, a test session): one debootstrap, then every
+    # build is only mkfs.erofs. Builders take a file lock in it, so sharing is safe.
+    build_cache_dir: Path | None = field(
+        default_factory=lambda: (
+            Path(os.environ["DSEC_BUILD_CACHE"]) if os.environ.get("DSEC_BUILD_CACHE") else None
+        )
+    )
     # OCI registries (dsec image pull): a Docker config.json with credentials; hosts
     # (host:port) reached over plain HTTP, only those named (--insecure-registry); and
     # mirrors tried before a registry ("docker.io=http://mirror:5000,reg.io=https://m").
