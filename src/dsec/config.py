@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -41,7 +42,20 @@ def _bad(name: str, wanted: str, value: str) -> InvalidArgument:
     return InvalidArgument(f"{name} must be {wanted}, got {value[:80]!r}")
 
 
-def _bounded(name: str, value: N, raw: str, kind: str, minimum: N | None, maximum: N | None) -> N:
+def _number(
+    name: str, parse: Callable[[str], N], kind: str, minimum: N | None, maximum: N | None
+) -> N | None:
+    """``name`` read with ``parse`` (int or float), finite and in [minimum, maximum];
+    None when unset. ``kind`` names what it takes in the error ("a whole number")."""
+    raw = _raw(name)
+    if raw is None:
+        return None
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise _bad(name, kind, raw) from None
+    if not math.isfinite(value):
+        raise _bad(name, f"a finite {kind.removeprefix('a ')}", raw)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         lo = "" if minimum is None else f" >= {minimum:g}"
         hi = "" if maximum is None else f" <= {maximum:g}"
@@ -51,7 +65,7 @@ def _bounded(name: str, value: N, raw: str, kind: str, minimum: N | None, maximu
 
 def env_int(name: str, default: int, *, minimum: int | None = 0, maximum: int | None = None) -> int:
     """``name`` as a whole number in [minimum, maximum] (``default`` when unset)."""
-    value = env_optional_int(name, minimum=minimum, maximum=maximum)
+    value = _number(name, int, "a whole number", minimum, maximum)
     return default if value is None else value
 
 
@@ -59,30 +73,15 @@ def env_optional_int(
     name: str, *, minimum: int | None = 0, maximum: int | None = None
 ) -> int | None:
     """``name`` as a whole number in [minimum, maximum], or None when unset."""
-    raw = _raw(name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise _bad(name, "a whole number", raw) from None
-    return _bounded(name, value, raw, "a whole number", minimum, maximum)
+    return _number(name, int, "a whole number", minimum, maximum)
 
 
 def env_float(
     name: str, default: float, *, minimum: float | None = 0.0, maximum: float | None = None
 ) -> float:
     """``name`` as a finite number in [minimum, maximum] (``default`` when unset)."""
-    raw = _raw(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _bad(name, "a number", raw) from None
-    if not math.isfinite(value):
-        raise _bad(name, "a finite number", raw)
-    return _bounded(name, value, raw, "a number", minimum, maximum)
+    value = _number(name, float, "a number", minimum, maximum)
+    return default if value is None else value
 
 
 def env_flag(name: str, default: bool) -> bool:
