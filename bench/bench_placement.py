@@ -1,6 +1,6 @@
 """Control-plane placement (issue 8, docs/CLUSTER.md "Placement"): speed and balance.
 
-    .venv/bin/python bench/bench_placement.py [--quick] [--out PATH]
+    .venv/bin/python bench/bench_placement.py [--quick | --smoke] [--out PATH]
 
 Simulated edges in process, each with its own admission (it refuses when full: the edge
 has the final say), and a watcher view refreshed only every ``--period-ms`` of simulated
@@ -537,18 +537,25 @@ def _imb(r: dict[str, Any]) -> float:
     return float(r["imbalance_std"] if v is None else v)
 
 
-def run(quick: bool, seed: int = 1000) -> dict[str, Any]:
-    n_edges = 40 if quick else 160
+# Run sizes: edges, burst count, steady lifetime (s), steady warm-up and measured
+# window (s) of simulated time. "smoke" is for the test suite (tests/test_placement.py):
+# every strategy and scenario, only the output's shape and invariants are checked.
+SIZES: dict[str, tuple[int, int, float, tuple[float, float]]] = {
+    "full": (160, 32_000, 60.0, (20.0, 60.0)),
+    "quick": (40, 4_000, 20.0, (5.0, 10.0)),
+    "smoke": (16, 1_000, 8.0, (2.0, 4.0)),
+}
+
+
+def run(size: str = "full", seed: int = 1000) -> dict[str, Any]:
+    n_edges, count, life, (warm, meas) = SIZES[size]
     cap = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(n_edges))
-    count = 4_000 if quick else 32_000
     period = 1.0
     fast = 0.5
     rate = 4_000.0
     images = {"pop": frozenset({"sha256:pop-base", "sha256:pop-app"})}
     for i in range(20):
         images[f"img{i}"] = frozenset({f"sha256:base{i % 4}", f"sha256:app{i}"})
-    life = 20.0 if quick else 60.0
-    warm, meas = (5.0, 10.0) if quick else (20.0, 60.0)
     results: dict[str, Any] = {}
     # Common random numbers: every strategy sees the same edges, demands, arrivals and
     # lifetimes, so the ratios compare placement, not luck.
@@ -623,7 +630,8 @@ def run(quick: bool, seed: int = 1000) -> dict[str, Any]:
         }
     return {
         "config": {
-            "quick": quick,
+            "quick": size != "full",
+            "size": size,
             "seed": seed,
             "edges": n_edges,
             "capacity": cap,
@@ -706,11 +714,12 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="40 edges, a 4,000 burst (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="16 edges, a 1,000 burst (the tests)")
     ap.add_argument("--seed", type=int, default=1000, help="another draw of the same runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "placement.json")
     args = ap.parse_args()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
-    res = run(args.quick, args.seed)
+    res = run("smoke" if args.smoke else "quick" if args.quick else "full", args.seed)
     res["loadavg"] = {"start": load_start, "end": Path("/proc/loadavg").read_text().split()[:3]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))

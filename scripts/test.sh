@@ -8,4 +8,5 @@ bash scripts/install.sh
 .venv/bin/mypy
 # The Harbor plug-in against Harbor's real source (its venv is Python 3.12; see install.sh).
 if [ -x .venv-harbor/bin/mypy ]; then .venv-harbor/bin/mypy --config-file scripts/mypy-harbor.ini; fi
-exec .venv/bin/pytest -p no:cacheprovider "$@"
+# The slowest tests in the log, so the next cut of the suite's time starts from data.
+exec .venv/bin/pytest -p no:cacheprovider --durations=40 "$@"

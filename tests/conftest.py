@@ -386,6 +386,25 @@ class FakeInternet:
     catalog: Path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def build_cache() -> Iterator[Path]:
+    """One cache of built-in recipes' trees for the whole session (DSEC_BUILD_CACHE,
+    PlatformConfig.build_cache_dir): the session platform, every platform a test starts
+    and test_images' own image root share one debootstrap of debian-python (about 40 s
+    each before). A directory the caller names in DSEC_BUILD_CACHE is used and kept."""
+    given = os.environ.get("DSEC_BUILD_CACHE")
+    if given:
+        yield Path(given)
+        return
+    path = Path(tempfile.mkdtemp(prefix="dsec-build-cache-"))
+    os.environ["DSEC_BUILD_CACHE"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("DSEC_BUILD_CACHE", None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def fake_internet() -> Iterator[FakeInternet]:
     """A fake PyPI (a real package index with one wheel) in its own netns; the session

@@ -20,11 +20,12 @@ import pytest
 import uvicorn
 
 from dsec.api.images import ImageInfo
+from dsec.api.rollouts import RolloutInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.apiserver import ApiServices, create_app
 from dsec.cli import demo as demo_mod
 from dsec.cli import demo_timings
-from dsec.cli.common import percentile
+from dsec.cli.common import emit_rows, percentile
 from dsec.cli.main import run
 from dsec.config import PlatformConfig
 from tests.test_apiserver_unit import KEY, FakeEdge, FakeImages, make_keystore
@@ -373,6 +374,24 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(samples, 50) == 50.0
     assert percentile(samples, 99) == 99.0
     assert percentile([7.0], 99) == 7.0
+
+
+def test_listing_rows_are_inert_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
+    """emit_rows, the CLI's one listing printer: a record field a sandbox controls (a
+    rollout's error text) neither reaches the terminal as an escape sequence nor starts a
+    forged row; --json prints the records unchanged."""
+    hostile = "boom\n0000000000000000  finished \x1b[2J\x1b]0;owned\x07"
+    info = RolloutInfo.model_validate(
+        {"id": "r1", "job_id": "j", "rollout_id": "r1", "state": "failed", "error": hostile,
+         "created_at": "2026-12-01T00:00:00Z", "updated_at": "2026-12-01T00:00:00Z",
+         "deadline": "2026-12-01T01:00:00Z"}
+    )  # fmt: skip
+    emit_rows([info, info], lambda r: f"{r.id} {r.error}", False)
+    text = capsys.readouterr().out
+    assert text.count("\n") == 2 and "\x1b" not in text and "\x07" not in text
+    assert "boom\\n0000000000000000" in text and "\\x1b[2J" in text
+    emit_rows([info], lambda r: r.id, True)
+    assert json.loads(capsys.readouterr().out)[0]["error"] == hostile
 
 
 # ---- up --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Placement engine (dsec.control.placement): filter, rank, in-flight view, locality.
 
 Pure Python with an injected clock, so these run in milliseconds; performance lives in
-bench/bench_placement.py (run here only with --quick, for its output shape).
+bench/bench_placement.py (run here only with --smoke, for its output shape).
 """
 
 from __future__ import annotations
@@ -426,7 +426,7 @@ def test_deterministic_with_seeded_rng() -> None:
 def test_bench_quick_reports_every_strategy(tmp_path: Path) -> None:
     out = tmp_path / "placement.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "bench_placement.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / "bench_placement.py"), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -7,14 +7,93 @@ then ``~/.config/dsec/config.json`` (written by ``dsec up``), then the default U
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+from dsec.errors import InvalidArgument
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
 DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = Path(os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+
+
+# -- DSEC_* settings: one parser per kind of value --------------------------------------
+# An operator's typo (DSEC_SWAP_GB=8G, DSEC_TOKEN_TTL=-5) stops `dsec up` with one line
+# that names the variable, what it takes and what it got (a typed InvalidArgument, which
+# the CLI prints without a traceback), never a ValueError from inside a dataclass default
+# or a value silently taken as something else. Unset or empty means the default.
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+N = TypeVar("N", int, float)
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _bad(name: str, wanted: str, value: str) -> InvalidArgument:
+    return InvalidArgument(f"{name} must be {wanted}, got {value[:80]!r}")
+
+
+def _number(
+    name: str, parse: Callable[[str], N], kind: str, minimum: N | None, maximum: N | None
+) -> N | None:
+    """``name`` read with ``parse`` (int or float), finite and in [minimum, maximum];
+    None when unset. ``kind`` names what it takes in the error ("a whole number")."""
+    raw = _raw(name)
+    if raw is None:
+        return None
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise _bad(name, kind, raw) from None
+    if not math.isfinite(value):
+        raise _bad(name, f"a finite {kind.removeprefix('a ')}", raw)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f" >= {minimum:g}"
+        hi = "" if maximum is None else f" <= {maximum:g}"
+        raise _bad(name, f"{kind}{lo}{' and' if lo and hi else ''}{hi}", raw)
+    return value
+
+
+def env_int(name: str, default: int, *, minimum: int | None = 0, maximum: int | None = None) -> int:
+    """``name`` as a whole number in [minimum, maximum] (``default`` when unset)."""
+    value = _number(name, int, "a whole number", minimum, maximum)
+    return default if value is None else value
+
+
+def env_optional_int(
+    name: str, *, minimum: int | None = 0, maximum: int | None = None
+) -> int | None:
+    """``name`` as a whole number in [minimum, maximum], or None when unset."""
+    return _number(name, int, "a whole number", minimum, maximum)
+
+
+def env_float(
+    name: str, default: float, *, minimum: float | None = 0.0, maximum: float | None = None
+) -> float:
+    """``name`` as a finite number in [minimum, maximum] (``default`` when unset)."""
+    value = _number(name, float, "a number", minimum, maximum)
+    return default if value is None else value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """``name`` as on/off: 1/true/yes/on or 0/false/no/off (``default`` when unset)."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise _bad(name, "1 or 0 (true/false, yes/no, on/off)", raw)
 
 
 def client_config_path() -> Path:
@@ -98,55 +177,45 @@ class PlatformConfig:
     # Admission (dsec.edge.admission): the sandbox-count limit is derived from what the
     # host holds (dsec.resources.capacity) unless DSEC_MAX_SANDBOXES sets it.
     max_sandboxes: int | None = field(
-        default_factory=lambda: (
-            int(os.environ["DSEC_MAX_SANDBOXES"]) if os.environ.get("DSEC_MAX_SANDBOXES") else None
-        )
+        default_factory=lambda: env_optional_int("DSEC_MAX_SANDBOXES")
     )
     # Host memory times this is what admission commits by limits, a backstop (a
     # container counts its limit; a VM, whose guest RAM stays resident, counts at full
     # weight whatever this is). Admission is by measured use first.
     memory_overcommit: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_MEMORY_OVERCOMMIT", "32"))
+        default_factory=lambda: env_float("DSEC_MEMORY_OVERCOMMIT", 32)
     )
     # Host cores times this bounds the sum of CPU limits; 0 (default): CPU, being
     # compressible (QoS classes share it), is not admitted by.
-    cpu_overcommit: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_CPU_OVERCOMMIT", "0"))
-    )
+    cpu_overcommit: float = field(default_factory=lambda: env_float("DSEC_CPU_OVERCOMMIT", 0))
     # Host memory PSI ("some" avg10, percent) at which admission refuses, once the idle
     # reclaimer could not bring it down.
     admission_pressure: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_ADMISSION_PRESSURE", "60"))
+        default_factory=lambda: env_float("DSEC_ADMISSION_PRESSURE", 60, maximum=100)
     )
     # Host memory one idle sandbox costs (kernel and user), for the derived count limit.
     sandbox_host_cost_kb: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_HOST_COST_KB", "1536"))
+        default_factory=lambda: env_int("DSEC_SANDBOX_HOST_COST_KB", 1536, minimum=1)
     )
     # fds the edge holds per idle sandbox (measured: 2, dsec.resources.capacity).
-    sandbox_edge_fds: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_EDGE_FDS", "2"))
-    )
+    sandbox_edge_fds: int = field(default_factory=lambda: env_int("DSEC_SANDBOX_EDGE_FDS", 2))
     # Idle memory reclaim (dsec.edge.idle): a running sandbox with no data-path
     # activity for this many seconds gives back its page cache (0: never); under host
     # memory pressure above DSEC_RECLAIM_PRESSURE (PSI some avg10, percent) idle
     # sandboxes' anonymous memory goes to swap too, longest idle first.
     idle_reclaim_seconds: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_IDLE_RECLAIM_SECONDS", "300"))
+        default_factory=lambda: env_float("DSEC_IDLE_RECLAIM_SECONDS", 300)
     )
     reclaim_pressure: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_RECLAIM_PRESSURE", "10"))
+        default_factory=lambda: env_float("DSEC_RECLAIM_PRESSURE", 10, maximum=100)
     )
     # Resume prefetch: a resumed sandbox's swapped-out memory is read back ahead
     # (MADV_WILLNEED through process_madvise), DSEC_RESUME_PREFETCH=0 turns it off.
-    resume_prefetch: bool = field(
-        default_factory=lambda: os.environ.get("DSEC_RESUME_PREFETCH", "1") != "0"
-    )
+    resume_prefetch: bool = field(default_factory=lambda: env_flag("DSEC_RESUME_PREFETCH", True))
     # Host tuning for fast sandbox starts (cgroup2 favordynmods); DSEC_TUNE_HOST=0 skips.
-    tune_host: bool = field(default_factory=lambda: os.environ.get("DSEC_TUNE_HOST", "1") != "0")
+    tune_host: bool = field(default_factory=lambda: env_flag("DSEC_TUNE_HOST", True))
     # Lifetime of data-path tokens (seconds); the SDK renews them before they expire.
-    token_ttl: float = field(
-        default_factory=lambda: float(os.environ.get("DSEC_TOKEN_TTL", "3600"))
-    )
+    token_ttl: float = field(default_factory=lambda: env_float("DSEC_TOKEN_TTL", 3600, minimum=1))
 
     # Shared layer store (http://host:port of `dsec store serve`, or a shared directory);
     # None = the local directory only. Lazily loaded layers are cached on this host
@@ -156,7 +225,16 @@ class PlatformConfig:
         default_factory=lambda: os.environ.get("DSEC_LAYER_STORE_TOKEN")
     )
     layer_cache_bytes: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_LAYER_CACHE_BYTES", str(20 << 30)))
+        default_factory=lambda: env_int("DSEC_LAYER_CACHE_BYTES", 20 << 30)
+    )
+    # Where built-in recipes keep their finished trees (debian-python's debootstrap);
+    # unset: <data dir>/images/cache. DSEC_BUILD_CACHE=/path shares one between the data
+    # dirs of a host (several platforms, a test session): one debootstrap, then every
+    # build is only mkfs.erofs. Builders take a file lock in it, so sharing is safe.
+    build_cache_dir: Path | None = field(
+        default_factory=lambda: (
+            Path(os.environ["DSEC_BUILD_CACHE"]) if os.environ.get("DSEC_BUILD_CACHE") else None
+        )
     )
     # OCI registries (dsec image pull): a Docker config.json with credentials; hosts
     # (host:port) reached over plain HTTP, only those named (--insecure-registry); and
@@ -189,30 +267,24 @@ class PlatformConfig:
     )
     # Seconds a chunk fetch may take before the read inside the sandbox fails with EIO.
     lazy_fetch_timeout: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_LAZY_FETCH_TIMEOUT", "10"))
+        default_factory=lambda: env_int("DSEC_LAZY_FETCH_TIMEOUT", 10, minimum=1)
     )
     # seccomp allow-list profile in every container (DSEC_SECCOMP=0 turns it off, for
     # measuring its cost only); DSEC_SECCOMP_NOTIFY=0 keeps the profile but refuses the
     # dangerous calls in the kernel alone, without recording them.
-    seccomp: bool = field(default_factory=lambda: os.environ.get("DSEC_SECCOMP", "1") != "0")
-    seccomp_notify: bool = field(
-        default_factory=lambda: os.environ.get("DSEC_SECCOMP_NOTIFY", "1") != "0"
-    )
+    seccomp: bool = field(default_factory=lambda: env_flag("DSEC_SECCOMP", True))
+    seccomp_notify: bool = field(default_factory=lambda: env_flag("DSEC_SECCOMP_NOTIFY", True))
     # Size of the sandboxes' writable-disk file system (a sparse btrfs image with one
     # quota group per sandbox, see dsec.resources.disk), fixed when first created.
     # Unset: half the free space below the data dir, at most 512 GiB. 0: no disk limits.
     sandbox_disk_gb: int | None = field(
-        default_factory=lambda: (
-            int(os.environ["DSEC_SANDBOX_DISK_GB"])
-            if os.environ.get("DSEC_SANDBOX_DISK_GB")
-            else None
-        )
+        default_factory=lambda: env_optional_int("DSEC_SANDBOX_DISK_GB")
     )
 
     # Preallocate the sandbox disk image (dsec.resources.disk), so that it never has to
     # grow; 0 (default): sparse, guarded by dsec.resources.diskguard instead.
     sandbox_disk_preallocate: bool = field(
-        default_factory=lambda: os.environ.get("DSEC_SANDBOX_DISK_PREALLOCATE", "0") == "1"
+        default_factory=lambda: env_flag("DSEC_SANDBOX_DISK_PREALLOCATE", False)
     )
 
     # Swap for job pauses (dsec.resources.swap). DSEC_SWAP=auto (default): a
@@ -226,10 +298,10 @@ class PlatformConfig:
             Path(os.environ["DSEC_SWAP_FILE"]) if os.environ.get("DSEC_SWAP_FILE") else None
         )
     )
-    swap_gb: int = field(default_factory=lambda: int(os.environ.get("DSEC_SWAP_GB", "8")))
+    swap_gb: int = field(default_factory=lambda: env_int("DSEC_SWAP_GB", 8))
     # Swap through a loop device over the file (large folios swap out whole; SSD mode),
     # unless DSEC_SWAP_LOOP=0: then the file itself (dsec.resources.swap).
-    swap_loop: bool = field(default_factory=lambda: os.environ.get("DSEC_SWAP_LOOP") != "0")
+    swap_loop: bool = field(default_factory=lambda: env_flag("DSEC_SWAP_LOOP", True))
 
     # Charge project quotas here (IAM). False on a cluster edge: the apiservers
     # authorise and charge every create before it reaches the edge (dsec.cluster).
@@ -246,7 +318,7 @@ class PlatformConfig:
     # as after a crash). DSEC_STOP_SANDBOXES_ON_EXIT=1 (`dsec up --stop-sandboxes-on-exit`)
     # or `dsec down --stop-sandboxes` (STOP_MARKER) stops them all on the way out.
     stop_sandboxes_on_exit: bool = field(
-        default_factory=lambda: os.environ.get("DSEC_STOP_SANDBOXES_ON_EXIT", "0") not in ("", "0")
+        default_factory=lambda: env_flag("DSEC_STOP_SANDBOXES_ON_EXIT", False)
     )
 
     @property

@@ -102,28 +102,34 @@ class RawCrun:
             cid,
         ]
 
+    def _run_dir(self, name: str, args: list[str] | None = None) -> Path:
+        """A fresh run directory ``name``: rootfs, upper and work directories and a
+        config.json with its own rootfs and cgroup (``args``: another command)."""
+        run = self.base / name
+        for d in ("rootfs", "upper", "work"):
+            (run / d).mkdir(parents=True)
+        cfg = dict(self.config)
+        if args is not None:
+            cfg["process"] = dict(self.config["process"], args=args)
+        cfg["root"] = {"path": str(run / "rootfs"), "readonly": False}
+        cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/{name}")
+        (run / "config.json").write_text(json.dumps(cfg))
+        return run
+
+    def _mount_overlay(self, run: Path) -> None:
+        """The run's own overlay over the one mounted layer (part of what is timed)."""
+        opts = f"lowerdir={self.lower},upperdir={run / 'upper'},workdir={run / 'work'}"
+        linux.mount("overlay", run / "rootfs", "overlay", 0, opts)
+
     def measure(self, n: int, warmup: int = 5) -> list[float]:
         """``n`` timed runs (seconds) after ``warmup`` untimed ones."""
         out = []
         for i in range(n + warmup):
-            run = self.base / f"r{i}"
-            rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
-            for d in (rootfs, upper, work):
-                d.mkdir(parents=True)
-            cfg = dict(self.config)
-            cfg["root"] = {"path": str(rootfs), "readonly": False}
-            cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/r{i}")
-            (run / "config.json").write_text(json.dumps(cfg))
+            run = self._run_dir(f"r{i}")
             t = time.perf_counter()
-            linux.mount(
-                "overlay",
-                rootfs,
-                "overlay",
-                0,
-                f"lowerdir={self.lower},upperdir={upper},workdir={work}",
-            )
+            self._mount_overlay(run)
             subprocess.run(self._argv(run, f"raw{i}"), check=True)
-            linux.umount(rootfs)
+            linux.umount(run / "rootfs")
             elapsed = time.perf_counter() - t
             shutil.rmtree(run)
             if i >= warmup:  # the first runs warm caches
@@ -152,15 +158,7 @@ class RawCrun:
             self._subreaper = True
         i = self._detached
         self._detached += 1
-        run = self.base / f"d{i}"
-        rootfs, upper, work = run / "rootfs", run / "upper", run / "work"
-        for d in (rootfs, upper, work):
-            d.mkdir(parents=True)
-        cfg = dict(self.config)
-        cfg["process"] = dict(self.config["process"], args=["sleep", "3600"])
-        cfg["root"] = {"path": str(rootfs), "readonly": False}
-        cfg["linux"] = dict(self.config["linux"], cgroupsPath=f"{self.cgroup_parent}/d{i}")
-        (run / "config.json").write_text(json.dumps(cfg))
+        run = self._run_dir(f"d{i}", args=["sleep", "3600"])
         cid, pid_file = f"rawd{i}", run / "init.pid"
         argv = self._argv(run, cid)
         argv[argv.index("run") + 1 : argv.index("run") + 1] = [
@@ -169,13 +167,7 @@ class RawCrun:
             str(pid_file),
         ]
         t = time.perf_counter()
-        linux.mount(
-            "overlay",
-            rootfs,
-            "overlay",
-            0,
-            f"lowerdir={self.lower},upperdir={upper},workdir={work}",
-        )
+        self._mount_overlay(run)
         subprocess.run(argv, check=True, stdin=subprocess.DEVNULL)
         elapsed = time.perf_counter() - t
         pid = int(pid_file.read_text().strip())
@@ -183,7 +175,7 @@ class RawCrun:
         subprocess.run(crun, check=True, capture_output=True)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-        linux.umount(rootfs)
+        linux.umount(run / "rootfs")
         shutil.rmtree(run)
         return elapsed
 

@@ -36,7 +36,15 @@ from tests.conftest import PlatformProcess, platform_process
 
 pytestmark = pytest.mark.root
 
-FUZZ_SECONDS = 150  # schemathesis' own time budget (--max-time)
+FUZZ_SECONDS = 90  # schemathesis' own time budget (--max-time)
+# How long one request to the live audit stream is read. It never ends by design, and
+# schemathesis reads an event stream until the request timeout (60 s) has passed: three
+# such requests were 2 of the 3 minutes this test took, with the fuzzer idle. Cut at
+# STREAM_SECONDS it is still fuzzed and answered 200 (cut short), and FUZZ_SECONDS went
+# from 150 to 90 with every operation still reached in both phases, the same status
+# classes seen and more fuzzing-phase requests than before (measured: 4,657 requests in
+# 195 s before, 4,354 in 102 s after).
+STREAM_SECONDS = 5
 TYPED_5XX = {501, 503, 504, 507}  # a typed envelope whose code has this status is fine
 SHUTDOWN_BOUND_S = 10.0  # the issue's bound for SIGTERM, whatever is in flight
 
@@ -86,8 +94,14 @@ def test_schemathesis_finds_no_untyped_5xx(tmp_path: Path) -> None:
 def fuzz(plat: PlatformProcess, tmp_path: Path) -> None:
     har = tmp_path / "fuzz.har"
     st = Path(sys.executable).with_name("st")
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(
+        f'[[operations]]\ninclude-path = "/v1/events/stream"\nrequest-timeout = {STREAM_SECONDS}\n'
+    )
     argv = [
         str(st),
+        "--config-file",
+        str(config),
         "run",
         f"{plat.url}/openapi.json",
         "--header",
@@ -110,6 +124,11 @@ def fuzz(plat: PlatformProcess, tmp_path: Path) -> None:
         # Builds fetch and unpack real images (minutes each, not what is fuzzed here);
         # the live audit stream never ends by design (its filters are /v1/audit's,
         # fuzzed there); revoking keys could revoke this run's own key.
+        # NB: schemathesis 4 joins these two options into ONE filter (path AND operation
+        # id), which matches no operation ("Unmatched filters" in its output): builds, the
+        # stream and the revokes are fuzzed too (hence STREAM_SECONDS; the session's build
+        # cache makes a debian-python build a mkfs.erofs). Left as it was: fixing it
+        # would drop three kinds of operations from what this test covers today.
         "--exclude-path-regex",
         "/v1/(images|layers)/build|/v1/events/stream",
         "--exclude-operation-id-regex",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -118,6 +118,23 @@ def emit(value: BaseModel, text: str, as_json: bool) -> None:
         emit_json(value)
     else:
         out.print(lines(text), markup=False)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def emit_rows(items: Sequence[M], row: Callable[[M], str], as_json: bool) -> None:
+    """A listing: the models as one JSON array with --json, else one line per item.
+
+    The one printer for record listings (rollouts, projects, principals, keys): names,
+    error texts and other fields in a row may come from a sandbox or a caller, so each
+    row is printed as a ``cell`` (inert, line breaks escaped): it can neither steer the
+    terminal nor forge a second row."""
+    if as_json:
+        emit_json(items)
+        return
+    for item in items:
+        out.print(cell(row(item)))
 
 
 def human_bytes(n: float) -> str:

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from dsec.api.iam import ROOT, QuotaInfo
-from dsec.cli.common import emit, emit_json, out, sync_client
+from dsec.api.iam import ROOT, PrincipalInfo, QuotaInfo
+from dsec.cli.common import emit, emit_json, emit_rows, out, sync_client
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
@@ -36,6 +36,11 @@ def _quota_text(q: QuotaInfo) -> str:
     return "\n".join(lines)
 
 
+def _principal_line(p: PrincipalInfo) -> str:
+    default = f" default={p.default_project}" if p.default_project else ""
+    return f"{p.name} ({p.kind}, by {p.created_by or '-'}){default}"
+
+
 @project_app.command("create")
 def project_create(ctx: typer.Context, path: str, as_json: JsonOpt = False) -> None:
     """Create a project (a sub-project needs admin on its parent)."""
@@ -49,11 +54,7 @@ def project_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """The projects you hold some role on."""
     with sync_client(ctx) as client:
         items = client.projects()
-    if as_json:
-        emit_json(items)
-        return
-    for p in items:
-        out.print(p.path, markup=False)
+    emit_rows(items, lambda p: p.path, as_json)
 
 
 @project_app.command("show")
@@ -122,12 +123,7 @@ def principal_create(
 def principal_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     with sync_client(ctx) as client:
         items = client.principals()
-    if as_json:
-        emit_json(items)
-        return
-    for p in items:
-        default = f" default={p.default_project}" if p.default_project else ""
-        out.print(f"{p.name} ({p.kind}, by {p.created_by or '-'}){default}", markup=False)
+    emit_rows(items, _principal_line, as_json)
 
 
 @key_app.command("create")
@@ -146,11 +142,7 @@ def key_list(
 ) -> None:
     with sync_client(ctx) as client:
         items = client.keys(principal)
-    if as_json:
-        emit_json(items)
-        return
-    for k in items:
-        out.print(f"{k.id}  {k.principal}  {k.created_at:%Y-%m-%d %H:%M}", markup=False)
+    emit_rows(items, lambda k: f"{k.id}  {k.principal}  {k.created_at:%Y-%m-%d %H:%M}", as_json)
 
 
 @key_app.command("revoke")

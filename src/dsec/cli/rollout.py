@@ -12,7 +12,7 @@ import typer
 from dsec.api.rollouts import ModelEndpoint, RolloutInfo, RolloutSpec, RolloutState
 from dsec.api.spec import DSecContainerRunArgs
 from dsec.api.verify import VerifyRequest
-from dsec.cli.common import emit, emit_json, out, sync_client
+from dsec.cli.common import emit, emit_rows, sync_client
 from dsec.errors import InvalidArgument
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -96,11 +96,7 @@ def list_(
 ) -> None:
     with sync_client(ctx) as client:
         items = client.list_rollouts(job_id, state)
-    if as_json:
-        emit_json(items)
-        return
-    for r in items:
-        out.print(_line(r))
+    emit_rows(items, _line, as_json)
 
 
 @app.command("wait")

@@ -5,7 +5,8 @@ Layout under ``root`` (``PlatformConfig.images_dir``, e.g. /var/lib/dsec/images)
     blobs/sha256/<hex>       EROFS layer blobs, read-only, named by their SHA-256
     verified/sha256/<hex>    "verified at this inode/size/mtime/ctime" markers
     mnt/sha256/<hex>         host mount points of layers (mode 0700 parent)
-    cache/<recipe>/rootfs    cached debootstrap trees (rebuilds only rerun mkfs.erofs)
+    cache/<recipe>/rootfs    cached debootstrap trees (rebuilds only rerun mkfs.erofs);
+                             elsewhere with build_cache (DSEC_BUILD_CACHE), shared
     tmp/<pid>-<rand>         uploads and extraction trees; stale ones removed on open()
 
 Importers flatten to one layer for now, but a manifest is a list of layers so base,
@@ -119,8 +120,12 @@ class Images:
         lazy: LazyDaemon | None = None,
         cache_bytes: int = 20 << 30,
         registries: RegistrySettings | None = None,
+        build_cache: Path | None = None,
     ) -> None:
         self.root = Path(os.path.abspath(root))
+        # Recipes' cached trees (see build); another directory may be shared by several
+        # image roots of one host (PlatformConfig.build_cache_dir): one debootstrap.
+        self.build_cache = Path(os.path.abspath(build_cache or self.root / "cache"))
         self.store = LayerStore(self.root)
         self.remote = remote
         self.lazy = lazy
@@ -152,7 +157,7 @@ class Images:
     async def open(self) -> None:
         """Create directories and tables, load the registry, adopt existing mounts."""
         await asyncio.to_thread(self.store.open)
-        (self.root / "cache").mkdir(parents=True, exist_ok=True)
+        self.build_cache.mkdir(parents=True, exist_ok=True)
         await self.registry.create_tables()
         await self.layer_registry.create_tables()
         await self._reload()
@@ -631,7 +636,7 @@ class Images:
             return await self._build_layer(tree)
 
     async def _debian_layer(self, report: Progress) -> str:
-        cache = self.root / "cache" / "debian-python-bookworm"
+        cache = self.build_cache / "debian-python-bookworm"
         tree = cache / "rootfs"
         stamp = cache / "recipe.json"
         cache.parent.mkdir(parents=True, exist_ok=True)

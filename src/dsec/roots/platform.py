@@ -192,6 +192,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             config.images_dir,
             engine,
             registries=registry_settings(config),
+            build_cache=config.build_cache_dir,
             **layer_store_options(config),
         )
         await images.open()
