@@ -122,9 +122,9 @@ class PlatformConfig:
     sandbox_host_cost_kb: int = field(
         default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_HOST_COST_KB", "1536"))
     )
-    # fds the edge holds per idle sandbox (measured: 2, dsec.resources.capacity).
+    # fds the edge holds per idle sandbox (measured: 1, dsec.resources.capacity).
     sandbox_edge_fds: int = field(
-        default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_EDGE_FDS", "2"))
+        default_factory=lambda: int(os.environ.get("DSEC_SANDBOX_EDGE_FDS", "1"))
     )
     # Idle memory reclaim (dsec.edge.idle): a running sandbox with no data-path
     # activity for this many seconds gives back its page cache (0: never); under host
