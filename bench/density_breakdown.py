@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
-from bench.bench_density import meminfo, spec  # noqa: E402
+from bench.bench_density import meminfo, memory_cgroups, spec  # noqa: E402
 from dsec import DSecClient  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -93,12 +93,7 @@ def children(pid: int) -> list[int]:
 
 
 def memcgs() -> int:
-    with open("/proc/cgroups", encoding="ascii") as fh:
-        for line in fh:
-            parts = line.split()
-            if parts and parts[0] == "memory":
-                return int(parts[2])
-    return 0
+    return memory_cgroups() or 0
 
 
 def superblocks(pid: int) -> dict[str, int]:
