@@ -10,7 +10,9 @@ it at 2,000; the bench says so in its output). Every sandbox is busybox with a 6
 limit and no idle TTL. Per step (every ``--step`` sandboxes):
 
 - host memory per sandbox: the drop of ``MemAvailable`` since before the first sandbox,
-  divided by the count, and its kernel part (``Slab + KernelStack + PageTables`` growth);
+  divided by the count, and its kernel part (``Slab + KernelStack + PageTables`` growth)
+  and, without Slab's reclaimable part (dentries and inodes of any other work on the
+  host, which pressure takes back), ``SUnreclaim + Percpu + KernelStack + PageTables``;
 - sequential create p50/p99 of the creates of that step (each create is timed; they are
   the step's sandboxes), and the ratio to raw crun measured right then;
 - the burst rate: ``--burst`` creates at once (they stay, counted in N);
@@ -52,6 +54,9 @@ from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 from dsec.crun_baseline import RawCrun, blob_path, unavailable  # noqa: E402
 
 KERNEL_KEYS = ("Slab", "KernelStack", "PageTables")
+# Slab's reclaimable part is mostly dentries and inodes of whatever else the host does
+# (and goes under pressure): the kernel memory the sandboxes pin is the rest.
+PINNED_KEYS = ("SUnreclaim", "Percpu", "KernelStack", "PageTables")
 TARGETS = {
     "host_mib_per_sandbox": 1.0,
     "create_growth_1k_to_10k": 1.3,
@@ -86,6 +91,17 @@ def edge_fds(pid: int | None) -> int | None:
         return None
 
 
+def memory_cgroups() -> int | None:
+    """The host's memory cgroups, dying ones included (/proc/cgroups): each costs
+    ~8 bytes per shrinker id ever allocated (bench/density_breakdown.py)."""
+    with open("/proc/cgroups", encoding="ascii") as fh:
+        for line in fh:
+            parts = line.split()
+            if parts and parts[0] == "memory":
+                return int(parts[2])
+    return None
+
+
 def spec() -> DSecContainerRunArgs:
     return DSecContainerRunArgs(
         container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
@@ -96,10 +112,12 @@ def memory_row(base: dict[str, int], count: int) -> dict[str, float]:
     now = meminfo()
     avail = (base["MemAvailable"] - now["MemAvailable"]) / 1024
     kernel = sum(now[k] - base[k] for k in KERNEL_KEYS) / 1024
+    pinned = sum(now[k] - base[k] for k in PINNED_KEYS) / 1024
     return {
         "mem_available_drop_mib": round(avail, 1),
         "host_mib_per_sandbox": round(avail / count, 3),
         "kernel_mib_per_sandbox": round(kernel / count, 3),
+        "kernel_unreclaimable_mib_per_sandbox": round(pinned / count, 3),
     }
 
 
@@ -168,6 +186,7 @@ class Density:
                 row.update(await self.burst())
             row["count"] = len(self.made)
             row.update(memory_row(base, max(1, len(self.made))))
+            row["memory_cgroups"] = memory_cgroups()  # live and dying, host-wide
             fds = edge_fds(self.edge_pid)
             if fds is not None and self.base_fds is not None and self.made:
                 row["edge_fds_per_sandbox"] = round((fds - self.base_fds) / len(self.made), 2)

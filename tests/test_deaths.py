@@ -9,8 +9,13 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from dsec.api.events import AuditKind, EventKind, Severity
+from dsec.backends.container.initwatch import InitChannels
 from dsec.edge.deaths import InitWatcher
+from dsec.security.init_signals import InitSignalWatcher
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -60,3 +65,38 @@ async def test_closed_after_death_reports_it() -> None:
         watcher.forget("sb")
     finally:
         await watcher.close()
+
+
+class _NoAudit:
+    """An AuditSink nothing is written to here (no report arrives in this test)."""
+
+    def record(self, sandbox_id: str, kind: AuditKind, action: str, **detail: Any) -> None:
+        raise AssertionError("nothing to record")
+
+    def event(
+        self, sandbox_id: str, kind: EventKind, *, severity: Severity | None = None, **detail: Any
+    ) -> None:
+        raise AssertionError("nothing to record")
+
+
+def test_notify_fd_hangup_is_the_containers_death_watch(tmp_path: Path) -> None:
+    """dsec.backends.container.initwatch: a container under the notify filter is watched
+    through its notify fd (no fd of its own); a hang-up before the edge watched makes
+    the edge take a pidfd instead, so no death goes unnoticed either way."""
+    channels = InitChannels(InitSignalWatcher(_NoAudit()), lambda sid: tmp_path / sid / "a.sock")
+    ended: list[str] = []
+    channels.started("a", notify=True)
+    assert channels.watch_init("a", ended.append)  # passive: no pidfd
+    channels.ended("a")
+    assert ended == ["a"]
+    channels.started("b", notify=True)
+    channels.ended("b")  # it died before the edge watched
+    assert not channels.watch_init("b", ended.append)  # the edge takes a pidfd
+    assert ended == ["a"]
+    channels.ended("zzz")  # a verifier's filter under an unknown id: nothing
+    channels.started("c", notify=True)
+    channels.detached("c")  # the listener stopped: the lasting connection takes over
+    assert channels.by_notify == 2
+    for sid in ("a", "b", "c"):
+        channels.forget(sid)
+    assert channels.by_notify == 0

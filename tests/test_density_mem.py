@@ -55,6 +55,10 @@ def test_capacity_is_the_smallest_host_table(tmp_path: Path) -> None:
     assert (cap.by, cap.max_sandboxes) == ("edge_fds", cap.limits["edge_fds"])
     cap = capacity.host_capacity(cost, memory_reserve_bytes=GiB, proc=proc, nofile=1 << 20)
     assert cap.by == "memory"
+    # The edge holds one fd per idle container (its notify fd, dsec...initwatch).
+    assert SandboxCost().edge_fds == 1
+    cap = capacity.host_capacity(SandboxCost(), memory_reserve_bytes=GiB, proc=proc, nofile=20_000)
+    assert cap.limits["edge_fds"] == 20_000 - 1024
     psi = capacity.read_pressure("memory", proc)
     assert psi == Pressure(12.5, 1.5, 0.5)
     assert capacity.read_pressure("memory", tmp_path / "nowhere") is None

@@ -197,8 +197,10 @@ class PlatformConfig:
     sandbox_host_cost_kb: int = field(
         default_factory=lambda: env_int("DSEC_SANDBOX_HOST_COST_KB", 1536, minimum=1)
     )
-    # fds the edge holds per idle sandbox (measured: 2, dsec.resources.capacity).
-    sandbox_edge_fds: int = field(default_factory=lambda: env_int("DSEC_SANDBOX_EDGE_FDS", 2))
+    # fds the edge holds per idle sandbox (measured: 1, dsec.resources.capacity).
+    sandbox_edge_fds: int = field(
+        default_factory=lambda: env_int("DSEC_SANDBOX_EDGE_FDS", 1, minimum=1)
+    )
     # Idle memory reclaim (dsec.edge.idle): a running sandbox with no data-path
     # activity for this many seconds gives back its page cache (0: never); under host
     # memory pressure above DSEC_RECLAIM_PRESSURE (PSI some avg10, percent) idle

@@ -91,6 +91,19 @@ async def test_every_masked_path_is_empty_inside(pair: tuple[Sandbox, Sandbox, s
     leaking = [line for line in res.stdout.splitlines() if not line.startswith("0 ")]
     assert not leaking, leaking
     assert len(res.stdout.splitlines()) == len(paths)
+    # Masked directories are one shared read-only empty directory, bound (no
+    # superblock each: every superblock costs every memory cgroup a shrinker slot).
+    dirs = await asyncio.to_thread(lambda: [p for p in paths if os.path.isdir(p)])
+    res = await attacker.run_shell(
+        "".join(f"mkdir '{d}/x' 2>/dev/null && echo 'wrote {d}';" for d in dirs)
+        + "cat /proc/self/mountinfo"
+    )
+    assert "wrote" not in res.stdout, res.stdout
+    host_info = await asyncio.to_thread(Path("/proc/self/mountinfo").read_text)
+    host = {line.split()[2] for line in host_info.splitlines()}
+    own = {line.split()[2] for line in res.stdout.splitlines()} - host
+    # overlay, proc, /dev, devpts, /dev/shm, mqueue, sysfs, /sys/fs/cgroup
+    assert len(own) <= 8, res.stdout
 
 
 async def test_no_other_sandbox_quota_group_or_disk_is_visible(

@@ -10,12 +10,13 @@ Two kinds of figure, both read from /proc (a few file reads, no syscall loop):
   and ``threads-max`` over the tasks of an idle sandbox (measured: 1, its agent as
   init; 2 by default, room for a command). File descriptors: the system-wide
   ``file-max`` over a sandbox's, and the edge's own ``RLIMIT_NOFILE`` over the fds the
-  edge holds per idle sandbox (measured: 2, the seccomp listener's notify fd and pid
-  1's signal-report connection, which is also the death watch, dsec.edge.deaths;
-  ``DSEC_SANDBOX_EDGE_FDS``; root here cannot raise a hard rlimit, 20,000). The
-  smallest of these is the sandbox-count limit, and the resource that set it is
-  reported. On this host (pid_max 32,768, nofile 20,000, 24 GiB) that is 9,488, set
-  by the edge's fds.
+  edge holds per idle sandbox (measured: 1, the seccomp listener's notify fd, which is
+  also the death watch and carries pid 1's doorbell for signal reports,
+  dsec.backends.container.initwatch; ``DSEC_SANDBOX_EDGE_FDS``; root here cannot
+  raise a hard rlimit, 20,000). The smallest of these is the sandbox-count limit, and
+  the resource that set it is reported. On this host (pid_max 32,768, nofile 20,000,
+  24 GiB) that is 14,745, set by the pids (the edge's fds would allow 18,976; at 2
+  fds a sandbox they allowed 9,488).
 * **use**: ``MemAvailable`` and the host's memory pressure stall information (PSI,
   ``/proc/pressure/memory``). cgroup v1 has no per-cgroup PSI, so the host's is used on
   every layout: it is what says the host as a whole is short, whatever the sandboxes'
@@ -94,7 +95,7 @@ class SandboxCost:
     host_memory_bytes: int = 3 * MiB // 2
     tasks: int = 2
     files: int = 64
-    edge_fds: int = 2
+    edge_fds: int = 1
 
 
 @dataclass(frozen=True)

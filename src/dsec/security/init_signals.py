@@ -10,8 +10,14 @@ holds open to its agent socket (operation ``N``; frame ``G``, see dsec-init.c). 
 module holds one such connection per sandbox on the edge's event loop (no thread: a
 report is a few bytes, and an idle connection costs nothing) and turns each report
 into a ``signal_to_init`` event, rate-limited per sandbox like the seccomp listener.
-The connection ends when pid 1 does, so it doubles as the edge's death watch of the
-init (``on_closed``, dsec.edge.deaths): one fd per sandbox for both, not two.
+Two ways to hold it. ``watch``: open for the sandbox's life; it ends when pid 1 does,
+so it doubles as the edge's death watch of the init (``on_closed``, dsec.edge.deaths).
+``drain``: opened when pid 1 rings its doorbell (it holds reports and nobody listens;
+the seccomp listener hears the ring, dsec.security.seccomp_listener), the edge sends
+``N`` and shuts its write side at once, pid 1 hands over what it holds and shuts its
+own, and the connection is gone within milliseconds; the seccomp notify fd is the death
+watch then. A sandbox with a notify fd costs the edge that one fd; one without (an
+adopted sandbox: the notify fd died with the old edge) the long-lived connection.
 
 Everything in a report is the sandbox's word except what the kernel filled in: the
 signal, the si_code, and the sender's pid for SI_USER/SI_TKILL. A queued signal
@@ -88,6 +94,9 @@ def describe(note: bytes) -> dict[str, Any]:
 class _Watch:
     sock: socket.socket
     buf: bytearray = field(default_factory=bytearray)
+    transient: bool = False  # a drain: ends by design, not a death
+    again: bool = False  # a drain rang for while this one ran: open another after it
+    then_watch: Path | None = None  # a lasting watch asked for while this drain ran
 
 
 class InitSignalWatcher:
@@ -114,7 +123,10 @@ class InitSignalWatcher:
         self._loop = None
 
     def watching(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._watches
+        """Whether a lasting connection (not a drain) is open to ``sandbox_id``'s pid 1:
+        then its end is pid 1's (``on_closed``)."""
+        w = self._watches.get(sandbox_id)
+        return w is not None and not w.transient
 
     def watch(
         self, sandbox_id: str, agent_socket: Path, attempt: int = 0, *, report_as: str | None = None
@@ -125,26 +137,57 @@ class InitSignalWatcher:
         events under that sandbox (a verifier's pid 1 reports for the graded one)."""
         if self._loop is None:
             return
+        current = self._watches.get(sandbox_id)
+        if current is not None and current.transient:
+            current.then_watch = agent_socket  # after it: what it carries is not lost
+            if report_as is not None:
+                self._report_as[sandbox_id] = report_as
+            return
         self.unwatch(sandbox_id)
         if report_as is not None:
             self._report_as[sandbox_id] = report_as
+        self._open(sandbox_id, agent_socket, attempt, transient=False)
+
+    def drain(self, sandbox_id: str, agent_socket: Path, attempt: int = 0) -> None:
+        """Collect what pid 1 holds now over a short connection (its doorbell rang);
+        nothing to do while a lasting watch is open (it gets every report)."""
+        if self._loop is None:
+            return
+        current = self._watches.get(sandbox_id)
+        if current is not None:
+            current.again = current.transient
+            return
+        if sandbox_id in self._retries and attempt == 0:
+            return  # a connect is due anyway
+        self._open(sandbox_id, agent_socket, attempt, transient=True)
+
+    def _open(self, sandbox_id: str, agent_socket: Path, attempt: int, *, transient: bool) -> None:
+        assert self._loop is not None
+        self._retries.pop(sandbox_id, None)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
             sock.connect(str(agent_socket))
             sock.send(_HDR.pack(OP_WATCH, 0))
+            if transient:
+                sock.shutdown(socket.SHUT_WR)  # pid 1 sends what it holds, then ends
         except OSError as exc:
             sock.close()
             if attempt < len(_RETRY):
+                report_as = self._report_as.get(sandbox_id)
                 self._retries[sandbox_id] = self._loop.call_later(
                     _RETRY[attempt],
-                    lambda: self.watch(sandbox_id, agent_socket, attempt + 1, report_as=report_as),
+                    lambda: (
+                        self.drain(sandbox_id, agent_socket, attempt + 1)
+                        if transient
+                        else self.watch(sandbox_id, agent_socket, attempt + 1, report_as=report_as)
+                    ),
                 )
             else:
                 log.warning("sandbox %s: no signal reports from pid 1: %s", sandbox_id, exc)
             return
-        self._watches[sandbox_id] = _Watch(sock)
-        self._loop.add_reader(sock.fileno(), self._readable, sandbox_id)
+        self._watches[sandbox_id] = _Watch(sock, transient=transient)
+        self._loop.add_reader(sock.fileno(), self._readable, sandbox_id, agent_socket)
 
     def unwatch(self, sandbox_id: str) -> None:
         retry = self._retries.pop(sandbox_id, None)
@@ -159,6 +202,22 @@ class InitSignalWatcher:
         self._suppressed.pop(sandbox_id, None)
         self._report_as.pop(sandbox_id, None)
 
+    def _drained(self, sandbox_id: str, agent_socket: Path) -> None:
+        """A drain read up to pid 1's end: close it, and open what was asked meanwhile."""
+        w = self._watches.pop(sandbox_id)
+        if self._loop is not None:
+            self._loop.remove_reader(w.sock.fileno())
+        w.sock.close()
+        if w.then_watch is not None:
+            self.watch(sandbox_id, w.then_watch, report_as=self._report_as.get(sandbox_id))
+        elif w.again:
+            self.drain(sandbox_id, agent_socket)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections held now (fds): lasting watches and drains in flight."""
+        return len(self._watches)
+
     def _closed(self, sandbox_id: str) -> None:
         self.unwatch(sandbox_id)
         try:
@@ -166,7 +225,7 @@ class InitSignalWatcher:
         except Exception:
             log.exception("sandbox %s: handling the end of its report connection", sandbox_id)
 
-    def _readable(self, sandbox_id: str) -> None:
+    def _readable(self, sandbox_id: str, agent_socket: Path) -> None:
         w = self._watches.get(sandbox_id)
         if w is None:
             return
@@ -176,6 +235,9 @@ class InitSignalWatcher:
             return
         except OSError:
             data = b""
+        if not data and w.transient:  # pid 1 handed over what it held
+            self._drained(sandbox_id, agent_socket)
+            return
         if not data:  # pid 1 is gone (the sandbox ended) or closed us for a newer edge
             self._closed(sandbox_id)
             return

@@ -15,11 +15,21 @@ dangerous calls keep failing, they never hang. A restarted edge cannot re-attach
 filter's listener is fixed when it is loaded, and a task may carry only one listener):
 adopted sandboxes stay confined but their violations are no longer recorded; the
 backend notes that in the audit log at adoption.
+
+The notify fd is also the edge's death watch of a sandbox (``ListenerObserver.ended``):
+the kernel (>= 5.8, "notify about unused filter") reports EPOLLHUP on it once every
+task using the filter has exited, i.e. pid 1 and everything in its pid namespace
+(measured on 6.18: at the exit of the last task, before its parent reaps it). And it
+carries pid 1's doorbell (``ListenerObserver.doorbell``): pid 1 calls
+``reboot(0, 0, DOORBELL, NULL)`` when it holds signal reports and nobody listens
+(dsec-init.c, dsec.security.init_signals), so the edge opens that connection only
+then. One fd per sandbox for all three jobs.
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
@@ -36,7 +46,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dsec.api.events import EventKind
 from dsec.security.audit import AuditSink
@@ -57,6 +67,26 @@ NOTIF_SEND = 0xC0000000 | (_RESP.size << 16) | (ord("!") << 8) | 1
 BURST = 10
 WINDOW = 10.0
 PAUSE = 0.01
+
+# pid 1's doorbell: reboot(0, 0, DOORBELL, NULL) from the sandbox's pid 1 (dsec-init.c).
+# The bad magic makes the kernel refuse it before looking at anything else.
+DOORBELL = 0x44534543  # 'DSEC'
+_REBOOT = "reboot"
+
+
+class ListenerObserver(Protocol):
+    """What the listener tells its owner, on the owner's event loop."""
+
+    def ended(self, sandbox_id: str) -> None:
+        """The last notify fd of ``sandbox_id`` hung up: every task of it exited."""
+
+    def doorbell(self, sandbox_id: str) -> None:
+        """pid 1 of ``sandbox_id`` holds signal reports and nobody listens."""
+
+    def detached(self, sandbox_id: str) -> None:
+        """The listener closed ``sandbox_id``'s notify fd without a hang-up (it stops):
+        its end and doorbell are no longer seen here."""
+
 
 # Kill-family calls the profile flags (dsec.security.seccomp.SIGNAL_CALLS): the index
 # of the target and of the signal argument. Kept here so the listener does not import
@@ -191,6 +221,21 @@ class SeccompListener:
         self._reserve = -1  # one fd held back so that a notify fd can always be received
         self.answered = 0
         self.accept_failures = 0
+        self.doorbells = 0
+        self._observer: ListenerObserver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def observe(self, loop: asyncio.AbstractEventLoop, observer: ListenerObserver) -> None:
+        """Tell ``observer`` (on ``loop``) of sandbox ends, doorbells and detaches."""
+        self._loop, self._observer = loop, observer
+
+    def _post(self, what: str, sandbox_id: str) -> None:
+        """Call the observer's ``what`` on its loop (from the listener thread)."""
+        loop, observer = self._loop, self._observer
+        if loop is None or observer is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(getattr(observer, what), sandbox_id)
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -324,8 +369,13 @@ class SeccompListener:
         finally:
             # Nobody answers from here on: close every notify fd, so that the sandboxes'
             # dangerous calls fail at once (ENOSYS) instead of waiting for an answer.
+            gone = set(self._fds.values())
             for fd in list(self._fds):
                 self._close_fd(ep, fd)
+            with self._seen:
+                self._attached.clear()
+            for sid in gone:
+                self._post("detached", sid)
             ep.close()
 
     def _step(self, ep: select.epoll) -> None:
@@ -399,7 +449,11 @@ class SeccompListener:
         with contextlib.suppress(OSError):
             os.close(fd)
         if sid is not None:
-            self._by_sandbox.get(sid, set()).discard(fd)
+            left = self._by_sandbox.get(sid)
+            if left is not None:
+                left.discard(fd)
+                if not left:
+                    del self._by_sandbox[sid]
 
     def _accept(self, ep: select.epoll) -> None:
         assert self._sock is not None
@@ -467,14 +521,26 @@ class SeccompListener:
                     self._paused[fd] = time.monotonic() + PAUSE
                 return
         if mask & (select.EPOLLHUP | select.EPOLLERR):
-            # Every task of the filter is gone: the sandbox ended.
+            # Every task of the filter is gone: the sandbox ended. Told once its last
+            # fd goes (a verifier's filter reports under the sandbox it grades).
+            sid = self._fds.get(fd)
             self._close_fd(ep, fd)
+            if sid is not None and sid not in self._by_sandbox:
+                with self._seen:
+                    self._attached.discard(sid)
+                self._post("ended", sid)
 
     def _answer(self, fd: int, buf: bytearray) -> bool:
         """Refuse the call with EPERM; False if it was over the sandbox's burst."""
         nid, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack(buf)
         sid = self._fds.get(fd, "?")
         name = self._names(arch, nr)
+        if name == _REBOOT and _is_doorbell(pid, args):
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(fd, NOTIF_SEND, bytearray(_RESP.pack(nid, 0, -errno.EPERM, 0)), True)
+            self.doorbells += 1
+            self._post("doorbell", sid)
+            return True
         record = self._admit(sid, name)
         # Read /proc while the caller waits in the call (it cannot exit meanwhile).
         who = _proc_info(pid) if record else {}
@@ -517,6 +583,23 @@ class SeccompListener:
         times.append(now)
         self._rate[key] = times
         return True
+
+
+def _is_doorbell(pid: int, args: list[int]) -> bool:
+    """reboot(0, 0, DOORBELL, ...) from a pid 1 of its namespace (the kernel's word:
+    the notification's pid and /proc; a sandbox's other processes cannot pose as it,
+    and their reboot() is a violation as ever)."""
+    if args[0] != 0 or args[1] != 0 or args[2] & 0xFFFFFFFF != DOORBELL:
+        return False
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    return len(ids) > 1 and ids[-1] == "1"
+    except OSError:
+        return False
+    return False
 
 
 def _int32(value: int) -> int:

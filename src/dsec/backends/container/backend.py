@@ -42,6 +42,7 @@ from dsec.backends.base import (
 )
 from dsec.backends.container import freezer, verifier
 from dsec.backends.container.facts import ContainerFacts
+from dsec.backends.container.initwatch import InitChannels
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.errors import BackendError, LimitExceeded, Unsupported
@@ -254,6 +255,8 @@ class ContainerBackend(AgentDataPath, Backend):
         self.decoys = protected_paths.DecoyWatcher(self.audit)
         # pid 1's reports of signals sent to it from inside (dsec.security.init_signals)
         self.init_signals = InitSignalWatcher(self.audit)
+        # which channel watches each pid 1: the notify fd, else that connection
+        self.init_channels = InitChannels(self.init_signals, self.agent_socket)
         self.verifiers = verifier.Verifiers()  # verifies in flight, their cleanups
         # Teardown's blocking work: its own threads at a lower CPU priority, so that it
         # neither takes the cores nor the to_thread workers creates need.
@@ -282,6 +285,8 @@ class ContainerBackend(AgentDataPath, Backend):
         self.decoys.start()
         self.init_signals.start()
         if self.seccomp is not None:
+            if self.seccomp.listener is not None:
+                self.seccomp.listener.observe(asyncio.get_running_loop(), self.init_channels)
             self.seccomp.start()
         probe = self.agent_socket("x" * 16 + "-" + "0" * 16)
         if len(os.fsencode(probe)) > MAX_SOCKET_PATH:
@@ -402,7 +407,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 qos.apply(spec.qos, self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid})
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
-            self.init_signals.watch(sid, self.agent_socket(sid))
+            self.init_channels.started(sid, notify=facts.seccomp == "notify")
             await self.check_init_user(sid, spec.init_user)
         except BaseException:
             # Nothing of it may outlive a create that did not return: the edge gets no
@@ -480,9 +485,9 @@ class ContainerBackend(AgentDataPath, Backend):
         return facts
 
     def watch_init_channel(self, rec: SandboxRecord, on_closed: Callable[[str], None]) -> bool:
-        """pid 1's signal-report connection ends with pid 1 (dsec.security.init_signals)."""
-        self.init_signals.on_closed = on_closed
-        return self.init_signals.watching(rec.id)
+        """pid 1's notify fd hangs up, or its signal-report connection ends, with pid 1
+        (dsec.backends.container.initwatch)."""
+        return self.init_channels.watch_init(rec.id, on_closed)
 
     def load_facts(self, data: Mapping[str, Any]) -> ContainerFacts:
         return ContainerFacts.from_json(data)
@@ -495,7 +500,7 @@ class ContainerBackend(AgentDataPath, Backend):
         """Remove every kernel object of container ``sid`` (a sandbox or a verifier),
         releasing the layers ``facts`` holds; idempotent, works on half-made ones."""
         self.decoys.unwatch(sid)  # before anything of ours opens the decoys
-        self.init_signals.unwatch(sid)
+        self.init_channels.forget(sid)
         if self.seccomp is not None:
             self.seccomp.forget(sid)
         root = self.sandbox_dir(sid)
@@ -645,7 +650,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 limit_bytes=self.disk.limit_bytes(rec.spec.disk_limit_mb),
             )
         self.decoys.watch(rec.id, prepared)
-        self.init_signals.watch(rec.id, self.agent_socket(rec.id))  # and what pid 1 kept meanwhile
+        self.init_channels.adopted(rec.id)  # and what pid 1 kept meanwhile
         if facts.seccomp == "notify":
             # Its notify fd died with the old edge: dangerous calls still fail (ENOSYS)
             # but are no longer recorded; say so, so a trainer can tell.

@@ -14,6 +14,7 @@ from typing import Any
 
 from dsec.api.spec import DSecRunArgs
 from dsec.hostlimits import sandbox_nofile
+from dsec.native import cache_dir
 from dsec.resources.qos import NICE_RLIMIT, cpu_shares
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
@@ -122,6 +123,59 @@ def masked_paths() -> list[str]:
         return list(MASKED_PATHS)
     extra = [p for p in HOST_VIEW_MASKS + _block_device_dirs() if os.path.exists(p)]
     return MASKED_PATHS + extra
+
+
+# A masked directory was an empty read-only tmpfs (crun's way): a new superblock per
+# directory per sandbox, 16 of them here. Every superblock registers a memory-cgroup-
+# aware shrinker, and every memory cgroup on the host keeps a slot (8 bytes) for every
+# shrinker id ever allocated (the kernel never shrinks that map), so those mounts made
+# every sandbox's memory cgroup, and every later one, grow with the number of sandboxes
+# (issue 19: ~750 KiB per empty memory cgroup on this host). A read-only bind of one
+# empty, root-owned directory hides the same paths the same way (empty, no writes, no
+# exec, no devices; root inside has no CAP_SYS_ADMIN to unmount it) with no
+# superblock of its own. Files stay crun's maskedPaths (a bind of /dev/null: no
+# superblock either).
+MASK_DIR_NAME = "masked-empty"
+
+
+def mask_dir() -> Path:
+    """The shared empty directory bound over masked directories (made once, 0555)."""
+    path = cache_dir() / MASK_DIR_NAME
+    path.mkdir(parents=True, exist_ok=True)
+    st = path.lstat()
+    if st.st_uid != 0 and os.geteuid() == 0:
+        os.chown(path, 0, 0)
+    if st.st_mode & 0o7777 != 0o555:
+        path.chmod(0o555)
+    for entry in path.iterdir():  # nothing may be in it: it is every sandbox's mask
+        raise RuntimeError(f"{path} must be empty (it hides masked paths); found {entry.name}")
+    return path
+
+
+@functools.cache
+def _masks() -> tuple[list[str], list[str]]:
+    """(files, directories) among masked_paths(): directories existing on this host
+    are bound over (the sandbox's proc and sysfs show the same kernel's), the rest go
+    to crun's maskedPaths (which skips what does not exist)."""
+    files: list[str] = []
+    dirs: list[str] = []
+    for p in masked_paths():
+        (dirs if os.path.isdir(p) and not os.path.islink(p) else files).append(p)
+    return files, dirs
+
+
+def mask_mounts() -> list[dict[str, Any]]:
+    """Read-only binds of the shared empty directory over each masked directory."""
+    source = str(mask_dir())
+    return [
+        {
+            "destination": d,
+            "type": "bind",
+            "source": source,
+            "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+        }
+        for d in _masks()[1]
+    ]
 
 
 READONLY_PATHS = [
@@ -248,7 +302,7 @@ def build_config(
         # crun loads our precompiled seccomp program instead of compiling it (~2 ms)
         **({"annotations": {BPF_ANNOTATION: bpf}} if bpf else {}),
         # extra_mounts: protected-path decoys or sources (dsec.security.protected)
-        "mounts": _mounts(agent_binary) + list(extra_mounts or []),
+        "mounts": _mounts(agent_binary) + mask_mounts() + list(extra_mounts or []),
         "linux": {
             "namespaces": [
                 {"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
@@ -266,7 +320,7 @@ def build_config(
                 },
                 "pids": {"limit": spec.pids_limit},
             },
-            "maskedPaths": masked_paths(),
+            "maskedPaths": _masks()[0],
             "readonlyPaths": READONLY_PATHS,
             **({"seccomp": seccomp} if seccomp is not None else {}),
         },

@@ -28,6 +28,12 @@ from dsec.errors import BackendError
 from dsec.resources.cgroups import CgroupHost
 
 MS_NOEXEC = 8
+MS_REMOUNT = 32
+# crun keeps ~28 KiB per container in its state (status, config.json, the seccomp
+# program; each file a page at least): 256 MiB filled at 9,362 sandboxes ("write to
+# seccomp fd", issue 19). A tmpfs holds only what is written, so the cap is for
+# pid_max (32,768) containers at 64 KiB each.
+STATE_OPTIONS = "mode=0700,size=2g"
 # crun's cloned_binary.c: a binary running from a memfd with exactly these seals is
 # not copied again.
 _CRUN_MEMFD_NAME = "crun_cloned:/proc/self/exe"
@@ -84,15 +90,15 @@ class OCIRuntime:
         older version) is left where it is, not hidden under a new mount."""
         if self.name == "crun":
             self._seal_binary()
-        if linux.is_mounted(self.state_root) or self.list_ids():
+        flags = linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC
+        if linux.is_mounted(self.state_root):
+            # One an older edge mounted smaller: grow it (a remount keeps the files).
+            with contextlib.suppress(OSError):
+                linux.mount("tmpfs", self.state_root, "tmpfs", flags | MS_REMOUNT, STATE_OPTIONS)
             return
-        linux.mount(
-            "tmpfs",
-            self.state_root,
-            "tmpfs",
-            linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC,
-            "mode=0700,size=256m",
-        )
+        if self.list_ids():
+            return
+        linux.mount("tmpfs", self.state_root, "tmpfs", flags, STATE_OPTIONS)
 
     def close(self) -> None:
         """Unmount the state tmpfs once no container is left in it (else it stays for
