@@ -121,6 +121,10 @@ def start_platform(data_dir: Path | None, wait: float = 120.0) -> StartedPlatfor
     key = "dsk_" + secrets.token_urlsafe(24)
     port = free_port()
     env = {**os.environ, "DSEC_API_KEY": key}
+    if temp:
+        # Its data dir is removed at the end: nothing may run on for a later `dsec up`
+        # to re-adopt (a kept spawner would outlive the directory it serves).
+        env["DSEC_STOP_SANDBOXES_ON_EXIT"] = "1"
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(
             platform_command(port, directory),
