@@ -49,6 +49,8 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
 from bench.exec_floor import exec_vs_floor  # noqa: E402
+from bench.shrinkers import probe as shrinker_probe  # noqa: E402
+from bench.shrinkers import superblocks  # noqa: E402
 from bench.stats import summary  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 from dsec.crun_baseline import RawCrun, blob_path, unavailable  # noqa: E402
@@ -93,7 +95,7 @@ def edge_fds(pid: int | None) -> int | None:
 
 def memory_cgroups() -> int | None:
     """The host's memory cgroups, dying ones included (/proc/cgroups): each costs
-    ~8 bytes per shrinker id ever allocated (bench/density_breakdown.py)."""
+    ~16 bytes per shrinker id of the host's high-water mark (bench/shrinkers.py)."""
     with open("/proc/cgroups", encoding="ascii") as fh:
         for line in fh:
             parts = line.split()
@@ -130,6 +132,7 @@ class Density:
         client: DSecClient,
         raw: RawCrun | None,
         edge_pid: int | None = None,
+        sandbox_dir: Path | None = None,
     ):
         self.opts = opts
         self.client = client
@@ -138,9 +141,21 @@ class Density:
         # sandbox costs of its RLIMIT_NOFILE (dsec.resources.capacity, edge_fds).
         self.edge_pid = edge_pid
         self.base_fds = edge_fds(edge_pid)
+        self.sandbox_dir = sandbox_dir
         self.made: list[Any] = []
         self.steps: list[dict[str, Any]] = []
         self.failure: str | None = None
+
+    def own_superblocks(self) -> int | None:
+        """Superblocks the first sandbox's namespaces added (bench/shrinkers.py): what
+        each sandbox adds to every memory cgroup's shrinker map."""
+        if self.sandbox_dir is None or not self.made:
+            return None
+        try:
+            pid = int((self.sandbox_dir / self.made[0].id / "init.pid").read_text())
+            return superblocks(pid)["own_superblocks"]
+        except (OSError, ValueError):
+            return None
 
     async def create(self) -> float:
         t = time.perf_counter()
@@ -187,6 +202,7 @@ class Density:
             row["count"] = len(self.made)
             row.update(memory_row(base, max(1, len(self.made))))
             row["memory_cgroups"] = memory_cgroups()  # live and dying, host-wide
+            row["own_superblocks_per_sandbox"] = self.own_superblocks()
             fds = edge_fds(self.edge_pid)
             if fds is not None and self.base_fds is not None and self.made:
                 row["edge_fds_per_sandbox"] = round((fds - self.base_fds) / len(self.made), 2)
@@ -227,9 +243,13 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         for _ in range(3):  # warm the platform's path before the baseline is taken
             await (await client.run_container(spec())).stop()
         await asyncio.sleep(1.0)
+        res["shrinker_map_start"] = shrinker_probe()
         base = meminfo()
         with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
-            dens = Density(opts, client, raw, plat.proc.pid if plat.proc else None)
+            dens = Density(
+                opts, client, raw, plat.proc.pid if plat.proc else None,
+                plat.data_dir / "sandboxes",
+            )  # fmt: skip
             try:
                 await dens.run(base)
                 if dens.made:  # exec with its floors (agent socket, nsenter) interleaved
@@ -237,6 +257,7 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
                         plat.url, plat.api_key, dens.made[0].id, plat.data_dir,
                         execs=opts.execs, edge_pid=plat.proc.pid if plat.proc else None,
                     )  # fmt: skip
+                res["shrinker_map_end"] = shrinker_probe()
             finally:
                 res["remove"] = await dens.remove_all()
         res["steps"] = dens.steps
@@ -292,6 +313,13 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
         ratios = [s["create_over_raw_p50"] for s in steps if "create_over_raw_p50" in s]
         if ratios:
             out["create_over_raw_p50"] = sorted(ratios)[len(ratios) // 2]
+        mapped = res.get("shrinker_map_end")
+        if mapped:  # host history the platform cannot undo (bench/shrinkers.py)
+            map_mib = mapped["map_kib_per_memcg"] / 1024
+            out["shrinker_map_mib_per_memcg"] = round(map_mib, 3)
+            out["host_mib_per_sandbox_less_shrinker_map"] = round(
+                last["host_mib_per_sandbox"] - map_mib, 3
+            )
     if res.get("exec"):
         out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
         out["exec_over_agent_socket_p50"] = res["exec"]["sdk_async"]["over_agent_p50"]

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
 from bench.bench_density import meminfo, memory_cgroups, spec  # noqa: E402
+from bench.shrinkers import superblocks  # noqa: E402
 from dsec import DSecClient  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -94,21 +95,6 @@ def children(pid: int) -> list[int]:
 
 def memcgs() -> int:
     return memory_cgroups() or 0
-
-
-def superblocks(pid: int) -> dict[str, int]:
-    """One process's mounts and the distinct superblocks under them, by fs type."""
-    seen: dict[str, str] = {}
-    mounts = 0
-    with open(f"/proc/{pid}/mountinfo", encoding="ascii") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            mounts += 1
-            seen[left.split()[2]] = right.split()[0]
-    by: dict[str, int] = {"mounts": mounts, "superblocks": len(seen)}
-    for fstype in seen.values():
-        by[fstype] = by.get(fstype, 0) + 1
-    return by
 
 
 def snapshot(plat: PlatformProcess, sandbox_dir: Path, ids: list[str]) -> dict[str, Any]:
