@@ -149,29 +149,62 @@ class _SyscallNames:
         return name
 
 
-def _recv_fd(conn: socket.socket) -> tuple[bytes, list[int]]:
-    fds = array.array("i")
-    data = bytearray()
-    conn.settimeout(2.0)
-    while True:
-        # CLOEXEC at once: a process spawned meanwhile by another thread must not get it.
-        msg, anc, flags, _addr = conn.recvmsg(
-            65536, socket.CMSG_SPACE(8 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
-        )
-        if flags & socket.MSG_CTRUNC:  # the kernel dropped the fd: no slot for it
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            raise OSError(errno.EMFILE, "the notify fd was dropped (no free fd to receive it)")
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        if not msg:
-            break
-        data += msg
-        if len(data) > 1 << 20 or _complete(data):
-            break
-    return bytes(data), list(fds)
+# How long crun may take to send a notify fd after connecting. The listener never waits
+# for one: each connection is its own entry in the thread's epoll set, so a crun stalled
+# under load (a whole 10,000-sandbox run at load 16 lost creates to a 2 s blocking read,
+# which also held every sandbox's notifications) delays only its own create.
+HANDOFF_TIMEOUT = 60.0
+
+
+class _Handoff:
+    """One connection from crun, read as it becomes readable: the JSON state (with our
+    sandbox id as metadata) and the notify fd (SCM_RIGHTS), until EOF or a complete
+    JSON message."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        self.conn = conn
+        self.data = bytearray()
+        self.fds: list[int] = []
+        self.deadline = time.monotonic() + HANDOFF_TIMEOUT
+
+    def read(self) -> bool:
+        """Take what has arrived; True once the message is whole (EOF or complete
+        JSON). Raises OSError for a connection to drop (the fds it brought are closed)."""
+        fds = array.array("i")
+        try:
+            while True:
+                try:
+                    # CLOEXEC at once: a process spawned meanwhile by another thread
+                    # must not get it.
+                    msg, anc, flags, _addr = self.conn.recvmsg(
+                        65536, socket.CMSG_SPACE(8 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+                    )
+                except (BlockingIOError, InterruptedError):
+                    return False
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                if flags & socket.MSG_CTRUNC:  # the kernel dropped the fd: no slot for it
+                    raise OSError(errno.EMFILE, "the notify fd was dropped (no free fd for it)")
+                if not msg:
+                    return True
+                self.data += msg
+                if len(self.data) > 1 << 20 or _complete(self.data):
+                    return True
+        finally:
+            self.fds += list(fds)
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+    def close(self) -> None:
+        """Close the connection and any fd not taken."""
+        for fd in self.take_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.conn.close()
 
 
 def _complete(data: bytes | bytearray) -> bool:
@@ -209,6 +242,7 @@ class SeccompListener:
         self._forget: deque[str] = deque()
         self._stop = False
         self._fds: dict[int, str] = {}  # notify fd -> sandbox id (owned by the thread)
+        self._handoffs: dict[int, _Handoff] = {}  # crun's connections being read
         self._by_sandbox: dict[str, set[int]] = {}
         self._seen = threading.Lock()
         self._attached: set[str] = set()
@@ -369,6 +403,8 @@ class SeccompListener:
         finally:
             # Nobody answers from here on: close every notify fd, so that the sandboxes'
             # dangerous calls fail at once (ENOSYS) instead of waiting for an answer.
+            for fd in list(self._handoffs):
+                self._end_handoff(ep, fd, adopt=False)
             gone = set(self._fds.values())
             for fd in list(self._fds):
                 self._close_fd(ep, fd)
@@ -385,6 +421,8 @@ class SeccompListener:
             self._swap_socket(ep)
         self._drain_forget(ep)
         timeout = self._resume(ep)
+        if self._handoffs:
+            timeout = min(timeout, self._expire_handoffs(ep, time.monotonic()))
         try:
             ready = ep.poll(timeout)
         except InterruptedError:
@@ -397,6 +435,8 @@ class SeccompListener:
                 self._accept(ep)
             elif fd in self._fds:
                 self._serve(ep, fd, mask)
+            elif fd in self._handoffs:
+                self._read_handoff(ep, fd)
 
     def _swap_socket(self, ep: select.epoll) -> None:
         """Bind the socket file again (it was removed or replaced under us)."""
@@ -479,16 +519,44 @@ class SeccompListener:
                     ep.unregister(self._sock.fileno())
                 self._accept_paused_until = time.monotonic() + 0.1
                 return
-            with conn:
-                self._spend_reserve()
-                try:
-                    data, fds = _recv_fd(conn)
-                except OSError as exc:
-                    log.warning("seccomp listener: bad connection: %s", exc)
-                    continue
-                finally:
-                    self._take_reserve()
-                self._adopt_fds(ep, data, fds)
+            handoff = _Handoff(conn)
+            self._handoffs[conn.fileno()] = handoff
+            ep.register(conn.fileno(), select.EPOLLIN)
+            self._read_handoff(ep, conn.fileno())  # usually all there already
+
+    def _read_handoff(self, ep: select.epoll, fd: int) -> None:
+        handoff = self._handoffs[fd]
+        self._spend_reserve()
+        try:
+            if handoff.read():
+                self._end_handoff(ep, fd)
+        except OSError as exc:
+            log.warning("seccomp listener: bad connection: %s", exc)
+            self._end_handoff(ep, fd, adopt=False)
+        finally:
+            self._take_reserve()
+
+    def _end_handoff(self, ep: select.epoll, fd: int, *, adopt: bool = True) -> None:
+        handoff = self._handoffs.pop(fd, None)
+        if handoff is None:
+            return
+        with contextlib.suppress(OSError):
+            ep.unregister(fd)
+        if adopt and handoff.fds:
+            self._adopt_fds(ep, bytes(handoff.data), handoff.take_fds())
+        handoff.close()
+
+    def _expire_handoffs(self, ep: select.epoll, now: float) -> float:
+        """Drop connections that sent nothing whole in HANDOFF_TIMEOUT (their create
+        fails in crun and is reported by the edge); seconds until the next deadline."""
+        wait = HANDOFF_TIMEOUT
+        for fd, handoff in list(self._handoffs.items()):
+            if handoff.deadline <= now:
+                log.warning("seccomp listener: crun sent no notify fd in %g s", HANDOFF_TIMEOUT)
+                self._end_handoff(ep, fd, adopt=False)
+            else:
+                wait = min(wait, handoff.deadline - now)
+        return wait
 
     def _adopt_fds(self, ep: select.epoll, data: bytes, fds: list[int]) -> None:
         sid = _sandbox_of(data)
