@@ -18,7 +18,10 @@ sandbox gets one recursive read-only bind of that tree (one mount call instead o
 crun has created the cgroups by the time it performs the mounts, so the sandbox reads
 the same files there as before (memory.limit_in_bytes at /sys/fs/cgroup/memory).
 On a cgroup v2 host the sandbox keeps crun's "cgroup" mount (cgroup2 mounts of one
-host share one superblock), on top of the shared tree.
+host share one superblock), on top of the shared tree. The skeleton is a tmpfs of the
+platform's (one superblock per host, not per sandbox) rather than a bound directory
+of the host's disk: a bind would show that directory's host path in every sandbox's
+mountinfo.
 
 A sysfs holds its network namespace only passively: the namespace would die (and
 /sys/class/net go empty) once the thread that made it left. A bind of the namespace
