@@ -9,9 +9,8 @@ snapshot, creates ``--delta`` more, takes another, and prints per added sandbox:
 KernelStack, PageTables, VmallocUsed), the largest ``/proc/slabinfo`` caches, the RSS
 and PSS of the edge, the spawner and the sandboxes' inits (``smaps_rollup``), the
 host's memory cgroups (``/proc/cgroups``) and one sandbox's mounts (how many distinct
-superblocks, and how many of them are its own, not in the host's mount table: each
-registers a memory-cgroup-aware shrinker, and every memory cgroup keeps a slot per
-shrinker). Writes bench/results/density_breakdown.json.
+superblocks: each registers a memory-cgroup-aware shrinker, and every memory cgroup
+keeps a slot per shrinker). Writes bench/results/density_breakdown.json.
 """
 
 from __future__ import annotations
@@ -97,34 +96,18 @@ def memcgs() -> int:
     return memory_cgroups() or 0
 
 
-def _devices(path: str) -> dict[str, str]:
-    """Device (superblock) -> fs type of every mount in a mountinfo file."""
+def superblocks(pid: int) -> dict[str, int]:
+    """One process's mounts and the distinct superblocks under them, by fs type."""
     seen: dict[str, str] = {}
-    with open(path, encoding="ascii") as fh:
+    mounts = 0
+    with open(f"/proc/{pid}/mountinfo", encoding="ascii") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
+            mounts += 1
             seen[left.split()[2]] = right.split()[0]
-    return seen
-
-
-def superblocks(pid: int) -> dict[str, int]:
-    """One process's mounts and the distinct superblocks under them, by fs type;
-    ``own_superblocks``: those the host's mount table does not have (made for this
-    sandbox alone: each one a shrinker id of its own), ``own_<type>`` by type."""
-    with open(f"/proc/{pid}/mountinfo", encoding="ascii") as fh:
-        mounts = sum(1 for _ in fh)
-    seen = _devices(f"/proc/{pid}/mountinfo")
-    host = _devices("/proc/self/mountinfo")
-    own = {dev: fstype for dev, fstype in seen.items() if dev not in host}
-    by: dict[str, int] = {
-        "mounts": mounts,
-        "superblocks": len(seen),
-        "own_superblocks": len(own),
-    }
+    by: dict[str, int] = {"mounts": mounts, "superblocks": len(seen)}
     for fstype in seen.values():
         by[fstype] = by.get(fstype, 0) + 1
-    for fstype in own.values():
-        by[f"own_{fstype}"] = by.get(f"own_{fstype}", 0) + 1
     return by
 
 
