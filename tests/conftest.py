@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from dsec import linux
+from dsec.backends.container import sharedsys
 from dsec.net.manager import host_leftovers as net_leftovers
 from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups, swap
@@ -134,7 +135,8 @@ def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
 
 def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     """Everything a stopped platform must not have left on the host."""
-    leaks = [f"mount {m.mount_point} ({m.fstype})" for m in linux.mounts(data_dir)]
+    leaks = sharedsys.leftovers(data_dir)  # the platform's read-only /sys, by name
+    leaks += [f"mount {m.mount_point} ({m.fstype})" for m in linux.mounts(data_dir)]
     host = cgroups.detect()
     for name in sorted(host.children(f"/dsec/{edge_id}")):
         leaks.append(f"cgroup dsec/{edge_id}/{name}")
@@ -302,6 +304,7 @@ def clean_leftovers(data_dir: Path, edge_id: str) -> None:
     loop devices, helpers), so that one failure does not cascade into the next test."""
     remove_edge_cgroup(edge_id)  # kills the sandboxes' processes first
     swap.remove_areas_below(data_dir)  # a killed platform's own swap file stays on
+    sharedsys.remove_leftovers(data_dir)  # its shared /sys with every mount in it
     for m in reversed(linux.mounts(data_dir)):
         with contextlib.suppress(OSError):
             linux.umount(m.mount_point, detach=True)

@@ -29,7 +29,11 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
 MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
 

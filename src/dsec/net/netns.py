@@ -15,9 +15,13 @@ import contextlib
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pyroute2 import IPRoute
+
+T = TypeVar("T")
 
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -95,6 +99,39 @@ def build(slot: Slot, host: IPRoute, host_ns: int) -> None:
         with contextlib.suppress(Exception):
             host.link("del", ifname=slot.ifname)
         raise
+
+
+def in_blank_netns(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a worker thread inside a new, empty network namespace (loopback
+    only, down) and return its result; the thread goes back to the host's namespace
+    before it ends. For what takes the calling thread's namespace at the time of a
+    call and keeps it, such as mounting a sysfs (its network class shows that
+    namespace's interfaces): the namespace lives on as long as what holds it."""
+    result: list[T] = []
+    err: list[BaseException] = []
+
+    def inside() -> None:
+        host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                err.append(OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)"))
+                return
+            try:
+                result.append(fn())
+            except BaseException as exc:
+                err.append(exc)
+            finally:
+                if _libc.setns(host_ns, CLONE_NEWNET) != 0:
+                    os._exit(70)  # a thread stuck in another namespace must not go on
+        finally:
+            os.close(host_ns)
+
+    t = threading.Thread(target=inside, name="dsec-blank-netns")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return result[0]
 
 
 def close(slot: Slot) -> None:

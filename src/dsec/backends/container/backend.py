@@ -45,6 +45,7 @@ from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.initwatch import InitChannels
 from dsec.backends.container.oci_spec import AGENT_PATH_IN_SANDBOX, build_config
 from dsec.backends.container.runtime import OCIRuntime
+from dsec.backends.container.sharedsys import SharedSys
 from dsec.errors import BackendError, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
 from dsec.net.oci import net_mounts
@@ -193,6 +194,7 @@ class ContainerBackend(AgentDataPath, Backend):
             empty_file=run / "empty",
         )
         return cls(
+            shared_sys=SharedSys(run, host.cgroups),
             sandboxes_dir=config.sandboxes_dir,
             runtime=runtime,
             layers=host.layers,
@@ -229,6 +231,7 @@ class ContainerBackend(AgentDataPath, Backend):
         audit: AuditSink | None = None,
         seccomp: SeccompGuard | None = None,
         disk: SandboxDisk | None = None,
+        shared_sys: SharedSys | None = None,
     ) -> None:
         # Writable-disk quotas (dsec.resources.disk); None = plain dirs, no limit.
         self.disk = disk or SandboxDisk(
@@ -237,6 +240,10 @@ class ContainerBackend(AgentDataPath, Backend):
         self.audit: AuditSink = audit or NullAudit()
         # seccomp profile + notify listener (dsec.security.seccomp); None = no filter
         self.seccomp = seccomp
+        # One read-only /sys for every sandbox (no sysfs or cgroup tmpfs of their own);
+        # None, or one that failed to mount: each sandbox mounts its own as before.
+        self.shared_sys = shared_sys
+        self._shared_sys_note = "off"
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
         self.layers = layers
@@ -278,6 +285,7 @@ class ContainerBackend(AgentDataPath, Backend):
     async def start(self) -> None:
         await asyncio.to_thread(self.disk.open)  # mounts the quota-capable file system
         await asyncio.to_thread(self.runtime.open)  # its state on a tmpfs
+        await asyncio.to_thread(self._open_shared_sys)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._reaper = asyncio.create_task(
             keep_running("orphan-reaper", self._reap_loop), name="dsec-orphan-reaper"
@@ -293,6 +301,26 @@ class ContainerBackend(AgentDataPath, Backend):
             raise BackendError(
                 f"data directory path too long for unix sockets ({probe}); use a shorter --data-dir"
             )
+
+    def _open_shared_sys(self) -> None:
+        if self.shared_sys is None:
+            return
+        try:
+            self.shared_sys.open()
+        except OSError as exc:
+            # Sandboxes still work, each with a sysfs of its own (costlier): say so.
+            self._shared_sys_note = f"off ({exc})"
+            log.warning("no shared /sys, every sandbox mounts its own: %s", exc)
+            return
+        self._shared_sys_note = "on"
+
+    def sys_mounts(self, sandbox_id: str) -> list[dict[str, Any]] | None:
+        """What container ``sandbox_id`` mounts at /sys: the platform's shared read-only
+        tree (SharedSys), or None for a sysfs of its own. Public: the verifier's
+        containers mount the same."""
+        if self.shared_sys is None or not self.shared_sys.active:
+            return None
+        return self.shared_sys.sandbox_mounts(self.cgroup_of(sandbox_id))
 
     async def _prewarm(self, digest: str, mount_point: Path) -> None:
         """Read a small layer once from the edge, so its page cache is charged to the
@@ -322,7 +350,7 @@ class ContainerBackend(AgentDataPath, Backend):
     def details(self) -> Mapping[str, str]:
         """QoS support of this host: core scheduling for latency sandboxes where the
         kernel has it (detected once; not faked where it does not)."""
-        return qos.health_detail()
+        return {**qos.health_detail(), "shared_sys": self._shared_sys_note}
 
     async def close(self) -> None:
         """Remove this edge's parent cgroup if no sandbox is left in it."""
@@ -347,6 +375,8 @@ class ContainerBackend(AgentDataPath, Backend):
                 self.cgroups.remove_if_empty(f"/{top}")
         await asyncio.to_thread(self.disk.close)  # unmounts only when no sandbox is left
         await asyncio.to_thread(self.runtime.close)  # likewise
+        if self.shared_sys is not None:  # running sandboxes keep their own copy
+            await asyncio.to_thread(self.shared_sys.close)
         await asyncio.to_thread(self.teardown_pool.close)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -384,6 +414,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 seccomp=self.seccomp_profile(sid),
                 netns_path=net["netns"] if net else None,
                 cpu_idle=self.cgroups.has_cpu_idle,
+                sys_mounts=self.sys_mounts(sid),
             )
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

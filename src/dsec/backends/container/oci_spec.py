@@ -164,8 +164,21 @@ def _masks() -> tuple[list[str], list[str]]:
     return files, dirs
 
 
-def mask_mounts() -> list[dict[str, Any]]:
-    """Read-only binds of the shared empty directory over each masked directory."""
+def _under_sys(path: str) -> bool:
+    return path.startswith("/sys/")
+
+
+def sys_masks() -> tuple[list[str], list[str]]:
+    """(files, directories) among the masks that lie under /sys: applied once to the
+    platform's shared read-only /sys (dsec.backends.container.sharedsys) instead of
+    in every sandbox."""
+    files, dirs = _masks()
+    return [p for p in files if _under_sys(p)], [p for p in dirs if _under_sys(p)]
+
+
+def mask_mounts(*, sys_shared: bool = False) -> list[dict[str, Any]]:
+    """Read-only binds of the shared empty directory over each masked directory
+    (``sys_shared``: those under /sys are already masked in the shared /sys)."""
     source = str(mask_dir())
     return [
         {
@@ -175,6 +188,7 @@ def mask_mounts() -> list[dict[str, Any]]:
             "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
         }
         for d in _masks()[1]
+        if not (sys_shared and _under_sys(d))
     ]
 
 
@@ -199,8 +213,25 @@ SHM_HUGE = (
 )
 
 
-def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
+def _mounts(agent_binary: Path, sys_mounts: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``sys_mounts``: what to mount at /sys instead of a sysfs and cgroup file system
+    of the sandbox's own (the platform's shared read-only /sys, dsec.backends.
+    container.sharedsys: no superblock of the sandbox's own)."""
     nosuid_noexec_nodev = ["nosuid", "noexec", "nodev"]
+    own_sys = [
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": [*nosuid_noexec_nodev, "ro"],
+        },
+        {
+            "destination": "/sys/fs/cgroup",
+            "type": "cgroup",
+            "source": "cgroup",
+            "options": [*nosuid_noexec_nodev, "relatime", "ro"],
+        },
+    ]
     return [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {
@@ -227,18 +258,7 @@ def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
             "source": "mqueue",
             "options": nosuid_noexec_nodev,
         },
-        {
-            "destination": "/sys",
-            "type": "sysfs",
-            "source": "sysfs",
-            "options": [*nosuid_noexec_nodev, "ro"],
-        },
-        {
-            "destination": "/sys/fs/cgroup",
-            "type": "cgroup",
-            "source": "cgroup",
-            "options": [*nosuid_noexec_nodev, "relatime", "ro"],
-        },
+        *(own_sys if sys_mounts is None else sys_mounts),
         {
             "destination": AGENT_PATH_IN_SANDBOX,
             "type": "bind",
@@ -260,11 +280,15 @@ def build_config(
     seccomp: dict[str, Any] | None = None,
     netns_path: str | None = None,
     cpu_idle: bool = False,
+    sys_mounts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``seccomp``: the ``linux.seccomp`` object (dsec.security.seccomp), None = none.
     ``netns_path``: join this network namespace (egress rules, dsec.net) instead of a
     new empty one. ``cpu_idle``: the host has cgroup ``cpu.idle`` (a best-effort
-    sandbox's cgroup is then a SCHED_IDLE entity among its siblings)."""
+    sandbox's cgroup is then a SCHED_IDLE entity among its siblings). ``sys_mounts``:
+    the platform's shared /sys for this sandbox (SharedSys.sandbox_mounts), with every
+    /sys mask already applied; None = a sysfs and cgroup mount of the sandbox's own."""
+    shared = sys_mounts is not None
     memory = spec.memory_limit_mb * 1024 * 1024
     cpus = min(spec.cpu_cores_limit, float(host_cpus))
     bpf = precompiled(seccomp) if seccomp else None
@@ -302,7 +326,9 @@ def build_config(
         # crun loads our precompiled seccomp program instead of compiling it (~2 ms)
         **({"annotations": {BPF_ANNOTATION: bpf}} if bpf else {}),
         # extra_mounts: protected-path decoys or sources (dsec.security.protected)
-        "mounts": _mounts(agent_binary) + mask_mounts() + list(extra_mounts or []),
+        "mounts": _mounts(agent_binary, sys_mounts)
+        + mask_mounts(sys_shared=shared)
+        + list(extra_mounts or []),
         "linux": {
             "namespaces": [
                 {"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
@@ -320,7 +346,7 @@ def build_config(
                 },
                 "pids": {"limit": spec.pids_limit},
             },
-            "maskedPaths": _masks()[0],
+            "maskedPaths": [p for p in _masks()[0] if not (shared and _under_sys(p))],
             "readonlyPaths": READONLY_PATHS,
             **({"seccomp": seccomp} if seccomp is not None else {}),
         },

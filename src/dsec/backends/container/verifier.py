@@ -461,6 +461,7 @@ async def _start(
         # The grader may run the agent's code: same seccomp profile, violations reported
         # as the sandbox's. No netns_path: a fresh empty network, whatever the rules.
         seccomp=backend.seccomp_profile(vid, report_as=rec.id),
+        sys_mounts=backend.sys_mounts(vid),
     )
     config["hostname"] = rec.id  # the grader sees the same host name as the agent
     (root / "config.json").write_text(json.dumps(config))
