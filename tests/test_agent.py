@@ -896,3 +896,50 @@ def test_crun_wrap_masks_unified_controllers(agent_bin: Path, tmp_path: Path) ->
     assert (target.read_bytes() if target.exists() else None) == before
     bad = subprocess.run([str(agent_bin), "crun-wrap"], capture_output=True, check=False)
     assert bad.returncode == 125 and b"usage" in bad.stderr
+
+
+def test_crun_wrap_mounts_and_fills_the_dev_tmpfs(agent_bin: Path, tmp_path: Path) -> None:
+    """--dev-tmpfs: one tmpfs in the wrapper's private namespace, with the nodes and
+    links crun makes in a /dev of its own (it makes none in a bound /dev) and shm."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    show = (
+        f"grep ' {dev} ' /proc/self/mountinfo | cut -d' ' -f6-;"
+        f" cd {dev} && stat -c '%n %F %t:%T %a %u:%g' shm null zero full tty random urandom;"
+        " for l in fd stdin stdout stderr core ptmx; do echo $l $(readlink $l); done"
+    )
+    wrap = [str(agent_bin), "crun-wrap", "--dev-tmpfs", str(dev)]
+    out = subprocess.run(
+        [*wrap, "--dev-data", "mode=755,size=64k", "--", "/bin/sh", "-c", show],
+        capture_output=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin"},
+    ).stdout.decode()
+    lines = out.splitlines()
+    assert lines[0].startswith("rw,nosuid - tmpfs tmpfs rw,size=64k,mode=755"), out
+    assert lines[1:8] == [
+        "shm directory 0:0 1777 0:0",
+        "null character special file 1:3 666 0:0",
+        "zero character special file 1:5 666 0:0",
+        "full character special file 1:7 666 0:0",
+        "tty character special file 5:0 666 0:0",
+        "random character special file 1:8 666 0:0",
+        "urandom character special file 1:9 666 0:0",
+    ], out
+    assert lines[8:] == [
+        "fd /proc/self/fd",
+        "stdin /proc/self/fd/0",
+        "stdout /proc/self/fd/1",
+        "stderr /proc/self/fd/2",
+        "core /proc/kcore",
+        "ptmx pts/ptmx",
+    ], out
+    # Only the wrapper's namespace had it: the host's directory is empty, not a mount.
+    assert not list(dev.iterdir())
+    assert f" {dev} " not in Path("/proc/self/mountinfo").read_text()
+    half = subprocess.run(
+        [*wrap, "--", "/bin/true"],
+        capture_output=True,
+        check=False,
+    )
+    assert half.returncode == 125 and b"usage" in half.stderr

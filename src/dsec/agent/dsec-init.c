@@ -50,6 +50,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/time.h>
 #include <sys/types.h>
 #include <sys/un.h>
@@ -2774,7 +2775,8 @@ static int agent_main(void)
 /* host-side helper for every OCI runtime call:                                         */
 /*   crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]                                           */
 /*   crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE]                                     */
-/*             [--overlay-target DIR --overlay-data OPTS] -- CRUN_PATH [ARGS...]          */
+/*             [--overlay-target DIR --overlay-data OPTS]                                 */
+/*             [--dev-tmpfs DIR --dev-data OPTS] -- CRUN_PATH [ARGS...]                   */
 /* --fd N puts the listening agent socket at fd 3 for --preserve-fds=1. The mask exists */
 /* because crun 1.8.1 refuses hybrid cgroup hosts unless it sees an empty unified        */
 /* cgroup.controllers: a private mount namespace hides the real one from crun only.      */
@@ -2783,6 +2785,7 @@ static int agent_main(void)
 /* its parent's mounts, which made every create O(number of sandboxes). The overlay     */
 /* then lives only in the container's namespace and the kernel unmounts it when the     */
 /* sandbox's last process exits: nothing to leak on the host.                           */
+/* --dev-* mounts the sandbox's one tmpfs for /dev and /dev/shm there too (see dev_tmpfs). */
 
 /* The root overlay's options name host paths (the data directory, the layer and sandbox
  * directories) and the kernel shows them to the sandbox in /proc/self/mountinfo. Name
@@ -2832,10 +2835,68 @@ static char *overlay_by_fd(const char *data)
 	return out;
 }
 
+/* The sandbox's /dev and /dev/shm on one tmpfs (issue 19): every superblock registers a
+ * memory-cgroup-aware shrinker, and every memory cgroup on the host keeps a slot for
+ * every shrinker id ever alive, so a second tmpfs per sandbox cost every memory cgroup
+ * more as the host filled. The tmpfs is mounted here, in the wrapper's private mount
+ * namespace (like the root overlay), the OCI config binds DIR at /dev and DIR/shm at
+ * /dev/shm (nosuid,nodev,noexec: the flags a separate shm mount had), and the kernel
+ * frees it with the sandbox's mount namespace. crun 1.8.1 creates no device node or
+ * /dev symlink in a /dev that is a bind (linux.c, mount_dev_from_host), so this makes
+ * the ones its create_missing_devs() makes in a /dev tmpfs, with the same modes. The
+ * nodes are inert unless the device cgroup allows them: crun's default allow list
+ * names exactly these. Pages written later are charged to the writer's memory cgroup
+ * (the sandbox's), as with any tmpfs. */
+static const struct {
+	const char *name;
+	unsigned int major, minor;
+} dev_nodes[] = {
+	{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"tty", 5, 0}, {"random", 1, 8}, {"urandom", 1, 9},
+};
+static const struct {
+	const char *name, *target;
+} dev_links[] = {
+	{"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"}, {"stdout", "/proc/self/fd/1"},
+	{"stderr", "/proc/self/fd/2"}, {"core", "/proc/kcore"}, {"ptmx", "pts/ptmx"},
+};
+
+static int dev_tmpfs(const char *dir, const char *data)
+{
+	if (mount("tmpfs", dir, "tmpfs", MS_NOSUID | MS_STRICTATIME, data) < 0) {
+		dprintf(2, "dsec-init crun-wrap: mount tmpfs on %s: %s\n", dir, strerror(errno));
+		return -1;
+	}
+	int fd = open(dir, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0) {
+		dprintf(2, "dsec-init crun-wrap: open %s: %s\n", dir, strerror(errno));
+		return -1;
+	}
+	mode_t old = umask(0); /* the modes below exactly, whatever the caller's umask */
+	const char *what = "shm";
+	int rc = mkdirat(fd, "shm", 01777);
+	for (size_t k = 0; rc == 0 && k < sizeof(dev_nodes) / sizeof(dev_nodes[0]); k++) {
+		what = dev_nodes[k].name;
+		rc = mknodat(fd, what, S_IFCHR | 0666, makedev(dev_nodes[k].major, dev_nodes[k].minor));
+	}
+	for (size_t k = 0; rc == 0 && k < sizeof(dev_links) / sizeof(dev_links[0]); k++) {
+		what = dev_links[k].name;
+		rc = symlinkat(dev_links[k].target, fd, what);
+	}
+	int saved = errno;
+	umask(old);
+	close(fd);
+	if (rc < 0) {
+		dprintf(2, "dsec-init crun-wrap: create %s/%s: %s\n", dir, what, strerror(saved));
+		return -1;
+	}
+	return 0;
+}
+
 static int crun_wrap(int argc, char **argv)
 {
 	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
 	const char *mask = NULL, *ovl_target = NULL, *ovl_data = NULL;
+	const char *dev_dir = NULL, *dev_data = NULL;
 	int fd = -1, i = 2;
 	if (argc >= 3 && strncmp(argv[2], "--", 2) != 0) {
 		mask = argv[2]; /* positional form */
@@ -2852,12 +2913,17 @@ static int crun_wrap(int argc, char **argv)
 				ovl_target = argv[i + 1];
 			else if (strcmp(argv[i], "--overlay-data") == 0)
 				ovl_data = argv[i + 1];
+			else if (strcmp(argv[i], "--dev-tmpfs") == 0)
+				dev_dir = argv[i + 1];
+			else if (strcmp(argv[i], "--dev-data") == 0)
+				dev_data = argv[i + 1];
 			else
 				goto usage;
 		}
 		i++; /* skip "--" */
 	}
-	if (i >= argc || (ovl_target == NULL) != (ovl_data == NULL))
+	if (i >= argc || (ovl_target == NULL) != (ovl_data == NULL) ||
+	    (dev_dir == NULL) != (dev_data == NULL))
 		goto usage;
 	if (fd >= 0 && fd != 3) {
 		if (dup2(fd, 3) < 0) {
@@ -2866,7 +2932,7 @@ static int crun_wrap(int argc, char **argv)
 		}
 		close(fd);
 	}
-	if (mask || ovl_target) {
+	if (mask || ovl_target || dev_dir) {
 		struct stat st;
 		if (mask && stat(mask, &st) < 0) {
 			dprintf(2, "dsec-init crun-wrap: %s: %s\n", mask, strerror(errno));
@@ -2882,6 +2948,8 @@ static int crun_wrap(int argc, char **argv)
 		dprintf(2, "dsec-init crun-wrap: mount overlay on %s: %s\n", ovl_target, strerror(errno));
 		return 125;
 	}
+	if (dev_dir && dev_tmpfs(dev_dir, dev_data) < 0)
+		return 125;
 	if (mask) {
 		if (mount(mask, target, NULL, MS_BIND, NULL) < 0 && errno != ENOENT) {
 			dprintf(2, "dsec-init crun-wrap: bind %s over %s: %s\n", mask, target, strerror(errno));
@@ -2894,7 +2962,8 @@ static int crun_wrap(int argc, char **argv)
 usage:
 	dprintf(2, "usage: %s crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]\n"
 		   "       %s crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] [--overlay-target DIR\n"
-		   "                 --overlay-data OPTS] -- CRUN_PATH [ARGS...]\n",
+		   "                 --overlay-data OPTS] [--dev-tmpfs DIR --dev-data OPTS]\n"
+		   "                 -- CRUN_PATH [ARGS...]\n",
 		argv[0], argv[0]);
 	return 125;
 }

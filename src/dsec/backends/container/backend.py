@@ -385,13 +385,14 @@ class ContainerBackend(AgentDataPath, Backend):
         net = dict(inp.net) if inp.net is not None else None  # dsec.net's (egress rules)
         root = self.sandbox_dir(sid)
         rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
+        dev = self.runtime.dev_tmpfs(root)  # /dev and /dev/shm: one tmpfs (oci_spec)
         facts = ContainerFacts(dir=root, layers=list(inp.image.layers))
         try:
             # The sandbox's directory is its own quota group: upper, work and all.
             facts.disk_qgroup = self.disk.create_dir(
                 root, limit_bytes=self.disk.limit_bytes(spec.disk_limit_mb)
             )
-            for d in (rootfs, upper, work):
+            for d in (rootfs, upper, work, *([dev] if dev else [])):
                 d.mkdir(parents=True, exist_ok=False)
             # Fetch what this host lacks: only chunk indexes when lazy, whole layers when eager.
             await self.layers.prepare(inp.image.layers, spec.image_loading)
@@ -415,6 +416,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 netns_path=net["netns"] if net else None,
                 cpu_idle=self.cgroups.has_cpu_idle,
                 sys_mounts=self.sys_mounts(sid),
+                dev_tmpfs=dev,
             )
             (root / "config.json").write_text(json.dumps(config))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -428,6 +430,7 @@ class ContainerBackend(AgentDataPath, Backend):
                         root / "init.pid",
                         agent_fd=listener.fileno(),
                         overlay=(rootfs, overlay),
+                        dev_tmpfs=dev,
                     )
             finally:
                 # The agent holds its own copy now; ours would only cost an fd per sandbox.

@@ -213,11 +213,68 @@ SHM_HUGE = (
 )
 
 
-def _mounts(agent_binary: Path, sys_mounts: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+# /dev and /dev/shm share one tmpfs (issue 19): a superblock fewer per sandbox, and
+# every superblock costs every memory cgroup on the host a shrinker slot for as long as
+# the host runs. The runtime wrapper mounts it in its private mount namespace with
+# these options and fills it (device nodes, /dev symlinks, shm 1777: dsec-init.c,
+# dev_tmpfs); the config binds it at /dev and its shm directory at /dev/shm. The cap
+# is for both together: 64 MiB, what /dev/shm alone had. /dev itself holds no data
+# (device nodes and short symlinks take no blocks), so shm keeps all of it; what a
+# sandbox can pin in the two falls from 128 MiB to 64 MiB (charged to its memory
+# cgroup either way).
+DEV_TMPFS_SIZE_KIB = 65536
+DEV_TMPFS_OPTIONS = ",".join(["mode=755", f"size={DEV_TMPFS_SIZE_KIB}k", *SHM_HUGE])
+DEV_SHM_DIR = "shm"
+
+
+def _dev_mounts(dev_tmpfs: Path | None) -> list[dict[str, Any]]:
+    """/dev and /dev/shm: binds of the wrapper's one tmpfs (``dev_tmpfs``), or, for
+    a runtime the wrapper does not fill /dev for, two tmpfs of the runtime's own."""
+    nosuid_noexec_nodev = ["nosuid", "noexec", "nodev"]
+    size = f"size={DEV_TMPFS_SIZE_KIB}k"
+    if dev_tmpfs is None:
+        return [
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", size],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": [*nosuid_noexec_nodev, "mode=1777", size, *SHM_HUGE],
+            },
+        ]
+    return [
+        {
+            "destination": "/dev",
+            "type": "bind",
+            "source": str(dev_tmpfs),
+            "options": ["bind", "nosuid", "strictatime"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "bind",
+            "source": str(dev_tmpfs / DEV_SHM_DIR),
+            # relatime: what the separate shm tmpfs had (a bind keeps its source's)
+            "options": ["bind", *nosuid_noexec_nodev, "relatime"],
+        },
+    ]
+
+
+def _mounts(
+    agent_binary: Path,
+    sys_mounts: list[dict[str, Any]] | None,
+    dev_tmpfs: Path | None,
+) -> list[dict[str, Any]]:
     """``sys_mounts``: what to mount at /sys instead of a sysfs and cgroup file system
     of the sandbox's own (the platform's shared read-only /sys, dsec.backends.
-    container.sharedsys: no superblock of the sandbox's own)."""
+    container.sharedsys: no superblock of the sandbox's own). ``dev_tmpfs``: see
+    _dev_mounts()."""
     nosuid_noexec_nodev = ["nosuid", "noexec", "nodev"]
+    dev, shm = _dev_mounts(dev_tmpfs)
     own_sys = [
         {
             "destination": "/sys",
@@ -234,24 +291,14 @@ def _mounts(agent_binary: Path, sys_mounts: list[dict[str, Any]] | None) -> list
     ]
     return [
         {"destination": "/proc", "type": "proc", "source": "proc"},
-        {
-            "destination": "/dev",
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-        },
+        dev,
         {
             "destination": "/dev/pts",
             "type": "devpts",
             "source": "devpts",
             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
         },
-        {
-            "destination": "/dev/shm",
-            "type": "tmpfs",
-            "source": "shm",
-            "options": [*nosuid_noexec_nodev, "mode=1777", "size=65536k", *SHM_HUGE],
-        },
+        shm,
         {
             "destination": "/dev/mqueue",
             "type": "mqueue",
@@ -281,13 +328,16 @@ def build_config(
     netns_path: str | None = None,
     cpu_idle: bool = False,
     sys_mounts: list[dict[str, Any]] | None = None,
+    dev_tmpfs: Path | None = None,
 ) -> dict[str, Any]:
     """``seccomp``: the ``linux.seccomp`` object (dsec.security.seccomp), None = none.
     ``netns_path``: join this network namespace (egress rules, dsec.net) instead of a
     new empty one. ``cpu_idle``: the host has cgroup ``cpu.idle`` (a best-effort
     sandbox's cgroup is then a SCHED_IDLE entity among its siblings). ``sys_mounts``:
     the platform's shared /sys for this sandbox (SharedSys.sandbox_mounts), with every
-    /sys mask already applied; None = a sysfs and cgroup mount of the sandbox's own."""
+    /sys mask already applied; None = a sysfs and cgroup mount of the sandbox's own.
+    ``dev_tmpfs``: the directory the runtime wrapper mounts the sandbox's /dev tmpfs on
+    (OCIRuntime.dev_tmpfs), None = the runtime mounts /dev and /dev/shm itself."""
     shared = sys_mounts is not None
     memory = spec.memory_limit_mb * 1024 * 1024
     cpus = min(spec.cpu_cores_limit, float(host_cpus))
@@ -326,7 +376,7 @@ def build_config(
         # crun loads our precompiled seccomp program instead of compiling it (~2 ms)
         **({"annotations": {BPF_ANNOTATION: bpf}} if bpf else {}),
         # extra_mounts: protected-path decoys or sources (dsec.security.protected)
-        "mounts": _mounts(agent_binary, sys_mounts)
+        "mounts": _mounts(agent_binary, sys_mounts, dev_tmpfs)
         + mask_mounts(sys_shared=shared)
         + list(extra_mounts or []),
         "linux": {

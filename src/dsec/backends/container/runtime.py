@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import linux, spawn
-from dsec.backends.container.oci_spec import AGENT_FD
+from dsec.backends.container.oci_spec import AGENT_FD, DEV_TMPFS_OPTIONS
 from dsec.errors import BackendError
 from dsec.resources.cgroups import CgroupHost
 
@@ -38,6 +38,12 @@ STATE_OPTIONS = "mode=0700,size=2g"
 # not copied again.
 _CRUN_MEMFD_NAME = "crun_cloned:/proc/self/exe"
 _CRUN_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+# Runtimes whose /dev the wrapper mounts and fills (one tmpfs for /dev and /dev/shm,
+# oci_spec.DEV_TMPFS_OPTIONS): checked for crun 1.8.1, which resolves bind sources in
+# the wrapper's mount namespace and creates no device node in a /dev that is a bind.
+# Others (runsc has its own /dev) keep their own /dev and /dev/shm mounts.
+SHARED_DEV_RUNTIMES = frozenset({"crun"})
+DEV_DIR_NAME = "dev"
 log = logging.getLogger(__name__)
 
 
@@ -157,7 +163,20 @@ class OCIRuntime:
             self._sealed_fd = None
         self.exec_path = self.path
 
-    def _argv(self, args: list[str], *, overlay: tuple[Path, str] | None = None) -> list[str]:
+    def dev_tmpfs(self, bundle: Path) -> Path | None:
+        """The empty directory under a sandbox's bundle that the wrapper mounts its
+        /dev tmpfs on, in the wrapper's private mount namespace only (on the host it
+        stays empty); None when this runtime mounts /dev itself. The caller creates
+        it beside rootfs and passes it to build_config() and run_detached()."""
+        return bundle / DEV_DIR_NAME if self.name in SHARED_DEV_RUNTIMES else None
+
+    def _argv(
+        self,
+        args: list[str],
+        *,
+        overlay: tuple[Path, str] | None = None,
+        dev_tmpfs: Path | None = None,
+    ) -> list[str]:
         if self._sealed_fd is not None and _identity(self.path) != self._sealed_from:
             # The binary was replaced (a package upgrade, say a CVE fix): copy it anew,
             # or the edge would run the old one until it restarts. One stat per call.
@@ -165,6 +184,8 @@ class OCIRuntime:
         argv = [str(self.wrapper), "crun-wrap"]
         if overlay is not None:
             argv += ["--overlay-target", str(overlay[0]), "--overlay-data", overlay[1]]
+        if dev_tmpfs is not None:
+            argv += ["--dev-tmpfs", str(dev_tmpfs), "--dev-data", DEV_TMPFS_OPTIONS]
         if self.cgroups.crun_needs_empty_unified and self.name == "crun":
             argv += ["--mask-cgroup2", str(self.empty_file)]
         argv += ["--", self.exec_path, "--root", str(self.state_root), *args]
@@ -195,10 +216,13 @@ class OCIRuntime:
         pid_file: Path,
         agent_fd: int,
         overlay: tuple[Path, str],
+        dev_tmpfs: Path | None = None,
     ) -> None:
         """`run --detach` with the agent socket at fd 3 and the root overlay, which the
         wrapper mounts in crun's private mount namespace only: the host's mount table
-        stays the same size however many sandboxes run."""
+        stays the same size however many sandboxes run. ``dev_tmpfs``: dev_tmpfs()'s
+        directory, where the wrapper mounts the /dev the config binds (the same one
+        build_config() was given)."""
         argv = self._argv(
             [
                 "run",
@@ -212,6 +236,7 @@ class OCIRuntime:
                 container_id,
             ],
             overlay=overlay,
+            dev_tmpfs=dev_tmpfs,
         )
         try:
             res = await spawn.run(argv, pass_fd=(agent_fd, AGENT_FD), timeout=60.0)

@@ -441,6 +441,9 @@ async def _start(
         raise BackendError(f"verifier socket path too long ({sock}); use a shorter --data-dir")
     await asyncio.to_thread(_verifier_dirs, root, prepared)
     rootfs, upper, work = root / "rootfs", root / "upper", root / "work"
+    dev = backend.runtime.dev_tmpfs(root)  # /dev and /dev/shm: one tmpfs (oci_spec)
+    if dev is not None:
+        await asyncio.to_thread(dev.mkdir, mode=0o755)
     overlay = f"lowerdir={':'.join(pristine)},upperdir={upper},workdir={work},volatile"
     mounts = [
         _bind(untrusted_binary(), UNTRUSTED_IN_VERIFIER),
@@ -462,6 +465,7 @@ async def _start(
         # as the sandbox's. No netns_path: a fresh empty network, whatever the rules.
         seccomp=backend.seccomp_profile(vid, report_as=rec.id),
         sys_mounts=backend.sys_mounts(vid),
+        dev_tmpfs=dev,
     )
     config["hostname"] = rec.id  # the grader sees the same host name as the agent
     (root / "config.json").write_text(json.dumps(config))
@@ -471,7 +475,12 @@ async def _start(
         listener.listen(16)
         async with backend.runtime_slots:
             await backend.runtime.run_detached(
-                vid, root, root / "init.pid", agent_fd=listener.fileno(), overlay=(rootfs, overlay)
+                vid,
+                root,
+                root / "init.pid",
+                agent_fd=listener.fileno(),
+                overlay=(rootfs, overlay),
+                dev_tmpfs=dev,
             )
     finally:
         listener.close()
