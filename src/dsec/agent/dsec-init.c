@@ -2843,10 +2843,11 @@ static char *overlay_by_fd(const char *data)
  * /dev/shm (nosuid,nodev,noexec: the flags a separate shm mount had), and the kernel
  * frees it with the sandbox's mount namespace. crun 1.8.1 creates no device node or
  * /dev symlink in a /dev that is a bind (linux.c, mount_dev_from_host), so this makes
- * the ones its create_missing_devs() makes in a /dev tmpfs, with the same modes. The
- * nodes are inert unless the device cgroup allows them: crun's default allow list
- * names exactly these. Pages written later are charged to the writer's memory cgroup
- * (the sandbox's), as with any tmpfs. */
+ * the ones its create_missing_devs() makes in a /dev tmpfs, with the same modes. They
+ * work inside because crun's default device cgroup rules allow them, as before; the
+ * sandbox cannot add others (no CAP_MKNOD, every other device denied). Pages written
+ * later are charged to the writer's memory cgroup (the sandbox's), as with any tmpfs;
+ * only these few inodes are charged to the wrapper's. */
 static const struct {
 	const char *name;
 	unsigned int major, minor;
