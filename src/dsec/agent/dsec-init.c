@@ -2776,7 +2776,8 @@ static int agent_main(void)
 /*   crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]                                           */
 /*   crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE]                                     */
 /*             [--overlay-target DIR --overlay-data OPTS]                                 */
-/*             [--dev-tmpfs DIR --dev-data OPTS] -- CRUN_PATH [ARGS...]                   */
+/*             [--dev-tmpfs DIR --dev-data OPTS] [--cgroup-view DIR]                    */
+/*             [--cgroup-park DIR]... -- CRUN_PATH [ARGS...]                              */
 /* --fd N puts the listening agent socket at fd 3 for --preserve-fds=1. The mask exists */
 /* because crun 1.8.1 refuses hybrid cgroup hosts unless it sees an empty unified        */
 /* cgroup.controllers: a private mount namespace hides the real one from crun only.      */
@@ -2786,6 +2787,16 @@ static int agent_main(void)
 /* then lives only in the container's namespace and the kernel unmounts it when the     */
 /* sandbox's last process exits: nothing to leak on the host.                           */
 /* --dev-* mounts the sandbox's one tmpfs for /dev and /dev/shm there too (see dev_tmpfs). */
+/* --cgroup-view DIR: a tmpfs the platform made with one empty directory per cgroup v1  */
+/* hierarchy a sandbox joins (CgroupHost.sandbox_hierarchies). Each of those            */
+/* hierarchies is moved into it and it is moved over /sys/fs/cgroup, in the private     */
+/* namespace only: crun 1.8 joins only the hierarchies whose /sys/fs/cgroup/NAME exists */
+/* for it (no "unified": it runs in v1 mode), so it makes no cgroup in the others       */
+/* (cpuset, blkio, name=systemd here: each cost kernel work growing with the number of  */
+/* sandboxes). --cgroup-park DIR (repeated; only for calls that start a container):      */
+/* first move this process into the cgroup DIR of each hierarchy the sandbox does not   */
+/* join. The sandbox inherits it and its cgroup namespace is rooted there: an empty     */
+/* cgroup of the platform's, not whatever cgroup the platform itself runs in.           */
 
 /* The root overlay's options name host paths (the data directory, the layer and sandbox
  * directories) and the kernel shows them to the sandbox in /proc/self/mountinfo. Name
@@ -2893,11 +2904,58 @@ static int dev_tmpfs(const char *dir, const char *data)
 	return 0;
 }
 
+/* Move every hierarchy named by a directory in VIEW from /sys/fs/cgroup into VIEW, then
+ * VIEW over /sys/fs/cgroup (in a private mount namespace: nothing changes on the host). */
+static int cgroup_view(const char *view)
+{
+	DIR *dir = opendir(view);
+	if (!dir) {
+		dprintf(2, "dsec-init crun-wrap: %s: %s\n", view, strerror(errno));
+		return -1;
+	}
+	struct dirent *e;
+	while ((e = readdir(dir)) != NULL) {
+		if (e->d_type != DT_DIR || e->d_name[0] == '.')
+			continue; /* symlinks (co-mounted aliases) need no mount of their own */
+		char from[PATH_MAX], to[PATH_MAX];
+		snprintf(from, sizeof from, "/sys/fs/cgroup/%s", e->d_name);
+		snprintf(to, sizeof to, "%s/%s", view, e->d_name);
+		if (mount(from, to, NULL, MS_MOVE, NULL) < 0) {
+			dprintf(2, "dsec-init crun-wrap: move %s to %s: %s\n", from, to, strerror(errno));
+			closedir(dir);
+			return -1;
+		}
+	}
+	closedir(dir);
+	if (mount(view, "/sys/fs/cgroup", NULL, MS_MOVE, NULL) < 0) {
+		dprintf(2, "dsec-init crun-wrap: move %s to /sys/fs/cgroup: %s\n", view, strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+/* Write this process into DIR/cgroup.procs. */
+static int cgroup_park(const char *dir)
+{
+	char path[PATH_MAX], pid[24];
+	snprintf(path, sizeof path, "%s/cgroup.procs", dir);
+	int n = snprintf(pid, sizeof pid, "%d", (int)getpid());
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0 || write(fd, pid, (size_t)n) != n) {
+		dprintf(2, "dsec-init crun-wrap: join %s: %s\n", path, strerror(errno));
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	close(fd);
+	return 0;
+}
+
 static int crun_wrap(int argc, char **argv)
 {
 	static const char target[] = "/sys/fs/cgroup/unified/cgroup.controllers";
 	const char *mask = NULL, *ovl_target = NULL, *ovl_data = NULL;
-	const char *dev_dir = NULL, *dev_data = NULL;
+	const char *dev_dir = NULL, *dev_data = NULL, *view = NULL;
 	int fd = -1, i = 2;
 	if (argc >= 3 && strncmp(argv[2], "--", 2) != 0) {
 		mask = argv[2]; /* positional form */
@@ -2918,7 +2976,12 @@ static int crun_wrap(int argc, char **argv)
 				dev_dir = argv[i + 1];
 			else if (strcmp(argv[i], "--dev-data") == 0)
 				dev_data = argv[i + 1];
-			else
+			else if (strcmp(argv[i], "--cgroup-view") == 0)
+				view = argv[i + 1];
+			else if (strcmp(argv[i], "--cgroup-park") == 0) {
+				if (cgroup_park(argv[i + 1]) < 0)
+					return 125;
+			} else
 				goto usage;
 		}
 		i++; /* skip "--" */
@@ -2933,7 +2996,7 @@ static int crun_wrap(int argc, char **argv)
 		}
 		close(fd);
 	}
-	if (mask || ovl_target || dev_dir) {
+	if (mask || ovl_target || dev_dir || view) {
 		struct stat st;
 		if (mask && stat(mask, &st) < 0) {
 			dprintf(2, "dsec-init crun-wrap: %s: %s\n", mask, strerror(errno));
@@ -2951,6 +3014,8 @@ static int crun_wrap(int argc, char **argv)
 	}
 	if (dev_dir && dev_tmpfs(dev_dir, dev_data) < 0)
 		return 125;
+	if (view && cgroup_view(view) < 0)
+		return 125;
 	if (mask) {
 		if (mount(mask, target, NULL, MS_BIND, NULL) < 0 && errno != ENOENT) {
 			dprintf(2, "dsec-init crun-wrap: bind %s over %s: %s\n", mask, target, strerror(errno));
@@ -2964,7 +3029,7 @@ usage:
 	dprintf(2, "usage: %s crun-wrap EMPTY_FILE CRUN_PATH [ARGS...]\n"
 		   "       %s crun-wrap [--fd N] [--mask-cgroup2 EMPTY_FILE] [--overlay-target DIR\n"
 		   "                 --overlay-data OPTS] [--dev-tmpfs DIR --dev-data OPTS]\n"
-		   "                 -- CRUN_PATH [ARGS...]\n",
+		   "                 [--cgroup-view DIR] [--cgroup-park DIR]... -- CRUN_PATH [ARGS...]\n",
 		argv[0], argv[0]);
 	return 125;
 }

@@ -17,11 +17,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 log = logging.getLogger(__name__)
+
+#: The v1 controllers the platform uses for a sandbox: limits (memory, cpu, pids),
+#: accounting (cpuacct), pause (freezer) and the device allow-list (devices). Nothing
+#: sets a cpuset or a blkio limit, and nothing reads a sandbox's cpuset, blkio or
+#: name=systemd cgroup, so a sandbox gets no cgroup there (see sandbox_hierarchies).
+SANDBOX_CONTROLLERS = frozenset({"memory", "cpu", "cpuacct", "pids", "freezer", "devices"})
 
 
 @cache
@@ -76,6 +82,110 @@ class CgroupHost:
         for mount in mounts:
             seen.setdefault(_realpath(mount) + "/" + rel, mount / rel)
         return list(seen.values())
+
+    @cached_property
+    def _joined_mounts(self) -> tuple[Path, ...]:
+        """Mount points of the v1 hierarchies a sandbox joins: those carrying one of
+        SANDBOX_CONTROLLERS (a co-mount such as cpu,cpuacct,cpuset counts as used)."""
+        seen: dict[str, Path] = {}
+        for ctrl, mount in self.v1.items():
+            if ctrl in SANDBOX_CONTROLLERS:
+                seen.setdefault(_realpath(mount), mount)
+        return tuple(seen.values())
+
+    @cached_property
+    def _hierarchy_order(self) -> tuple[str, ...]:
+        joined = {m.name for m in self._joined_mounts}
+        order: list[str] = []
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/self/cgroup").read_text().splitlines():
+                parts = line.split(":", 2)
+                if len(parts) < 3:
+                    continue
+                for ctrl in parts[1].split(","):
+                    mount = self.v1.get(ctrl)
+                    if mount is not None and mount.name in joined and mount.name not in order:
+                        order.append(mount.name)
+        return (*order, *sorted(joined - set(order)))
+
+    def sandbox_hierarchies(self) -> tuple[str, ...]:
+        """The v1 hierarchies a sandbox has a cgroup in, by their directory name under
+        /sys/fs/cgroup, in the order crun 1.8 mounts them (the kernel's order in
+        /proc/self/cgroup). Empty on a pure v2 host (one hierarchy, always joined).
+
+        One decision for everything that touches a sandbox's cgroups: crun (only these
+        are visible to it, see dsec-init crun-wrap --cgroup-view), the platform's own
+        limited cgroups (create_limited), stats, freezer, and what the sandbox sees at
+        /sys/fs/cgroup. Why skipping the rest loses nothing: every limit and reading
+        the platform uses lives in these; in a skipped hierarchy the sandbox's
+        processes stay in their parent's cgroup (the edge's, e.g. ``dsec/<edge>``),
+        which sets no cpuset, weight or IO limit of its own, and whose cgroup.procs a
+        sandbox reads through its own pid namespace (it sees its own pids only).
+        Cleanup and leak checks still look at every hierarchy (dirs()): an older
+        version's cgroups there are removed too."""
+        return self._hierarchy_order
+
+    def skipped_mounts(self) -> list[Path]:
+        """Mount points of the v1 hierarchies a sandbox does not join (one each)."""
+        joined = {_realpath(m) for m in self._joined_mounts}
+        seen: dict[str, Path] = {}
+        for mount in self.v1.values():
+            real = _realpath(mount)
+            if real not in joined:
+                seen.setdefault(real, mount)
+        return list(seen.values())
+
+    def sandbox_dirs(self, rel: str) -> list[Path]:
+        """The directories of the cgroup ``rel`` in the hierarchies a sandbox joins: the
+        v1 ones of sandbox_hierarchies, or the v2 one on a pure v2 host. (A hybrid
+        host's v2 hierarchy has no controller a sandbox uses: crun, started in legacy
+        mode, makes no cgroup there.)"""
+        rel = rel.strip("/")
+        dirs = [m / rel for m in self._joined_mounts]
+        if self.layout is Layout.V2 and self.v2 is not None:
+            dirs.append(self.v2 / rel)
+        return dirs
+
+    def park_dirs(self, parent: str) -> list[Path]:
+        """The cgroup ``parent`` in every hierarchy a sandbox does not join (the skipped
+        v1 ones, and a hybrid host's v2 one): where the processes of a sandbox below
+        ``parent`` stay there. Not the cgroup the platform runs in: that may be a
+        service's, which its manager kills on stop (name=systemd, or v2 on a hybrid
+        host), and a sandbox's cgroup namespace is rooted there (it would see the host's
+        cgroups below it). An empty cgroup of the platform's shows nothing."""
+        parent = parent.strip("/")
+        mounts = self.skipped_mounts()
+        if self.layout is Layout.HYBRID and self.v2 is not None:
+            mounts.append(self.v2)
+        return [m / parent for m in mounts]
+
+    def ensure_park(self, parent: str) -> list[Path]:
+        """Make park_dirs(parent) (idempotent; a v1 cpuset one is given its parent's
+        cpus and mems, or it would refuse tasks) and return them."""
+        parent = parent.strip("/")
+        dirs = self.park_dirs(parent)
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        cpuset = self.v1.get("cpuset")
+        if cpuset is not None and cpuset not in self._joined_mounts:
+            self._init_cpuset(parent)
+        return dirs
+
+    def member_dirs(self, rel: str) -> list[Path]:
+        """Every cgroup a process of the sandbox ``rel`` belongs to: its own in the
+        hierarchies it joins, its parent's park in the others (one per hierarchy)."""
+        rel = rel.strip("/")
+        return self.sandbox_dirs(rel) + self.park_dirs(rel.rpartition("/")[0])
+
+    def _init_cpuset(self, rel: str) -> None:
+        """v1 cpuset refuses tasks until cpus and mems are set, at every level."""
+        level = self.v1["cpuset"]
+        for part in rel.split("/"):
+            child = level / part
+            for key in ("cpuset.cpus", "cpuset.mems"):
+                if not (child / key).read_text().strip():
+                    (child / key).write_text((level / key).read_text())
+            level = child
 
     def memory_usage(self, rel: str) -> int | None:
         rel = rel.strip("/")
@@ -202,25 +312,22 @@ class CgroupHost:
         weight (``cpu_shares`` as v1 shares, converted for v2 as crun does; ``cpu_idle``:
         the whole cgroup a SCHED_IDLE entity, where ``has_cpu_idle``), for a
         process the platform starts itself (a microVM's QEMU: crun makes containers'
-        cgroups). Returns the ``cgroup.procs`` files to write the process into, one
-        per hierarchy. On failure leaves nothing behind."""
+        cgroups). Only in the hierarchies a sandbox joins (sandbox_hierarchies); the
+        parent's park (park_dirs) stands for the others. Returns the ``cgroup.procs``
+        files to write the process into, one per hierarchy (member_dirs). On failure
+        leaves nothing behind."""
         rel = rel.strip("/")
         period = 100_000
         quota = max(1000, int(cpu_cores * period))
         made: list[Path] = []
+        park: list[Path] = []
         try:
-            for d in self.dirs(rel):
+            for d in self.sandbox_dirs(rel):
                 d.mkdir(parents=True, exist_ok=True)
                 made.append(d)
-            if "cpuset" in self.v1:
-                # v1 cpuset refuses tasks until cpus and mems are set, at every level.
-                level = self.v1["cpuset"]
-                for part in rel.split("/"):
-                    child = level / part
-                    for key in ("cpuset.cpus", "cpuset.mems"):
-                        if not (child / key).read_text().strip():
-                            (child / key).write_text((level / key).read_text())
-                    level = child
+            if "cpuset" in self.v1 and self.v1["cpuset"] in self._joined_mounts:
+                self._init_cpuset(rel)
+            park = self.ensure_park(rel.rpartition("/")[0])
             if "memory" in self.v1:
                 m = self.v1["memory"] / rel
                 (m / "memory.limit_in_bytes").write_text(str(memory_bytes))
@@ -251,7 +358,7 @@ class CgroupHost:
         except BaseException:
             self._rmdir_tree(rel)
             raise
-        return [d / "cgroup.procs" for d in made]
+        return [d / "cgroup.procs" for d in made + park]
 
     def children(self, rel: str) -> set[str]:
         """Names of child cgroups of ``rel`` in any hierarchy."""

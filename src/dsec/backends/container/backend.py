@@ -192,6 +192,7 @@ class ContainerBackend(AgentDataPath, Backend):
             wrapper=host.agent_binary,
             cgroups=host.cgroups,
             empty_file=run / "empty",
+            cgroup_parent=f"dsec/{config.edge_id}",
         )
         return cls(
             shared_sys=SharedSys(run, host.cgroups),
@@ -603,7 +604,7 @@ class ContainerBackend(AgentDataPath, Backend):
         was a quarter of the platform's Python time per teardown. Here: kill what the
         first hierarchy lists, poll that list until it is empty, then check every
         hierarchy (and nested cgroups) once (anything found: kill_all's loop)."""
-        procs = self.cgroups.dirs(cgroup)[0] / "cgroup.procs"
+        procs = self.cgroups.sandbox_dirs(cgroup)[0] / "cgroup.procs"
         try:
             pids = [int(p) for p in procs.read_text().split()]
         except (OSError, ValueError):

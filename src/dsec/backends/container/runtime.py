@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import linux, spawn
+from dsec.backends.container.cgview import CgroupView
 from dsec.backends.container.oci_spec import AGENT_FD, DEV_TMPFS_OPTIONS
 from dsec.errors import BackendError
 from dsec.resources.cgroups import CgroupHost
@@ -63,7 +64,10 @@ class OCIRuntime:
         wrapper: Path,
         cgroups: CgroupHost,
         empty_file: Path,
+        cgroup_parent: str | None = None,
     ) -> None:
+        """``cgroup_parent``: where the sandboxes' cgroups go (``dsec/<edge>``); given,
+        crun sees only the hierarchies a sandbox joins (CgroupView)."""
         path = shutil.which(runtime) if "/" not in runtime else runtime
         if path is None or not os.access(path, os.X_OK):
             raise BackendError(
@@ -80,6 +84,11 @@ class OCIRuntime:
         self.wrapper = wrapper
         self.cgroups = cgroups
         self.empty_file = empty_file
+        self.view = (
+            CgroupView(state_root.with_name(state_root.name + ".cgroups"), cgroups, cgroup_parent)
+            if cgroup_parent is not None and self.name == "crun"
+            else None
+        )
         state_root.mkdir(parents=True, exist_ok=True)
         empty_file.parent.mkdir(parents=True, exist_ok=True)
         if not empty_file.exists():
@@ -96,6 +105,8 @@ class OCIRuntime:
         older version) is left where it is, not hidden under a new mount."""
         if self.name == "crun":
             self._seal_binary()
+        if self.view is not None:
+            self.view.open()
         flags = linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC
         if linux.is_mounted(self.state_root):
             # One an older edge mounted smaller: grow it (a remount keeps the files).
@@ -111,6 +122,8 @@ class OCIRuntime:
         the next edge process, like the sandboxes)."""
         if not self.list_ids() and linux.is_mounted(self.state_root):
             linux.umount(self.state_root, detach=True)
+        if self.view is not None:
+            self.view.close()
         if self._sealed_fd is not None:
             with contextlib.suppress(OSError):
                 self._exec_link().unlink()
@@ -176,6 +189,7 @@ class OCIRuntime:
         *,
         overlay: tuple[Path, str] | None = None,
         dev_tmpfs: Path | None = None,
+        starts_container: bool = False,
     ) -> list[str]:
         if self._sealed_fd is not None and _identity(self.path) != self._sealed_from:
             # The binary was replaced (a package upgrade, say a CVE fix): copy it anew,
@@ -186,7 +200,10 @@ class OCIRuntime:
             argv += ["--overlay-target", str(overlay[0]), "--overlay-data", overlay[1]]
         if dev_tmpfs is not None:
             argv += ["--dev-tmpfs", str(dev_tmpfs), "--dev-data", DEV_TMPFS_OPTIONS]
-        if self.cgroups.crun_needs_empty_unified and self.name == "crun":
+        if self.view is not None and self.view.in_use:
+            # no unified hierarchy in the view: crun runs in v1 mode, needs no mask
+            argv += self.view.argv(starts_container=starts_container)
+        elif self.cgroups.crun_needs_empty_unified and self.name == "crun":
             argv += ["--mask-cgroup2", str(self.empty_file)]
         argv += ["--", self.exec_path, "--root", str(self.state_root), *args]
         return argv
@@ -237,6 +254,7 @@ class OCIRuntime:
             ],
             overlay=overlay,
             dev_tmpfs=dev_tmpfs,
+            starts_container=True,
         )
         try:
             res = await spawn.run(argv, pass_fd=(agent_fd, AGENT_FD), timeout=60.0)

@@ -177,7 +177,7 @@ async def run_verify(
 def _stop_frozen(backend: ContainerBackend, rel: str) -> None:
     """Kill every process of a frozen cgroup without letting any run again: SIGKILL is
     queued while frozen, so on thaw each dies before returning to user space."""
-    for d in backend.cgroups.dirs(rel)[:1]:
+    for d in backend.cgroups.sandbox_dirs(rel)[:1]:
         with contextlib.suppress(OSError, ValueError):
             for pid in (d / "cgroup.procs").read_text().split():
                 with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -449,7 +449,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         return facts
 
     def jail_for(self, sid: str) -> Jail:
-        return Jail(cgroup_dirs=tuple(self.cgroups.dirs(self.cgroup_of(sid))))
+        return Jail(cgroup_dirs=tuple(self.cgroups.member_dirs(self.cgroup_of(sid))))
 
     async def _wait_agent(self, vm: _VM, timeout: float) -> None:
         """Until the guest agent answers, failing early if QEMU or the guest ends."""

@@ -326,7 +326,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         )
 
     def jail_for(self, sid: str | None) -> Jail:
-        dirs = tuple(self.cgroups.dirs(self.cgroup_of(sid))) if sid is not None else ()
+        dirs = tuple(self.cgroups.member_dirs(self.cgroup_of(sid))) if sid is not None else ()
         return Jail(cgroup_dirs=dirs)
 
     @staticmethod

@@ -50,7 +50,7 @@ def vm_uid(pid: int, uid_base: int = UID_BASE) -> int:
 @dataclass(frozen=True)
 class Jail:
     """How to confine one QEMU. ``cgroup_dirs``: one directory per hierarchy (e.g.
-    ``CgroupHost.dirs(rel)``); ``netns``: put QEMU in an empty network namespace."""
+    ``CgroupHost.member_dirs(rel)``); ``netns``: put QEMU in an empty network namespace."""
 
     cgroup_dirs: tuple[Path, ...] = ()
     netns: bool = True
