@@ -44,6 +44,12 @@ class CgroupView:
         self.active = bool(self.hierarchies) and bool(
             cgroups.skipped_mounts() or cgroups.layout is Layout.HYBRID
         )
+        # A co-mounted hierarchy (cpu,cpuacct) by each controller's name, as the host has
+        self.aliases = {
+            ctrl: mount.name
+            for ctrl, mount in cgroups.v1.items()
+            if mount.name in self.hierarchies and ctrl != mount.name and "=" not in ctrl
+        }
         self.park: tuple[Path, ...] = ()
         self._mounted = False
 
@@ -60,6 +66,8 @@ class CgroupView:
             self._mounted = True
             for name in self.hierarchies:
                 (self.path / name).mkdir()
+            for alias, name in self.aliases.items():  # crun opens /sys/fs/cgroup/cpu/...
+                (self.path / alias).symlink_to(name)
             self.park = tuple(self.cgroups.ensure_park(self.parent))
         except OSError as exc:
             log.warning("crun sees every cgroup hierarchy (no view at %s: %s)", self.path, exc)
