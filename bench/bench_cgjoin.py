@@ -3,7 +3,7 @@ crun's kernel time goes (issue 19: a sandbox joins only the cgroup hierarchies t
 platform uses).
 
     .venv/bin/python bench/bench_cgjoin.py [--baseline-rev main] [--idle 150]
-        [--rounds 6] [--creates 8] [--perf]
+        [--rounds 6] [--creates 8] [--perf] [--perf-creates 40]
 
 Starts two platforms (this tree, and the baseline checked out beside it, see
 bench/baseline.py), builds busybox on both and leaves ``--idle`` sandboxes running on
@@ -11,13 +11,14 @@ each (both count: the kernel's walks cover every cgroup on the host). Then alter
 batches of ``--creates`` sequential create + stop (create timed; the order turns every
 round) and prints create p50/p99 per side and their ratio.
 
-``--perf``: afterwards, per side, ``perf record -a -g`` during one more batch, and the
+``--perf``: afterwards, per side, ``perf record -g`` of that platform's process tree
+(and what it starts) during ``--perf-creates`` more creates, and the
 CPU time per create (ms) that processes named ``crun`` spent in each kernel function
 that grows with N (children included): cpuset (validate_change,
 update_domain_attr_tree, dl_rebuild_rd_accounting), v1 mounts in the container
 (cgroup1_get_tree, cgroup_lock_and_drain_offline), CFS bandwidth (tg_set_cfs_bandwidth
-/ tg_set_bandwidth, walk_tg_tree_from), cgroup creation and moves. The host is shared:
-other processes named crun count too (read the two sides against each other).
+/ tg_set_bandwidth, walk_tg_tree_from), cgroup creation and moves. Only the side's
+own processes are sampled: another platform's crun on a shared host is not counted.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 SPEC = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
 FREQ = 999
 SYMBOLS = (
+    "cpuset_write_resmask",
     "validate_change",
     "update_domain_attr_tree",
     "dl_rebuild_rd_accounting",
@@ -89,8 +91,8 @@ def perf_report(data: Path, creates: int) -> dict[str, float]:
         text=True,
         check=False,
     ).stdout
-    m = re.search(r"# Samples: (\d+)(K?)", header)
-    total = int(m.group(1)) * (1000 if m and m.group(2) else 1) if m else 0
+    m = re.search(r"# Event count \(approx.\): (\d+)", header)
+    cpu_ms = int(m.group(1)) / 1e6 if m else 0.0  # cpu-clock: ns of CPU sampled
     argv = ["perf", "report", "-i", str(data), "--stdio", "--children", "--sort", "sym"]
     argv += ["-g", "none", "--comm", "crun", "--percentage", "absolute"]
     out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
@@ -99,16 +101,37 @@ def perf_report(data: Path, creates: int) -> dict[str, float]:
         parts = line.split()
         if len(parts) >= 4 and parts[0].endswith("%") and parts[-1] in SYMBOLS:
             found[parts[-1]] = float(parts[0].rstrip("%"))
-    crun = re.search(r"^\s*([\d.]+)%\s+crun\s*$", header, re.M)
-    ms = {s: p / 100 * total / FREQ / creates * 1000 for s, p in found.items()}
+    crun = re.search(r"^\s*([\d.]+)%\s+[\d.]+%\s+crun\s*$", header, re.M)
+    ms = {s: p / 100 * cpu_ms / creates for s, p in found.items()}
     if crun:
-        ms["(all of crun)"] = float(crun.group(1)) / 100 * total / FREQ / creates * 1000
+        ms["(all of crun)"] = float(crun.group(1)) / 100 * cpu_ms / creates
     return ms
 
 
-async def perf_batch(client: DSecClient, n: int, data: Path) -> None:
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it now (the platform and its spawner)."""
+    parent: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(entry.path, "stat").read_text()
+                parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, todo = [root], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        tree += kids
+        todo += kids
+    return tree
+
+
+async def perf_batch(client: DSecClient, root: int, n: int, data: Path) -> None:
+    """perf record of the platform's process tree (and what it starts from now on:
+    crun-wrap, crun, the sandboxes) during ``n`` creates: other processes on the host,
+    other platforms' crun among them, are not sampled."""
+    pids = ",".join(str(p) for p in process_tree(root))
     rec = await asyncio.create_subprocess_exec(
-        *["perf", "record", "-a", "-g", "-F", str(FREQ), "-o", str(data), "--", "sleep", "600"],
+        *["perf", "record", "-g", "-F", str(FREQ), "-o", str(data), "-p", pids],
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
@@ -142,11 +165,18 @@ async def run(opts: argparse.Namespace, plats: dict[str, Any], tmp: Path) -> Non
         new, old = (statistics.median(times[s]) for s in ("new", "old"))
         print(f"ratio new/old p50: {new / old:.3f}")
         if opts.perf:
-            reports = {}
-            for side, c in clients.items():
-                data = tmp / f"perf-{side}.data"
-                await perf_batch(c, opts.creates * 2, data)
-                reports[side] = perf_report(data, opts.creates * 2)
+            # Windows alternate between the sides (the host's cgroup count drifts: other
+            # work on it), each side's figure the mean over its windows.
+            windows = 4
+            per = max(1, opts.perf_creates // windows)
+            reports: dict[str, dict[str, float]] = {side: {} for side in clients}
+            for w in range(windows):
+                order = list(clients) if w % 2 == 0 else list(reversed(clients))
+                for side in order:
+                    data = tmp / f"perf-{side}-{w}.data"
+                    await perf_batch(clients[side], plats[side].proc.pid, per, data)
+                    for sym, cost in perf_report(data, per).items():
+                        reports[side][sym] = reports[side].get(sym, 0.0) + cost / windows
             print("kernel CPU ms per create in processes named crun (children included):")
             for sym in [*SYMBOLS, "(all of crun)"]:
                 a, b = reports["new"].get(sym, 0.0), reports["old"].get(sym, 0.0)
@@ -167,15 +197,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--creates", type=int, default=8)
     ap.add_argument("--perf", action="store_true")
+    ap.add_argument("--perf-creates", type=int, default=40)
     opts = ap.parse_args()
     load = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         base = stack.enter_context(baseline_tree(opts.baseline_rev))
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-cgjoin-")))
+        tmp = Path(tempfile.mkdtemp(prefix="dsec-cgjoin-perf-"))  # kept: perf report -i
         plats = {"new": stack.enter_context(platform_process())}
         plats["old"] = stack.enter_context(platform_process(PYTHONPATH=str(base / "src")))
         asyncio.run(run(opts, plats, tmp))
     print(f"baseline {opts.baseline_rev}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"perf data (if any) in {tmp}")
 
 
 if __name__ == "__main__":
