@@ -17,6 +17,13 @@ interleaved each round:
 Medians and p99 in microseconds. The host's own cpu cgroups (other work, sandboxes)
 count too: their number is printed. Everything it makes is removed, also on failure.
 Needs root and a v1 cpu hierarchy.
+
+Measured on a quiet host (--sizes 0,1000,3000,6000 --rounds 90): both 36 / 44 / 79 /
+168 µs, quota only 19 / 24 / 42 / 86 µs with 15 / 1,015 / 3,016 / 6,017 cpu cgroups.
+Inside crun (strace -T of its writes, 3,000 quota-limited siblings) the two arms were
+289 and 274 µs: a quota write after a period write is cheaper than one alone (the
+first walk warms the cache), so leaving the period out buys next to nothing there and
+the spec keeps naming it. The walk itself is the kernel's and cannot be skipped.
 """
 
 from __future__ import annotations

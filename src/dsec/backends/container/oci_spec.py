@@ -201,13 +201,6 @@ READONLY_PATHS = [
 ]
 
 CPU_PERIOD_US = 100_000
-# A new cgroup's CFS period is the kernel's default, 100 ms (v1 cpu.cfs_period_us; crun
-# writes 100000 into v2 cpu.max when the spec names none). Every write of a v1 period
-# or quota is checked against every task group on the host (tg_set_bandwidth), so it
-# costs O(number of cgroups): the spec names a period only when it is not the default.
-# Measured (bench/bench_cfs_quota.py): period + quota 1.5 / 6.8 ms, quota alone
-# 0.26 / 1.2 ms, with 3,500 / 9,300 cpu cgroups on the host.
-KERNEL_CFS_PERIOD_US = 100_000
 
 
 # /dev/shm keeps data written in big chunks in large folios (up to 2 MiB, never past
@@ -397,7 +390,7 @@ def build_config(
                 "memory": {"limit": memory},
                 "cpu": {
                     "quota": int(cpus * CPU_PERIOD_US),
-                    **({} if CPU_PERIOD_US == KERNEL_CFS_PERIOD_US else {"period": CPU_PERIOD_US}),
+                    "period": CPU_PERIOD_US,
                     "shares": cpu_shares(spec.qos),  # the QoS class's weight
                     **({"idle": 1} if cpu_idle and spec.qos == "best_effort" else {}),
                 },
