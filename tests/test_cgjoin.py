@@ -143,3 +143,36 @@ def test_limited_cgroup_joins_the_same_and_older_leftovers_go() -> None:
         assert HOST.kill_and_remove(parent, timeout=5)
         HOST.remove_if_empty("dsec")
     assert [d for d in HOST.dirs(parent) if d.exists()] == []
+
+
+def test_co_mounted_and_pure_v2_hosts(tmp_path: Path) -> None:
+    """The same decision on layouts this host does not have: cpu and cpuacct co-mounted
+    (crun opens /sys/fs/cgroup/cpu/..., so the view links it), and pure v2 (one
+    hierarchy, always joined, no view)."""
+    from dsec.backends.container.cgview import CgroupView
+
+    comount = tmp_path / "cpu,cpuacct"
+    v1 = {
+        "cpu": comount,
+        "cpuacct": comount,
+        "memory": tmp_path / "memory",
+        "cpuset": tmp_path / "cpuset",
+        "name=systemd": tmp_path / "systemd",
+    }
+    host = cgroups.CgroupHost(cgroups.Layout.HYBRID, v1, tmp_path / "unified")
+    assert set(host.sandbox_hierarchies()) == {"cpu,cpuacct", "memory"}
+    assert host.sandbox_dirs("/dsec/e/s") == [comount / "dsec/e/s", tmp_path / "memory/dsec/e/s"]
+    assert host.park_dirs("dsec/e") == [
+        tmp_path / "cpuset/dsec/e",
+        tmp_path / "systemd/dsec/e",
+        tmp_path / "unified/dsec/e",
+    ]
+    assert host.member_dirs("dsec/e/s") == host.sandbox_dirs("dsec/e/s") + host.park_dirs("dsec/e")
+    view = CgroupView(tmp_path / "view", host, "dsec/e")
+    assert view.active and view.aliases == {"cpu": "cpu,cpuacct", "cpuacct": "cpu,cpuacct"}
+    assert view.argv(starts_container=True) == []  # not mounted: crun sees everything
+
+    v2 = cgroups.CgroupHost(cgroups.Layout.V2, {}, tmp_path)
+    assert v2.sandbox_hierarchies() == () and v2.park_dirs("dsec/e") == []
+    assert v2.member_dirs("dsec/e/s") == [tmp_path / "dsec/e/s"]
+    assert not CgroupView(tmp_path / "view", v2, "dsec/e").active
