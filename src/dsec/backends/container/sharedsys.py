@@ -12,7 +12,8 @@ What: the platform mounts one sysfs, read-only, from a blank network namespace i
 creates (sysfs takes the mounting thread's namespace), applies every /sys mask to it
 once (binds of the shared empty directory and of /dev/null, as crun did in every
 sandbox), and mounts a small read-only skeleton at its fs/cgroup: one empty directory
-per v1 hierarchy of the host, named as crun names them, and crun's symlinks. Each
+per v1 hierarchy a sandbox joins (CgroupHost.sandbox_hierarchies), named as crun names
+them, and crun's symlinks to those. Each
 sandbox gets one recursive read-only bind of that tree (one mount call instead of
 ~17) and read-only binds of its own cgroup directories onto the skeleton's entries:
 crun has created the cgroups by the time it performs the mounts, so the sandbox reads
@@ -197,14 +198,16 @@ class SharedSys:
         if self.cgroups.layout is not Layout.V2:
             with open("/proc/self/cgroup", encoding="utf-8") as fh:
                 names = v1_names(fh.read())
+            # only the hierarchies a sandbox has a cgroup in (the others it does not see)
+            joined = set(self.cgroups.sandbox_hierarchies())
+            names = [n for n in names if n in joined]
         linux.mount("tmpfs", target, "tmpfs", _HARDEN, SKELETON_OPTIONS)
         for name in names:
             (target / name).mkdir()
             (target / name).chmod(0o755)
-        if names:
-            for name, dest in V1_SYMLINKS:
-                if not os.path.lexists(target / name):
-                    os.symlink(dest, target / name)
+        for name, dest in V1_SYMLINKS:
+            if dest in names and not os.path.lexists(target / name):
+                os.symlink(dest, target / name)
         self._v1 = [n for n in names if (CGROUP_ROOT / n).is_dir()]
         # Covered in every sandbox: by its first cgroup bind (v1), by cgroup2 (v2).
         hide = target / self._v1[0] if self._v1 else target
