@@ -25,7 +25,6 @@ from pathlib import Path
 from dsec import linux
 from dsec.resources.cgroups import CgroupHost, Layout
 
-MS_NOEXEC = 8
 VIEW_OPTIONS = "mode=0755,size=64k,nr_inodes=64"
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class CgroupView:
         self.close()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            flags = linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC
+            flags = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
             linux.mount("cgroup-view", self.path, "tmpfs", flags, VIEW_OPTIONS)
             self._mounted = True
             for name in self.hierarchies:

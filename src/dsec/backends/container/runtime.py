@@ -28,8 +28,6 @@ from dsec.backends.container.oci_spec import AGENT_FD, DEV_TMPFS_OPTIONS
 from dsec.errors import BackendError
 from dsec.resources.cgroups import CgroupHost
 
-MS_NOEXEC = 8
-MS_REMOUNT = 32
 # crun keeps ~28 KiB per container in its state (status, config.json, the seccomp
 # program; each file a page at least): 256 MiB filled at 9,362 sandboxes ("write to
 # seccomp fd", issue 19). A tmpfs holds only what is written, so the cap is for
@@ -107,11 +105,12 @@ class OCIRuntime:
             self._seal_binary()
         if self.view is not None:
             self.view.open()
-        flags = linux.MS_NOSUID | linux.MS_NODEV | MS_NOEXEC
+        flags = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
         if linux.is_mounted(self.state_root):
             # One an older edge mounted smaller: grow it (a remount keeps the files).
             with contextlib.suppress(OSError):
-                linux.mount("tmpfs", self.state_root, "tmpfs", flags | MS_REMOUNT, STATE_OPTIONS)
+                remount = flags | linux.MS_REMOUNT
+                linux.mount("tmpfs", self.state_root, "tmpfs", remount, STATE_OPTIONS)
             return
         if self.list_ids():
             return

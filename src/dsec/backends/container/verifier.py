@@ -115,8 +115,6 @@ HOOK_VARIABLES = frozenset(
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 CLONE_NEWNS = 0x00020000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
 
 
 def verifier_id(sandbox_id: str) -> str:
@@ -203,7 +201,7 @@ def _snapshot_in_private_ns(
             if _libc.unshare(CLONE_NEWNS) != 0:
                 err = ctypes.get_errno()
                 raise BackendError(f"unshare(CLONE_NEWNS): {os.strerror(err)}", errno=err)
-            linux.mount("none", "/", "none", MS_REC | MS_PRIVATE)
+            linux.mount("none", "/", "none", linux.MS_REC | linux.MS_PRIVATE)
             view = root / "view"
             view.mkdir(mode=0o700, exist_ok=True)
             linux.mount("overlay", view, "overlay", flags, f"lowerdir={upper}:{':'.join(pristine)}")
