@@ -434,6 +434,24 @@ def busybox_image(platform: PlatformProcess) -> str:
 
 
 @pytest.fixture
+async def roomy_sandbox(client: object, busybox_image: str) -> AsyncIterator[object]:
+    """A busybox container with 256 MiB (room for a file or tmpfs test's big write),
+    stopped afterwards even if the test already ended it."""
+    from dsec import DSecClient, DSecContainerRunArgs
+    from dsec.errors import DSecError
+
+    assert isinstance(client, DSecClient)
+    sandbox = await client.run_container(
+        DSecContainerRunArgs(container_image=busybox_image, memory_limit_mb=256)
+    )
+    try:
+        yield sandbox
+    finally:
+        with contextlib.suppress(DSecError):
+            await sandbox.stop()
+
+
+@pytest.fixture
 async def client(platform: PlatformProcess) -> AsyncIterator[object]:
     from dsec import DSecClient
 

@@ -23,14 +23,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-async def sb(client: DSecClient, busybox_image: str) -> AsyncIterator[Sandbox]:
-    sandbox = await client.run_container(
-        DSecContainerRunArgs(container_image=busybox_image, memory_limit_mb=256)
-    )
-    try:
-        yield sandbox
-    finally:
-        await sandbox.stop()
+def sb(roomy_sandbox: Sandbox) -> Sandbox:
+    return roomy_sandbox
 
 
 def untouched(secret: Path) -> bool:

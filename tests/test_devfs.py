@@ -11,16 +11,12 @@ and nothing a sandbox can do to make a device or loosen the mounts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs
 from dsec.backends.container.oci_spec import DEV_TMPFS_SIZE_KIB, SHM_HUGE
-from dsec.errors import DSecError
 from dsec.resources import cgroups
 from dsec.sdk.client import Sandbox
 from tests.conftest import PlatformProcess
@@ -31,16 +27,9 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-async def sb(client: DSecClient, busybox_image: str) -> AsyncIterator[Sandbox]:
+def sb(roomy_sandbox: Sandbox) -> Sandbox:
     # 256 MiB: the 64 MiB tmpfs cap, not the memory limit, is what a big write meets.
-    sandbox = await client.run_container(
-        DSecContainerRunArgs(container_image=busybox_image, memory_limit_mb=256)
-    )
-    try:
-        yield sandbox
-    finally:
-        with contextlib.suppress(DSecError):
-            await sandbox.stop()
+    return roomy_sandbox
 
 
 def _mounts(mountinfo: str) -> dict[str, list[str]]:
