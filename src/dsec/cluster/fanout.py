@@ -226,7 +226,7 @@ class ClusterAudit:
         self.edges = Edges(router, timeout=timeout)
         self.router = router
 
-    async def _rows(
+    async def rows(
         self,
         path: str,
         forwarded: list[tuple[str, str]],
@@ -264,7 +264,7 @@ class ClusterAudit:
                 "cluster: filter by sandbox_id (one edge, exact since_seq), or page with "
                 f"cursor= set to the {CURSOR_HEADER} header of the previous answer"
             )
-        answers, missing = await self._rows(path, forwarded, cursor)
+        answers, missing = await self.rows(path, forwarded, cursor)
         _require_complete(request_params, missing)
         page: list[dict[str, Any]] = []
         positions = dict(cursor)
@@ -342,7 +342,7 @@ class _MergedFollower:
         quiet_since = time.monotonic()
         yield ": dsec audit stream (cluster)\n\n"
         while True:
-            answers, missing = await self.audit._rows(
+            answers, missing = await self.audit.rows(
                 "/v1/audit", self.forwarded, self.cursor, only=self.only
             )
             if missing:

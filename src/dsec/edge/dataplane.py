@@ -211,7 +211,7 @@ class DataPlane:
     def _save_sessions(self, sandbox_id: str) -> None:
         """Keep the sandbox's sessions in its durable record (live restore: a restarted
         edge knows them again; their state itself is a file in the sandbox)."""
-        rec = self.edge._records.get(sandbox_id)
+        rec = self.edge.find(sandbox_id)
         box = self._boxes.get(sandbox_id)
         if rec is None or rec.state is not SandboxState.RUNNING:
             return
@@ -463,7 +463,7 @@ class DataPlane:
         """``before_ns``: only processes started before then (wall clock), so none that
         this edge started itself is taken over twice."""
         before_ns = time.time_ns() if before_ns is None else before_ns
-        rec = self.edge._get(sandbox_id)
+        rec = self.edge.record(sandbox_id)
         counts["sessions"] += self._restore_sessions(rec)
         if rec.state is not SandboxState.RUNNING:
             self._pending.add(sandbox_id)  # paused (frozen: its agent cannot answer now)
@@ -557,7 +557,7 @@ class DataPlane:
             task.cancel()
 
     def process(self, sandbox_id: str, process_id: str) -> ManagedProcess:
-        self.edge._get(sandbox_id)
+        self.edge.record(sandbox_id)
         proc = self._boxes.get(sandbox_id, _Box()).processes.get(process_id)
         if proc is None:
             raise ProcessNotFound(
@@ -567,7 +567,7 @@ class DataPlane:
         return proc
 
     def processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        self.edge._get(sandbox_id)
+        self.edge.record(sandbox_id)
         procs = self._boxes.get(sandbox_id, _Box()).processes.values()
         return sorted((proc.info() for proc in procs), key=lambda i: i.started_at)
 

@@ -322,6 +322,23 @@ class Images:
         finally:
             self._pending.discard(digest)
 
+    @contextlib.asynccontextmanager
+    async def built_layer(self, tree: Path) -> AsyncIterator[str]:
+        """Build ``tree`` into an EROFS layer in the store and yield its digest, which the
+        garbage collector leaves alone until the block ends: register it (record_layer)
+        inside the block, or it is collectable afterwards."""
+        digest = await self._build_layer(tree)
+        try:
+            yield digest
+        finally:
+            self._pending.discard(digest)
+
+    async def delete_layer_tag(self, name: str, version: str) -> LayerInfo | None:
+        """Remove a layer tag; returns the entry it had, None if there was none. The
+        layer's blob stays until gc() finds nothing else refers to it."""
+        async with self._lock:
+            return await self.layer_registry.delete(name, version)
+
     async def record_layer(self, info: LayerInfo) -> LayerInfo | None:
         """Register or move a layer tag; returns the previous entry, if any."""
         async with self._lock:
@@ -458,7 +475,7 @@ class Images:
         if fmt not in ("auto", "tar", "oci"):
             raise InvalidArgument(f"unknown archive format {fmt!r}: use auto, tar or oci")
         report = _safe(progress)
-        async with self._temp_dir() as work:
+        async with self.work_dir() as work:
             upload = work / "upload"
             source_digest = await self._spool(chunks, upload, report)
             source = f"archive:{fmt}:v{EXTRACT_VERSION}:{source_digest}"
@@ -495,7 +512,7 @@ class Images:
         is, content-addressed; (digest, size). Until an image names it, it is an
         orphan blob that ``gc`` collects after the grace period."""
         report = _safe(progress)
-        async with self._temp_dir() as work:
+        async with self.work_dir() as work:
             upload = work / "blob"
             await self._spool(chunks, upload, report)
             size = (await asyncio.to_thread(upload.stat)).st_size
@@ -627,7 +644,7 @@ class Images:
             return info
 
     async def _busybox_layer(self, report: Progress) -> str:
-        async with self._temp_dir() as work:
+        async with self.work_dir() as work:
             tree = work / "rootfs"
             tree.mkdir()
             report("laying out busybox", 0, 2)
@@ -670,7 +687,7 @@ class Images:
     @contextlib.asynccontextmanager
     async def temp_dir(self) -> AsyncIterator[Path]:
         """A private scratch directory in the store's file system, removed after."""
-        async with self._temp_dir() as path:
+        async with self.work_dir() as path:
             yield path
 
     async def build_layer(self, tree: Path) -> str:
@@ -810,7 +827,9 @@ class Images:
         return f"sha256:{h.hexdigest()}"
 
     @contextlib.asynccontextmanager
-    async def _temp_dir(self) -> AsyncIterator[Path]:
+    async def work_dir(self) -> AsyncIterator[Path]:
+        """A private scratch directory in the store's file system (so that what is built
+        there moves into the store by rename), removed with all it holds on exit."""
         path = self.store.temp_path()
         await asyncio.to_thread(path.mkdir, 0o700, True)
         try:

@@ -127,7 +127,7 @@ class LayerService:
         path = Path(req.path)
         if req.source == "git":
             return await self._build_git(name, version, path, req.rev, req.prefix, req.kind)
-        async with self.images._temp_dir() as work:
+        async with self.images.work_dir() as work:
             rootfs = work / "rootfs"
             rootfs.mkdir(mode=0o755)
             if req.source == "dir":
@@ -177,7 +177,7 @@ class LayerService:
         reused = await self._reuse(source, name, version)
         if reused is not None:
             return reused
-        async with self.images._temp_dir() as work:
+        async with self.images.work_dir() as work:
             archive = work / "checkout.tar"
             await _run(
                 [git, "-C", str(repo), "archive", "--format=tar", "-o", str(archive), commit],
@@ -207,8 +207,7 @@ class LayerService:
     async def _register(
         self, name: str, version: str, tree: Path, kind: LayerKind, source: str | None
     ) -> LayerInfo:
-        digest = await self.images._build_layer(tree)
-        try:
+        async with self.images.built_layer(tree) as digest:
             info = LayerInfo(
                 name=name,
                 version=version,
@@ -220,8 +219,6 @@ class LayerService:
                 created_at=datetime.now(UTC),
             )
             before = await self.images.record_layer(info)
-        finally:
-            self.images._pending.discard(digest)
         if before is not None and before.digest != digest:
             await self.images.gc()
         return info
@@ -241,8 +238,7 @@ class LayerService:
 
     async def remove(self, ref: str) -> LayerInfo:
         name, version = parse_tag(ref)
-        async with self.images._lock:
-            info = await self.images.layer_registry.delete(name, version)
+        info = await self.images.delete_layer_tag(name, version)
         if info is None:
             raise ImageNotFound(f"layer {name}:{version} not found", ref=f"{name}:{version}")
         await self.images.gc()

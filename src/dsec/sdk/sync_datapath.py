@@ -255,7 +255,7 @@ class SyncSandboxDataMixin:
                 max_output_bytes=max_output_bytes,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
-                trajectory=None if trajectory is None else trajectory._traj,
+                trajectory=None if trajectory is None else trajectory.inner,
             )
         )
 
@@ -285,7 +285,7 @@ class SyncSandboxDataMixin:
                 max_output_bytes=max_output_bytes,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
-                trajectory=None if trajectory is None else trajectory._traj,
+                trajectory=None if trajectory is None else trajectory.inner,
             )
         )
 
@@ -425,7 +425,7 @@ class SyncSandboxDataMixin:
         trajectory: SyncTrajectory | None = None,
     ) -> None:
         """Create or replace a file atomically; a str is written as UTF-8."""
-        traj = None if trajectory is None else trajectory._traj
+        traj = None if trajectory is None else trajectory.inner
         self._run(self._a().write_file(path, data, mode=mode, trajectory=traj))
 
     def write_stream(self, path: str, source: str | os.PathLike[str], *, mode: int = 0o644) -> None:

@@ -295,6 +295,12 @@ class SyncTrajectory:
         return f"Sync{self._traj!r}"
 
     @property
+    def inner(self) -> Trajectory:
+        """The async ``Trajectory`` this one drives (the sync data path hands it to the
+        async twin of each call)."""
+        return self._traj
+
+    @property
     def step(self) -> int:
         return self._traj.step
 
