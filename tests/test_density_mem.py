@@ -15,7 +15,7 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.api.spec import DSecContainerRunArgs as Spec
-from dsec.edge.admission import Admission
+from dsec.edge.admission import Admission, HostUse
 from dsec.errors import AdmissionRejected
 from dsec.resources import capacity, cgroups, swap
 from dsec.resources.capacity import Pressure, SandboxCost
@@ -67,6 +67,46 @@ def test_capacity_is_the_smallest_host_table(tmp_path: Path) -> None:
 
 def _spec(mb: int = 64, cpu: float = 1.0) -> Spec:
     return Spec(container_image="busybox:latest", memory_limit_mb=mb, cpu_cores_limit=cpu)
+
+
+def test_one_host_reading_decides_a_create(tmp_path: Path) -> None:
+    """measure() once: shortfall and admit decide on the same reading (the create path
+    reads /proc once), and a refusal still comes from what that reading says."""
+    a = Admission(max_sandboxes=None)
+    reads: list[str] = []
+
+    def available() -> int:
+        reads.append("mem")
+        return 64 * GiB
+
+    def pressure() -> Pressure:
+        reads.append("psi")
+        return Pressure(0.0, 0.0, 0.0)
+
+    a.read_available = available
+    a.read_pressure = pressure
+    use = a.measure()
+    assert use is not None and a.shortfall(use) == 0
+    a.admit(_spec(), use)
+    assert reads == ["mem", "psi"]  # one of each, not two
+    with pytest.raises(AdmissionRejected) as err:
+        a.admit(_spec(), HostUse(a.reserve_bytes, None))
+    assert err.value.details["resource"] == "memory_available"
+    with pytest.raises(AdmissionRejected) as err:
+        a.admit(_spec(), HostUse(64 * GiB, Pressure(90.0, 0.0, 0.0)))
+    assert err.value.details["resource"] == "memory_pressure"
+    assert Admission(max_sandboxes=5, measure_use=False).measure() is None
+
+
+def test_mem_available_reads_the_one_line(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path, mem_total_kb=8 * 1024 * 1024)
+    assert capacity.mem_available(proc) == 4 * GiB
+    assert capacity.mem_available(proc) == capacity.meminfo(proc)["MemAvailable"]
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 5 kB\n")
+    assert capacity.mem_available(proc) == 0  # no such line
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable: lots kB\n")
+    assert capacity.mem_available(proc) == 0  # garbage
+    assert capacity.mem_available(tmp_path / "nowhere") == 0
 
 
 def test_admission_by_use_refuses_naming_the_resource() -> None:

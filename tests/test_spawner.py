@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -71,6 +72,49 @@ async def test_results_match_posix_spawn(spawner: spawn.HostSpawner) -> None:
     assert via.returncode == 3 and via.stderr == "err\n"
     assert via.stdout.split() == ["out", "0", "1", "2", "3", "7"]  # nothing else leaks
     assert here.returncode == 3 and here.stdout.startswith("out\n")
+
+
+async def test_crun_wrap_runs_in_the_spawners_child_like_a_spawned_one(
+    spawner: spawn.HostSpawner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``crun-wrap`` request for the spawner's own binary runs crun_wrap() in a forked
+    child instead of exec'ing the binary again: the command it execs must see the same
+    as through posix_spawn (fds 0-2 and the passed one only, no blocked or ignored
+    signal, the request's environment) and its failures must come back the same."""
+    wrap = str(agent_binary())
+    script = (
+        'echo "$DSEC_T_MARK"; ls /proc/self/fd; '
+        "grep -E '^Sig(Blk|Ign)' /proc/self/status; echo err >&2; exit 5"
+    )
+    monkeypatch.setenv("DSEC_T_MARK", "from-the-request")
+    spawn.use_spawner(spawner.path)
+    r, w = os.pipe()
+    try:
+        # The spawner's two ways: fork + crun_wrap() for its own binary; posix_spawn of
+        # a copy of the binary at another path (what a platform with a newer agent sends).
+        with tempfile.TemporaryDirectory(prefix="dsec-sp-copy-") as tmp:
+            copy = Path(tmp) / "dsec-init-copy"
+            await asyncio.to_thread(shutil.copy2, wrap, copy)
+            results = [
+                await spawn.run(
+                    [binary, "crun-wrap", "--", "/bin/sh", "-c", script], pass_fd=(r, 3)
+                )
+                for binary in (wrap, str(copy))
+            ]
+        bad = await spawn.run([wrap, "crun-wrap", "--", "/nonexistent/crun"])
+        usage = await spawn.run([wrap, "crun-wrap", "--overlay-target", "/x"])
+    finally:
+        os.close(r)
+        os.close(w)
+    forked, spawned = results
+    assert forked.returncode == spawned.returncode == 5
+    assert forked.stdout == spawned.stdout and forked.stderr == spawned.stderr == "err\n"
+    lines = forked.stdout.split("\n")
+    assert lines[0] == "from-the-request"
+    assert lines[1:6] == ["0", "1", "2", "3", "4"]  # 4: ls's own directory fd
+    assert "SigBlk:\t0000000000000000" in forked.stdout
+    assert bad.returncode == 127 and "cannot execute /nonexistent/crun" in bad.stderr
+    assert usage.returncode != 0 and "usage" in usage.stderr
 
 
 async def test_timeout_kills_and_everything_is_reaped(spawner: spawn.HostSpawner) -> None:

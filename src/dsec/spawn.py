@@ -186,7 +186,9 @@ async def _readable(sock: socket.socket, timeout: float | None) -> None:
 
     loop.add_reader(sock.fileno(), wake)
     try:
-        await asyncio.wait_for(ready, timeout)
+        # asyncio.timeout, not wait_for: no extra waiter and callbacks (twice a create)
+        async with asyncio.timeout(timeout):
+            await ready
     finally:
         loop.remove_reader(sock.fileno())
 

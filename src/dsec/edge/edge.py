@@ -520,10 +520,12 @@ class Edge:
         inline = [dict(m.files) for m in spec.protected]
         if any(inline):
             spec = spec.model_copy(update={"protected": redact_files(spec.protected)})
-        short = self.admission.shortfall()  # short of memory by use: idle sandboxes first
+        use = self.admission.measure()  # one reading for both, when nothing awaits between
+        short = self.admission.shortfall(use)  # short of memory by use: idle sandboxes first
         if short:
             await self.idle.make_room(short)
-        self.admission.admit(spec)
+            use = None  # stale after the wait: admit() reads again
+        self.admission.admit(spec, use)
         now = _now()
         rec = SandboxRecord(
             id=sandbox_id or self.new_sandbox_id(),

@@ -77,7 +77,14 @@ def meminfo(proc: Path = PROC) -> dict[str, int]:
 
 
 def mem_available(proc: Path = PROC) -> int:
-    return meminfo(proc).get("MemAvailable", 0)
+    """MemAvailable in bytes (0 if unreadable): the one line, not all of meminfo (this
+    is read on every create)."""
+    with contextlib.suppress(OSError, ValueError):
+        text = (proc / "meminfo").read_text()
+        at = text.find("\nMemAvailable:")
+        if at >= 0:
+            return int(text[at + 14 : text.index("\n", at + 1)].split()[0]) * 1024
+    return 0
 
 
 def _read_int(path: Path, default: int) -> int:
