@@ -4,10 +4,12 @@ the host's raw ``crun run --detach`` of the same layer measured alongside at eve
     .venv/bin/python bench/bench_density.py [--max 10000] [--step 1000] [--burst 32]
         [--raw 20] [--execs 300] [--qos] [--pause]
 
-Starts its own `dsec up` on a fresh data directory with default settings except
-``DSEC_MAX_SANDBOXES``, which is raised to what the run asks for (the constant would stop
-it at 2,000; the bench says so in its output). Every sandbox is busybox with a 64 MiB
-limit and no idle TTL. Per step (every ``--step`` sandboxes):
+Starts its own `dsec up` on a fresh data directory with default settings: the sandbox
+count admission allows is the platform's own, derived from the host (memory, pids,
+threads, files, the edge's fds; dsec.resources.capacity), printed at the start and
+recorded; a ``DSEC_MAX_SANDBOXES`` already in the environment is passed on and recorded
+as such. A typed refusal before ``--max`` is the run's first failure. Every sandbox is
+busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxes):
 
 - host memory per sandbox: the drop of ``MemAvailable`` since before the first sandbox,
   divided by the count, and its kernel part (``Slab + KernelStack + PageTables`` growth)
@@ -235,7 +237,16 @@ class Density:
 
 async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]:
     res: dict[str, Any] = {}
+    configured = os.environ.get("DSEC_MAX_SANDBOXES")
     async with DSecClient(plat.url, plat.api_key, timeout=600) as client:
+        admission = (await client.health()).admission
+        res["admission"] = admission
+        print(
+            f"admission capacity {admission.get('capacity')} sandboxes "
+            f"(limited by {admission.get('capacity_limited_by')}), settings: "
+            + (f"DSEC_MAX_SANDBOXES={configured}" if configured else "defaults"),
+            flush=True,
+        )
         await client.build_image("busybox")
         layers = (await client.get_image("busybox:latest")).layers
         blob = blob_path(plat.data_dir, layers[0]) if len(layers) == 1 else None
@@ -339,16 +350,14 @@ def main() -> None:
     ap.add_argument("--qos-rounds", type=int, default=10)
     ap.add_argument("--pause", action="store_true", help="also bench/bench_pause.py")
     opts = ap.parse_args()
-    limit = max(opts.max + opts.burst + 16, 2000)
+    configured = os.environ.get("DSEC_MAX_SANDBOXES")
     base_dir = Path(tempfile.mkdtemp(prefix="dsec-density-", dir="/tmp"))
     edge_id = "b" + secrets.token_hex(4)
     plat = PlatformProcess(
         data_dir=base_dir / "d",
         edge_id=edge_id,
-        extra_env={"DSEC_MAX_SANDBOXES": str(limit)},
     )
     plat.data_dir.mkdir()
-    print(f"DSEC_MAX_SANDBOXES={limit} for this run (the default, 2000, would stop it)")
     res: dict[str, Any] = {}
     load_start = loadavg()
     try:
@@ -367,7 +376,7 @@ def main() -> None:
     res["host"] = {
         "cpus": os.cpu_count(),
         "kernel": os.uname().release,
-        "max_sandboxes_env": limit,
+        "max_sandboxes_env": configured,
         # A shared host: other work moves every figure; the raw ratio is the steadier one.
         "loadavg_start": load_start,
         "loadavg_end": loadavg(),

@@ -117,6 +117,33 @@ async def test_crun_wrap_runs_in_the_spawners_child_like_a_spawned_one(
     assert usage.returncode != 0 and "usage" in usage.stderr
 
 
+SESSION_KEYRING = (
+    "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+    # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, create=1)
+    "print(libc.syscall(250, 0, -3, 1))"
+)
+
+
+async def test_each_container_start_gets_a_session_keyring_of_its_own(
+    spawner: spawn.HostSpawner,
+) -> None:
+    """``crun-wrap --session-keyring new`` (what the platform passes when it starts a
+    container, with crun's --no-new-keyring): every start joins a new anonymous session
+    keyring, neither the caller's nor another container's."""
+    spawn.use_spawner(spawner.path)
+    wrap = str(agent_binary())
+    # The caller's own session keyring (this test's, made if it had none).
+    own = await spawn.run(["/bin/sh", "-c", f"exec /usr/bin/python3 -c '{SESSION_KEYRING}'"])
+    argv = ["--", "/usr/bin/python3", "-c", SESSION_KEYRING]
+    fresh = [await spawn.run([wrap, "crun-wrap", "--session-keyring", "new", *argv]) for _ in "ab"]
+    bad = await spawn.run([wrap, "crun-wrap", "--session-keyring", "old", *argv])
+    ids = [int(r.stdout) for r in (own, *fresh)]
+    assert all(r.returncode == 0 for r in (own, *fresh)), (own, fresh)
+    assert all(i > 0 for i in ids), ids
+    assert len(set(ids)) == 3  # each start its own, not the caller's
+    assert bad.returncode != 0 and "usage" in bad.stderr  # only "new" is understood
+
+
 async def test_timeout_kills_and_everything_is_reaped(spawner: spawn.HostSpawner) -> None:
     assert spawner.pid is not None
     t0 = time.monotonic()

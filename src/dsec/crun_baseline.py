@@ -6,7 +6,9 @@ benchmarks (bench/bench_platform.py), so the figure a user sees and the one the
 README quotes are measured the same way. Needs root and the layer's blob file.
 
 Per run: overlay (own upper) on the same mounted EROFS layer, `crun spec`'s default
-config (all namespaces, cgroups), `crun run` of /bin/true in the foreground, unmount.
+config (all namespaces, cgroups) with a default 64 MiB sandbox's limits (memory, CPU
+quota and weight, pids: oci_spec.sandbox_resources), `crun run` of /bin/true in the
+foreground, unmount.
 On hybrid-cgroup hosts crun 1.8 needs the v2 controllers hidden; we use the same
 wrapper the platform uses, since plain crun cannot run here at all without it.
 """
@@ -27,6 +29,8 @@ from types import TracebackType
 
 from dsec import linux
 from dsec.agent.build import agent_binary
+from dsec.api.spec import DSecContainerRunArgs
+from dsec.backends.container.oci_spec import sandbox_resources
 from dsec.resources import cgroups
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -82,7 +86,12 @@ class RawCrun:
         config["process"]["args"] = ["/bin/true"]
         config["root"] = {"path": str(self.base / "rootfs"), "readonly": False}
         config["linux"]["cgroupsPath"] = f"{self.cgroup_parent}/raw"
-        config["linux"]["resources"] = {"memory": {"limit": 64 * 2**20}, "pids": {"limit": 1024}}
+        # The limits of a default 64 MiB sandbox, written by crun as for the platform's.
+        config["linux"]["resources"] = sandbox_resources(
+            DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64),
+            host_cpus=os.cpu_count() or 1,
+            cpu_idle=False,
+        )
         self.config = config
         return self
 

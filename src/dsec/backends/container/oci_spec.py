@@ -315,6 +315,26 @@ def _mounts(
     ]
 
 
+def sandbox_resources(spec: DSecRunArgs, *, host_cpus: int, cpu_idle: bool) -> dict[str, Any]:
+    """A sandbox's cgroup limits (OCI ``linux.resources``): memory, CPU quota and the QoS
+    class's weight, pids, no device. One place, because the raw crun baseline sets the
+    same ones (dsec.crun_baseline): each limit is a cgroup write inside crun, and the CPU
+    quota's walks every task group on the host, so a baseline without them would be
+    cheaper by exactly what grows with the number of sandboxes."""
+    cpus = min(spec.cpu_cores_limit, float(host_cpus))
+    return {
+        "devices": [{"allow": False, "access": "rwm"}],
+        "memory": {"limit": spec.memory_limit_mb * 1024 * 1024},
+        "cpu": {
+            "quota": int(cpus * CPU_PERIOD_US),
+            "period": CPU_PERIOD_US,
+            "shares": cpu_shares(spec.qos),  # the QoS class's weight
+            **({"idle": 1} if cpu_idle and spec.qos == "best_effort" else {}),
+        },
+        "pids": {"limit": spec.pids_limit},
+    }
+
+
 def build_config(
     *,
     sandbox_id: str,
@@ -339,8 +359,6 @@ def build_config(
     ``dev_tmpfs``: the directory the runtime wrapper mounts the sandbox's /dev tmpfs on
     (OCIRuntime.dev_tmpfs), None = the runtime mounts /dev and /dev/shm itself."""
     shared = sys_mounts is not None
-    memory = spec.memory_limit_mb * 1024 * 1024
-    cpus = min(spec.cpu_cores_limit, float(host_cpus))
     bpf = precompiled(seccomp) if seccomp else None
     if seccomp is not None and bpf:
         # crun installs the annotation's program and reads the rest of linux.seccomp
@@ -385,17 +403,7 @@ def build_config(
                 for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")
             ],
             "cgroupsPath": cgroup_path,
-            "resources": {
-                "devices": [{"allow": False, "access": "rwm"}],
-                "memory": {"limit": memory},
-                "cpu": {
-                    "quota": int(cpus * CPU_PERIOD_US),
-                    "period": CPU_PERIOD_US,
-                    "shares": cpu_shares(spec.qos),  # the QoS class's weight
-                    **({"idle": 1} if cpu_idle and spec.qos == "best_effort" else {}),
-                },
-                "pids": {"limit": spec.pids_limit},
-            },
+            "resources": sandbox_resources(spec, host_cpus=host_cpus, cpu_idle=cpu_idle),
             "maskedPaths": [p for p in _masks()[0] if not (shared and _under_sys(p))],
             "readonlyPaths": READONLY_PATHS,
             **({"seccomp": seccomp} if seccomp is not None else {}),

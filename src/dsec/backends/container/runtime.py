@@ -42,6 +42,10 @@ _CRUN_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcnt
 # the wrapper's mount namespace and creates no device node in a /dev that is a bind.
 # Others (runsc has its own /dev) keep their own /dev and /dev/shm mounts.
 SHARED_DEV_RUNTIMES = frozenset({"crun"})
+# Runtimes with ``run --no-new-keyring``: the wrapper gives each container an anonymous
+# session keyring instead of the runtime's named one, whose name lookup walks every
+# keyring on the host in each create (see crun-wrap --session-keyring in dsec-init.c).
+OWN_KEYRING_RUNTIMES = frozenset({"crun", "runc"})
 DEV_DIR_NAME = "dev"
 log = logging.getLogger(__name__)
 
@@ -199,6 +203,8 @@ class OCIRuntime:
             argv += ["--overlay-target", str(overlay[0]), "--overlay-data", overlay[1]]
         if dev_tmpfs is not None:
             argv += ["--dev-tmpfs", str(dev_tmpfs), "--dev-data", DEV_TMPFS_OPTIONS]
+        if starts_container and self.name in OWN_KEYRING_RUNTIMES:
+            argv += ["--session-keyring", "new"]
         if self.view is not None and self.view.in_use:
             # no unified hierarchy in the view: crun runs in v1 mode, needs no mask
             argv += self.view.argv(starts_container=starts_container)
@@ -242,6 +248,7 @@ class OCIRuntime:
         argv = self._argv(
             [
                 "run",
+                *(["--no-new-keyring"] if self.name in OWN_KEYRING_RUNTIMES else []),
                 "--detach",
                 "--preserve-fds",
                 "1",
