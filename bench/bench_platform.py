@@ -1,15 +1,19 @@
 """Single-node platform benchmark (issue 2, roadmap item 1), one run, side by side.
 
     .venv/bin/python bench/bench_platform.py [--rounds 200] [--creates 200] [--idle 500]
-        [--execs 300] [--only-create] [--overlap]
+        [--execs 300] [--only-create] [--overlap] [--bare] [--settle-ms 50]
 
 Starts its own `dsec up` on a fresh data directory, then measures through the SDK:
 
 - the create ratio (issue 19's target, <= 1.25x): ``--rounds`` rounds, each one create
   through the SDK and one raw ``crun run --detach`` of the same EROFS layer with an
-  own overlay (dsec.crun_baseline, create to ready), interleaved and alternating which
-  goes first, so both see the same host at the same moments; each sandbox is stopped
-  and each raw container deleted untimed before the next round. ``--overlap`` runs the
+  own overlay and a default sandbox's cgroup limits (dsec.crun_baseline, create to
+  ready; ``--bare`` adds a third arm with memory and pids limits only, the baseline
+  before 2026-12-05), interleaved, the order turning every round, so all see the same
+  host at the same moments; each sandbox is stopped and each raw container deleted
+  untimed, and ``--settle-ms`` (50) passes before each timed create, so that neither
+  arm runs beside the other's cleanup (the platform finishes a teardown after its stop
+  answers). ``--overlap`` runs the
   rounds again with each create beside the previous sandbox's stop (an RL loop: the
   teardown competes with the create);
 - create latency of ``--creates`` sandboxes kept, then stopped; creates right after
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -90,6 +95,8 @@ async def interleaved(
     rounds: int,
     *,
     overlap: bool = False,
+    bare: RawCrun | None = None,
+    settle: float = 0.0,
 ) -> dict[str, Any]:
     """Create via the SDK and raw ``crun run --detach``, one of each per round, the
     order alternating (ABBA), each undone untimed before the next round. ``overlap``:
@@ -97,12 +104,23 @@ async def interleaved(
     rollout loop), so its teardown competes with the create; raw crun is unchanged."""
     ours: list[float] = []
     theirs: list[float] = []
+    bares: list[float] = []
     previous: Any = None
+    arms = ("ours", "raw", "bare") if bare is not None else ("ours", "raw")
     for i in range(rounds + 3):  # 3 warm-up rounds
         samples: dict[str, float] = {}
-        for who in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+        for who in arms[i % len(arms) :] + arms[: i % len(arms)]:  # the order turns
+            # The platform tears a stopped sandbox down after stop() answers (cgroups,
+            # page charges, directories: dsec.backends.container.backend); raw crun's
+            # delete is done when it returns. A pause before each timed create lets the
+            # host settle, so neither arm pays the other's cleanup (--settle-ms).
+            await asyncio.sleep(settle)
             if who == "raw":
                 samples[who] = raw.detached_once()
+                continue
+            if who == "bare":
+                assert bare is not None
+                samples[who] = bare.detached_once()
                 continue
             stopping = asyncio.ensure_future(previous.stop()) if previous is not None else None
             t = time.perf_counter()
@@ -118,15 +136,22 @@ async def interleaved(
         if i >= 3:
             ours.append(samples["ours"])
             theirs.append(samples["raw"])
+            if "bare" in samples:
+                bares.append(samples["bare"])
     if previous is not None:
         await previous.stop()
     mine, base = summary(ours), summary(theirs)
-    return {
+    out = {
         "create_interleaved": mine,
         "raw_crun_detach": base,
         "ratio_p50": mine["p50_ms"] / base["p50_ms"],
         "ratio_p99": mine["p99_ms"] / base["p99_ms"],
     }
+    if bares:
+        old = summary(bares)
+        out["raw_crun_detach_bare"] = old
+        out["ratio_p50_bare"] = mine["p50_ms"] / old["p50_ms"]
+    return out
 
 
 async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> dict[str, Any]:
@@ -143,8 +168,12 @@ async def run(opts: argparse.Namespace, url: str, key: str, data_dir: Path) -> d
 
         # 0. the create ratio: platform and raw crun --detach interleaved
         layer = image.layers[0]
-        with RawCrun(layer_blob=blob_path(data_dir, layer)) as raw:
-            results["vs_raw"] = await interleaved(client, spec, raw, opts.rounds)
+        blob = blob_path(data_dir, layer)
+        with RawCrun(layer_blob=blob) as raw, contextlib.ExitStack() as stack:
+            bare = stack.enter_context(RawCrun(blob, limits="bare")) if opts.bare else None
+            results["vs_raw"] = await interleaved(
+                client, spec, raw, opts.rounds, bare=bare, settle=opts.settle_ms / 1000
+            )
             if opts.overlap:
                 results["vs_raw_overlap"] = await interleaved(
                     client, spec, raw, opts.rounds, overlap=True
@@ -218,11 +247,18 @@ def print_table(res: dict[str, Any], idle: int) -> None:
     print(f"\n{'interleaved, one of each per round':58} {'n':>5} {'p50 ms':>9} {'p99 ms':>9}")
     for name, s in (
         ("create via SDK", v["create_interleaved"]),
-        ("raw crun run --detach, same layer", v["raw_crun_detach"]),
+        ("raw crun run --detach, same layer and limits", v["raw_crun_detach"]),
+        *(
+            [("raw crun, memory and pids limits only (--bare)", v["raw_crun_detach_bare"])]
+            if "raw_crun_detach_bare" in v
+            else []
+        ),
     ):
         print(f"{name:58} {s['n']:>5} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f}")
     label = "create ours / raw, p50 (target <= 1.25) and p99"
     print(f"{label:58} {v['ratio_p50']:>15.2f} {v['ratio_p99']:>9.2f}")
+    if "ratio_p50_bare" in v:
+        print(f"{'create ours / raw --bare, p50':58} {v['ratio_p50_bare']:>15.2f}")
     o = res.get("vs_raw_overlap")
     if o is not None:
         for name, s in (
@@ -262,6 +298,18 @@ def main() -> None:
         "--overlap",
         action="store_true",
         help="interleaved rounds again, each create beside the previous sandbox's stop",
+    )
+    ap.add_argument(
+        "--bare",
+        action="store_true",
+        help="a third arm: raw crun with memory and pids limits only (the baseline before "
+        "it set a sandbox's limits), to compare with earlier figures",
+    )
+    ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=50.0,
+        help="pause before each timed create of the interleaved rounds (0: back to back)",
     )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)

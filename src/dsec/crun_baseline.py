@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 from dsec import linux
 from dsec.agent.build import agent_binary
@@ -62,8 +63,13 @@ class RawCrun:
     """``with RawCrun(blob) as raw: raw.measure(n)``: seconds per `crun run`, each on an
     overlay of its own over the one mounted layer; everything removed on exit."""
 
-    def __init__(self, layer_blob: Path) -> None:
+    def __init__(self, layer_blob: Path, *, limits: Literal["sandbox", "bare"] = "sandbox") -> None:
+        """``limits``: "sandbox", a default 64 MiB sandbox's cgroup limits (memory, CPU
+        quota and weight, pids, no device; the baseline the create ratio is judged
+        against); "bare": memory and pids only, the baseline before 2026-12-05, kept to
+        compare with earlier figures."""
         self.layer_blob = layer_blob
+        self.limits = limits
         # Its own cgroup parent: a demo and a bench may run at once.
         self.cgroup_parent = f"/dsec-baseline-{secrets.token_hex(4)}"
         self.base = Path(tempfile.mkdtemp(prefix="dsec-rawcrun-", dir="/tmp"))
@@ -87,10 +93,14 @@ class RawCrun:
         config["root"] = {"path": str(self.base / "rootfs"), "readonly": False}
         config["linux"]["cgroupsPath"] = f"{self.cgroup_parent}/raw"
         # The limits of a default 64 MiB sandbox, written by crun as for the platform's.
-        config["linux"]["resources"] = sandbox_resources(
-            DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64),
-            host_cpus=os.cpu_count() or 1,
-            cpu_idle=False,
+        config["linux"]["resources"] = (
+            sandbox_resources(
+                DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64),
+                host_cpus=os.cpu_count() or 1,
+                cpu_idle=False,
+            )
+            if self.limits == "sandbox"
+            else {"memory": {"limit": 64 * 2**20}, "pids": {"limit": 1024}}
         )
         self.config = config
         return self
