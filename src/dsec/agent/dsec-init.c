@@ -3158,9 +3158,13 @@ static pid_t sp_start_wrap(char **argv, char **envp, const int *fds, int nfds, i
 	signal(SIGPIPE, SIG_DFL);
 	signal(SIGCHLD, SIG_DFL);
 	sigprocmask(SIG_SETMASK, &none, NULL);
-	int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-	if (null < 0 || dup2(null, 0) < 0 || dup2(fds[0], 1) < 0 || dup2(fds[1], 2) < 0 ||
-	    (nfds == 3 && dup2(fds[2], target) < 0))
+	/* Not O_CLOEXEC: it may itself be fd 0 (a spawner started with 0 closed). */
+	int null = open("/dev/null", O_RDONLY);
+	if (null < 0 || (null != 0 && dup2(null, 0) < 0))
+		_exit(127);
+	if (null > 2)
+		close(null);
+	if (dup2(fds[0], 1) < 0 || dup2(fds[1], 2) < 0 || (nfds == 3 && dup2(fds[2], target) < 0))
 		_exit(127);
 	environ = envp;
 	int argc = 0;
