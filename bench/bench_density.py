@@ -237,14 +237,13 @@ class Density:
 
 async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    configured = os.environ.get("DSEC_MAX_SANDBOXES")
     async with DSecClient(plat.url, plat.api_key, timeout=600) as client:
         admission = (await client.health()).admission
         res["admission"] = admission
+        by = admission.get("capacity_limited_by")
         print(
-            f"admission capacity {admission.get('capacity')} sandboxes "
-            f"(limited by {admission.get('capacity_limited_by')}), settings: "
-            + (f"DSEC_MAX_SANDBOXES={configured}" if configured else "defaults"),
+            f"admission capacity {admission.get('capacity')} sandboxes (limited by {by}"
+            + (": DSEC_MAX_SANDBOXES)" if by == "setting" else ", default settings)"),
             flush=True,
         )
         await client.build_image("busybox")

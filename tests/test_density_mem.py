@@ -69,7 +69,7 @@ def _spec(mb: int = 64, cpu: float = 1.0) -> Spec:
     return Spec(container_image="busybox:latest", memory_limit_mb=mb, cpu_cores_limit=cpu)
 
 
-def test_one_host_reading_decides_a_create(tmp_path: Path) -> None:
+def test_one_host_reading_decides_a_create() -> None:
     """measure() once: shortfall and admit decide on the same reading (the create path
     reads /proc once), and a refusal still comes from what that reading says."""
     a = Admission(max_sandboxes=None)

@@ -92,16 +92,16 @@ class RawCrun:
         config["process"]["args"] = ["/bin/true"]
         config["root"] = {"path": str(self.base / "rootfs"), "readonly": False}
         config["linux"]["cgroupsPath"] = f"{self.cgroup_parent}/raw"
-        # The limits of a default 64 MiB sandbox, written by crun as for the platform's.
-        config["linux"]["resources"] = (
-            sandbox_resources(
-                DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64),
-                host_cpus=os.cpu_count() or 1,
-                cpu_idle=False,
-            )
-            if self.limits == "sandbox"
-            else {"memory": {"limit": 64 * 2**20}, "pids": {"limit": 1024}}
+        # The limits of a default 64 MiB sandbox, written by crun as for the platform's
+        # ("bare": only its memory and pids limits).
+        resources = sandbox_resources(
+            DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64),
+            host_cpus=os.cpu_count() or 1,
+            cpu_idle=False,
         )
+        if self.limits == "bare":
+            resources = {k: resources[k] for k in ("memory", "pids")}
+        config["linux"]["resources"] = resources
         self.config = config
         return self
 

@@ -3123,6 +3123,11 @@ static char **sp_strings(char *buf, size_t len, size_t *off, uint32_t count)
 	return v;
 }
 
+/* What the spawner ignores or takes by signalfd (blocked): a child gets the default    */
+/* disposition of each, whichever way it is started (sp_start_wrap, sp_start).          */
+static const int sp_child_default_signals[] = {SIGHUP, SIGINT, SIGPIPE, SIGCHLD};
+#define SP_CHILD_DEFAULT_SIGNALS (sizeof sp_child_default_signals / sizeof sp_child_default_signals[0])
+
 /* Our own executable (dev, ino), for sp_start_wrap: 0/0 when unknown. */
 static dev_t sp_self_dev;
 static ino_t sp_self_ino;
@@ -3153,10 +3158,8 @@ static pid_t sp_start_wrap(char **argv, char **envp, const int *fds, int nfds, i
 	}
 	sigset_t none;
 	sigemptyset(&none);
-	signal(SIGHUP, SIG_DFL);
-	signal(SIGINT, SIG_DFL);
-	signal(SIGPIPE, SIG_DFL);
-	signal(SIGCHLD, SIG_DFL);
+	for (size_t k = 0; k < SP_CHILD_DEFAULT_SIGNALS; k++)
+		signal(sp_child_default_signals[k], SIG_DFL);
 	sigprocmask(SIG_SETMASK, &none, NULL);
 	/* Not O_CLOEXEC: it may itself be fd 0 (a spawner started with 0 closed). */
 	int null = open("/dev/null", O_RDONLY);
@@ -3184,10 +3187,8 @@ static pid_t sp_start(char **argv, char **envp, const int *fds, int nfds, int ta
 	sigemptyset(&none);
 	sigemptyset(&dfl);
 	/* What we ignore or block is inherited across exec: give the child the defaults. */
-	sigaddset(&dfl, SIGHUP);
-	sigaddset(&dfl, SIGINT);
-	sigaddset(&dfl, SIGPIPE);
-	sigaddset(&dfl, SIGCHLD);
+	for (size_t k = 0; k < SP_CHILD_DEFAULT_SIGNALS; k++)
+		sigaddset(&dfl, sp_child_default_signals[k]);
 	posix_spawn_file_actions_init(&fa);
 	posix_spawnattr_init(&attr);
 	/* Our fds are all close-on-exec, so the child gets exactly 0, 1, 2 (and target). */
