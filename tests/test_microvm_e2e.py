@@ -600,6 +600,31 @@ async def test_hostile_guest_hurts_only_itself(vmp: VMPlatform, client: DSecClie
     assert nothing_left(vmp, bid) == []
 
 
+async def test_guest_ending_its_mux_quietly_fails_the_vm_at_once(
+    vmp: VMPlatform, client: DSecClient
+) -> None:
+    """No garbage, no protocol violation: the guest just ends the one program holding
+    its agent port. QEMU reports the port closed; nothing could answer a link again,
+    so the VM ends within a poll or two, and a request fails at once instead of
+    waiting for its command timeout plus the agent's grace (40 s here)."""
+    async with vm(client) as quiet:
+        await quiet.start("sleep 1; kill -9 $(pidof dsec-vmmux)")
+
+        async def ended() -> bool:
+            return (await quiet.refresh()).state is SandboxState.FAILED
+
+        await eventually(ended, "the VM whose mux ended FAILED", 15)
+        t0 = time.monotonic()
+        with pytest.raises(DSecError):
+            await quiet.run_shell("true", timeout=10)
+        assert time.monotonic() - t0 < 5
+        rows = await client.audit(sandbox=quiet.id, kinds=[AuditKind.LIFECYCLE])
+        lost = [r for r in rows if r.action == "agent_channel_lost"]
+        assert lost and "closed its agent port" in lost[0].detail["why"], rows
+        bid = quiet.id
+    assert nothing_left(vmp, bid) == []
+
+
 async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient) -> None:
     """A best-effort microVM's QEMU, every thread of it (vCPUs included), runs at
     SCHED_IDLE in a cgroup of the lowest weight, also the new QEMU a resume from its

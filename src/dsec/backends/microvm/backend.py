@@ -59,7 +59,7 @@ from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConf
 from dsec.backends.qemuvm import QemuVMBackend
 from dsec.errors import BackendError
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
-from dsec.guest.channel import GuestChannel
+from dsec.guest.channel import ST_READY, GuestChannel
 from dsec.images.mounts import LayerMounts
 from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
 from dsec.resources import qos
@@ -78,6 +78,7 @@ MIN_MEMORY_MB = 128  # the guest kernel and initramfs need this much to boot
 QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
 RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
+PORT_POLL = 0.5  # seconds between asking QEMU, during a relink, whether the port is open
 ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
 
@@ -706,7 +707,9 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         kill it, so that the edge's init watch fails the sandbox at once. An agent
         channel the guest broke (garbage on its port, its mux killed) is linked anew
         once; if the guest does not answer, the VM is killed the same way: requests
-        waiting for it fail instead of hanging in the agent socket's backlog."""
+        waiting for it fail instead of hanging in the agent socket's backlog. A link
+        whose guest end closed the port (its mux ended, then maybe no garbage at all)
+        is broken the same way: nothing on it could ever answer."""
         relinks: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
@@ -727,12 +730,21 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                         continue
                     channel = machine.channel
                     busy = machine.lock.locked() or machine.stopped or sid in relinks
-                    if channel is not None and channel.lost is not None and not busy:
-                        task = asyncio.create_task(
-                            self._relink(sid, machine, channel), name=f"vm-relink-{sid}"
-                        )
-                        relinks[sid] = task
-                        task.add_done_callback(functools.partial(_forget, relinks, sid))
+                    if channel is None or busy:
+                        continue
+                    if channel.lost is not None:
+                        mend = self._relink(sid, machine, channel)
+                    elif (
+                        channel.state == ST_READY
+                        and channel.connected
+                        and await machine.agent_port_closed()
+                    ):
+                        mend = self._abandon(sid, machine, channel)
+                    else:
+                        continue
+                    task = asyncio.create_task(mend, name=f"vm-relink-{sid}")
+                    relinks[sid] = task
+                    task.add_done_callback(functools.partial(_forget, relinks, sid))
         finally:
             for task in list(relinks.values()):
                 task.cancel()
@@ -744,20 +756,50 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             why = lost.lost or "lost"
             try:
                 channel = await machine.connect_channel(RELINK_TIMEOUT)
-                await channel.wait_ready(RELINK_TIMEOUT)
+                await self._wait_answer(machine, channel)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("microvm %s: agent channel lost (%s), no answer: %s", sid, why, exc)
-                self.audit.record(
-                    sid, AuditKind.LIFECYCLE, "agent_channel_lost", why=why, error=str(exc)
-                )
-                machine.close_listener()  # requests waiting for it fail now
-                machine.ended = f"the guest broke its agent channel ({why}) and did not answer"
-                await machine.kill()  # the edge's init watch fails the sandbox
+                await self._end_unanswerable(sid, machine, why, f"no answer: {exc}")
                 return
             log.warning("microvm %s: agent channel linked again after: %s", sid, why)
             self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_relinked", why=why)
+
+    async def _wait_answer(self, machine: Machine, channel: GuestChannel) -> None:
+        """Until a new link's guest answers READY, at most RELINK_TIMEOUT; BackendError
+        at once when the guest's agent port is closed meanwhile (its mux ended: nothing
+        will answer, however long the wait)."""
+        deadline = time.monotonic() + RELINK_TIMEOUT
+        while True:
+            try:
+                await channel.wait_ready(max(0.0, min(PORT_POLL, deadline - time.monotonic())))
+                return
+            except BackendError:
+                if channel.lost is not None or time.monotonic() >= deadline:
+                    raise
+            if await machine.agent_port_closed():
+                raise BackendError("the guest closed its agent port (its mux ended)")
+
+    async def _abandon(self, sid: str, machine: Machine, channel: GuestChannel) -> None:
+        """The guest closed its agent port: its mux, which opens the port once and
+        holds it for its whole life, has ended, and nothing in the guest starts another.
+        No link could be answered again, so the VM ends now rather than after a relink's
+        wait (and a request sent meanwhile fails now rather than after its deadline)."""
+        async with machine.lock:
+            if machine.channel is not channel or machine.proc is None or machine.stopped:
+                return
+            why = "the guest closed its agent port (its mux ended)"
+            await self._end_unanswerable(sid, machine, why, "its port stays closed")
+
+    async def _end_unanswerable(self, sid: str, machine: Machine, why: str, error: str) -> None:
+        """End a VM whose agent channel can no longer be served (the caller holds its
+        lock): requests waiting in the agent socket fail now, the edge's init watch
+        fails the sandbox, and the reason is audited and kept for ``death_reason``."""
+        log.warning("microvm %s: agent channel lost (%s): %s", sid, why, error)
+        self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_lost", why=why, error=error)
+        machine.close_listener()
+        machine.ended = f"the guest broke its agent channel ({why}) and did not answer"
+        await machine.kill()
 
     def death_reason(self, rec: SandboxRecord) -> str | None:
         """Why the VM ended: what the backend recorded when it ended it, else what the

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dsec.backends.microvm.qemu import QemuProcess, VMConfig
+from dsec.backends.microvm.qemu import AGENT_CHARDEV, QemuProcess, VMConfig
 from dsec.backends.microvm.qmp import Qmp, QmpError
 from dsec.backends.microvm.snapshot import load_into
 from dsec.guest.channel import GuestChannel
@@ -172,6 +172,24 @@ class Machine:
         try:
             qmp = await self.connect_qmp()
             return await qmp.guest_ended(timeout=2.0)
+        except QmpError:
+            await self.close_qmp()
+            return False
+
+    async def agent_port_closed(self) -> bool:
+        """Whether the guest holds its agent port closed (QMP ``query-chardev``): the
+        guest's mux, the only program that keeps it open, has ended. Its link can then
+        never answer, and a request sent on it would wait for its whole deadline; the
+        host sees no garbage that would end the link by itself. False while unknown
+        (QMP gone: the next poll asks again). The caller holds ``lock`` or knows
+        nobody does (QMP serves one command at a time)."""
+        if self.proc is None or self.stopped:
+            return False
+        if self.restoring is not None and not self.restoring.done():
+            return False  # a restored guest reopens its port when it runs again
+        try:
+            qmp = await self.connect_qmp()
+            return not await qmp.guest_opened(AGENT_CHARDEV, timeout=2.0)
         except QmpError:
             await self.close_qmp()
             return False

@@ -47,6 +47,7 @@ BASE_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off")
 # -sandbox: QEMU's own seccomp filter. spawn=deny also rules out `exec:` migration,
 # which is why snapshots go through a passed fd.
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+AGENT_CHARDEV = "agent"  # QMP's name of the agent port's chardev (query-chardev)
 CONSOLE_RING_BYTES = 64 * 1024  # power of two (QEMU's ringbuf requirement)
 
 
@@ -207,8 +208,8 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
         "-chardev", f"socket,id=qmp,path={config.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={config.agent_socket},server=on,wait=off",
-        "-device", "virtserialport,chardev=agent,name=dsec.agent",
+        "-chardev", f"socket,id={AGENT_CHARDEV},path={config.agent_socket},server=on,wait=off",
+        "-device", f"virtserialport,chardev={AGENT_CHARDEV},name=dsec.agent",
     ]  # fmt: skip
     if config.initrd is not None:
         argv += ["-initrd", str(config.initrd)]
