@@ -14,7 +14,14 @@ many short rounds, their order turning every round, so all see the same host loa
 - without QoS: the same burners as ``qos="latency"`` (what every sandbox was before);
 - tasks only: the best-effort burners with their cgroup's ``cpu.idle`` turned off by
   this bench (SCHED_IDLE tasks and the lowest weight only), to show what the idle
-  cgroup adds (where the kernel has ``cpu.idle``).
+  cgroup adds (where the kernel has ``cpu.idle``);
+- weight only: the best-effort burners with ``cpu.idle`` off and their tasks put back
+  at SCHED_OTHER by this bench (the lowest weight alone), to show what SCHED_IDLE
+  costs and buys. The kernel counts a core that runs only SCHED_IDLE work as idle
+  when it places a waking task (``sched_idle_cpu``), so the loop's tasks are woken
+  onto the burner's core, one after another, while the other core sleeps: the tail
+  of a partly loaded host. With the weight alone that placement goes away, but a
+  fully loaded host (``--burners 2``) then preempts the burners only at a tick.
 
 A batch runs commands for ``--batch-ms`` rather than a count. Two burners of 0.5 core
 each (``--burners 2 --burner-cpus 0.5``, the first version of this bench) are not a
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -57,7 +65,7 @@ from dsec.resources import cgroups, qos  # noqa: E402
 
 BURN = "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $! > /tmp/burn.pid"
 UNBURN = "kill $(cat /tmp/burn.pid)"
-CONDITIONS = ("idle", "with_qos", "without_qos", "tasks_only")
+CONDITIONS = ("idle", "with_qos", "without_qos", "tasks_only", "weight_only")
 
 
 def spec(qos: str, cpus: float) -> DSecContainerRunArgs:
@@ -117,12 +125,27 @@ async def loop(sb: Any, n: int) -> list[float]:
     return out
 
 
-def set_cgroup_idle(edge_id: str, sid: str, on: bool) -> None:
-    """The bench's knob for the ``tasks_only`` condition (the platform sets it on)."""
+def cpu_cgroup(edge_id: str, sid: str) -> Path:
     host = cgroups.detect()
     rel = f"dsec/{edge_id}/{sid}"
-    cpu = host.v1["cpu"] / rel if "cpu" in host.v1 else host.v2 / rel  # type: ignore[operator]
-    (cpu / "cpu.idle").write_text("1" if on else "0")
+    return host.v1["cpu"] / rel if "cpu" in host.v1 else host.v2 / rel  # type: ignore[operator]
+
+
+def set_cgroup_idle(edge_id: str, sid: str, on: bool) -> None:
+    """The bench's knob for the ``tasks_only`` and ``weight_only`` conditions (the
+    platform sets it on)."""
+    (cpu_cgroup(edge_id, sid) / "cpu.idle").write_text("1" if on else "0")
+
+
+def set_tasks_policy(edge_id: str, sid: str, policy: int) -> None:
+    """The bench's knob for ``weight_only``: every task of the sandbox at ``policy``
+    (from the host, as root; a sandbox cannot leave SCHED_IDLE by itself)."""
+    cg = cpu_cgroup(edge_id, sid)
+    for tid in (
+        (cg / ("tasks" if (cg / "tasks").exists() else "cgroup.threads")).read_text().split()
+    ):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
 
 
 async def run(
@@ -146,8 +169,8 @@ async def run(
             }
             made += burners["with_qos"] + burners["without_qos"]
             conditions = CONDITIONS if cgroups.detect().has_cpu_idle else CONDITIONS[:3]
-            if "tasks_only" in conditions:
-                burners["tasks_only"] = burners["with_qos"]
+            for cond in conditions[3:]:
+                burners[cond] = burners["with_qos"]
             await loop(probe, 20)  # warm the connection and the agent
             samples: dict[str, list[float]] = {c: [] for c in conditions}
             per_round: dict[str, list[float]] = {c: [] for c in conditions}
@@ -159,9 +182,11 @@ async def run(
                 for cond in conditions[k:] + conditions[:k]:
                     load = burners.get(cond, [])
                     for sb in burners["with_qos"]:
-                        set_cgroup_idle(edge_id, sb.id, cond != "tasks_only")
+                        set_cgroup_idle(edge_id, sb.id, cond not in ("tasks_only", "weight_only"))
                     for sb in load:
                         await sb.run_shell(BURN)
+                        if cond == "weight_only":
+                            set_tasks_policy(edge_id, sb.id, os.SCHED_OTHER)
                     await asyncio.sleep(opts.settle)  # let the loops take their share
                     if cond == "with_qos" and not policies:
                         policies = burner_policies(edge_id, [sb.id for sb in load])
@@ -173,6 +198,8 @@ async def run(
                     per_round[cond].append(statistics.median(got))
                     for sb in load:
                         await sb.run_shell(UNBURN)
+                        if cond == "weight_only":
+                            set_tasks_policy(edge_id, sb.id, os.SCHED_IDLE)
         finally:
             await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
     res: dict[str, Any] = {c: summary(s) for c, s in samples.items()}
@@ -236,11 +263,13 @@ def main() -> None:
         f"\n{'run_shell(true) of a latency sandbox':40} {'n':>5} {'p50 ms':>8} {'p99 ms':>8}"
         "   inflation: pooled p50, per-round p50, p99, mean; host busy"
     )
+    load = f"{min(1.0, opts.burners * opts.burner_cpus / (os.cpu_count() or 1)):.0%} load"
     labels = {
         "idle": "no load",
-        "with_qos": "50% load, best_effort burners (QoS)",
-        "without_qos": "50% load, latency burners (no QoS)",
-        "tasks_only": "50% load, best_effort, cgroup not idle",
+        "with_qos": f"{load}, best_effort burners (QoS)",
+        "without_qos": f"{load}, latency burners (no QoS)",
+        "tasks_only": f"{load}, best_effort, cgroup not idle",
+        "weight_only": f"{load}, best_effort, weight only",
     }
     for cond in (c for c in CONDITIONS if c in res):
         s = res[cond]

@@ -12,11 +12,18 @@ Two classes (``DSecRunArgs.qos``):
   otherwise idle) and the lowest CPU weight; where the kernel has cgroup ``cpu.idle``
   (>= 5.15), the sandbox's cgroup is an idle entity too, because a task's SCHED_IDLE
   only ranks it within its own cgroup while the scheduler compares sibling sandboxes
-  as cgroup entities. (That is the reasoning; bench/bench_qos.py could not tell the
-  idle cgroup's effect from its shared host's noise.) The policy is set on the
+  as cgroup entities (bench/bench_qos.py, both cores busy: the loop's mean +0.3% over
+  an unloaded host with the idle cgroup, +55% without it). The policy is set on the
   sandbox's init from the host right after it starts, and every process it forks
   inherits it. A sandbox cannot leave it: that needs CAP_SYS_NICE or an RLIMIT_NICE
   that permits it (sched(7)), and sandboxes have neither (``NICE_RLIMIT``).
+
+Why SCHED_IDLE and not the lowest weight alone, measured in the same bench: with the
+weight alone the loop is 4-5x slower on a full host (EEVDF lets the running entity
+finish its slice, and a weight only counts among siblings), as without QoS. The price:
+the kernel counts a core running only SCHED_IDLE work as idle when it places a waking
+task (``sched_idle_cpu``), so with one core left free the loop's tasks queue on the
+burner's core and the p99 grows by about a tick (README, Benchmarks, bench_qos).
 
 The weights are OCI ``cpu.shares`` values (cgroup v1 ``cpu.shares``; crun converts
 them to v2 ``cpu.weight``): they only matter between siblings, and a sandbox's
