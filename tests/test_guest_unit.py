@@ -155,6 +155,58 @@ async def test_hostile_guest_frames_close_the_link(
     assert "Traceback" not in caplog.text
 
 
+async def quiet_guest(path: Path, *, takes_requests: bool) -> asyncio.Server:
+    """A guest that answers HELLO and then either credits what it is sent (a running
+    mux whose agent stays silent: a long command) or reads it and says nothing (a
+    stopped mux: the bytes sit in the port's buffers)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readexactly(len(wire.PREAMBLE) + wire.HDR.size + 16)
+        nonce = head[-8:]
+        writer.write(wire.frame(wire.T_HELLO, 0, wire.HELLO_MAGIC + nonce + bytes([2])))
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                type_, cid, n = wire.HDR.unpack(await reader.readexactly(wire.HDR.size))
+                await reader.readexactly(n)
+                if type_ == wire.T_DATA and takes_requests:
+                    writer.write(wire.frame(wire.T_CREDIT, cid, struct.pack("<I", n)))
+                    await writer.drain()
+        writer.close()
+
+    return await asyncio.start_unix_server(serve, str(path))
+
+
+@pytest.mark.parametrize("takes_requests", [True, False], ids=["mux-runs", "mux-stopped"])
+async def test_a_request_the_guest_never_takes_shows_as_stalled(
+    tmp_path: Path, takes_requests: bool
+) -> None:
+    chardev, listen = tmp_path / "chardev", tmp_path / "listen"
+    server = await quiet_guest(chardev, takes_requests=takes_requests)
+    channel = GuestChannel(chardev, listen)
+    try:
+        await channel.start()
+        await channel.wait_ready(5)
+        assert channel.stalled_for() == 0.0
+        _, idle_writer = await asyncio.open_unix_connection(str(listen))
+        reader, writer = await asyncio.open_unix_connection(str(listen))
+        writer.write(b"a request")  # the idle client sent nothing: nothing is owed
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        if takes_requests:
+            assert channel.stalled_for() == 0.0  # credited, though no answer came
+        else:
+            assert 0.3 < channel.stalled_for() < 5
+            channel.abandon("stalled")
+            assert channel.lost == "stalled"
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # its client is closed
+        for w in (writer, idle_writer):
+            w.close()
+    finally:
+        await channel.close()
+        server.close()
+        await server.wait_closed()
+
+
 def test_sockets_in_a_vmm_writable_directory_are_never_reached_through_a_link(
     tmp_path: Path,
 ) -> None:

@@ -625,6 +625,35 @@ async def test_guest_ending_its_mux_quietly_fails_the_vm_at_once(
     assert nothing_left(vmp, bid) == []
 
 
+async def test_guest_stopping_its_mux_fails_the_vm_in_bounded_time(
+    vmp: VMPlatform, client: DSecClient
+) -> None:
+    """The port stays open and nothing on it is garbage: the guest only stops the mux
+    (SIGSTOP). A file read, which has no command timeout to bound it, used to wait
+    for ever; the mux's silence on a request now breaks the link, the relink finds
+    no HELLO, and the VM ends: the read fails within the stall and relink windows."""
+    async with vm(client) as frozen:
+        await frozen.start("sleep 1; kill -STOP $(pidof dsec-vmmux)")
+        await asyncio.sleep(2)
+        t0 = time.monotonic()
+        async with asyncio.timeout(60):
+            with pytest.raises(DSecError):
+                await frozen.read_file("/etc/hostname")
+        waited = time.monotonic() - t0
+        print(f"a read from a VM whose mux stopped failed in {waited:.1f}s")
+        assert waited < 40
+
+        async def ended() -> bool:
+            return (await frozen.refresh()).state is SandboxState.FAILED
+
+        await eventually(ended, "the VM whose mux stopped FAILED", 20)
+        rows = await client.audit(sandbox=frozen.id, kinds=[AuditKind.LIFECYCLE])
+        actions = [r.action for r in rows]
+        assert "agent_channel_stalled" in actions and "agent_channel_lost" in actions, actions
+        bid = frozen.id
+    assert nothing_left(vmp, bid) == []
+
+
 async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient) -> None:
     """A best-effort microVM's QEMU, every thread of it (vCPUs included), runs at
     SCHED_IDLE in a cgroup of the lowest weight, also the new QEMU a resume from its

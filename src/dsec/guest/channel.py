@@ -100,6 +100,10 @@ class _Channel:
         self.guest_closed = False
         self.gone = False  # forgotten by the host (CLOSE sent or received)
         self.tasks: list[asyncio.Task[None]] = []
+        # When the host sent the channel's first DATA (its request) and the guest has
+        # not yet said a word on it (see GuestChannel.stalled_for); None otherwise.
+        self.owed_since: float | None = None
+        self.answered = False
 
 
 class GuestChannel:
@@ -210,6 +214,25 @@ class GuestChannel:
         await self._synced.wait()
         self._send(frame(T_GO, 0, text))
         await self._drain()
+
+    def stalled_for(self) -> float:
+        """Seconds the oldest request the guest has not taken has waited (0.0: none).
+
+        A channel's first DATA is its request, and the guest's mux answers it with a
+        CREDIT as soon as it has passed those bytes to the agent's socket, whose buffer
+        is empty then: whatever the agent does with the request (a command that runs
+        for hours), the mux's word on it comes at once. A request nobody took for
+        seconds means the mux does not run (stopped by the guest, or the guest hung),
+        where no garbage and no closed port would ever tell. Later DATA is not
+        counted: a command that does not read its stdin stops its window, rightly."""
+        now = asyncio.get_running_loop().time()
+        waits = [now - ch.owed_since for ch in self._channels.values() if ch.owed_since is not None]
+        return max(waits, default=0.0)
+
+    def abandon(self, why: str) -> None:
+        """End the link for a reason the host saw elsewhere (``stalled_for``): every
+        channel's client is closed, ``lost`` says ``why``; the caller links anew."""
+        self._lose(why)
 
     async def close(self) -> None:
         """Close the server, every channel and the chardev connection; remove ``listen``."""
@@ -352,6 +375,8 @@ class GuestChannel:
         if cid == 0 or cid >= self._next_id:
             raise ProtocolViolation(f"frame for channel {cid}, never opened")
         ch = self._channels.get(cid)
+        if ch is not None:
+            ch.answered, ch.owed_since = True, None
         if type_ == T_DATA:
             if n == 0:
                 raise ProtocolViolation("empty DATA")
@@ -445,6 +470,8 @@ class GuestChannel:
                     self._send(frame(T_EOF, ch.id))
                     return
                 ch.credit -= len(data)
+                if not ch.answered and ch.owed_since is None:
+                    ch.owed_since = asyncio.get_running_loop().time()
                 self._send(frame(T_DATA, ch.id, data))
                 await self._drain()
         except (ConnectionError, OSError):

@@ -79,6 +79,7 @@ QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
 RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
 PORT_POLL = 0.5  # seconds between asking QEMU, during a relink, whether the port is open
+STALL_AFTER = 10.0  # seconds a request may wait for the guest's mux to take it
 ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
 
@@ -709,7 +710,9 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         once; if the guest does not answer, the VM is killed the same way: requests
         waiting for it fail instead of hanging in the agent socket's backlog. A link
         whose guest end closed the port (its mux ended, then maybe no garbage at all)
-        is broken the same way: nothing on it could ever answer."""
+        is broken the same way: nothing on it could ever answer. A link whose mux
+        took no request for STALL_AFTER (stopped, or the guest hung: the port stays
+        open and quiet) is linked anew, and if no HELLO comes, the VM ends too."""
         relinks: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
@@ -734,12 +737,15 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                         continue
                     if channel.lost is not None:
                         mend = self._relink(sid, machine, channel)
-                    elif (
-                        channel.state == ST_READY
-                        and channel.connected
-                        and await machine.agent_port_closed()
-                    ):
+                    elif not (channel.state == ST_READY and channel.connected):
+                        continue
+                    elif await machine.agent_port_closed():
                         mend = self._abandon(sid, machine, channel)
+                    elif (stalled := channel.stalled_for()) >= STALL_AFTER:
+                        why = f"the guest took no request for {stalled:.0f}s (its mux stopped?)"
+                        self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_stalled")
+                        channel.abandon(why)
+                        mend = self._relink(sid, machine, channel)
                     else:
                         continue
                     task = asyncio.create_task(mend, name=f"vm-relink-{sid}")
