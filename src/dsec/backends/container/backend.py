@@ -381,6 +381,41 @@ class ContainerBackend(AgentDataPath, Backend):
         await asyncio.to_thread(self.teardown_pool.close)
 
     # -- lifecycle ----------------------------------------------------------------------
+    async def start_agent_container(
+        self,
+        cid: str,
+        root: Path,
+        config: dict[str, Any],
+        *,
+        overlay: tuple[Path, str],
+        dev_tmpfs: Path | None,
+        backlog: int,
+    ) -> int:
+        """Start container ``cid`` from ``config`` in bundle ``root`` with our agent as
+        its init, serving the socket ``agent_socket(cid)`` (bound here, ``backlog``
+        deep, handed to the agent); returns the init's pid. The one way a container of
+        this backend starts: a sandbox's and a verifier's (dsec.backends.container.
+        verifier) alike, under the same create-concurrency slots. On failure leaves the
+        bundle and socket path for the caller's teardown, like every create step."""
+        (root / "config.json").write_text(json.dumps(config))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.agent_socket(cid)))
+            listener.listen(backlog)
+            async with self.runtime_slots:
+                await self.runtime.run_detached(
+                    cid,
+                    root,
+                    root / "init.pid",
+                    agent_fd=listener.fileno(),
+                    overlay=overlay,
+                    dev_tmpfs=dev_tmpfs,
+                )
+        finally:
+            # The agent holds its own copy now; ours would only cost an fd per sandbox.
+            listener.close()
+        return int((root / "init.pid").read_text().strip())
+
     async def create(self, inp: CreateInput) -> ContainerFacts:
         sid, spec = inp.id, container_spec(inp)
         net = dict(inp.net) if inp.net is not None else None  # dsec.net's (egress rules)
@@ -419,24 +454,9 @@ class ContainerBackend(AgentDataPath, Backend):
                 sys_mounts=self.sys_mounts(sid),
                 dev_tmpfs=dev,
             )
-            (root / "config.json").write_text(json.dumps(config))
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(str(self.agent_socket(sid)))
-                listener.listen(512)
-                async with self.runtime_slots:
-                    await self.runtime.run_detached(
-                        sid,
-                        root,
-                        root / "init.pid",
-                        agent_fd=listener.fileno(),
-                        overlay=(rootfs, overlay),
-                        dev_tmpfs=dev,
-                    )
-            finally:
-                # The agent holds its own copy now; ours would only cost an fd per sandbox.
-                listener.close()
-            facts.pid = int((root / "init.pid").read_text().strip())
+            facts.pid = await self.start_agent_container(
+                sid, root, config, overlay=(rootfs, overlay), dev_tmpfs=dev, backlog=512
+            )
             # Before any command runs: what the agent forks from now on inherits it.
             if qos.acts_on(spec.qos):
                 qos.apply(spec.qos, self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid})

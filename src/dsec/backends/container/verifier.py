@@ -36,11 +36,9 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import signal
-import socket
 import stat
 import threading
 from pathlib import Path
@@ -466,22 +464,9 @@ async def _start(
         dev_tmpfs=dev,
     )
     config["hostname"] = rec.id  # the grader sees the same host name as the agent
-    (root / "config.json").write_text(json.dumps(config))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(str(sock))
-        listener.listen(16)
-        async with backend.runtime_slots:
-            await backend.runtime.run_detached(
-                vid,
-                root,
-                root / "init.pid",
-                agent_fd=listener.fileno(),
-                overlay=(rootfs, overlay),
-                dev_tmpfs=dev,
-            )
-    finally:
-        listener.close()
+    await backend.start_agent_container(
+        vid, root, config, overlay=(rootfs, overlay), dev_tmpfs=dev, backlog=16
+    )
     # Signals the grader's or the agent's code sends the verifier's pid 1 are the
     # graded sandbox's attempts (the watch ends with the verifier's teardown).
     backend.init_signals.watch(vid, sock, report_as=rec.id)
