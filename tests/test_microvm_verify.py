@@ -160,6 +160,28 @@ async def forged_then_failed(sb: object, attack: str, grader: str = GRADER) -> N
     assert not r.passed, r
 
 
+async def test_a_request_held_by_a_long_verify_is_served_after_it(client: DSecClient) -> None:
+    """An isolated verify holds the agent's VM stopped for the whole step; a request
+    sent meanwhile waits. It must not count as a request the guest's mux never took
+    (the link's stall detector, dsec.guest.channel): once the VM runs again, it is
+    served, however long the verify lasted."""
+    sb = await client.run_microvm(spec(), timeout=300)
+    try:
+        await sh(sb, "mkdir -p /work && echo held > /work/f")
+        verify = asyncio.create_task(sb.verify("sleep 30", graded=["/work"], mode="isolated"))
+        await asyncio.sleep(4)  # the agent's VM is held by now (a verifier boots for long)
+        t0 = time.monotonic()
+        assert await sb.read_file("/work/f") == b"held\n"
+        print(f"the held read was served after {time.monotonic() - t0:.1f}s")
+        r = await verify
+        assert r.passed, r
+        assert (await sb.refresh()).state is SandboxState.RUNNING
+        code, out = await sh(sb, "cat /work/f")
+        assert (code, out) == (0, "held\n")
+    finally:
+        await sb.stop()
+
+
 async def test_replaced_system_binaries(client: DSecClient) -> None:
     """A PATH shadow in /usr/local/bin, then /bin/sh and busybox itself replaced (one
     VM, the attacks one after the other: each verify must still say FAIL)."""

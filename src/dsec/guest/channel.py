@@ -229,6 +229,16 @@ class GuestChannel:
         waits = [now - ch.owed_since for ch in self._channels.values() if ch.owed_since is not None]
         return max(waits, default=0.0)
 
+    def restart_waits(self) -> None:
+        """Count every untaken request's wait from now: the guest could not take it
+        while its VMM was held (SIGSTOPped by a pause, a verify or a pack; vCPUs
+        stopped for a snapshot), and once it runs again it gets the whole stall
+        window rather than being judged on time it never had."""
+        now = asyncio.get_running_loop().time()
+        for ch in self._channels.values():
+            if ch.owed_since is not None:
+                ch.owed_since = now
+
     def abandon(self, why: str) -> None:
         """End the link for a reason the host saw elsewhere (``stalled_for``): every
         channel's client is closed, ``lost`` says ``why``; the caller links anew."""

@@ -714,9 +714,11 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         took no request for STALL_AFTER (stopped, or the guest hung: the port stays
         open and quiet) is linked anew, and if no HELLO comes, the VM ends too."""
         relinks: dict[str, asyncio.Task[None]] = {}
+        held: set[str] = set()  # VMs seen stopped or locked (a pause, verify, snapshot)
         try:
             while True:
                 await asyncio.sleep(GUEST_END_POLL)
+                held &= self._machines.keys()
                 for sid, machine in list(self._machines.items()):
                     try:
                         if await machine.guest_ended():
@@ -733,8 +735,13 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                         continue
                     channel = machine.channel
                     busy = machine.lock.locked() or machine.stopped or sid in relinks
+                    if busy:
+                        held.add(sid)
                     if channel is None or busy:
                         continue
+                    if sid in held:  # the guest could take no request while held:
+                        held.discard(sid)  # its time to take them starts now
+                        channel.restart_waits()
                     if channel.lost is not None:
                         mend = self._relink(sid, machine, channel)
                     elif not (channel.state == ST_READY and channel.connected):
