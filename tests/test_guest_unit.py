@@ -178,8 +178,9 @@ async def quiet_guest(path: Path, *, takes_requests: bool) -> asyncio.Server:
 
 @pytest.mark.parametrize("takes_requests", [True, False], ids=["mux-runs", "mux-stopped"])
 async def test_a_request_the_guest_never_takes_shows_as_stalled(
-    tmp_path: Path, takes_requests: bool
+    tmp_path: Path, takes_requests: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(wire, "STALL_AFTER", 0.3)
     chardev, listen = tmp_path / "chardev", tmp_path / "listen"
     server = await quiet_guest(chardev, takes_requests=takes_requests)
     channel = GuestChannel(chardev, listen)
@@ -194,8 +195,12 @@ async def test_a_request_the_guest_never_takes_shows_as_stalled(
         await asyncio.sleep(0.5)
         if takes_requests:
             assert channel.stalled_for() == 0.0  # credited, though no answer came
+            assert channel.stalled() is None
         else:
             assert 0.3 < channel.stalled_for() < 5
+            assert "took no request" in (channel.stalled() or "")
+            channel.restart_waits()  # held (a pause): the window starts again
+            assert channel.stalled() is None
             channel.abandon("stalled")
             assert channel.lost == "stalled"
             assert await asyncio.wait_for(reader.read(), 5) == b""  # its client is closed

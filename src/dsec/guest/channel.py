@@ -72,6 +72,8 @@ T_RESET, T_HELLO, T_GO, T_OPEN = b"R"[0], b"H"[0], b"G"[0], b"O"[0]
 T_DATA, T_CREDIT, T_EOF, T_CLOSE = b"D"[0], b"C"[0], b"E"[0], b"X"[0]
 ST_WAITING, ST_READY, ST_BOOTING = 1, 2, 3
 PREAMBLE = bytes(HDR.size + MAX_PAYLOAD)
+STALL_AFTER = 10.0
+"""Seconds a request may wait for the guest's mux to take it (``stalled``)."""
 HUNT_LIMIT = 64 << 20
 """Bytes of an older link's output the host skips while looking for its HELLO."""
 
@@ -228,6 +230,15 @@ class GuestChannel:
         now = asyncio.get_running_loop().time()
         waits = [now - ch.owed_since for ch in self._channels.values() if ch.owed_since is not None]
         return max(waits, default=0.0)
+
+    def stalled(self) -> str | None:
+        """Why the link counts as dead although the port is open and nothing on it
+        is garbage: a request untaken for STALL_AFTER (see ``stalled_for``); None
+        while every request was taken in time."""
+        waited = self.stalled_for()
+        if waited < STALL_AFTER:
+            return None
+        return f"the guest took no request for {waited:.0f}s (its mux stopped or hung)"
 
     def restart_waits(self) -> None:
         """Count every untaken request's wait from now: the guest could not take it

@@ -67,8 +67,9 @@ class AgentLink:
 
     async def check(self, qmp: Qmp) -> None:
         """Drop the channel of a ready agent whose guest end closed its port (its mux
-        or agent ended and the service restarts them): the new mux waits for a RESET
-        that only a new channel sends, so ``needs_relink`` turns true."""
+        or agent ended and the service restarts them: the new mux waits for a RESET
+        that only a new channel sends) or took no request in time (a stopped mux),
+        so ``needs_relink`` turns true."""
         if not self.ready or self._channel is None or self._channel.lost is not None:
             return
         try:
@@ -78,6 +79,17 @@ class AgentLink:
         if not opened:
             log.warning("agent channel %s: the guest closed its port", self.chardev)
             await self.drop()
+        elif (why := self._channel.stalled()) is not None:
+            # The port stays open and quiet (a stopped mux): requests fail now, and
+            # the relink's probe decides whether the agent is still there.
+            log.warning("agent channel %s: %s", self.chardev, why)
+            await self.drop()
+
+    def restart_waits(self) -> None:
+        """The VM was held (paused, restored, snapshotted): requests sent meanwhile
+        get the whole stall window from now (GuestChannel.restart_waits)."""
+        if self._channel is not None:
+            self._channel.restart_waits()
 
     def needs_relink(self) -> bool:
         """True when a ready agent has no live channel (the guest broke it: a protocol

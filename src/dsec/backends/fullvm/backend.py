@@ -601,14 +601,20 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
     async def _watch_guest_ends(self) -> None:
         """A guest that shut down or panicked leaves its QEMU paused (for the console):
         kill it, so that the edge's init watch fails the sandbox at once."""
+        held: set[str] = set()  # VMs seen paused or restoring: no request taken then
         while True:
             await asyncio.sleep(GUEST_END_POLL)
+            held &= self._vms.keys()
             for sid, vm in list(self._vms.items()):
                 if vm.proc is None or vm.busy():
+                    held.add(sid)
                     continue
                 try:
                     qmp = await vm.connect_qmp()
                     if vm.link is not None:
+                        if sid in held:
+                            held.discard(sid)
+                            vm.link.restart_waits()
                         await vm.link.check(qmp)
                         self._relink_lost(sid, vm)
                     if not await qmp.guest_ended(timeout=2):

@@ -79,7 +79,6 @@ QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
 RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
 PORT_POLL = 0.5  # seconds between asking QEMU, during a relink, whether the port is open
-STALL_AFTER = 10.0  # seconds a request may wait for the guest's mux to take it
 ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
 
@@ -711,7 +710,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         waiting for it fail instead of hanging in the agent socket's backlog. A link
         whose guest end closed the port (its mux ended, then maybe no garbage at all)
         is broken the same way: nothing on it could ever answer. A link whose mux
-        took no request for STALL_AFTER (stopped, or the guest hung: the port stays
+        took no request in time (stopped, or the guest hung: the port stays
         open and quiet) is linked anew, and if no HELLO comes, the VM ends too."""
         relinks: dict[str, asyncio.Task[None]] = {}
         held: set[str] = set()  # VMs seen stopped or locked (a pause, verify, snapshot)
@@ -748,8 +747,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                         continue
                     elif await machine.agent_port_closed():
                         mend = self._abandon(sid, machine, channel)
-                    elif (stalled := channel.stalled_for()) >= STALL_AFTER:
-                        why = f"the guest took no request for {stalled:.0f}s (its mux stopped?)"
+                    elif (why := channel.stalled()) is not None:
                         self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_stalled")
                         channel.abandon(why)
                         mend = self._relink(sid, machine, channel)
