@@ -168,7 +168,7 @@ async def test_a_request_held_by_a_long_verify_is_served_after_it(client: DSecCl
     sb = await client.run_microvm(spec(), timeout=300)
     try:
         await sh(sb, "mkdir -p /work && echo held > /work/f")
-        verify = asyncio.create_task(sb.verify("sleep 30", graded=["/work"], mode="isolated"))
+        verify = asyncio.create_task(sb.verify("sleep 20", graded=["/work"], mode="isolated"))
         await asyncio.sleep(4)  # the agent's VM is held by now (a verifier boots for long)
         t0 = time.monotonic()
         assert await sb.read_file("/work/f") == b"held\n"
