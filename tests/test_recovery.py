@@ -88,3 +88,31 @@ async def test_admission_rejects_when_host_full() -> None:
             await asyncio.gather(b.stop(), c.stop())
         finally:
             await client.close()
+
+
+async def test_a_clean_shutdown_keeps_the_spawner_only_while_sandboxes_run_on() -> None:
+    """`dsec up`'s default: sandboxes run on across a clean shutdown, and so does their
+    reaping parent. With none left running (all stopped, or none made, as after `dsec
+    demo` on the default data dir) nothing is left behind: the spawner ends too."""
+    with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
+        client = await _client(plat.url, plat.api_key)
+        try:
+            await client.build_image("busybox")
+            spec = DSecContainerRunArgs(container_image="busybox:latest", memory_limit_mb=64)
+            keep = await client.run_container(spec)
+            gone = await client.run_container(spec)
+            await gone.stop()
+        finally:
+            await client.close()
+        plat.stop()
+        assert len(spawners(plat.data_dir)) == 1, "a sandbox runs on: its parent stays"
+        plat.start()
+        client = await _client(plat.url, plat.api_key)
+        try:
+            again = await client.get(keep.id)
+            assert (await again.run_shell("echo on")).stdout == "on\n"
+            await again.stop()
+        finally:
+            await client.close()
+        plat.stop()
+        assert spawners(plat.data_dir) == [], "nothing runs on: the spawner ended too"

@@ -147,6 +147,28 @@ def spawner_answers(path: Path) -> bool:
     return True
 
 
+def spawner_children(path: Path) -> list[int] | None:
+    """The processes the spawner on ``path`` is the parent of (sandbox inits, QEMUs,
+    crun's intermediates it adopted as subreaper); None when no spawner answers. Its
+    pid comes from the socket's peer credentials, so this also works for a spawner a
+    crashed platform started."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        try:
+            s.connect(str(path))
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return None
+    pid = struct.unpack("3i", creds)[0]
+    children: list[int] = []
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/children", encoding="ascii") as fh:
+                children += [int(c) for c in fh.read().split()]
+    except OSError:
+        return None
+    return children
+
+
 def stop_spawner(path: Path, timeout: float = 5.0) -> bool:
     """Ask the spawner on ``path`` to exit; True once it acknowledged."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
@@ -325,6 +347,15 @@ class HostSpawner:
 
     path: Path
     pid: int | None
+
+    def stop_if_idle(self) -> bool:
+        """``stop`` when no process is left for it to reap (a clean shutdown whose
+        sandboxes all ended, though they were free to run on): a spawner outlives the
+        platform only for the sandboxes that do. True if it was stopped."""
+        if spawner_children(self.path):
+            return False
+        self.stop()
+        return True
 
     def stop(self) -> None:
         """Make it exit (once every sandbox is gone) and reap it if it is ours."""

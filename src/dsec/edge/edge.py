@@ -284,7 +284,10 @@ class Edge:
         for backend in self.backends.values():
             await backend.close()
         if self.network is not None:
-            await self.network.close(keep_rules=not self.stop_on_close)
+            # The table and veths stay only for sandboxes that run on to the next edge
+            # process; with none live (all stopped, or none made) nothing is left behind.
+            lives_on = any(r.state in LIVE_STATES for r in self._records.values())
+            await self.network.close(keep_rules=not self.stop_on_close and lives_on)
         self.state.close()
         await self.audit.close()
 

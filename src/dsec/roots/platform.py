@@ -255,9 +255,10 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             await releaser.drain()
         if iam is not None:
             await iam.close()
-        if spawner is not None and stop_all:
-            # Sandboxes that live on keep their reaping parent, as after a crash.
-            await asyncio.to_thread(spawner.stop)
+        if spawner is not None:
+            # Sandboxes that live on keep their reaping parent, as after a crash; with
+            # none left (all stopped, or none made) nothing is left running either.
+            await asyncio.to_thread(spawner.stop if stop_all else spawner.stop_if_idle)
         if images is not None:
             await images.close()
         await engine.dispose()
