@@ -148,10 +148,10 @@ def spawner_answers(path: Path) -> bool:
 
 
 def spawner_children(path: Path) -> list[int] | None:
-    """The processes the spawner on ``path`` is the parent of (sandbox inits, QEMUs,
-    crun's intermediates it adopted as subreaper); None when no spawner answers. Its
-    pid comes from the socket's peer credentials, so this also works for a spawner a
-    crashed platform started."""
+    """The processes the spawner on ``path`` is the parent of (sandbox inits, crun's
+    intermediates it adopted as subreaper); None when no spawner answers or its
+    children cannot be read. Its pid comes from the socket's peer credentials, so this
+    also works for a spawner a crashed platform started."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
         try:
             s.connect(str(path))
@@ -351,8 +351,11 @@ class HostSpawner:
     def stop_if_idle(self) -> bool:
         """``stop`` when no process is left for it to reap (a clean shutdown whose
         sandboxes all ended, though they were free to run on): a spawner outlives the
-        platform only for the sandboxes that do. True if it was stopped."""
-        if spawner_children(self.path):
+        platform only for the sandboxes that do. True if it was stopped; kept when
+        its children cannot be read (a kernel without /proc/PID/task/TID/children):
+        a spawner left running is harmless, a sandbox without its reaping parent not."""
+        children = spawner_children(self.path)
+        if children is None or children:
             return False
         self.stop()
         return True
