@@ -240,3 +240,30 @@ async def test_status_of_reaped_orphans(spawner: spawn.HostSpawner) -> None:
     assert status is not None and os.WIFSIGNALED(status)
     assert os.WTERMSIG(status) == signal.SIGKILL
     assert await spawn.reaped_status(2**22 + 7) is None  # never one of ours
+
+
+async def test_stop_if_idle_stops_only_a_spawner_with_nothing_to_reap(
+    spawner: spawn.HostSpawner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its children are read through the socket's peer credentials; a detached child
+    (an init that outlives the platform) keeps it, an unreadable answer keeps it, and
+    with nothing left it is stopped."""
+    spawn.use_spawner(spawner.path)
+    assert spawn.spawner_children(spawner.path) == []
+    # A child that runs on: the spawner, a subreaper, becomes its parent (as of an init).
+    await spawn.run(["/bin/sh", "-c", "sleep 30 <&- >&- 2>&- & echo started"])
+    kids = spawn.spawner_children(spawner.path)
+    assert kids, "the background sleep is the spawner's (re-parented) child"
+    assert not spawner.stop_if_idle()
+    for pid in kids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for _ in range(100):
+        if spawn.spawner_children(spawner.path) == []:
+            break
+        await asyncio.sleep(0.02)
+    monkeypatch.setattr(spawn, "spawner_children", lambda path: None)
+    assert not spawner.stop_if_idle(), "unknown is not idle"
+    monkeypatch.undo()
+    assert spawner.stop_if_idle()
+    assert not spawn.spawner_answers(spawner.path)
