@@ -19,7 +19,7 @@ from dsec.api.images import ImageInfo
 from dsec.api.sandbox import SandboxState
 from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.base import SandboxRecord
-from dsec.backends.container.backend import drop_page_charges
+from dsec.backends.container.backend import drop_page_charges, v1_pages_charged
 from dsec.backends.container.facts import ContainerFacts
 from dsec.backends.container.runtime import OCIRuntime
 from dsec.edge.state import EdgeStateDB
@@ -38,10 +38,14 @@ def tmp_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _memory_usage(d: Path) -> tuple[int, int]:
-    usage = int((d / "memory.usage_in_bytes").read_text())
-    kmem = int((d / "memory.kmem.usage_in_bytes").read_text())
-    return usage, kmem
+def _resident_bytes(path: Path) -> int:
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return int(out.strip())
 
 
 def test_drop_page_charges_reclaims_pages_of_an_emptied_cgroup(tmp_dir: Path) -> None:
@@ -65,13 +69,15 @@ def test_drop_page_charges_reclaims_pages_of_an_emptied_cgroup(tmp_dir: Path) ->
             ],
             check=True,
         )
-        usage, kmem = _memory_usage(d)
-        assert usage - kmem >= 1 << 20, "the writer's page cache was not charged here"
+        assert v1_pages_charged(d) >= 4 << 20, "the writer's page cache was not charged here"
+        assert _resident_bytes(data) == 4 << 20
         drop_page_charges(host, rel)
-        usage, kmem = _memory_usage(d)
-        # No page left to pin the cgroup once it is removed (of the 4 MiB; a page or
-        # two of a busy host's writeback may be charged meanwhile).
-        assert usage - kmem <= 4 * 4096, (usage, kmem)
+        # Every page of what it wrote is gone. What may stay charged are a few pages of
+        # shared files (the shell's libraries) the writer faulted back in: other
+        # processes on the host keep them referenced, so reclaim rightly keeps them.
+        # Measured: 2 pages in 99 runs of 100, 8 in one; 1024+ when nothing is done.
+        assert _resident_bytes(data) == 0
+        assert v1_pages_charged(d) <= 16 * 4096, v1_pages_charged(d)
         drop_page_charges(host, rel)  # nothing to do: a no-op, not an error
     finally:
         host.kill_and_remove(rel, timeout=5)

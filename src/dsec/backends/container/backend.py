@@ -127,11 +127,7 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     d = memory / rel.strip("/")
 
     def pages_left() -> bool:
-        for line in (d / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in _PAGE_KEYS and int(value):
-                return True
-        return False
+        return v1_pages_charged(d) > 0
 
     try:
         if not pages_left():
@@ -143,6 +139,21 @@ def drop_page_charges(cgroups: CgroupHost, rel: str) -> None:
     except (OSError, ValueError):
         pass
     cgroups.drop_charges(rel)
+
+
+def v1_pages_charged(memory_dir: Path) -> int:
+    """Bytes of pages (page cache, anonymous) charged to a v1 memory cgroup and below.
+
+    From memory.stat, not ``usage - kmem``: that also counts the charges each CPU
+    holds in advance for the cgroup (up to 64 pages a CPU), which force_empty drains
+    at once only on its own CPU and on the others by queued work; pages are what
+    keeps a removed cgroup alive as a dying one."""
+    total = 0
+    for line in (memory_dir / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key in _PAGE_KEYS:
+            total += int(value)
+    return total
 
 
 # v1 memory.stat lines that count pages charged to the cgroup and its children.
