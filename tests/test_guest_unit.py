@@ -15,7 +15,7 @@ import pytest
 from dsec.errors import BackendError, InvalidArgument
 from dsec.guest import channel as wire
 from dsec.guest.bootparams import BASE_ARGS, BootParams
-from dsec.guest.channel import GuestChannel
+from dsec.guest.channel import GuestChannel, HoldWatch
 from dsec.guest.initramfs import Entry, load_order, modinfo, module_index, newc_archive
 from dsec.guest.kernel import guest_kernel
 
@@ -210,6 +210,18 @@ async def test_a_request_the_guest_never_takes_shows_as_stalled(
         await channel.close()
         server.close()
         await server.wait_closed()
+
+
+def test_a_hold_restarts_the_stall_window_once_at_the_first_free_sight() -> None:
+    holds = HoldWatch()
+    assert not holds.freed("a")  # never held: nothing to restart
+    holds.held("a")
+    holds.held("a")  # seen held on several polls: still one hold
+    holds.held("b")
+    holds.keep(["a"])  # b's VM is gone
+    assert holds.freed("a")
+    assert not holds.freed("a")  # once per hold
+    assert not holds.freed("b")
 
 
 def test_sockets_in_a_vmm_writable_directory_are_never_reached_through_a_link(

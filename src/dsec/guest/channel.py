@@ -54,7 +54,7 @@ import secrets
 import socket
 import struct
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from dsec.errors import BackendError
@@ -76,6 +76,30 @@ STALL_AFTER = 10.0
 """Seconds a request may wait for the guest's mux to take it (``stalled``)."""
 HUNT_LIMIT = 64 << 20
 """Bytes of an older link's output the host skips while looking for its HELLO."""
+
+
+class HoldWatch:
+    """The VMs a watch loop saw held (a pause, a verify, a pack, a snapshot, a restore)
+    since it last saw them free. A request sent to a held VM could not be taken, so at
+    the first sight of it free again its stall window restarts (``restart_waits``):
+    the guest is judged on time it had, never on the hold's."""
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+
+    def keep(self, live: Iterable[str]) -> None:
+        """Forget VMs that are gone (the loop's set follows the backend's)."""
+        self._held.intersection_update(live)
+
+    def held(self, sid: str) -> None:
+        self._held.add(sid)
+
+    def freed(self, sid: str) -> bool:
+        """True once, at the first free sight after a hold."""
+        if sid not in self._held:
+            return False
+        self._held.discard(sid)
+        return True
 
 
 class ProtocolViolation(Exception):

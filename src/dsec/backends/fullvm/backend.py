@@ -85,6 +85,7 @@ from dsec.errors import (
     InvalidArgument,
     Unsupported,
 )
+from dsec.guest.channel import HoldWatch
 from dsec.images.mounts import LayerMounts
 from dsec.images.vmdisk import DiskInfo, VMImage, VMMachine
 from dsec.net.vmtap import VMNetAttachment, attach_vm
@@ -601,19 +602,18 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
     async def _watch_guest_ends(self) -> None:
         """A guest that shut down or panicked leaves its QEMU paused (for the console):
         kill it, so that the edge's init watch fails the sandbox at once."""
-        held: set[str] = set()  # VMs seen paused or restoring: no request taken then
+        holds = HoldWatch()  # VMs seen paused or restoring: no request taken then
         while True:
             await asyncio.sleep(GUEST_END_POLL)
-            held &= self._vms.keys()
+            holds.keep(self._vms)
             for sid, vm in list(self._vms.items()):
                 if vm.proc is None or vm.busy():
-                    held.add(sid)
+                    holds.held(sid)
                     continue
                 try:
                     qmp = await vm.connect_qmp()
                     if vm.link is not None:
-                        if sid in held:
-                            held.discard(sid)
+                        if holds.freed(sid):
                             vm.link.restart_waits()
                         await vm.link.check(qmp)
                         self._relink_lost(sid, vm)

@@ -59,7 +59,7 @@ from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConf
 from dsec.backends.qemuvm import QemuVMBackend
 from dsec.errors import BackendError
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
-from dsec.guest.channel import ST_READY, GuestChannel
+from dsec.guest.channel import ST_READY, GuestChannel, HoldWatch
 from dsec.images.mounts import LayerMounts
 from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
 from dsec.resources import qos
@@ -713,11 +713,11 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         took no request in time (stopped, or the guest hung: the port stays
         open and quiet) is linked anew, and if no HELLO comes, the VM ends too."""
         relinks: dict[str, asyncio.Task[None]] = {}
-        held: set[str] = set()  # VMs seen stopped or locked (a pause, verify, snapshot)
+        holds = HoldWatch()  # VMs seen stopped or locked (a pause, verify, snapshot)
         try:
             while True:
                 await asyncio.sleep(GUEST_END_POLL)
-                held &= self._machines.keys()
+                holds.keep(self._machines)
                 for sid, machine in list(self._machines.items()):
                     try:
                         if await machine.guest_ended():
@@ -735,11 +735,10 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                     channel = machine.channel
                     busy = machine.lock.locked() or machine.stopped or sid in relinks
                     if busy:
-                        held.add(sid)
+                        holds.held(sid)
                     if channel is None or busy:
                         continue
-                    if sid in held:  # the guest could take no request while held:
-                        held.discard(sid)  # its time to take them starts now
+                    if holds.freed(sid):
                         channel.restart_waits()
                     if channel.lost is not None:
                         mend = self._relink(sid, machine, channel)
