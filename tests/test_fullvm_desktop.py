@@ -241,19 +241,25 @@ def test_dsecs_agent_comes_back_when_its_mux_dies(desktop: Desktop) -> None:
 
 
 def test_dsecs_agent_survives_a_pause(desktop: Desktop) -> None:
+    """Three pauses in a row, the first right after the mux restart above: a restored
+    guest can read the new host's RESET before the EOF of the host its pause closed
+    (port state and data travel on different virtqueues). The mux used to end the link
+    on that EOF, dropping the HELLO it had queued: no answer, the session failed and
+    sessions went off (1 run in ~5 here, nearly always on the first pause)."""
     sb = desktop.sb
-    session = sb.session()
-    session.run("cd /etc && export Y=7")
-    t0 = time.monotonic()
-    report = desktop.client.pause_job(JOB)
-    assert report.paused == 1, report
-    assert sb.refresh().state.value == "paused"
-    print(f"debian-desktop paused to its file in {time.monotonic() - t0:.1f}s")
-    t0 = time.monotonic()
-    # the session's request resumes the VM; the agent is linked again, state kept
-    assert session.run("pwd; echo $Y").stdout == "/etc\n7\n"
-    print(f"debian-desktop resumed for a session in {time.monotonic() - t0:.1f}s")
-    assert sb.refresh().state.value == "running"
+    for round_ in range(3):
+        session = sb.session()
+        session.run(f"cd /etc && export Y={round_}")
+        t0 = time.monotonic()
+        report = desktop.client.pause_job(JOB)
+        assert report.paused == 1, report
+        assert sb.refresh().state.value == "paused"
+        print(f"debian-desktop paused to its file in {time.monotonic() - t0:.1f}s")
+        t0 = time.monotonic()
+        # the session's request resumes the VM; the agent is linked again, state kept
+        assert session.run("pwd; echo $Y").stdout == f"/etc\n{round_}\n"
+        print(f"debian-desktop resumed for a session in {time.monotonic() - t0:.1f}s")
+        assert sb.refresh().state.value == "running"
     assert [c.data for c in sb.stream("echo after")] == [b"after\n"]
 
 

@@ -623,16 +623,6 @@ static void drop_all_channels(void)
 		chan_close(&g_ch[0], 0);
 }
 
-/* The host process went away: a clean slate for the next one. */
-static void link_restart(void)
-{
-	drop_all_channels();
-	g_synced = 0;
-	g_inlen = 0;
-	g_last_id = 0;
-	g_out.len = 0;
-}
-
 /* The host broke the protocol: drop every channel, keep parsing (parse_input hunts for
  * the next RESET in what follows). */
 static void violation(const char *what)
@@ -889,7 +879,14 @@ static void mux_main(const char *port, int exec_fd, int go_fd)
 				g_inlen += (size_t)n;
 				parse_input();
 			} else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-				link_restart();
+				/* The host end is closed as this guest sees it. That is no reason to
+				 * forget anything: the port's state reaches the guest on the control
+				 * queue and the next host's bytes on the port's own, handled apart,
+				 * so after a restore the new host's RESET can be read before this
+				 * EOF of the old one. Ending the link here threw away the HELLO that
+				 * answered it, and the host, whose RESET was taken, waited for ever.
+				 * Only the next host's PREAMBLE and RESET end a link (parse_input);
+				 * until the port shows a host again, stop reading it. */
 				host_up = 0;
 				continue;
 			}

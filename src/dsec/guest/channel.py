@@ -16,7 +16,10 @@ little-endian, ``length <= 65536``. Types (host->guest ``h>g``, guest->host ``g>
               and then RESET. The guest may not have noticed the old host go and be
               in the middle of one of its frames; the zeros complete that frame, and a
               zero byte where a frame starts makes the guest drop the old link's
-              channels and look for RESET.
+              channels and look for RESET. Nothing else ends a link in the guest: an
+              EOF on its port is not ordered with the next host's bytes (port state
+              and data come on different virtqueues), so the guest keeps its state
+              across one and only stops reading until the port shows a host again.
 ``R``  h>g    RESET, channel 0, payload ``b"DSECRSET" + nonce[8]``: forget every channel
               (the guest closes its agent connections) and answer HELLO. The first
               frame of every link; the guest ignores all bytes before it.
