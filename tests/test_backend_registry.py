@@ -389,9 +389,8 @@ async def test_best_effort_qos_needs_the_qos_capability(
 
 
 def test_qos_capability_of_each_backend() -> None:
-    """Containers and microVMs enforce best_effort; full VMs declare they do not (so
-    the edge refuses it)."""
+    """Every backend enforces best_effort (containers: each process; the VMs: their
+    QEMU's threads), so a run spec's class holds whatever the backend."""
     registry = BackendRegistry()
-    for kind in (BackendKind.CONTAINER, BackendKind.MICROVM):
+    for kind in (BackendKind.CONTAINER, BackendKind.MICROVM, BackendKind.FULLVM):
         assert Capability.QOS in registry.load(kind).capabilities
-    assert Capability.QOS not in registry.load(BackendKind.FULLVM).capabilities

@@ -33,10 +33,11 @@ from dsec import DSecSyncClient
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs
 from dsec.errors import DSecError, FileNotFound, InvalidArgument, LimitExceeded, Unsupported
 from dsec.guest.vmimage import busybox_vm_image
-from dsec.resources import cgroups
+from dsec.resources import cgroups, qos
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fullvm_env import BOOT, FULLVM_MARKS
+from tests.test_qos import cpu_class
 
 pytestmark = FULLVM_MARKS
 
@@ -275,6 +276,37 @@ def test_a_job_pause_saves_the_vm_to_a_file_and_a_request_resumes_it(fvm: FVM) -
     assert len(after) == 1 and after != before
     assert not (fvm.dir / "state.snap").exists()
     assert fvm.sb.screenshot().startswith(PNG)
+
+
+def test_a_best_effort_vm_runs_idle_also_after_its_restore(fvm: FVM) -> None:
+    """QoS classes hold for full VMs as for microVMs: a best-effort VM's QEMU, every
+    thread of it (vCPUs included), runs at SCHED_IDLE in a cgroup of the lowest weight,
+    and so does the new QEMU that restores it after a job pause."""
+    job = "fvm-qos-job"
+    spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256, qos="best_effort", job_id=job)
+    sb = fvm.client.run_fullvm(spec, timeout=BOOT)
+    try:
+        cgroup = f"/dsec/{fvm.plat.edge_id}-fvm/{sb.id}"
+        vm_dir = fvm.plat.data_dir / "fullvms" / sb.id
+
+        def check() -> None:
+            pids = qemus(vm_dir)
+            assert len(pids) == 1, pids
+            tids = qos.threads_of(pids[0])
+            assert len(tids) > 1  # QEMU's vCPU and I/O threads
+            assert {qos.policy_of(t) for t in tids} == {os.SCHED_IDLE}
+            assert cpu_class(cgroup) == "best_effort"
+
+        assert sb.run_shell("true").exit_code == 0
+        check()
+        assert fvm.client.pause_job(job).paused == 1
+        assert qemus(vm_dir) == []
+        assert sb.run_shell("true").exit_code == 0  # a new QEMU restores its file
+        check()
+        latency = fvm.client.health().backend_details["fullvm"]["core_scheduling"]
+        assert latency == qos.health_detail()["core_scheduling"]  # detected, not assumed
+    finally:
+        sb.stop()
 
 
 def test_a_guest_that_powers_off_fails_its_sandbox_with_the_reason(fvm: FVM) -> None:

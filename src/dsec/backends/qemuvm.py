@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from dsec.api.spec import DSecRunArgs, RunArgs
 from dsec.errors import LimitExceeded
+from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 
 MiB = 1 << 20
@@ -52,6 +53,28 @@ class QemuVMBackend:
     def cgroup_memory_bytes(self, spec: RunArgs) -> int:
         """The VM cgroup's memory limit: the guest's RAM and QEMU's own memory."""
         return (spec.memory_limit_mb + self.vmm_overhead_mb) * MiB
+
+    def create_vm_cgroup(self, sandbox_id: str, spec: RunArgs, *, pids: int) -> None:
+        """The VM's cgroup: guest RAM plus QEMU's overhead, the CPU quota, ``pids``
+        tasks, and the weight of its QoS class (best_effort: ``cpu.idle`` too, where
+        the kernel has it). The class's scheduling goes on QEMU with ``start_qos``."""
+        self.cgroups.create_limited(
+            self.cgroup_of(sandbox_id),
+            memory_bytes=self.cgroup_memory_bytes(spec),
+            cpu_cores=spec.cpu_cores_limit,
+            pids=pids,
+            cpu_shares=qos.cpu_shares(spec.qos),
+            cpu_idle=spec.qos == "best_effort" and self.cgroups.has_cpu_idle,
+        )
+
+    @staticmethod
+    def start_qos(spec: RunArgs, pid: int) -> None:
+        """A QEMU just started (created, or restored from its file) takes the sandbox's
+        class before its guest runs, so every vCPU and I/O thread it starts inherits
+        it: SCHED_IDLE for best_effort, the core-scheduling cookie for latency where
+        the kernel has core scheduling."""
+        if qos.acts_on(spec.qos):
+            qos.apply(spec.qos, [pid])
 
     def committed_memory_mb(self, spec: DSecRunArgs, overcommit: float) -> int:
         """Guest RAM stays resident once touched (no balloon) and QEMU's own memory

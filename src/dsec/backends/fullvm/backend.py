@@ -89,6 +89,7 @@ from dsec.guest.channel import HoldWatch
 from dsec.images.mounts import LayerMounts
 from dsec.images.vmdisk import DiskInfo, VMImage, VMMachine
 from dsec.net.vmtap import VMNetAttachment, attach_vm
+from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 
@@ -189,6 +190,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             Capability.PAUSE,
             Capability.SNAPSHOT,
             Capability.NETWORK_RULES,
+            Capability.QOS,
         }
     )
     network_device: ClassVar[Literal["veth", "tap"]] = "tap"
@@ -256,9 +258,12 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         return self._accel
 
     def details(self) -> Mapping[str, str]:
+        """The accelerator and whether latency VMs get core scheduling (detected)."""
         if self._accel is None:
-            return {"accelerator": "not probed yet (at the first fullvm create)"}
-        return {"accelerator": self._accel.accel, "accelerator_reason": self._accel.reason}
+            accel = {"accelerator": "not probed yet (at the first fullvm create)"}
+        else:
+            accel = {"accelerator": self._accel.accel, "accelerator_reason": self._accel.reason}
+        return accel | qos.health_detail()
 
     async def close(self) -> None:
         for vm in list(self._vms.values()):
@@ -364,13 +369,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             overlay = root / "disk.qcow2"
             await asyncio.to_thread(create_overlay, overlay, blobs[image.disk], image.format, size)
             facts.disk_bytes = size
-            await asyncio.to_thread(
-                self.cgroups.create_limited,
-                self.cgroup_of(sid),
-                memory_bytes=self.cgroup_memory_bytes(spec),
-                cpu_cores=spec.cpu_cores_limit,
-                pids=QEMU_PIDS,
-            )
+            await asyncio.to_thread(self.create_vm_cgroup, sid, spec, pids=QEMU_PIDS)
             efi_vars = None
             firmware = saved.firmware if saved is not None else spec.firmware
             if firmware == "uefi":
@@ -418,6 +417,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             finally:
                 if tap is not None:
                     tap.close()  # QEMU holds its own copy
+            self.start_qos(spec, proc.pid)
             facts.pid, facts.pid_start = proc.pid, proc.start_time
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             vm.link = self._link(sid, launch)
@@ -710,6 +710,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         finally:
             if tap is not None:
                 tap.close()
+        self.start_qos(rec.spec, proc.pid)  # a new QEMU: the class goes with the sandbox
         vm.proc = proc
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
         vm.restoring = asyncio.get_running_loop().create_task(

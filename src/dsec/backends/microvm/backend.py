@@ -368,15 +368,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             drives.append(Drive(root / "disk.img", RW_SERIAL, readonly=False))
             if spec.protected:  # for verifier VMs only: nothing of it is attached here
                 await self._prepare_protected(inp, root, facts)
-            await asyncio.to_thread(
-                self.cgroups.create_limited,
-                self.cgroup_of(sid),
-                memory_bytes=self.cgroup_memory_bytes(spec),
-                cpu_cores=spec.cpu_cores_limit,
-                pids=QEMU_PIDS,
-                cpu_shares=qos.cpu_shares(spec.qos),
-                cpu_idle=spec.qos == "best_effort" and self.cgroups.has_cpu_idle,
-            )
+            await asyncio.to_thread(self.create_vm_cgroup, sid, spec, pids=QEMU_PIDS)
             if inp.net is not None:
                 net = attach_vm(dict(inp.net))
                 facts.mac, facts.guest_ip, facts.gateway = net.mac, net.guest_ip, net.gateway
@@ -391,8 +383,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 machine.listen()
                 proc = machine.launch(prefix=self.jail_for(sid).prefix(config), incoming=restored)
                 facts.pid, facts.pid_start = proc.pid, proc.start_time
-                if qos.acts_on(spec.qos):  # before the guest runs: its threads inherit it
-                    qos.apply(spec.qos, [proc.pid])
+                self.start_qos(spec, proc.pid)
                 if net is not None:
                     net.close()
                     net = None
@@ -912,8 +903,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 config = dataclasses.replace(config, net=NetAttachment(net.tap_fd, net.mac))
                 machine.config = config
             proc = machine.launch(prefix=self.jail_for(rec.id).prefix(config), incoming=True)
-            if qos.acts_on(rec.spec.qos):  # a new QEMU: the class goes with the sandbox
-                qos.apply(rec.spec.qos, [proc.pid])
+            self.start_qos(rec.spec, proc.pid)  # a new QEMU: the class goes with the sandbox
         finally:
             if net is not None:
                 net.close()
