@@ -9,8 +9,10 @@ import asyncio
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -328,6 +330,7 @@ def test_demo_starts_and_stops_its_own_platform(
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(demo_mod, "platform_command", command)
+    logs_before = set(Path(tempfile.gettempdir()).glob("dsec-demo-*.log"))
     code = run(["--url", dead_url(), "demo", "--count", "3", "--image", "busybox", "--temp-data"])
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
@@ -351,6 +354,8 @@ def test_demo_starts_and_stops_its_own_platform(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert given.is_dir(), "a given data dir is kept"
+    # after a clean stop no platform log is left behind, whatever the data dir
+    assert set(Path(tempfile.gettempdir()).glob("dsec-demo-*.log")) <= logs_before
 
 
 def test_demo_reports_a_platform_that_cannot_start(
@@ -363,10 +368,14 @@ def test_demo_reports_a_platform_that_cannot_start(
     )
     code = run(["--url", dead_url(), "demo", "--count", "1"])
     captured = capsys.readouterr()
+    log = re.search(r"log: (\S+dsec-demo-\S+\.log)", captured.err)
+    if log is not None:
+        Path(log.group(1)).unlink(missing_ok=True)  # kept for the user: named in the error
     assert code == 1
     assert "no root here" in captured.err
     assert_one_line_error(captured.err, "unavailable")
     assert "exited with code 3" in captured.err
+    assert log is not None, "the error names the platform's log"
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -4,11 +4,13 @@ EROFS + overlayfs. Nothing here is mocked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -381,6 +383,74 @@ def test_demo_with_its_own_platform_compares_with_raw_crun(tmp_path: Path) -> No
         host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
         assert not leftover, leftover
         assert not [m for m in linux.mounts(Path("/tmp")) if "dsec-demo-" in str(m.mount_point)]
+
+
+def processes_with_env(entry: str) -> dict[int, list[str]]:
+    """Live processes whose environment holds ``entry`` (``K=V``), with their argv."""
+    found: dict[int, list[str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                found[int(proc.name)] = [a.decode(errors="replace") for a in argv if a]
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def test_a_demo_ended_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    """SIGTERM (what `timeout` and job runners send) ends `dsec demo --temp-data` as
+    Ctrl-C does, here in the middle of its burst of creates: the platform it started
+    stops with its sandboxes and spawner, its data dir and network table go. Before,
+    the demo died on the spot and its `dsec up`, in a session of its own, ran on."""
+    edge_id = "demo" + secrets.token_hex(3)
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_API_KEY")} | {
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+        "DSEC_EDGE_ID": edge_id,
+    }
+    dead = f"http://127.0.0.1:{free_port()}"
+    host = cgroups.detect()
+    demo = subprocess.Popen(
+        [
+            sys.executable, "-m", "dsec.cli.main", "--url", dead, "demo", "--temp-data",
+            "-n", "20", "--no-microvm", "--image", "busybox:latest", "--creates", "300",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    data_dir: Path | None = None
+    try:
+        deadline = time.monotonic() + 240
+        while not host.children(f"/dsec/{edge_id}"):  # a sandbox of the demo runs
+            assert demo.poll() is None, "the demo ended before it made a sandbox"
+            assert time.monotonic() < deadline, "no sandbox of the demo in 240 s"
+            time.sleep(0.02)
+        for argv in processes_with_env(f"DSEC_EDGE_ID={edge_id}").values():
+            if "--data-dir" in argv:
+                data_dir = Path(argv[argv.index("--data-dir") + 1])
+        assert data_dir is not None and data_dir.name.startswith("dsec-demo-"), data_dir
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=120) == 130  # as after Ctrl-C
+        assert processes_with_env(f"DSEC_EDGE_ID={edge_id}") == {}  # dsec up, spawner
+        assert not host.children(f"/dsec/{edge_id}") and not host.pids(f"/dsec/{edge_id}")
+        assert not data_dir.exists()
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+        assert f"dsec_{edge_id}" not in tables.stdout
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid in processes_with_env(f"DSEC_EDGE_ID={edge_id}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
+        subprocess.run(["nft", "delete", "table", "inet", f"dsec_{edge_id}"], capture_output=True)
+        if data_dir is not None:
+            for m in reversed(linux.mounts(data_dir)):
+                with contextlib.suppress(OSError):
+                    linux.umount(m.mount_point, detach=True)
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def demo_row(text: str, label: str) -> tuple[float, float, int]:

@@ -154,22 +154,44 @@ def start_platform(data_dir: Path | None, wait: float = 120.0) -> StartedPlatfor
     raise PlatformUnavailable(f"`dsec up` did not answer within {wait:.0f} s; log: {log_name}")
 
 
-def _cleanup_dir(started: StartedPlatform) -> None:
-    """Remove a temporary data dir, but never one that still has mounts under it."""
-    if not started.temp_dir:
-        return
-    try:
-        from dsec import linux
+def _cleanup(started: StartedPlatform) -> None:
+    """After the platform started here stopped: its log goes, and a throwaway data dir
+    with it (never one that still has mounts under it). Both are kept, and said, when
+    the stop was not clean: they are what there is to look at then."""
+    clean = not started.killed  # a clean exit may still report SIGTERM (uvicorn's)
+    if started.temp_dir:
+        try:
+            from dsec import linux
 
-        leftover = linux.mounts(started.data_dir)
-    except Exception:
-        leftover = [None]  # type: ignore[list-item]
-    # A clean exit may still report SIGTERM: uvicorn re-raises it after its shutdown.
-    if not started.killed and not leftover:
-        shutil.rmtree(started.data_dir, ignore_errors=True)
+            clean = clean and not linux.mounts(started.data_dir)
+        except Exception:
+            clean = False
+        if clean:
+            shutil.rmtree(started.data_dir, ignore_errors=True)
+    if clean:
         started.log_path.unlink(missing_ok=True)
-    else:
-        err.print(f"kept {started.data_dir} and {started.log_path} for inspection", style="yellow")
+        return
+    kept = f"{started.data_dir} and " if started.temp_dir else ""
+    err.print(f"kept {kept}{started.log_path} for inspection", style="yellow")
+
+
+@contextlib.contextmanager
+def ended_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``timeout``, a closed terminal, a job runner's stop) end the
+    demo as Ctrl-C does, so its cleanup runs: the sandboxes it made and the platform it
+    started are stopped, a throwaway data dir removed. Python's default for them is to
+    die on the spot, which left that `dsec up` (its own session, so the signal never
+    reached it) serving a data dir that nobody would stop or remove."""
+
+    def relay(signum: int, frame: object) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+    before = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -213,7 +235,7 @@ def platform_for_demo(
         else:
             with err.status("stopping the platform..."):
                 started.stop()
-            _cleanup_dir(started)
+            _cleanup(started)
 
 
 # ---- the demo itself -------------------------------------------------------------------
@@ -478,7 +500,7 @@ def demo(
     g = globals_of(ctx)
     if data_dir is None and not temp_data:
         data_dir = DEFAULT_DATA_DIR
-    with platform_for_demo(g.url, g.api_key, data_dir, keep_platform) as plat:
+    with ended_like_ctrl_c(), platform_for_demo(g.url, g.api_key, data_dir, keep_platform) as plat:
         url, key = plat.url, plat.api_key
         timings = Timings()
         try:
