@@ -14,8 +14,9 @@ backend replugs its cable, networkd asks DHCP again and moves to the new address
 the saved rules apply there. The image runs DSec's own agent (dsec-vminit --service as a
 systemd unit, dsec.backends.fullvm.agentlink): sessions keep their state, a PTY and a
 streamed command work as in a container, also after a job pause saved the VM to a
-file and a request restored it, and after its mux died (the unit restarts it, the host
-links the new one). One boot for all.
+file and a request restored it, after its mux died (the unit restarts it, the host
+links the new one), and after its service stayed down past the relink's wait (sessions
+off, then back once the host sees the port open again). One boot for all.
 Marked ``slow`` (it builds the Debian image).
 """
 
@@ -40,7 +41,7 @@ from websockets.sync.client import connect
 from dsec import DSecSyncClient
 from dsec.api.spec import DSecFullVMRunArgs
 from dsec.backends.fullvm.machine import DEFAULT_DISPLAY
-from dsec.errors import DSecError
+from dsec.errors import DSecError, Unsupported
 from dsec.guest.desktopimage import build_desktop_image
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process
@@ -261,6 +262,41 @@ def test_dsecs_agent_survives_a_pause(desktop: Desktop) -> None:
         print(f"debian-desktop resumed for a session in {time.monotonic() - t0:.1f}s")
         assert sb.refresh().state.value == "running"
     assert [c.data for c in sb.stream("echo after")] == [b"after\n"]
+
+
+def test_dsecs_agent_is_linked_again_when_its_service_comes_back_late(desktop: Desktop) -> None:
+    """The agent service stopped for longer than a relink waits (15 s): the relink gives
+    up and sessions turn off (a typed 501); when the service runs again, the host sees
+    the port open and links it, and sessions come back without anyone asking."""
+    sb = desktop.sb
+    sb.exec(
+        [
+            "systemd-run", "--on-active=1", "sh", "-c",
+            "systemctl stop dsec-agent; sleep 25; systemctl start dsec-agent",
+        ]
+    )  # fmt: skip
+    t0 = time.monotonic()
+
+    def sessions_off() -> bool:
+        try:
+            sb.session().run("true", timeout=10)
+        except Unsupported as exc:
+            return exc.details.get("capability") == "sessions"
+        except DSecError:
+            pass  # the old link dropped under the request
+        return False
+
+    until("sessions off", sessions_off, 60)
+    print(f"sessions off {time.monotonic() - t0:.1f}s after the service stopped")
+
+    def sessions_back() -> bool:
+        try:
+            return sb.session().run("echo back", timeout=10).stdout == "back\n"
+        except DSecError:
+            return False
+
+    until("sessions back", sessions_back, 90)
+    print(f"sessions back {time.monotonic() - t0:.1f}s after the service stopped")
 
 
 def test_a_snapshot_with_network_rules_starts_on_a_new_lease(desktop: Desktop) -> None:

@@ -8,7 +8,9 @@ program holds the port open (QMP ``query-chardev``: no wait at all for an image
 without the agent, whose port nobody opens), then links the channel and waits briefly
 for the guest's HELLO READY and a ping: an answer makes the sandbox
 declare sessions (PTY, streaming, the agent's file operations), silence keeps the typed
-``Unsupported``. Everything on the channel is the guest's and untrusted: the host end is
+``Unsupported``; a guest that opens the port later (its agent service started late,
+or came back after a relink gave up) is seen by the watcher and linked then
+(``look_again``). Everything on the channel is the guest's and untrusted: the host end is
 the microVM's (dsec.guest.channel.GuestChannel, fed through ``socket_path_nofollow``
 because the chardev's directory is QEMU's), and the data path is AgentClient's.
 
@@ -23,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec.backends.fullvm.machine import AGENT_CHARDEV
@@ -39,18 +43,25 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = 5.0  # seconds an image with the agent has to answer once qemu-ga does
 OPEN_WAIT = 3.0  # seconds a restored VM's port takes to show as open again
 RELINK_WAIT = 15.0  # seconds a guest's restarted agent service has to open the port
+LOOK_EVERY = 10.0  # seconds between looks at the port of a VM whose agent is not linked
+LOOK_MAX = 600.0  # the longest wait after probes the guest left unanswered
 
 
 class AgentLink:
     """The agent channel of one full VM in this edge process."""
 
-    def __init__(self, chardev: Path, listen: Path) -> None:
+    def __init__(
+        self, chardev: Path, listen: Path, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.chardev = chardev  # QEMU's -chardev socket (in its own directory)
         self.listen = listen  # the edge's socket AgentClient connects to
         self.ready = False  # the guest's agent answered the last probe
         self.parked = False  # channel dropped on purpose (QEMU saved to a file): no relink
         self._listener: socket.socket | None = None
         self._channel: GuestChannel | None = None
+        self._clock = clock  # of look_again's waits
+        self._next_look = math.inf  # of look_again: none before a probe ended
+        self._look_wait = LOOK_EVERY  # doubles after each probe left unanswered
 
     async def _guest_opened(self, qmp: Qmp, wait: float) -> bool:
         deadline = time.monotonic() + wait
@@ -91,6 +102,22 @@ class AgentLink:
         if self._channel is not None:
             self._channel.restart_waits()
 
+    async def look_again(self, qmp: Qmp) -> bool:
+        """For a link whose agent is not linked (none answered at boot, or a relink
+        gave up): whether the guest holds the port open now, so a probe is due. An
+        agent service that started late, or came back after the relink's wait, gets
+        its sessions (back) this way instead of never. Looked at every LOOK_EVERY; after
+        a probe found the port open and got no answer the wait doubles up to LOOK_MAX,
+        so a guest that holds the port and never answers costs one short probe now
+        and then, and an image without the agent one QMP query per LOOK_EVERY."""
+        if self.ready or self.parked or self._clock() < self._next_look:
+            return False
+        self._next_look = self._clock() + self._look_wait
+        try:
+            return await qmp.guest_opened(AGENT_CHARDEV)
+        except QmpError:
+            return False
+
     def needs_relink(self) -> bool:
         """True when a ready agent has no live channel (the guest broke it: a protocol
         violation, its mux died; or a pause that failed dropped it)."""
@@ -103,6 +130,13 @@ class AgentLink:
         ``open_wait``: how long the port may take to show as open (a VM just loaded
         from a saved state gets its port state back from QEMU only shortly after the
         load, a timer; a restarted agent service needs a moment)."""
+        self._next_look = math.inf  # the watcher does not look while this runs
+        try:
+            return await self._link(qmp, open_wait)
+        finally:
+            self._next_look = self._clock() + self._look_wait
+
+    async def _link(self, qmp: Qmp, open_wait: float) -> bool:
         await self.drop()
         self.parked = False
         timeout = PROBE_TIMEOUT
@@ -124,8 +158,10 @@ class AgentLink:
                 "agent channel %s: the guest's agent does not answer: %s", self.chardev, exc
             )
             await self.close()
+            self._look_wait = min(self._look_wait * 2, LOOK_MAX)  # port open, no answer
             return False
         self.ready = True
+        self._look_wait = LOOK_EVERY
         return True
 
     async def park(self) -> None:

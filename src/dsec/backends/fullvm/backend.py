@@ -297,16 +297,23 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         if await vm.link.probe(await vm.connect_qmp(), open_wait=open_wait):
             log.info("fullvm %s: DSec's agent answers: sessions on", sid)
 
-    def _relink_lost(self, sid: str, vm: _VM) -> None:
-        """A ready agent whose channel broke (or was dropped by a failed pause) gets a
-        new one in the background; a second failure turns its sessions off."""
-        if vm.link is None or not vm.link.needs_relink():
+    async def _relink(self, sid: str, vm: _VM, qmp: Qmp) -> None:
+        """In the background, one probe at a time: a ready agent whose channel broke
+        (or was dropped by a failed pause) gets a new one, and a failure turns its
+        sessions off; a VM without a linked agent whose guest opened the port since
+        (``AgentLink.look_again``) gets linked, and its sessions turn (back) on."""
+        if vm.link is None or (vm.relinking is not None and not vm.relinking.done()):
             return
-        if vm.relinking is not None and not vm.relinking.done():
+        if vm.link.needs_relink():
+            log.warning("fullvm %s: agent channel lost, linking again", sid)
+            wait = RELINK_WAIT
+        elif await vm.link.look_again(qmp):
+            log.info("fullvm %s: the guest opened DSec's agent port: linking it", sid)
+            wait = 0.0
+        else:
             return
-        log.warning("fullvm %s: agent channel lost, linking again", sid)
         vm.relinking = asyncio.get_running_loop().create_task(
-            self._probe_agent(sid, vm, open_wait=RELINK_WAIT), name=f"fullvm-relink-{sid}"
+            self._probe_agent(sid, vm, open_wait=wait), name=f"fullvm-relink-{sid}"
         )
 
     # -- facts (paths, memory: dsec.backends.qemuvm) ----------------------------------
@@ -616,7 +623,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
                         if holds.freed(sid):
                             vm.link.restart_waits()
                         await vm.link.check(qmp)
-                        self._relink_lost(sid, vm)
+                        await self._relink(sid, vm, qmp)
                     if not await qmp.guest_ended(timeout=2):
                         continue
                 except Exception as exc:  # a VM torn down under us: not the loop's end
