@@ -424,8 +424,8 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             finally:
                 if tap is not None:
                     tap.close()  # QEMU holds its own copy
-            self.start_qos(spec, proc.pid)
             facts.pid, facts.pid_start = proc.pid, proc.start_time
+            self.start_qos(spec, proc.pid)  # known above first: a failure here tears it down
             vm = _VM(root, launch, proc, GuestAgent(config.ga_socket), Display(root / "q"))
             vm.link = self._link(sid, launch)
             self._vms[sid] = vm
@@ -717,9 +717,9 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         finally:
             if tap is not None:
                 tap.close()
-        self.start_qos(rec.spec, proc.pid)  # a new QEMU: the class goes with the sandbox
         vm.proc = proc
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
+        self.start_qos(rec.spec, proc.pid)  # a new QEMU: the class goes with the sandbox
         vm.restoring = asyncio.get_running_loop().create_task(
             self._finish_resume(rec.id, vm), name=f"fullvm-resume-{rec.id}"
         )
