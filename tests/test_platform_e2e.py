@@ -400,11 +400,13 @@ def processes_with_env(entry: str) -> dict[int, list[str]]:
     return found
 
 
-def test_a_demo_ended_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_demo_ended_by_sigterm_stops_what_it_started(tmp_path: Path, sigint: str) -> None:
     """SIGTERM (what `timeout` and job runners send) ends `dsec demo --temp-data` as
     Ctrl-C does, here in the middle of its burst of creates: the platform it started
     stops with its sandboxes and spawner, its data dir and network table go. Before,
-    the demo died on the spot and its `dsec up`, in a session of its own, ran on."""
+    the demo died on the spot and its `dsec up`, in a session of its own, ran on.
+    Also where SIGINT is ignored, as for a background job of a non-interactive shell."""
     edge_id = "demo" + secrets.token_hex(3)
     env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_API_KEY")} | {
         "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
@@ -418,6 +420,9 @@ def test_a_demo_ended_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
             "-n", "20", "--no-microvm", "--image", "busybox:latest", "--creates", "300",
         ],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        preexec_fn=(
+            (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
+        ),
     )  # fmt: skip
     data_dir: Path | None = None
     try:

@@ -181,10 +181,14 @@ def ended_like_ctrl_c() -> Iterator[None]:
     demo as Ctrl-C does, so its cleanup runs: the sandboxes it made and the platform it
     started are stopped, a throwaway data dir removed. Python's default for them is to
     die on the spot, which left that `dsec up` (its own session, so the signal never
-    reached it) serving a data dir that nobody would stop or remove."""
+    reached it) serving a data dir that nobody would stop or remove. Where SIGINT is
+    ignored (a background job of a non-interactive shell), the interrupt is raised
+    here instead, or these signals would end nothing at all."""
 
     def relay(signum: int, frame: object) -> None:
-        signal.raise_signal(signal.SIGINT)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+            raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)  # asyncio's handler: its tasks end cleanly
 
     before = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
