@@ -35,7 +35,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.resources import cgroups
-from tests.conftest import PlatformProcess, free_port
+from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
 
 pytestmark = pytest.mark.root
 
@@ -438,24 +438,20 @@ def test_a_demo_ended_by_sigterm_stops_what_it_started(tmp_path: Path, sigint: s
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=120) == 130  # as after Ctrl-C
         assert processes_with_env(f"DSEC_EDGE_ID={edge_id}") == {}  # dsec up, spawner
-        assert not host.children(f"/dsec/{edge_id}") and not host.pids(f"/dsec/{edge_id}")
+        assert host_leaks(data_dir, edge_id) == []  # sandboxes, mounts, swap, nft table
         assert not data_dir.exists()
-        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
-        assert f"dsec_{edge_id}" not in tables.stdout
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
-        for pid in processes_with_env(f"DSEC_EDGE_ID={edge_id}"):
+        for pid in processes_with_env(f"DSEC_EDGE_ID={edge_id}"):  # dsec up itself too
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
-        subprocess.run(["nft", "delete", "table", "inet", f"dsec_{edge_id}"], capture_output=True)
         if data_dir is not None:
-            for m in reversed(linux.mounts(data_dir)):
-                with contextlib.suppress(OSError):
-                    linux.umount(m.mount_point, detach=True)
+            clean_leftovers(data_dir, edge_id)  # its pause swap area included
             shutil.rmtree(data_dir, ignore_errors=True)
+        else:
+            host.kill_and_remove(f"/dsec/{edge_id}", timeout=5)
 
 
 def demo_row(text: str, label: str) -> tuple[float, float, int]:
