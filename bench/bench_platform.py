@@ -21,6 +21,10 @@ Starts its own `dsec up` on a fresh data directory, then measures through the SD
   creation of N sandboxes, host memory per idle sandbox; and raw `crun run` of
   /bin/true in the foreground. ``--only-create`` skips these.
 
+Creates are served by the platform's warm sandboxes (dsec.edge.warmpool) as a user's
+would be: a create of the shape just created finds one started during the settle time.
+``--warm 0`` measures creates that start their own container (the path before the pool).
+
 Prints a table and writes bench/results/platform.json.
 """
 
@@ -311,13 +315,21 @@ def main() -> None:
         default=50.0,
         help="pause before each timed create of the interleaved rounds (0: back to back)",
     )
+    ap.add_argument(
+        "--warm",
+        type=int,
+        default=None,
+        help="DSEC_WARM_POOL for the platform (default: the platform's, 1 warm sandbox a "
+        "shape; 0 measures creates that start their own container)",
+    )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--execs", type=int, default=300)
     opts = ap.parse_args()
     os.environ.setdefault("DSEC_MAX_SANDBOXES", str(opts.idle + 100))
     load_start = loadavg()
-    with platform_process() as plat:
+    env = {} if opts.warm is None else {"DSEC_WARM_POOL": str(opts.warm)}
+    with platform_process(**env) as plat:
         res = asyncio.run(run(opts, plat.url, plat.api_key, plat.data_dir))
     res["host"] = {
         "cpus": os.cpu_count(),

@@ -211,6 +211,19 @@ class PlatformConfig:
     reclaim_pressure: float = field(
         default_factory=lambda: env_float("DSEC_RECLAIM_PRESSURE", 10, maximum=100)
     )
+    # Warm sandboxes (dsec.edge.warmpool): after a create, this many containers of its
+    # shape are started ahead for the next create of that shape (0: none), for the last
+    # DSEC_WARM_SHAPES shapes asked for, each shape until DSEC_WARM_IDLE_SECONDS pass
+    # without a create of it.
+    warm_per_shape: int = field(
+        default_factory=lambda: env_int("DSEC_WARM_POOL", 1, minimum=0, maximum=64)
+    )
+    warm_shapes: int = field(
+        default_factory=lambda: env_int("DSEC_WARM_SHAPES", 4, minimum=1, maximum=256)
+    )
+    warm_idle_seconds: float = field(
+        default_factory=lambda: env_float("DSEC_WARM_IDLE_SECONDS", 600, minimum=1)
+    )
     # Resume prefetch: a resumed sandbox's swapped-out memory is read back ahead
     # (MADV_WILLNEED through process_madvise), DSEC_RESUME_PREFETCH=0 turns it off.
     resume_prefetch: bool = field(default_factory=lambda: env_flag("DSEC_RESUME_PREFETCH", True))

@@ -70,8 +70,13 @@ class SandboxCreator:
         if spec.job_id is not None:  # another tenant's job id: 403
             await self.jobs.claim(principal, spec.job_id, project, "creating a sandbox")
         named = self._named
-        charged = named.new_sandbox_id() if named is not None else iam.provisional_id()
-        await iam.charge(project, charged, spec.cpu_cores_limit, spec.memory_limit_mb)
+        charged = named.new_sandbox_id(spec) if named is not None else iam.provisional_id()
+        try:
+            await iam.charge(project, charged, spec.cpu_cores_limit, spec.memory_limit_mb)
+        except BaseException:
+            if named is not None:  # e.g. over quota: a warm sandbox held for it is free again
+                named.forget_sandbox_id(charged)
+            raise
         if spec.project != project:
             spec = spec.model_copy(update={"project": project})
         try:

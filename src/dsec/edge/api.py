@@ -77,8 +77,15 @@ class NamedCreates(Protocol):
     node. The creator charges the quota under the final id up front, so a create needs
     no second quota write to move a provisional charge (dsec.apiserver.creator)."""
 
-    def new_sandbox_id(self) -> str:
-        """A fresh id for a sandbox this edge will make (nothing is reserved)."""
+    def new_sandbox_id(self, spec: RunArgs | None = None) -> str:
+        """A fresh id for a sandbox this edge will make; with ``spec``, the id of a warm
+        sandbox of its shape when one is ready (dsec.edge.warmpool), held for the
+        create_named that follows, or given back by forget_sandbox_id."""
+        ...
+
+    def forget_sandbox_id(self, sandbox_id: str) -> None:
+        """No create_named will follow new_sandbox_id's ``sandbox_id`` (the caller
+        failed first): whatever was held for it is free again. Idempotent."""
         ...
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:

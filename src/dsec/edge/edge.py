@@ -37,7 +37,7 @@ from dsec.api.spec import (
     RunArgs,
 )
 from dsec.api.verify import VerifyRequest, VerifyResult
-from dsec.backends.base import Backend, Capability, CreateInput, SandboxRecord
+from dsec.backends.base import Backend, BackendFacts, Capability, CreateInput, SandboxRecord
 from dsec.backends.kinds import require_backend
 from dsec.edge.admission import Admission
 from dsec.edge.deaths import InitWatcher, describe
@@ -45,6 +45,7 @@ from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
 from dsec.edge.idle import IdleReclaimer
 from dsec.edge.state import EdgeStateDB
 from dsec.edge.ttl import IdleClocks
+from dsec.edge.warmpool import Warm, WarmPool
 from dsec.errors import (
     BackendError,
     DSecError,
@@ -82,6 +83,9 @@ LIVE_STATES = {
     SandboxState.STOPPING,
     SandboxState.PAUSED,  # frozen by a job pause (dsec.rl.jobs): alive, holds resources
 }
+# Kinds kept warm (dsec.edge.warmpool): containers, whose idle cost is ~1.7 MiB of
+# host memory. A VM's is its guest's memory, too much to hold for a guess.
+WARM_KINDS = frozenset({BackendKind.CONTAINER})
 
 
 def _now() -> datetime:
@@ -116,6 +120,9 @@ class Edge:
         idle_reclaim_seconds: float = 0.0,
         reclaim_pressure: float = 10.0,
         resume_prefetch: bool = True,
+        warm_per_shape: int = 0,
+        warm_shapes: int = 4,
+        warm_idle_seconds: float = 600.0,
     ) -> None:
         self.audit = audit or AuditLog(None)
         # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics;
@@ -182,6 +189,16 @@ class Edge:
             self, idle_seconds=idle_reclaim_seconds, pressure_limit=reclaim_pressure
         )
         self.thaw_listeners.append(self.idle.track_id)
+        # Sandboxes started before they are asked for (dsec.edge.warmpool).
+        self.pool = WarmPool(
+            per_shape=warm_per_shape,
+            max_shapes=warm_shapes,
+            idle_seconds=warm_idle_seconds,
+            build=self._build_warm,
+            discard=self._discard_warm,
+            new_id=self.new_sandbox_id,
+            can_refill=self._room_for_warm,
+        )
 
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
@@ -256,6 +273,7 @@ class Edge:
             if rec.state is SandboxState.RUNNING:
                 self.idle.track(rec)
         self.supervisor.spawn("idle-reclaim", self.idle.loop)
+        self.supervisor.spawn("warm-pool", self.pool.loop)
         network = self.network.supervised() if self.network is not None else []
         backends = list(self.backends.values())
         for name, healthy, restart in [*(s for b in backends for s in b.supervised()), *network]:
@@ -267,6 +285,7 @@ class Edge:
         return report
 
     async def close(self) -> None:
+        await self.pool.close()  # warm sandboxes have no record: they never outlive us
         await self.limits.close()
         await self.supervisor.close()
         await self.deaths.close()
@@ -295,15 +314,24 @@ class Edge:
     async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:
         return await self._create(spec, timeout=timeout, claim=None)
 
-    def new_sandbox_id(self) -> str:
-        """A fresh id of this edge's form (``<edge id>-<16 hex>``); nothing is reserved:
-        128 random bits do not collide."""
+    def new_sandbox_id(self, spec: RunArgs | None = None) -> str:
+        """A fresh id of this edge's form (``<edge id>-<16 hex>``): 128 random bits do
+        not collide. With ``spec``: a warm sandbox's id when one of its shape is ready,
+        held for the create_named that follows (dsec.edge.warmpool)."""
+        if spec is not None and spec.backend in WARM_KINDS:
+            held = self.pool.reserve(spec)
+            if held is not None:
+                return held
         return f"{self.edge_id}-{secrets.token_hex(8)}"
+
+    def forget_sandbox_id(self, sandbox_id: str) -> None:
+        self.pool.unreserve(sandbox_id)
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
         """``create`` under an id from new_sandbox_id, so that the caller could charge
         the quota under the final id before the create (dsec.apiserver.creator)."""
         if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
+            self.pool.unreserve(sandbox_id)
             raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
         return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
 
@@ -393,6 +421,38 @@ class Edge:
         self.metrics.created(str(spec.backend), time.perf_counter() - started)
         return info
 
+    async def _build_warm(self, sid: str, spec: RunArgs, image: ImageInfo) -> BackendFacts:
+        """Start a warm sandbox (dsec.edge.warmpool): the backend's create, nothing of
+        the edge's (no record, no charge, no audit: nobody has it yet)."""
+        backend = self.backend_for(BackendKind(spec.backend))
+        return await backend.create(CreateInput(id=sid, spec=spec, image=image))
+
+    async def _discard_warm(self, warm: Warm) -> None:
+        now = _now()
+        rec = SandboxRecord(
+            id=warm.id,
+            spec=warm.spec,
+            image=warm.image,
+            state=SandboxState.STOPPING,
+            created_at=now,
+            updated_at=now,
+            edge=self.edge_id,
+            facts=warm.facts,
+        )
+        await self.backend_for(BackendKind(warm.spec.backend)).destroy(rec)
+
+    def _room_for_warm(self) -> bool:
+        """A warm sandbox only where a create would be admitted without squeezing anyone."""
+        try:
+            self.exhaustion.check_create()
+        except DSecError:
+            return False
+        use = self.admission.measure()
+        return (
+            not self.admission.shortfall(use)
+            and self.admission.count < self.admission.max_sandboxes
+        )
+
     def _check_exhaustion(self) -> None:
         """The host has run out of something (dsec.exhaustion): refused, and counted
         with admission's refusals (an operator sees one place for "why no creates")."""
@@ -433,6 +493,17 @@ class Edge:
         )
         yield gauge(
             "dsec_admission_cpu_committed_cores", "CPU limits admitted", [], [([], a.cpu_cores)]
+        )
+        pool = self.pool
+        yield gauge(
+            "dsec_warm_sandboxes",
+            "Sandboxes started ahead of a create (dsec.edge.warmpool), ready or held",
+            [],
+            [([], pool.ready_count())],
+        )
+        yield counter("dsec_warm_hits", "Creates served by a warm sandbox", pool.hits)
+        yield counter(
+            "dsec_warm_misses", "Creates of a warm kind that started their own", pool.misses
         )
         idle = self.idle
         yield counter(
@@ -523,15 +594,28 @@ class Edge:
         inline = [dict(m.files) for m in spec.protected]
         if any(inline):
             spec = spec.model_copy(update={"protected": redact_files(spec.protected)})
-        use = self.admission.measure()  # one reading for both, when nothing awaits between
-        short = self.admission.shortfall(use)  # short of memory by use: idle sandboxes first
-        if short:
-            await self.idle.make_room(short)
-            use = None  # stale after the wait: admit() reads again
-        self.admission.admit(spec, use)
+        # A sandbox started ahead of this create, if one of its shape is ready; held
+        # under sandbox_id when the caller named it with new_sandbox_id(spec).
+        warm = self.pool.claim(sandbox_id) if sandbox_id is not None else None
+        try:
+            use = self.admission.measure()  # one reading for both, when nothing awaits between
+            short = self.admission.shortfall(use)  # short of memory by use: idle ones first
+            if short:
+                self.pool.drain()  # warm sandboxes go before anyone's idle memory
+                await self.idle.make_room(short)
+                use = None  # stale after the wait: admit() reads again
+            self.admission.admit(spec, use)
+            if warm is None and sandbox_id is None and spec.backend in WARM_KINDS:
+                warm = self.pool.take(spec)
+            if warm is not None:  # its image's tags may have moved since: then not
+                warm = await self.pool.fits(warm, image)
+        except BaseException:
+            if warm is not None:  # not used: free for the next create of its shape
+                self.pool.give_back(warm)
+            raise
         now = _now()
         rec = SandboxRecord(
-            id=sandbox_id or self.new_sandbox_id(),
+            id=sandbox_id or (warm.id if warm is not None else self.new_sandbox_id()),
             spec=spec,
             image=image,
             state=SandboxState.CREATING,
@@ -565,10 +649,14 @@ class Edge:
                 protected_files=tuple(inline),
                 net=rec.net,
             )
-            # asyncio.timeout, not wait_for: no task of its own (two event-loop turns
-            # less on the create path); a timeout cancels the create just the same.
-            async with asyncio.timeout(timeout):
-                rec.facts = await backend.create(inp)
+            if warm is not None:
+                rec.facts = warm.facts  # started ahead, never handed to anyone
+            else:
+                # asyncio.timeout, not wait_for: no task of its own (two event-loop turns
+                # less on the create path); a timeout cancels the create just the same.
+                with self.pool.creating():
+                    async with asyncio.timeout(timeout):
+                        rec.facts = await backend.create(inp)
             if self.network is not None:
                 self.network.joined(rec.id)  # the sandbox holds its netns from now on
         except BaseException as exc:
@@ -596,6 +684,8 @@ class Edge:
         self._arm_idle_ttl(rec)
         self.idle.track(rec)
         self._watch_init(rec)
+        if spec.backend in WARM_KINDS:
+            self.pool.asked(spec, image, hit=warm is not None)
         return rec.info()
 
     async def _image_of(self, spec: RunArgs) -> ImageInfo:

@@ -229,6 +229,9 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             idle_reclaim_seconds=config.idle_reclaim_seconds,
             reclaim_pressure=config.reclaim_pressure,
             resume_prefetch=config.resume_prefetch,
+            warm_per_shape=config.warm_per_shape,
+            warm_shapes=config.warm_shapes,
+            warm_idle_seconds=config.warm_idle_seconds,
         )
         swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()

@@ -1,0 +1,238 @@
+"""dsec.edge.warmpool without a platform: what a shape is, when the pool builds,
+what it hands out and what it tears down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dsec import DSecContainerRunArgs
+from dsec.api.images import ImageInfo
+from dsec.api.protected import ProtectedMount
+from dsec.api.spec import RunArgs
+from dsec.backends.base import BackendFacts
+from dsec.edge.warmpool import RESERVE_SECONDS, Warm, WarmPool, shape_of, warm_spec
+
+
+@dataclass(frozen=True)
+class FakeFacts(BackendFacts):
+    pid: int | None
+
+    @property
+    def init_pid(self) -> int | None:
+        return self.pid
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid}
+
+
+NO_SUCH_PID = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # kill(): ESRCH
+
+
+def image(digest: str = "sha256:a") -> ImageInfo:
+    return ImageInfo(
+        name="bb",
+        tag="1",
+        digest=digest,
+        layers=[digest],
+        size_bytes=1,
+        created_at=datetime.now(UTC),
+    )
+
+
+class Host:
+    """What the edge gives the pool: builds and discards recorded, a settable clock."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple[str, RunArgs]] = []
+        self.discarded: list[str] = []
+        self.now = 1000.0
+        self.room = True
+        self.fail = False
+        self.n = 0
+
+    def pool(self, per_shape: int = 1, max_shapes: int = 2) -> WarmPool:
+        return WarmPool(
+            per_shape=per_shape,
+            max_shapes=max_shapes,
+            idle_seconds=100.0,
+            build=self.build,
+            discard=self.discard,
+            new_id=self.new_id,
+            can_refill=lambda: self.room,
+            clock=lambda: self.now,
+        )
+
+    def new_id(self) -> str:
+        self.n += 1
+        return f"e-{self.n}"
+
+    async def build(self, sid: str, spec: RunArgs, img: ImageInfo) -> BackendFacts:
+        await asyncio.sleep(0)
+        if self.fail:
+            raise RuntimeError("crun said no")
+        self.built.append((sid, spec))
+        return FakeFacts(os.getpid())
+
+    async def discard(self, warm: Warm) -> None:
+        self.discarded.append(warm.id)
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def spec(**kw: Any) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(container_image="bb:1", **kw)
+
+
+def test_the_shape_leaves_out_only_the_edges_bookkeeping() -> None:
+    base = shape_of(spec())
+    assert base is not None
+    same = spec(labels={"a": "b"}, job_id="j", trajectory_id="t", project="p", ttl_running_stop=9)
+    assert shape_of(same) == base
+    for other in (
+        spec(memory_limit_mb=128),
+        spec(env={"K": "V"}),
+        spec(init_user="nobody"),
+        spec(qos="best_effort"),
+        spec(workdir="/tmp"),
+        spec(disk_limit_mb=100),
+        DSecContainerRunArgs(container_image="bb:2"),
+    ):
+        assert shape_of(other) not in (None, base), other
+    # made for one sandbox: never warm
+    assert shape_of(spec(network_rules={"pypi": True})) is None
+    assert shape_of(spec(protected=[ProtectedMount(path="/grader", files={"a": "b"})])) is None
+    # a warm sandbox never carries one caller's labels or job
+    warm = warm_spec(same)
+    assert (warm.labels, warm.job_id, warm.trajectory_id, warm.project) == ({}, None, None, None)
+    assert shape_of(warm) == base
+
+
+async def test_a_create_fills_its_shape_and_the_next_takes_it() -> None:
+    host = Host()
+    pool = host.pool()
+    assert pool.take(spec()) is None
+    pool.asked(spec(labels={"x": "1"}), image(), hit=False)
+    await settle()
+    assert [sid for sid, _ in host.built] == ["e-1"]
+    assert host.built[0][1].labels == {}
+    assert pool.take(spec(memory_limit_mb=128)) is None  # another shape
+    warm = pool.take(spec(job_id="other"))
+    assert warm is not None and warm.id == "e-1"
+    assert pool.take(spec()) is None  # handed out once only
+    assert await pool.fits(warm, image()) is warm
+    assert pool.hits == 1 and pool.misses == 1
+
+
+async def test_refills_wait_until_no_create_is_in_flight() -> None:
+    host = Host()
+    pool = host.pool()
+    with pool.creating():
+        pool.asked(spec(), image(), hit=False)
+        await settle()
+        assert host.built == []
+    await settle()
+    assert len(host.built) == 1
+
+
+async def test_no_refill_without_room_and_a_failed_build_leaves_the_shape_refillable() -> None:
+    host = Host()
+    pool = host.pool()
+    host.room = False
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert host.built == []
+    host.room, host.fail = True, True
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert pool.ready_count() == 0
+    host.fail = False
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert pool.ready_count() == 1
+
+
+async def test_a_moved_tag_or_a_dead_init_is_torn_down_not_handed_out() -> None:
+    host = Host()
+    pool = host.pool()
+    pool.asked(spec(), image("sha256:a"), hit=False)
+    await settle()
+    warm = pool.take(spec())
+    assert warm is not None
+    assert await pool.fits(warm, image("sha256:b")) is None
+    assert host.discarded == [warm.id]
+    # the shape's image moved: its warm ones go, new ones come from the new image
+    pool.asked(spec(), image("sha256:a"), hit=False)
+    await settle()
+    pool.asked(spec(), image("sha256:b"), hit=False)
+    await settle()
+    assert host.discarded[-1] == "e-2" and pool.ready_count() == 1
+    # an init that died while warm
+    no_such_pid = NO_SUCH_PID
+    pool.drain()
+    await settle()
+    shape = shape_of(spec())
+    assert shape is not None
+    corpse = Warm("e-dead", shape, FakeFacts(no_such_pid), image("sha256:b"), spec())
+    pool.asked(spec(), image("sha256:b"), hit=False)
+    await settle()
+    taken = pool.take(spec())
+    assert taken is not None
+    pool.give_back(taken)
+    pool.give_back(corpse)  # given back dead: torn down
+    await settle()
+    assert "e-dead" in host.discarded
+
+
+async def test_reservations_are_claimed_given_back_or_expire() -> None:
+    host = Host()
+    pool = host.pool()
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    sid = pool.reserve(spec())
+    assert sid == "e-1" and pool.reserve(spec()) is None
+    pool.unreserve(sid)  # the caller's quota said no: back to the shape
+    assert pool.reserve(spec()) == sid
+    claimed = pool.claim(sid)
+    assert claimed is not None and claimed.id == sid and pool.claim(sid) is None
+    pool.give_back(claimed)
+    assert pool.reserve(spec()) == sid
+    host.now += RESERVE_SECONDS + 1  # never claimed: torn down
+    pool.expire()
+    await settle()
+    assert host.discarded == [sid] and pool.ready_count() == 0
+
+
+async def test_shapes_nobody_asks_for_go_and_only_the_last_few_are_kept() -> None:
+    host = Host()
+    pool = host.pool(max_shapes=2)
+    for mb in (64, 128, 256):
+        pool.asked(spec(memory_limit_mb=mb), image(), hit=False)
+        await settle()
+    assert pool.ready_count() == 2 and host.discarded == ["e-1"]
+    host.now += 101
+    pool.expire()
+    await settle()
+    assert pool.ready_count() == 0 and sorted(host.discarded) == ["e-1", "e-2", "e-3"]
+
+
+async def test_close_tears_down_everything_and_builds_no_more() -> None:
+    host = Host()
+    pool = host.pool(per_shape=2)
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    held = pool.reserve(spec())
+    with pool.creating():  # a refill waiting for quiet when the edge closes
+        pool.asked(spec(), image(), hit=True)
+        await pool.close()
+    assert held is not None and held in host.discarded
+    assert pool.ready_count() == 0
+    assert sorted(host.discarded) == sorted(sid for sid, _ in host.built)
+    assert pool.take(spec()) is None and pool.reserve(spec()) is None
