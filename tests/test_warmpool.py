@@ -208,3 +208,25 @@ async def test_a_quota_refusal_gives_the_held_warm_sandbox_back(
         assert again.id in warm and metric(plat, "dsec_warm_hits") == hits + 1
     finally:
         await again.stop()
+
+
+async def test_a_create_failing_before_it_starts_frees_the_held_warm_sandbox(
+    plat: PlatformProcess, client: DSecClient
+) -> None:
+    bb = await client.get_image("busybox")
+    await client.compose_image("wp-gone:1", list(bb.layers))
+    spec = DSecContainerRunArgs(container_image="wp-gone:1", memory_limit_mb=80)
+    before = await unexplained(plat, client)
+    await (await client.run_container(spec)).stop()
+    (warm,) = await warm_ids(plat, client, before)
+    await client.remove_image("wp-gone:1")
+    with pytest.raises(DSecError) as gone:  # held for this create, which then found no image
+        await client.run_container(spec)
+    assert gone.value.status == 404
+    await client.compose_image("wp-gone:1", list(bb.layers))  # the same image again
+    hits = metric(plat, "dsec_warm_hits")
+    again = await client.run_container(spec)
+    try:
+        assert again.id == warm and metric(plat, "dsec_warm_hits") == hits + 1
+    finally:
+        await again.stop()

@@ -330,10 +330,14 @@ class Edge:
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
         """``create`` under an id from new_sandbox_id, so that the caller could charge
         the quota under the final id before the create (dsec.apiserver.creator)."""
-        if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
+        try:
+            if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
+                raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
+            return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
+        finally:
+            # A warm sandbox held under the id and not taken (the create failed before,
+            # e.g. a 422 or 404): free for the next create. A no-op once it was taken.
             self.pool.unreserve(sandbox_id)
-            raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
-        return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
 
     async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
         """The sandbox an earlier create with ``claim``'s key made, whatever its state
