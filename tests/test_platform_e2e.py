@@ -470,22 +470,25 @@ def check_demo_figures(text: str, *, count: int, creates: int, execs: int) -> No
     assert f"{count}/{count} sandboxes created at once, ran and removed" in text, text
     figures = {
         "create": demo_row(text, "create, sequential"),
+        "cold": demo_row(text, "create, each a new shape"),
         "exec": demo_row(text, "exec run_shell"),
         "raw": demo_row(text, "raw crun run"),
     }
     for name, (p50, p99, _n) in figures.items():
         assert 0 < p50 <= p99 < 10_000, (name, p50, p99)
     assert figures["create"][2] == creates and figures["raw"][2] == creates
+    assert figures["cold"][2] == creates
     assert figures["exec"][2] == execs
     burst = re.search(
         rf"burst: {count} concurrent creates in [0-9.]+ s = ([0-9.]+) sandboxes/s", text
     )
     assert burst and 0 < float(burst.group(1)) < 100_000, text
-    ratio = re.search(r"create / raw crun \(p50\): ([0-9.]+)x", text)
+    ratio = re.search(r"create / raw crun \(p50\): ([0-9.]+)x, cold ([0-9.]+)x", text)
     assert ratio, text
     assert float(ratio.group(1)) == pytest.approx(
         figures["create"][0] / figures["raw"][0], rel=0.03
     )
+    assert float(ratio.group(2)) == pytest.approx(figures["cold"][0] / figures["raw"][0], rel=0.03)
 
 
 async def test_init_user_runs_commands_unprivileged(client: DSecClient, busybox_image: str) -> None:
