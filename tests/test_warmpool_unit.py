@@ -236,3 +236,25 @@ async def test_close_tears_down_everything_and_builds_no_more() -> None:
     assert pool.ready_count() == 0
     assert sorted(host.discarded) == sorted(sid for sid, _ in host.built)
     assert pool.take(spec()) is None and pool.reserve(spec()) is None
+
+
+async def test_a_host_gone_short_hands_out_nothing_warm_and_drains() -> None:
+    """A backend decides some things at create time from the host's state (the disk
+    guard refuses or clamps): a sandbox started before the shortage must not skip that."""
+    host = Host()
+    pool = host.pool(per_shape=2)
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert pool.ready_count() == 2
+    warm = pool.take(spec())
+    assert warm is not None
+    host.room = False
+    assert await pool.fits(warm, image()) is None
+    await settle()
+    assert pool.ready_count() == 0 and len(host.discarded) == 2
+    host.room = True
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert pool.ready_count() == 1

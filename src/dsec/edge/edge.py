@@ -446,10 +446,14 @@ class Edge:
         await self.backend_for(BackendKind(warm.spec.backend)).destroy(rec)
 
     def _room_for_warm(self) -> bool:
-        """A warm sandbox only where a create would be admitted without squeezing anyone."""
+        """Warm sandboxes are started and handed out only while a create would be
+        admitted without squeezing anyone and no backend decides anything from a
+        shortage (a sandbox disk's guard clamping or refusing: dsec.resources.diskguard)."""
         try:
             self.exhaustion.check_create()
         except DSecError:
+            return False
+        if any(self.backends[k].disk_pressure() for k in WARM_KINDS if k in self.backends):
             return False
         use = self.admission.measure()
         return (

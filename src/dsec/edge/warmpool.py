@@ -216,8 +216,16 @@ class WarmPool:
 
     async def fits(self, warm: Warm, image: ImageInfo) -> Warm | None:
         """``warm`` if it may serve a create whose image resolved to ``image`` now; else
-        it is torn down (awaited: its id may be started again at once) and None."""
-        if same_image(warm.image, image) and warm.alive():
+        it is torn down (awaited: its id may be started again at once) and None.
+
+        Not while the host is short of anything (``can_refill`` says no): a backend
+        decides some things at create time from the host's state (the disk guard
+        refuses a create whose share of the disk would be useless, or clamps its
+        limit), and a sandbox started before the shortage skipped that decision. Then
+        every warm one goes and the create runs the backend's own checks."""
+        if not self._can_refill():
+            self.drain()
+        elif same_image(warm.image, image) and warm.alive():
             self.hits += 1
             return warm
         await self._discard_quietly(warm)
@@ -299,6 +307,8 @@ class WarmPool:
         while True:
             await asyncio.sleep(every)
             self.expire()
+            if self.ready_count() and not self._can_refill():
+                self.drain()  # the host is short: what was started ahead gives way
 
     def drain(self) -> int:
         """Tear every ready warm sandbox down (the host needs the room); returns how
