@@ -70,6 +70,14 @@ async def warm_ids(
         await asyncio.sleep(0.05)
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def init_pids(plat: PlatformProcess, sid: str) -> set[int]:
     return cgroups.detect().pids(f"/dsec/{plat.edge_id}/{sid}")
 
@@ -230,3 +238,33 @@ async def test_a_create_failing_before_it_starts_frees_the_held_warm_sandbox(
         assert again.id == warm and metric(plat, "dsec_warm_hits") == hits + 1
     finally:
         await again.stop()
+
+
+async def test_a_warm_sandbox_from_before_a_component_restart_is_not_handed_out(
+    plat: PlatformProcess, client: DSecClient
+) -> None:
+    """The seccomp listener's socket removed under the platform: the supervisor binds
+    it again. A sandbox started before that restart may lack what one started after
+    gets (its notify fd with the listener), so the next create starts its own."""
+    before = await unexplained(plat, client)
+    await (await client.run_container(args(pids_limit=91))).stop()
+    (warm,) = await warm_ids(plat, client, before)
+    warm_init = init_pids(plat, warm)
+    assert warm_init
+    sock = plat.data_dir / "run" / "seccomp.sock"
+    ino = sock.stat().st_ino
+    sock.unlink()
+    deadline = time.monotonic() + 30
+    while not (sock.exists() and sock.stat().st_ino != ino):
+        assert time.monotonic() < deadline, "the seccomp socket was not bound again"
+        await asyncio.sleep(0.05)
+    hits = metric(plat, "dsec_warm_hits")
+    sb = await client.run_container(args(pids_limit=91))
+    try:
+        # (the create may keep the id it was named with: a container of its own)
+        assert metric(plat, "dsec_warm_hits") == hits
+        assert init_pids(plat, sb.id).isdisjoint(warm_init)
+        assert not any(pid_alive(pid) for pid in warm_init)  # torn down, not kept
+        assert (await sb.run_shell("echo ok")).stdout == "ok\n"
+    finally:
+        await sb.stop()

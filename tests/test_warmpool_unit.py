@@ -258,3 +258,29 @@ async def test_a_host_gone_short_hands_out_nothing_warm_and_drains() -> None:
     pool.asked(spec(), image(), hit=False)
     await settle()
     assert pool.ready_count() == 1
+
+
+async def test_a_warm_sandbox_from_an_older_generation_is_torn_down() -> None:
+    host = Host()
+    generation = [0]
+    pool = WarmPool(
+        per_shape=1,
+        max_shapes=2,
+        idle_seconds=100.0,
+        build=host.build,
+        discard=host.discard,
+        new_id=host.new_id,
+        can_refill=lambda: True,
+        generation=lambda: generation[0],
+    )
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    warm = pool.take(spec())
+    assert warm is not None
+    generation[0] += 1  # e.g. the seccomp listener restarted
+    assert await pool.fits(warm, image()) is None
+    assert host.discarded == [warm.id]
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    fresh = pool.take(spec())
+    assert fresh is not None and await pool.fits(fresh, image()) is fresh

@@ -178,6 +178,13 @@ class Supervisor:
                 delay = comp.failed(exc)
             next_try = time.monotonic() + delay
 
+    @property
+    def generation(self) -> int:
+        """How many restarts the platform's components have had, in all: a thing made
+        before one (e.g. a warm sandbox whose seccomp notify fd a restarted listener no
+        longer holds, dsec.edge.warmpool) may lack what a thing made after it gets."""
+        return sum(c.restarts for c in [*self.components.values(), *_loose.values()])
+
     def failures(self) -> list[dict[str, str | float | int]]:
         """Components that are down or not yet stable again, for ``/v1/health``."""
         return [

@@ -198,6 +198,7 @@ class Edge:
             discard=self._discard_warm,
             new_id=self.new_sandbox_id,
             can_refill=self._room_for_warm,
+            generation=lambda: self.supervisor.generation,
         )
 
     # -- startup and shutdown -------------------------------------------------------------
@@ -452,6 +453,8 @@ class Edge:
         try:
             self.exhaustion.check_create()
         except DSecError:
+            return False
+        if self.supervisor.failures():  # a component down: what it adds to a sandbox too
             return False
         if any(self.backends[k].disk_pressure() for k in WARM_KINDS if k in self.backends):
             return False

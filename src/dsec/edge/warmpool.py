@@ -92,6 +92,7 @@ class Warm:
     facts: BackendFacts
     image: ImageInfo
     spec: RunArgs
+    generation: int = 0  # the platform's restarts when it was started (Supervisor)
     reserved_at: float | None = None
 
     def alive(self) -> bool:
@@ -137,6 +138,7 @@ class WarmPool:
         discard: Discard,
         new_id: Callable[[], str],
         can_refill: Callable[[], bool],
+        generation: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.per_shape = per_shape
@@ -146,6 +148,7 @@ class WarmPool:
         self._discard = discard
         self._new_id = new_id
         self._can_refill = can_refill
+        self._generation = generation
         self._clock = clock
         self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # least recently asked first
         self._reserved: dict[str, Warm] = {}
@@ -222,10 +225,15 @@ class WarmPool:
         decides some things at create time from the host's state (the disk guard
         refuses a create whose share of the disk would be useless, or clamps its
         limit), and a sandbox started before the shortage skipped that decision. Then
-        every warm one goes and the create runs the backend's own checks."""
+        every warm one goes and the create runs the backend's own checks. Nor one
+        started before a platform component restarted (``generation``): the seccomp
+        listener that held its notify fd, say, and a fresh sandbox would be watched
+        by the new one."""
         if not self._can_refill():
             self.drain()
-        elif same_image(warm.image, image) and warm.alive():
+        elif (
+            same_image(warm.image, image) and warm.alive() and warm.generation == self._generation()
+        ):
             self.hits += 1
             return warm
         await self._discard_quietly(warm)
@@ -276,12 +284,13 @@ class WarmPool:
             if self._closed or self._shapes.get(key) is not shape or not self._can_refill():
                 return
             sid = self._new_id()
+            generation = self._generation()
             try:
                 facts = await self._build(sid, shape.spec, shape.image)
             except Exception as exc:  # nothing left behind (Backend.create's contract)
                 log.info("warm sandbox of a shape not started: %s", exc)
                 return
-            warm = Warm(sid, key, facts, shape.image, shape.spec)
+            warm = Warm(sid, key, facts, shape.image, shape.spec, generation)
             if self._closed or self._shapes.get(key) is not shape:
                 await self._discard_quietly(warm)
                 return
