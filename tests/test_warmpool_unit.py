@@ -284,3 +284,27 @@ async def test_a_warm_sandbox_from_an_older_generation_is_torn_down() -> None:
     await settle()
     fresh = pool.take(spec())
     assert fresh is not None and await pool.fits(fresh, image()) is fresh
+
+
+async def test_a_create_cancelled_while_its_warm_one_is_torn_down_finishes_the_teardown() -> None:
+    host = Host()
+    release = asyncio.Event()
+    done = host.discard
+
+    async def slow_discard(warm: Warm) -> None:
+        await release.wait()
+        await done(warm)
+
+    host.discard = slow_discard  # type: ignore[method-assign]
+    pool = host.pool()
+    pool.asked(spec(), image("sha256:a"), hit=False)
+    await settle()
+    warm = pool.take(spec())
+    assert warm is not None
+    create = asyncio.ensure_future(pool.fits(warm, image("sha256:b")))  # the tag moved
+    await settle()
+    create.cancel()
+    await settle()
+    release.set()
+    await pool.close()
+    assert warm.id in host.discarded and pool.ready_count() == 0

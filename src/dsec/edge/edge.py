@@ -619,7 +619,9 @@ class Edge:
             if warm is None and sandbox_id is None and spec.backend in WARM_KINDS:
                 warm = self.pool.take(spec)
             if warm is not None:  # its image's tags may have moved since: then not
-                warm = await self.pool.fits(warm, image)
+                # (fits() has it from here: torn down, never given back, if it fails)
+                candidate, warm = warm, None
+                warm = await self.pool.fits(candidate, image)
         except BaseException:
             if warm is not None:  # not used: free for the next create of its shape
                 self.pool.give_back(warm)

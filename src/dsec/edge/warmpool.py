@@ -155,7 +155,7 @@ class WarmPool:
         self._busy = 0  # creates in flight
         self._quiet = asyncio.Event()
         self._quiet.set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
         self._closed = False
         self.hits = 0
         self.misses = 0
@@ -236,7 +236,9 @@ class WarmPool:
         ):
             self.hits += 1
             return warm
-        await self._discard_quietly(warm)
+        # shielded (and tracked for close): a create cancelled meanwhile must not
+        # leave it half torn down
+        await asyncio.shield(self._spawn(self._discard_quietly(warm)))
         return None
 
     @contextlib.contextmanager
@@ -341,10 +343,11 @@ class WarmPool:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _discard_quietly(self, warm: Warm) -> None:
         try:
