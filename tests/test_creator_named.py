@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from dsec.api.iam import QuotaLimits
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.api.spec import BackendKind, DSecContainerRunArgs, RunArgs
 from dsec.apiserver.creator import SandboxCreator
 from dsec.control.db import make_engine, migrate, sqlite_url
 from dsec.control.iam import IAM, PENDING_PREFIX
 from dsec.edge.api import NamedCreates
-from dsec.errors import BackendError
+from dsec.errors import BackendError, DSecError
 
 
 class NamedEdge:
@@ -28,9 +29,16 @@ class NamedEdge:
     def __init__(self, *, fail: bool = False) -> None:
         self.fail = fail
         self.made: list[str] = []
+        self.named: list[str] = []
+        self.forgotten: list[str] = []
 
-    def new_sandbox_id(self) -> str:
-        return f"{self.edge_id}-{secrets.token_hex(8)}"
+    def new_sandbox_id(self, spec: RunArgs | None = None) -> str:
+        sid = f"{self.edge_id}-{secrets.token_hex(8)}"
+        self.named.append(sid)
+        return sid
+
+    def forget_sandbox_id(self, sandbox_id: str) -> None:
+        self.forgotten.append(sandbox_id)
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
         self.made.append(sandbox_id)
@@ -85,4 +93,19 @@ async def test_a_failed_create_gives_the_charge_back(iam: IAM) -> None:
     with pytest.raises(BackendError):
         await creator.create("admin", SPEC, timeout=10)
     assert len(edge.made) == 1
+    assert await iam.charger.charged() == []
+
+
+async def test_a_refused_charge_frees_the_id_it_was_named_with(iam: IAM) -> None:
+    """Over quota: no create follows, so whatever the edge held under the id (a warm
+    sandbox, dsec.edge.warmpool) is given back at once."""
+    edge = NamedEdge()
+    creator = SandboxCreator(edge, iam=iam)  # type: ignore[arg-type]  # a stub edge
+    project = "q" + secrets.token_hex(3)
+    await iam.create_project("admin", project)
+    await iam.set_quota("admin", project, QuotaLimits(max_sandboxes=0))
+    with pytest.raises(DSecError) as refused:
+        await creator.create("admin", SPEC.model_copy(update={"project": project}), timeout=10)
+    assert refused.value.status == 429
+    assert edge.made == [] and edge.forgotten == edge.named and len(edge.named) == 1
     assert await iam.charger.charged() == []
