@@ -21,9 +21,10 @@ Starts its own `dsec up` on a fresh data directory, then measures through the SD
   creation of N sandboxes, host memory per idle sandbox; and raw `crun run` of
   /bin/true in the foreground. ``--only-create`` skips these.
 
-Creates are served by the platform's warm sandboxes (dsec.edge.warmpool) as a user's
-would be: a create of the shape just created finds one started during the settle time.
-``--warm 0`` measures creates that start their own container (the path before the pool).
+Creates are served by warm sandboxes (dsec.edge.warmpool, ``--warm 1``, the default
+here; `dsec up` turns them on with DSEC_WARM_POOL=1): a create of the shape just created
+finds one started during the settle time. ``--warm 0`` measures creates that start
+their own container (`dsec up`'s default).
 
 Prints a table and writes bench/results/platform.json.
 """
@@ -318,9 +319,9 @@ def main() -> None:
     ap.add_argument(
         "--warm",
         type=int,
-        default=None,
-        help="DSEC_WARM_POOL for the platform (default: the platform's, 1 warm sandbox a "
-        "shape; 0 measures creates that start their own container)",
+        default=1,
+        help="DSEC_WARM_POOL for the platform: warm sandboxes a shape (default 1; 0, "
+        "`dsec up`'s default, measures creates that start their own container)",
     )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)
@@ -328,7 +329,7 @@ def main() -> None:
     opts = ap.parse_args()
     os.environ.setdefault("DSEC_MAX_SANDBOXES", str(opts.idle + 100))
     load_start = loadavg()
-    env = {} if opts.warm is None else {"DSEC_WARM_POOL": str(opts.warm)}
+    env = {"DSEC_WARM_POOL": str(opts.warm)}
     with platform_process(**env) as plat:
         res = asyncio.run(run(opts, plat.url, plat.api_key, plat.data_dir))
     res["host"] = {

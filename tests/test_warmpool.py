@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (crun)")
 
 @pytest.fixture(scope="module")
 def plat() -> Iterator[PlatformProcess]:
-    with platform_process() as p:
+    with platform_process(DSEC_WARM_POOL="1") as p:
         yield p
 
 
@@ -177,7 +177,7 @@ async def test_a_moved_layer_tag_is_never_served_from_a_warm_sandbox(
 
 
 async def test_nothing_is_left_when_the_platform_is_killed_with_warm_sandboxes() -> None:
-    with platform_process() as p:
+    with platform_process(DSEC_WARM_POOL="1") as p:
         c = DSecClient(p.url, p.api_key)
         await c.open()
         try:
@@ -268,3 +268,14 @@ async def test_a_warm_sandbox_from_before_a_component_restart_is_not_handed_out(
         assert (await sb.run_shell("echo ok")).stdout == "ok\n"
     finally:
         await sb.stop()
+
+
+async def test_dsec_up_keeps_nothing_warm_unless_asked(platform: PlatformProcess) -> None:
+    """Off by default: a warm sandbox outlives the last sandbox of its shape."""
+    async with DSecClient(platform.url, platform.api_key) as c:
+        await c.build_image("busybox")
+        for _ in range(2):
+            await (await c.run_container(args())).stop()
+        await asyncio.sleep(0.3)
+        assert metric(platform, "dsec_warm_sandboxes") == 0
+        assert metric(platform, "dsec_warm_hits") == 0

@@ -214,9 +214,12 @@ class PlatformConfig:
     # Warm sandboxes (dsec.edge.warmpool): after a create, this many containers of its
     # shape are started ahead for the next create of that shape (0: none), for the last
     # DSEC_WARM_SHAPES shapes asked for, each shape until DSEC_WARM_IDLE_SECONDS pass
-    # without a create of it.
+    # without a create of it. Off by default: a warm sandbox holds what a sandbox holds
+    # (its layers against the layer cache's budget, a quota group, cgroups) after the
+    # last sandbox of its shape stopped, which operators and leak checks do not expect
+    # unless they asked for it.
     warm_per_shape: int = field(
-        default_factory=lambda: env_int("DSEC_WARM_POOL", 1, minimum=0, maximum=64)
+        default_factory=lambda: env_int("DSEC_WARM_POOL", 0, minimum=0, maximum=64)
     )
     warm_shapes: int = field(
         default_factory=lambda: env_int("DSEC_WARM_SHAPES", 4, minimum=1, maximum=256)
