@@ -37,6 +37,20 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0: nothing is sent). A process we may not
+    signal exists too."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError as exc:  # pragma: no cover - unexpected errno
+        return exc.errno != errno.ESRCH
+    return True
+
+
 def _raise(what: str, path: str | os.PathLike[str]) -> None:
     err = ctypes.get_errno()
     raise OSError(err, f"{what} {path}: {os.strerror(err)}")

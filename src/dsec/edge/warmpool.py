@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 from dsec.api.images import ImageInfo
 from dsec.api.spec import RunArgs
 from dsec.backends.base import BackendFacts
+from dsec.linux import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +99,7 @@ class Warm:
         """Its init still runs (a cheap look; the edge's death watch follows it from
         the moment a create takes it)."""
         pid = self.facts.init_pid
-        if pid is None:
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid is None or pid_alive(pid)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import logging
 import os
@@ -125,7 +124,7 @@ class LayerStore:
             d.mkdir(parents=True, exist_ok=True)
         for entry in self.tmp_dir.iterdir():
             pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not linux.pid_alive(int(pid)):
                 log.info("removing stale temp %s", entry)
                 with contextlib.suppress(OSError):
                     remove_tree(entry)
@@ -290,18 +289,6 @@ class LayerStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(out)
             raise
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError as exc:  # pragma: no cover - unexpected errno
-        return exc.errno != errno.ESRCH
-    return True
 
 
 async def mkfs_erofs(
