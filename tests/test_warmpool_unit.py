@@ -308,3 +308,38 @@ async def test_a_create_cancelled_while_its_warm_one_is_torn_down_finishes_the_t
     release.set()
     await pool.close()
     assert warm.id in host.discarded and pool.ready_count() == 0
+
+
+def layered(*layers: str) -> ImageInfo:
+    return image(layers[-1]).model_copy(update={"layers": list(layers)})
+
+
+async def test_the_layer_cache_gets_back_only_layers_warm_sandboxes_alone_hold() -> None:
+    host = Host()
+    pool = host.pool(max_shapes=3)
+    one, two = layered("sha256:base", "sha256:one"), layered("sha256:base", "sha256:two")
+    pool.asked(spec(), one, hit=False)
+    pool.asked(spec(memory_limit_mb=128), two, hit=False)
+    await settle()
+    pool.asked(spec(memory_limit_mb=256), two, hit=False)
+    await settle()
+    assert pool.ready_count() == 3
+    reserved = pool.reserve(spec(memory_limit_mb=256))
+    assert reserved is not None
+    # base: also a running sandbox's (4 users, warm ones hold 3); one: only the warm
+    # one's; two: warm ones' only (the ready one and the reserved one)
+    assert pool.let_go({"sha256:base": 4}) == 0
+    assert host.discarded == []
+    assert pool.let_go({"sha256:one": 1, "sha256:two": 3}) == 1  # two: a sandbox too
+    await settle()
+    assert host.discarded == ["e-1"]
+    # its shape is forgotten: the next create of it misses and asks again
+    assert pool.take(spec()) is None
+    pool.asked(spec(), one, hit=False)
+    await settle()
+    assert pool.take(spec()) is not None
+    # two, held by warm ones alone: the ready one goes, the reserved one stays
+    assert pool.let_go({"sha256:two": 2}) == 1
+    await settle()
+    assert len(host.discarded) == 2 and reserved not in host.discarded
+    assert pool.claim(reserved) is not None

@@ -56,7 +56,7 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.exhaustion import Exhaustion, Resource, register
-from dsec.images.service import ImageService
+from dsec.images.service import ImageService, LayerCacheBudget
 from dsec.images.vmdisk import VMImage
 from dsec.net.manager import NetworkManager
 from dsec.observe.metrics import GaugeCollector, Metric, Metrics, counter, gauge, host_gauges
@@ -205,6 +205,15 @@ class Edge:
     async def start(self) -> dict[str, list[str]]:
         """Recover from whatever the previous process left, then start the TTL reaper."""
         self.audit.start(self.supervisor)
+        if isinstance(self.images, LayerCacheBudget):
+            # The cache calls from any thread: the pool is the event loop's.
+            event_loop = asyncio.get_running_loop()
+
+            def let_go(layers: Mapping[str, int]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nothing is warm
+                    event_loop.call_soon_threadsafe(self.pool.let_go, layers)
+
+            self.images.on_layers_wanted(let_go)
         for backend in self.backends.values():
             await backend.start()
         report: dict[str, list[str]] = {"adopted": [], "cleaned": [], "lost": [], "swept": []}

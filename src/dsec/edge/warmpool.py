@@ -26,7 +26,9 @@ When: a refill starts once no create is in flight (``busy``), one sandbox at a t
 so it never competes with the creates it is meant to speed up, and not at all while
 the host is short of memory or out of something (``can_refill``). Under memory
 pressure admission drains the pool first (``drain``), before any idle sandbox is
-squeezed. Closing the edge tears every warm sandbox down.
+squeezed. When the host's layer cache is over its budget and a warm sandbox holds a
+layer it would evict, the sandbox goes and its shape is forgotten until asked again
+(``let_go``). Closing the edge tears every warm sandbox down.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from dsec.api.images import ImageInfo
@@ -157,7 +159,7 @@ class WarmPool:
         return self.per_shape > 0 and not self._closed
 
     def ready_count(self) -> int:
-        return sum(len(s.ready) for s in self._shapes.values()) + len(self._reserved)
+        return sum(1 for _ in self._holders())
 
     # -- the create path ----------------------------------------------------------------
     def reserve(self, spec: RunArgs) -> str | None:
@@ -323,6 +325,37 @@ class WarmPool:
                 n += 1
             shape.ready.clear()
         return n
+
+    def let_go(self, layers: Mapping[str, int]) -> int:
+        """The host's layer cache is over its budget and cannot evict ``layers``
+        (``sha256:<hex>`` -> users now) because they are in use. Where warm sandboxes
+        are a layer's only users, every shape built on it is forgotten and its ready
+        sandboxes torn down: their teardown releases the layer and the cache evicts it
+        then. A layer a running sandbox uses stays whatever the pool does, so its warm
+        sandboxes stay too. Such a shape is warm again only after its next create:
+        kept warm at once, it would take the layer straight back. Reserved ones stay
+        (a create is about to take them). Returns how many were torn down."""
+        holds: Counter[str] = Counter()
+        for warm in self._holders():
+            holds.update(warm.image.layers)  # one user per acquire, as the backend does
+        only_warm = {d for d, users in layers.items() if 0 < users <= holds[d]}
+        n = 0
+        for key, shape in list(self._shapes.items()):
+            if only_warm.isdisjoint(shape.image.layers):
+                continue
+            del self._shapes[key]
+            for warm in shape.ready:
+                self._spawn(self._discard_quietly(warm))
+                n += 1
+        if n:
+            log.info("%d warm sandboxes let go of layers the layer cache wants back", n)
+        return n
+
+    def _holders(self) -> Iterator[Warm]:
+        """Every warm sandbox started and not yet taken: ready or reserved."""
+        for shape in self._shapes.values():
+            yield from shape.ready
+        yield from self._reserved.values()
 
     async def close(self) -> None:
         """Tear down every warm sandbox, reserved ones included; no refill after."""

@@ -30,6 +30,7 @@ from dsec.images.lazy.cache import LazyCache
 from dsec.images.lazy.daemon import LazyDaemon
 from dsec.images.mounts import LayerMounts
 from dsec.images.remote.client import RemoteStore
+from dsec.images.service import LayersWanted
 from dsec.images.store import LayerStore, digest_hex, normalize_digest
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class HostLayers:
         self.index_of = index_of
         self.fetched_dir = store.root / "fetched" / "sha256"
         self.mounts: LayerMounts | None = None
+        # Told which in-use layers the budget wants back (LayerCacheBudget).
+        self.wanted_listeners: list[LayersWanted] = []
+        self._over_budget = False
         self._lazy: set[str] = set()
         # Prepared for a sandbox that has not mounted it yet: not evictable meanwhile.
         self._pinned: dict[str, float] = {}
@@ -174,11 +178,16 @@ class HostLayers:
                 out.append((digest, size, marker.stat().st_mtime, "blob"))
         return out
 
+    @property
+    def over_budget(self) -> bool:
+        return self._over_budget
+
     def enforce_budget(self) -> list[str]:
         """Drop least recently used cached layers no sandbox uses until under budget."""
         entries = sorted(self.usage(), key=lambda e: e[2])
         total = sum(e[1] for e in entries)
         evicted: list[str] = []
+        held: dict[str, int] = {}  # in use, with how many users
         now = time.monotonic()
         for digest, size, _last, kind in entries:
             if total <= self.cache_bytes:
@@ -186,7 +195,9 @@ class HostLayers:
             if now - self._pinned.get(digest, -PIN_SECONDS) < PIN_SECONDS:
                 continue  # about to be mounted
             if self.mounts is not None:
-                if self.mounts.refcount(digest) > 0:
+                users = self.mounts.refcount(digest)
+                if users > 0:
+                    held[normalize_digest(digest)] = users
                     continue  # in use: never evicted
                 if not self.mounts.unmount(digest):
                     continue
@@ -201,6 +212,12 @@ class HostLayers:
             evicted.append(digest)
         if evicted:
             log.info("host layer cache over budget: evicted %d layers", len(evicted))
+        self._over_budget = total > self.cache_bytes
+        if held and self._over_budget:
+            # Still over: holders that can let go (warm sandboxes) are asked to; the
+            # release of the last user calls this again, which evicts then.
+            for listener in list(self.wanted_listeners):
+                listener(dict(held))
         return evicted
 
     def forget(self, digest: str) -> None:

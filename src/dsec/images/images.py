@@ -50,7 +50,7 @@ from dsec.images.oci.pull import Puller
 from dsec.images.oci.reference import names_registry
 from dsec.images.registry import ImageRow, NewLayer, Registry, manifest_layers, utc
 from dsec.images.remote.client import RemoteStore
-from dsec.images.service import ArchiveFormat, Progress, Recipe
+from dsec.images.service import ArchiveFormat, LayersWanted, Progress, Recipe
 from dsec.images.store import LayerStore, normalize_digest, remove_tree
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,10 @@ class Images:
         self.puller = Puller(self, registries or RegistrySettings())
         self._pull_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._renewer: asyncio.Task[None] | None = None  # the lazy loader's token
+
+    def on_layers_wanted(self, listener: LayersWanted) -> None:
+        """See dsec.images.service.LayerCacheBudget."""
+        self.host.wanted_listeners.append(listener)
 
     # -- lifecycle --
 

@@ -57,6 +57,11 @@ class LayerSource(Protocol):
 
     def enforce_budget(self) -> list[str]: ...
 
+    @property
+    def over_budget(self) -> bool:
+        """The last enforce_budget() left the cache over its budget."""
+        ...
+
     def acquired(self, digest: str) -> None: ...
 
 
@@ -136,8 +141,10 @@ class LayerMounts:
                 log.warning("release of layer %s with no users", digest)
                 return
             self._refs[digest] = count - 1
-        if count == 1 and self.provider is not None:
-            # A layer just became unused: the cache may have grown past its budget.
+        if self.provider is not None and (count == 1 or self.provider.over_budget):
+            # A layer just became unused: the cache may have grown past its budget. Or
+            # the cache is over it and this user was one that let go (a warm sandbox:
+            # dsec.images.service.LayerCacheBudget), so the rest may be others that can.
             self.provider.enforce_budget()
 
     def refcount(self, digest: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
@@ -150,4 +150,22 @@ class VMSnapshotStore(Protocol):
         cmdline: str | None,
     ) -> ImageInfo:
         """Tag stored blobs as a VM image that restores ``state`` instead of booting."""
+        ...
+
+
+LayersWanted = Callable[[Mapping[str, int]], None]
+"""Told the layers (``sha256:<hex>`` -> users now) a cache over budget cannot evict."""
+
+
+@runtime_checkable
+class LayerCacheBudget(Protocol):
+    """An image service whose host layer cache has a budget (dsec.images.hostlayers).
+    Apart from ImageService, so a service without a bounded cache still serves."""
+
+    def on_layers_wanted(self, listener: LayersWanted) -> None:
+        """Call ``listener`` (from any thread, holding no lock) with the layers the cache
+        would evict to get under its budget but cannot, because something holds them,
+        and how many users each has: a holder that can let go (a warm sandbox:
+        dsec.edge.warmpool) and is a layer's only user should, and the cache evicts the
+        layer when its last user releases it."""
         ...
