@@ -67,9 +67,10 @@ def report_figures() -> Iterator[None]:
 
 @dataclass
 class OffsitePlatform(PlatformProcess):
-    """A platform whose log lives outside its data dir (which the test fills up)."""
+    """A platform whose log lives outside its data dir (which the test fills up), in
+    ``log_dir``: a temp dir the test removes (small_fs's, faulted_platform's)."""
 
-    log_dir: Path = Path("/tmp")
+    log_dir: Path = field(kw_only=True)
 
     @property
     def log_path(self) -> Path:
@@ -253,6 +254,7 @@ def test_full_data_disk_is_typed_visible_and_heals() -> None:
         plat = OffsitePlatform(
             data_dir=data_dir,
             edge_id="x" + secrets.token_hex(4),
+            log_dir=mnt.parent,  # small_fs's temp dir: gone with it
             extra_env={
                 "DSEC_SANDBOX_DISK_GB": "1",
                 "DSEC_NETWORK": "0",
@@ -360,6 +362,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
         plat = OffsitePlatform(
             data_dir=data_dir,
             edge_id="x" + secrets.token_hex(4),
+            log_dir=mnt.parent,  # small_fs's temp dir: gone with it
             extra_env={
                 "DSEC_SANDBOX_DISK_GB": "1",
                 "DSEC_NETWORK": "0",
