@@ -193,6 +193,24 @@ class _Connection:
             await self._writer.wait_closed()
 
 
+async def _running(socket_path: Path, request: bytes, what: str) -> tuple[_Connection, int]:
+    """Send ``request`` (an exec or an attach) on a new connection and read the pid of
+    the program it runs, or raise the agent's reason; the connection is closed on any
+    failure."""
+    conn = await _Connection.open(socket_path, what)
+    try:
+        conn.send(request)
+        kind, body = await conn.read_frame()
+        if kind == p.T_FAIL:
+            raise agent_error(*p.decode_failure(body))
+        if kind != p.T_PID:
+            conn.unexpected(kind)
+        return conn, p.decode_u32(body)
+    except BaseException:
+        await conn.close()
+        raise
+
+
 class _ExecStream:
     """A started command on its own connection.
 
@@ -215,18 +233,8 @@ class _ExecStream:
     async def start(cls, socket_path: Path, request: p.ExecRequest) -> _ExecStream:
         """Send the request and wait until the program runs (or raise why it cannot)."""
         payload = p.encode_exec(request)
-        conn = await _Connection.open(socket_path, f"exec of {request.argv[0]!r}")
-        try:
-            conn.send(payload)
-            kind, body = await conn.read_frame()
-            if kind == p.T_FAIL:
-                raise agent_error(*p.decode_failure(body))
-            if kind != p.T_PID:
-                conn.unexpected(kind)
-            return cls(conn, p.decode_u32(body))
-        except BaseException:
-            await conn.close()
-            raise
+        conn, pid = await _running(socket_path, payload, f"exec of {request.argv[0]!r}")
+        return cls(conn, pid)
 
     @classmethod
     async def attach(cls, socket_path: Path, key: str, start: int) -> _ExecStream:
@@ -236,15 +244,8 @@ class _ExecStream:
             request = p.encode_attach(key, start)
         except ValueError as exc:
             raise _invalid(exc) from None
-        conn = await _Connection.open(socket_path, f"attach to {key!r}")
+        conn, pid = await _running(socket_path, request, f"attach to {key!r}")
         try:
-            conn.send(request)
-            kind, body = await conn.read_frame()
-            if kind == p.T_FAIL:
-                raise agent_error(*p.decode_failure(body))
-            if kind != p.T_PID:
-                conn.unexpected(kind)
-            pid = p.decode_u32(body)
             kind, body = await conn.read_frame()
             if kind != p.T_BASE:
                 conn.unexpected(kind)
