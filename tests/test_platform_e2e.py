@@ -35,7 +35,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.resources import cgroups
-from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
+from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks, platform_process
 
 pytestmark = pytest.mark.root
 
@@ -398,6 +398,28 @@ def processes_with_env(entry: str) -> dict[int, list[str]]:
         except OSError:
             continue  # ended meanwhile
     return found
+
+
+def test_sighup_stops_dsec_up_cleanly_and_its_sandboxes_run_on() -> None:
+    """The terminal a `dsec up` ran in closed: a clean stop like SIGTERM's (exit 0, the
+    host's mounts and rules gone: platform_process checks), not a death by the signal
+    that leaves all of it behind. Its sandbox runs on, and the next start adopts it."""
+    with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            client.build_image("busybox")
+            sb = client.run_container(
+                DSecContainerRunArgs(container_image="busybox", ttl_running_stop=None)
+            )
+        assert plat.proc is not None
+        plat.proc.send_signal(signal.SIGHUP)
+        assert plat.proc.wait(30) == 0
+        assert "Traceback" not in plat.log_path.read_text()
+        plat.proc = None
+        plat.start()
+        with DSecSyncClient(plat.url, plat.api_key) as client:
+            again = client.get(sb.id)
+            assert again.run_shell("echo up").stdout.strip() == "up"
+            again.stop()
 
 
 @pytest.mark.parametrize("sigint", ["default", "ignored"])

@@ -129,12 +129,12 @@ def up(
         typer.Option(
             "--stop-sandboxes-on-exit",
             envvar="DSEC_STOP_SANDBOXES_ON_EXIT",
-            help="stop every sandbox on Ctrl-C / SIGTERM (default: they run on, and the "
+            help="stop every sandbox on Ctrl-C / SIGTERM / SIGHUP (default: they run on, and the "
             "next `dsec up` re-adopts them with their background processes)",
         ),
     ] = False,
 ) -> None:
-    """Run apiserver, edge, store and layer store until Ctrl-C / SIGTERM.
+    """Run apiserver, edge, store and layer store until Ctrl-C / SIGTERM / SIGHUP.
 
     Sandboxes outlive a shutdown (as they outlive a crash) unless asked otherwise:
     `--stop-sandboxes-on-exit`, or `dsec down --stop-sandboxes`."""

@@ -312,7 +312,7 @@ async def serve(
     ready: Callable[[str, str], None] | None = None,
     companion: Callable[[Platform], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve the HTTP API until SIGINT/SIGTERM, then stop every sandbox and unmount.
+    """Serve the HTTP API until SIGINT/SIGTERM/SIGHUP, then stop every sandbox and unmount.
 
     ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
     dsec.cluster.node) and is cancelled before the platform shuts down."""

@@ -17,6 +17,8 @@ from typing import Any
 
 from dsec.security.safe_text import escape_log_records
 
+# What stops a server cleanly (its sandboxes run on unless asked to stop with it).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Seconds the HTTP server waits for requests in flight at SIGTERM before cancelling them.
 SHUTDOWN_GRACE_S = 3
 
@@ -37,17 +39,20 @@ def _server_class() -> type[Any]:
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the
-        process before the platform stops its sandboxes; we handle the signals instead."""
+        process before the platform stops its sandboxes; we handle the signals instead.
+        SIGHUP (the terminal a `dsec up` ran in closed) is a clean stop too: by default
+        it would end the process on the spot, leaving its mounts, network rules and
+        the records of what it was doing for the next start to sweep."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self._request_exit)
             try:
                 yield
             finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                for sig in STOP_SIGNALS:
                     loop.remove_signal_handler(sig)
 
         def _request_exit(self) -> None:
@@ -59,7 +64,7 @@ def _server_class() -> type[Any]:
 async def serve_app(
     app: Any, host: str, port: int, started: Callable[[], Awaitable[None]] | None = None
 ) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (every server process of the platform).
+    """Serve ``app`` until SIGINT/SIGTERM/SIGHUP (every server process of the platform).
 
     ``started`` runs once the server listens, beside it, and is cancelled when it
     stops; running batches are cancelled on exit so that their streams end."""

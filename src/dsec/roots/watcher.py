@@ -1,7 +1,7 @@
 """Composition root of `dsec watcher`: the cluster's prober, and nothing else.
 
 Wires the control database (reached and migrated) into a Registry and a Watcher
-(dsec.cluster.watcher), and runs it until SIGINT/SIGTERM. The watcher serves no API
+(dsec.cluster.watcher), and runs it until SIGINT/SIGTERM/SIGHUP. The watcher serves no API
 and holds no sandboxes, so this is all it needs; it is the only place that builds a
 Watcher, so probe period and thresholds are set from one config.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dsec.cluster.registry import Registry
 from dsec.cluster.watcher import Watcher
 from dsec.control.db import check_reachable, database_url, make_engine, migrate
-from dsec.roots.serving import run_loop
+from dsec.roots.serving import STOP_SIGNALS, run_loop
 
 
 @dataclass
@@ -40,9 +40,7 @@ async def serve_watcher(config: WatcherConfig, *, ready: Callable[[], None] | No
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        import signal
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         task = asyncio.create_task(watcher.run())
         if ready is not None:
