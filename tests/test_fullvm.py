@@ -33,7 +33,7 @@ from dsec import DSecSyncClient
 from dsec.api.spec import DSecContainerRunArgs, DSecFullVMRunArgs
 from dsec.errors import DSecError, FileNotFound, InvalidArgument, LimitExceeded, Unsupported
 from dsec.guest.vmimage import busybox_vm_image
-from dsec.resources import cgroups, qos
+from dsec.resources import cgroups, oom, qos
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fullvm_env import BOOT, FULLVM_MARKS
@@ -281,7 +281,8 @@ def test_a_job_pause_saves_the_vm_to_a_file_and_a_request_resumes_it(fvm: FVM) -
 def test_a_best_effort_vm_runs_idle_also_after_its_restore(fvm: FVM) -> None:
     """QoS classes hold for full VMs as for microVMs: a best-effort VM's QEMU, every
     thread of it (vCPUs included), runs at SCHED_IDLE in a cgroup of the lowest weight,
-    and so does the new QEMU that restores it after a job pause."""
+    and so does the new QEMU that restores it after a job pause; both carry the
+    class's OOM bias (dsec.resources.oom)."""
     job = "fvm-qos-job"
     spec = DSecFullVMRunArgs(vm_image=IMAGE, memory_limit_mb=256, qos="best_effort", job_id=job)
     sb = fvm.client.run_fullvm(spec, timeout=BOOT)
@@ -296,6 +297,7 @@ def test_a_best_effort_vm_runs_idle_also_after_its_restore(fvm: FVM) -> None:
             assert len(tids) > 1  # QEMU's vCPU and I/O threads
             assert {qos.policy_of(t) for t in tids} == {os.SCHED_IDLE}
             assert cpu_class(cgroup) == "best_effort"
+            assert oom.oom_score_adj_of(pids[0]) == oom.oom_score_adj("best_effort")
 
         assert sb.run_shell("true").exit_code == 0
         check()

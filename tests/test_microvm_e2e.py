@@ -33,7 +33,7 @@ import pytest
 from dsec import DSecClient, DSecMicroVMRunArgs, Sandbox, SandboxState
 from dsec.api.events import AuditKind
 from dsec.errors import DSecError, InvalidArgument
-from dsec.resources import cgroups, qos
+from dsec.resources import cgroups, oom, qos
 from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fakenet import FakeService, fake_service
 from tests.test_network import fetch, host_service
@@ -657,7 +657,8 @@ async def test_guest_stopping_its_mux_fails_the_vm_in_bounded_time(
 async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient) -> None:
     """A best-effort microVM's QEMU, every thread of it (vCPUs included), runs at
     SCHED_IDLE in a cgroup of the lowest weight, also the new QEMU a resume from its
-    snapshot starts; a latency one normally, weight high."""
+    snapshot starts; a latency one normally, weight high. Each QEMU carries its class's
+    OOM bias (dsec.resources.oom)."""
 
     def check(sid: str, cls: str, policy: int) -> None:
         pids = qemu_of(vmp, sid)
@@ -666,6 +667,7 @@ async def test_qos_classes_apply_to_the_vmm(vmp: VMPlatform, client: DSecClient)
         assert len(tids) > 1  # QEMU's vCPU and I/O threads
         assert {qos.policy_of(t) for t in tids} == {policy}, cls
         assert cpu_class(vmp.cgroup(sid)) == cls
+        assert oom.oom_score_adj_of(pids[0]) == oom.oom_score_adj(cls)  # before the host
 
     detail = (await client.health()).backend_details["microvm"]["core_scheduling"]
     assert detail == qos.health_detail()["core_scheduling"]  # detected, never assumed

@@ -1,6 +1,7 @@
 """CPU QoS classes on a real platform: a best-effort sandbox's processes run at
 SCHED_IDLE with the lowest CPU weight and cannot leave it; a latency one runs normally
-with a high weight. (core scheduling: reported as detected, never faked.)"""
+with a high weight. (core scheduling: reported as detected, never faked.) And the OOM
+bias of each class (dsec.resources.oom), which root inside cannot lower."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 import pytest
 
 from dsec import DSecContainerRunArgs, DSecSyncClient
-from dsec.resources import cgroups, qos
+from dsec.api.fncall import DSecFnCallRunArgs
+from dsec.resources import cgroups, oom, qos
 from tests.conftest import PlatformProcess, platform_process
 
 pytestmark = pytest.mark.root
@@ -141,3 +143,71 @@ def test_health_reports_core_scheduling_as_detected(client: DSecSyncClient) -> N
     assert detail == ("on" if why_not is None else f"off: {why_not}")
     if not Path("/proc/sys/kernel/sched_core_enabled").exists() and why_not is None:
         pytest.fail("core scheduling reported on a kernel that may not have it")
+
+
+def lowering(sb: Any, attempts: dict[str, str]) -> dict[str, str]:
+    """Which of ``attempts`` (shell, inside ``sb``) succeeded, with what they saw."""
+    done = {}
+    for name, attempt in attempts.items():
+        res = sb.run_shell(f"{attempt}; rc=$?; cat /proc/self/oom_score_adj; exit $rc")
+        if res.exit_code == 0:
+            done[name] = res.stdout.strip()
+    return done
+
+
+BELOW_ZERO = {
+    "lowest": "echo -1000 > /proc/self/oom_score_adj",
+    "init": "echo -1000 > /proc/1/oom_score_adj",
+    "legacy oom_adj": "echo -17 > /proc/self/oom_adj",
+    "choom": "choom -n -1000 -- true",
+}
+TO_ZERO = {
+    "own": "echo 0 > /proc/self/oom_score_adj",
+    "init to 0": "echo 0 > /proc/1/oom_score_adj",
+    "a child's": "sleep 5 & echo 0 > /proc/$!/oom_score_adj",
+}
+
+
+@pytest.mark.parametrize("cls", ["latency", "best_effort"])
+def test_the_oom_killer_takes_sandboxes_before_the_platform_and_root_cannot_duck(
+    plat: PlatformProcess, client: DSecSyncClient, sandboxes: list[Any], cls: str
+) -> None:
+    """Every process of a sandbox carries its class's OOM bias (dsec.resources.oom),
+    commands forked later too. Root inside can raise it, never take it below the
+    platform's own 0 (CAP_SYS_RESOURCE), and, where the platform has that capability
+    to set the floor, not lower it at all; health says which holds here."""
+    sb = create(client, sandboxes, cls)
+    bias = oom.oom_score_adj(cls)
+    assert bias > 0
+    res = sb.run_shell("sleep 30 >/dev/null 2>&1 & cat /proc/self/oom_score_adj")
+    assert res.stdout.strip() == str(bias), res.stdout
+    pids = host_pids(plat, sb.id)
+    assert len(pids) >= 2 and {oom.oom_score_adj_of(p) for p in pids} == {bias}
+    assert lowering(sb, BELOW_ZERO) == {}
+    detail = client.health().backend_details["container"]["oom_score_adj"]
+    if oom.floor_enforced():
+        assert "cannot lower" in detail, detail
+        assert lowering(sb, TO_ZERO) == {}
+        assert {oom.oom_score_adj_of(p) for p in host_pids(plat, sb.id)} == {bias}
+    else:  # this host: root has no CAP_SYS_RESOURCE, so no floor can be set
+        assert "advisory" in detail and "CAP_SYS_RESOURCE" in detail, detail
+        assert set(lowering(sb, TO_ZERO).values()) <= {"0", str(bias)}
+    assert min(oom.oom_score_adj_of(p) for p in host_pids(plat, sb.id)) >= 0
+    # raising is allowed (and only costs the sandbox itself)
+    assert sb.run_shell("echo 1000 > /proc/self/oom_score_adj").exit_code == 0
+    assert plat.proc is not None and oom.oom_score_adj_of(plat.proc.pid) == 0
+
+
+def test_a_function_calls_code_carries_the_fncall_bias(client: DSecSyncClient) -> None:
+    """FnCall steps run untrusted code as nobody: the zygote's bias reaches them, and
+    they cannot go below 0 (nor below the bias where the floor is enforced)."""
+    args = DSecFnCallRunArgs(image="busybox:latest", language="sh", memory_limit_mb=64, timeout_s=5)
+    r = client.run_code(
+        args,
+        "cat /proc/self/oom_score_adj; echo -1 > /proc/self/oom_score_adj; echo rc=$?;"
+        "echo 0 > /proc/self/oom_score_adj; echo rc=$?",
+    )
+    first, below, to_zero = r.stdout.split()
+    assert first == str(oom.FNCALL_OOM_SCORE_ADJ), r
+    assert below != "rc=0", r
+    assert (to_zero != "rc=0") == oom.floor_enforced(), r

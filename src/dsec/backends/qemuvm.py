@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from dsec.api.spec import DSecRunArgs, RunArgs
 from dsec.errors import LimitExceeded
-from dsec.resources import qos
+from dsec.resources import oom, qos
 from dsec.resources.cgroups import CgroupHost
 
 MiB = 1 << 20
@@ -72,7 +72,8 @@ class QemuVMBackend:
         """A QEMU just started (created, or restored from its file) takes the sandbox's
         class before its guest runs, so every vCPU and I/O thread it starts inherits
         it: SCHED_IDLE for best_effort, the core-scheduling cookie for latency where
-        the kernel has core scheduling."""
+        the kernel has core scheduling; and the class's OOM bias (dsec.resources.oom)."""
+        oom.set_oom_score_adj(pid, oom.oom_score_adj(spec.qos))
         if qos.acts_on(spec.qos):
             qos.apply(spec.qos, [pid])
 

@@ -898,7 +898,9 @@ static void runner(int go) {
     sigaddset(&mask, SIGUSR1);
     sigprocmask(SIG_BLOCK, &mask, NULL);
     signal(SIGPIPE, SIG_IGN);
-    write_file("/proc/self/oom_score_adj", "-1000");
+    /* No oom_score_adj of its own: the platform set the zygote's (inherited with its
+     * floor, dsec.resources.oom), and a runner without CAP_SYS_RESOURCE could not
+     * lower it; what it could set, every step it forks would inherit. */
     mount_or_die(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
     char opts[PATH_MAX * 2 + 64];
     snprintf(opts, sizeof opts, "size=%llu,mode=0755", tmpfs_bytes);

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dsec import native
 from dsec.errors import BackendError
+from dsec.resources import oom
 from dsec.resources.cgroups import CgroupHost, Layout
 from dsec.security import seccomp
 
@@ -329,6 +330,9 @@ class Zygote:
         # On the loop's own thread, not a worker thread: the zygote's parent-death
         # signal follows the thread that started it.
         self.proc = self._popen(binary, theirs)
+        # Before it clones any sandbox (it waits for our "S"): every runner and step
+        # inherits the bias and, written with CAP_SYS_RESOURCE, its floor.
+        oom.set_oom_score_adj(self.proc.pid, oom.FNCALL_OOM_SCORE_ADJ)
         theirs.close()
         ours.setblocking(False)
         self.sock = ours

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Literal
 
+from dsec.resources import oom
 from dsec.resources.cgroups import v2_weight
 
 #: The classes (the wire's ``DSecRunArgs.qos``; dsec.api does not import this module).
@@ -99,7 +100,10 @@ def core_scheduling() -> str | None:
 def health_detail() -> dict[str, str]:
     """What /v1/health's backend details say about QoS on this host."""
     why_not = core_scheduling()
-    return {"core_scheduling": "on" if why_not is None else f"off: {why_not}"}
+    return {
+        "core_scheduling": "on" if why_not is None else f"off: {why_not}",
+        **oom.health_detail(),
+    }
 
 
 def give_core_cookie(pid: int) -> bool:

@@ -49,7 +49,7 @@ from dsec.backends.container.sharedsys import SharedSys
 from dsec.errors import BackendError, LimitExceeded, Unsupported
 from dsec.images.mounts import LayerMounts
 from dsec.net.oci import net_mounts
-from dsec.resources import qos
+from dsec.resources import oom, qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.resources.disk import GiB, MiB, SandboxDisk
 from dsec.resources.lowprio import LowPriorityPool
@@ -469,8 +469,12 @@ class ContainerBackend(AgentDataPath, Backend):
                 sid, root, config, overlay=(rootfs, overlay), dev_tmpfs=dev, backlog=512
             )
             # Before any command runs: what the agent forks from now on inherits it.
+            started = self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid}
             if qos.acts_on(spec.qos):
-                qos.apply(spec.qos, self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid})
+                qos.apply(spec.qos, started)
+            if oom.floor_enforced():  # crun set the bias; this write sets its floor
+                for pid in started:
+                    oom.set_oom_score_adj(pid, oom.oom_score_adj(spec.qos))
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
             self.init_channels.started(sid, notify=facts.seccomp == "notify")

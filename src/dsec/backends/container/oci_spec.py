@@ -15,6 +15,7 @@ from typing import Any
 from dsec.api.spec import DSecRunArgs
 from dsec.hostlimits import sandbox_nofile
 from dsec.native import cache_dir
+from dsec.resources.oom import oom_score_adj
 from dsec.resources.qos import NICE_RLIMIT, cpu_shares
 from dsec.security.seccomp import BPF_ANNOTATION, precompiled
 
@@ -388,6 +389,9 @@ def build_config(
                 {"type": "RLIMIT_NICE", "hard": NICE_RLIMIT, "soft": NICE_RLIMIT},
             ],
             "noNewPrivileges": True,
+            # first for the OOM killer when the host runs out, never lowered inside
+            # (dsec.resources.oom)
+            "oomScoreAdj": oom_score_adj(spec.qos),
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id,
