@@ -149,10 +149,10 @@ class NetworkManager:
         self.audit: AuditSink = audit or NullAudit()
         self.pool_size = pool_size
         self._catalog = catalog
-        digest = hashlib.sha1(edge_id.encode()).hexdigest()
-        self.prefix = "d" + digest[:5]  # host-side veth names: <prefix><slot>
-        self.table = "dsec_" + "".join(c if c.isalnum() else "_" for c in edge_id)
-        self._hash = int(digest[5:13], 16)
+        names = HostNames.of(edge_id)
+        self.prefix = names.veth_prefix  # host-side veth names: <prefix><slot>
+        self.table = names.table
+        self._hash = names.hash
         self.block: ipaddress.IPv4Network | None = None
         self._nft: Nft | None = None
         self._ipr: IPRoute | None = None
@@ -867,10 +867,28 @@ class NetworkManager:
         self.started = False
 
 
+@dataclass(frozen=True)
+class HostNames:
+    """What an edge's network is called on the host, from its id alone: its nft table
+    and the prefix of its veths (also for cleaning up after an edge that is gone)."""
+
+    table: str
+    veth_prefix: str
+    hash: int  # spreads edges' address blocks
+
+    @classmethod
+    def of(cls, edge_id: str) -> HostNames:
+        digest = hashlib.sha1(edge_id.encode()).hexdigest()
+        return cls(
+            table="dsec_" + "".join(c if c.isalnum() else "_" for c in edge_id),
+            veth_prefix="d" + digest[:5],
+            hash=int(digest[5:13], 16),
+        )
+
+
 def host_leftovers(edge_id: str) -> list[str]:
     """What a stopped edge must not leave behind: its nft table and veths (tests)."""
-    probe = NetworkManager(edge_id=edge_id, run_dir=Path("/nonexistent"))
-    probe._exec.shutdown()
+    probe = HostNames.of(edge_id)
     found: list[str] = []
     nft = Nft()
     try:
@@ -879,7 +897,7 @@ def host_leftovers(edge_id: str) -> list[str]:
             found.append(f"nft table inet {probe.table}")
     finally:
         nft.close()
-    found.extend(f"veth {name}" for name in _in_thread(netns.links_with_prefix, probe.prefix))
+    found.extend(f"veth {name}" for name in _in_thread(netns.links_with_prefix, probe.veth_prefix))
     return found
 
 
@@ -897,8 +915,7 @@ def _in_thread(fn: Any, *args: Any) -> Any:
 
 def remove_leftovers(edge_id: str) -> None:
     """Delete a dead edge's nft table and veths (tests clean up after a failure)."""
-    probe = NetworkManager(edge_id=edge_id, run_dir=Path("/nonexistent"))
-    probe._exec.shutdown()
+    probe = HostNames.of(edge_id)
     nft = Nft()
     try:
         with contextlib.suppress(NftError):
@@ -911,4 +928,4 @@ def remove_leftovers(edge_id: str) -> None:
             with contextlib.suppress(Exception):
                 ipr.link("del", ifname=name)
 
-    _in_thread(delete, probe.prefix)
+    _in_thread(delete, probe.veth_prefix)
