@@ -250,13 +250,14 @@ async def open_batch(
 ) -> Batch[H]:
     """POST the batch and wait for ``accepted`` (a refused batch raises its typed error)."""
     content = create_batch_body(args, count, job, timeout, parallelism)
-    shard = client._pick_pool()  # creates the pools on first use
-    pool = client._pools[shard]
-    request = pool.build_request(
-        "POST", "/v1/batches", content=content, headers=_JSON_HEADERS, timeout=wait_timeout(None)
-    )
     try:
-        resp = await pool.send(request, stream=True)
+        resp = await client.open_stream(
+            "POST",
+            "/v1/batches",
+            content=content,
+            headers=_JSON_HEADERS,
+            timeout=wait_timeout(None),
+        )
     except httpx.HTTPError as exc:
         raise _http.transport_error(exc, client.url) from exc
     if resp.status_code >= 400:

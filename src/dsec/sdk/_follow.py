@@ -47,13 +47,14 @@ async def follow(
         headers = {"Accept": "text/event-stream"}
         if last is not None:
             headers["Last-Event-ID"] = last
-        shard = client._pick_pool()  # first: it may create the pools
-        pool = client._pools[shard]
-        request = pool.build_request(
-            "GET", "/v1/events/stream", params=params, headers=headers, timeout=httpx.Timeout(None)
-        )
         try:
-            resp = await pool.send(request, stream=True)
+            resp = await client.open_stream(
+                "GET",
+                "/v1/events/stream",
+                params=params,
+                headers=headers,
+                timeout=httpx.Timeout(None),
+            )
         except httpx.HTTPError as exc:
             failures += 1
             if failures > RECONNECTS:

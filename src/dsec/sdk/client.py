@@ -156,6 +156,26 @@ class DSecClient(
             self._inflight = [0] * self._shards
         return min(range(self._shards), key=self._inflight.__getitem__)
 
+    async def open_stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: httpx.Timeout,
+        params: httpx.QueryParams | None = None,
+        headers: dict[str, str] | None = None,
+        content: bytes | None = None,
+    ) -> httpx.Response:
+        """Send a request whose answer is read as it comes (the event stream, a batch's
+        progress) on the least-loaded pool; the caller reads and closes the response.
+        Raises httpx.HTTPError as is: one caller reconnects, another reports it."""
+        shard = self._pick_pool()  # before reading _pools: it may create them
+        pool = self._pools[shard]
+        request = pool.build_request(
+            method, path, params=params, headers=headers, content=content, timeout=timeout
+        )
+        return await pool.send(request, stream=True)
+
     async def _send(self, call: proto.Call[T]) -> T:
         kwargs = _http.request_kwargs(call)
         if call.upload is not None:
