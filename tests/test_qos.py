@@ -198,9 +198,17 @@ def test_the_oom_killer_takes_sandboxes_before_the_platform_and_root_cannot_duck
     assert plat.proc is not None and oom.oom_score_adj_of(plat.proc.pid) == 0
 
 
-def test_a_function_calls_code_carries_the_fncall_bias(client: DSecSyncClient) -> None:
-    """FnCall steps run untrusted code as nobody: the zygote's bias reaches them, and
-    they cannot go below 0 (nor below the bias where the floor is enforced)."""
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
+        return [int(c) for c in fh.read().split()]
+
+
+def test_a_function_calls_code_carries_the_fncall_bias(
+    plat: PlatformProcess, client: DSecSyncClient
+) -> None:
+    """FnCall steps run untrusted code as nobody: the bias the zygote gave their
+    sandbox reaches them, and they cannot go below 0 (nor below the bias where the
+    floor is enforced). The zygote itself, platform code, keeps 0."""
     args = DSecFnCallRunArgs(image="busybox:latest", language="sh", memory_limit_mb=64, timeout_s=5)
     r = client.run_code(
         args,
@@ -211,3 +219,9 @@ def test_a_function_calls_code_carries_the_fncall_bias(client: DSecSyncClient) -
     assert first == str(oom.FNCALL_OOM_SCORE_ADJ), r
     assert below != "rc=0", r
     assert (to_zero != "rc=0") == oom.floor_enforced(), r
+    assert plat.proc is not None
+    comm = {c: Path(f"/proc/{c}/comm").read_text() for c in children(plat.proc.pid)}
+    zygotes = [c for c, name in comm.items() if name.startswith("dsec-zyg")]
+    assert zygotes and {oom.oom_score_adj_of(z) for z in zygotes} == {0}
+    runners = [r for z in zygotes for r in children(z)]
+    assert runners and {oom.oom_score_adj_of(r) for r in runners} == {oom.FNCALL_OOM_SCORE_ADJ}

@@ -130,6 +130,10 @@ static unsigned long long tmpfs_bytes = 64ull << 20;
 static unsigned uid = 65534;
 static int newnet = 1;
 static int idle_build; /* config "idle": build sandboxes at SCHED_IDLE (see the top) */
+/* config "oom_score_adj": every sandbox's bias for the OOM killer (dsec.resources.oom),
+ * written before it runs, so its runner and every step inherit it (and, written with
+ * CAP_SYS_RESOURCE, cannot go below it). The zygote itself keeps its own. */
+static char oom_adj[16];
 static struct sock_fprog filter;
 static int have_filter;
 /* A pre-started step (config "prestart_*"): see prestart() below. */
@@ -259,6 +263,8 @@ static void load_config(const char *path) {
             newnet = atoi(val);
         } else if (!strcmp(line, "idle")) {
             idle_build = atoi(val);
+        } else if (!strcmp(line, "oom_score_adj")) {
+            snprintf(oom_adj, sizeof oom_adj, "%d", atoi(val));
         } else if (!strcmp(line, "cg") && ncg < MAX_CG) {
             snprintf(cgdirs[ncg++], PATH_MAX, "%s", val);
         } else if (!strcmp(line, "reuse")) {
@@ -898,9 +904,8 @@ static void runner(int go) {
     sigaddset(&mask, SIGUSR1);
     sigprocmask(SIG_BLOCK, &mask, NULL);
     signal(SIGPIPE, SIG_IGN);
-    /* No oom_score_adj of its own: the platform set the zygote's (inherited with its
-     * floor, dsec.resources.oom), and a runner without CAP_SYS_RESOURCE could not
-     * lower it; what it could set, every step it forks would inherit. */
+    /* No oom_score_adj of its own: the zygote set it before "g" (config
+     * "oom_score_adj"); whatever a runner set, every step it forks would inherit. */
     mount_or_die(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
     char opts[PATH_MAX * 2 + 64];
     snprintf(opts, sizeof opts, "size=%llu,mode=0755", tmpfs_bytes);
@@ -1140,6 +1145,10 @@ static void spawn_one(void) {
     for (int cg = 0; cg < ncg; cg++) {
         cg_path(path, sizeof path, cg, slot, "cgroup.procs");
         write_file(path, pidtxt);
+    }
+    if (oom_adj[0]) {
+        snprintf(path, sizeof path, "/proc/%d/oom_score_adj", pid);
+        write_file(path, oom_adj);
     }
     (void)write(go[1], "g", 1);
     close(go[1]);

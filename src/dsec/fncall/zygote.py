@@ -163,6 +163,8 @@ def write_config(
     lines = [f"lower {p}" for p in lowers]
     lines += [f"stage {stage}", f"tmpfs_bytes {tmpfs_bytes}", f"uid {uid}", f"newnet {int(newnet)}"]
     lines.append(f"idle {int(idle)}")
+    # each sandbox's OOM bias, set by the zygote before the sandbox runs (its own stays)
+    lines.append(f"oom_score_adj {oom.FNCALL_OOM_SCORE_ADJ}")
     lines += [f"cg {d}" for d in plan.dirs]
     lines += [f"cgset {i} {f} {v}" for i, f, v in plan.sets]
     lines += [f"cgend {i} {f} {v}" for i, f, v in plan.ends]
@@ -330,9 +332,6 @@ class Zygote:
         # On the loop's own thread, not a worker thread: the zygote's parent-death
         # signal follows the thread that started it.
         self.proc = self._popen(binary, theirs)
-        # Before it clones any sandbox (it waits for our "S"): every runner and step
-        # inherits the bias and, written with CAP_SYS_RESOURCE, its floor.
-        oom.set_oom_score_adj(self.proc.pid, oom.FNCALL_OOM_SCORE_ADJ)
         theirs.close()
         ours.setblocking(False)
         self.sock = ours

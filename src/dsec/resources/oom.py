@@ -23,8 +23,9 @@ Why it holds against root in a sandbox: the kernel lets a process lower its
 ``process.oomScoreAdj`` puts the value in place before the sandbox's first
 instruction but is written without that capability, so the platform writes it again
 from the host right after the start (``set_oom_score_adj``: the sandbox's processes,
-a QEMU, the FnCall zygote whose clones inherit value and floor), which makes the floor
-the bias itself. Raising it further is allowed and only hurts the sandbox that does.
+a QEMU; the FnCall zygote writes each of its sandboxes' before the sandbox runs, so
+its steps inherit value and floor), which makes the floor the bias itself. Raising
+it further is allowed and only hurts the sandbox that does.
 Where the platform itself runs without CAP_SYS_RESOURCE (some container hosts drop
 it from root's bounding set, as our CI machines do) no floor can be set: root inside
 may lower the bias back to 0 (never below), the platform's own value; the health
