@@ -187,6 +187,19 @@ class _Connection:
     def unexpected(self, kind: int) -> NoReturn:
         self._lost(f"sent an unexpected frame {chr(kind)!r}")
 
+    def answer(self, kind: int, body: bytes, expected: int) -> bytes:
+        """The body of a reply that should be ``expected``: the agent's refusal raised
+        as its typed error, anything else as a broken agent."""
+        if kind == p.T_FAIL:
+            raise agent_error(*p.decode_failure(body))
+        if kind != expected:
+            self.unexpected(kind)
+        return body
+
+    async def expect(self, expected: int) -> bytes:
+        """Read the next frame as an ``answer`` of kind ``expected``."""
+        return self.answer(*await self.read_frame(), expected)
+
     async def close(self) -> None:
         self._writer.close()
         with contextlib.suppress(ConnectionError, OSError):
@@ -200,12 +213,7 @@ async def _running(socket_path: Path, request: bytes, what: str) -> tuple[_Conne
     conn = await _Connection.open(socket_path, what)
     try:
         conn.send(request)
-        kind, body = await conn.read_frame()
-        if kind == p.T_FAIL:
-            raise agent_error(*p.decode_failure(body))
-        if kind != p.T_PID:
-            conn.unexpected(kind)
-        return conn, p.decode_u32(body)
+        return conn, p.decode_u32(await conn.expect(p.T_PID))
     except BaseException:
         await conn.close()
         raise
@@ -246,10 +254,7 @@ class _ExecStream:
             raise _invalid(exc) from None
         conn, pid = await _running(socket_path, request, f"attach to {key!r}")
         try:
-            kind, body = await conn.read_frame()
-            if kind != p.T_BASE:
-                conn.unexpected(kind)
-            return cls(conn, pid, p.decode_u64(body))
+            return cls(conn, pid, p.decode_u64(await conn.expect(p.T_BASE)))
         except BaseException:
             await conn.close()
             raise
@@ -448,12 +453,7 @@ class AgentClient:
         conn = await _Connection.open(self.socket_path, f"forget of {key!r}")
         try:
             conn.send(request)
-            kind, body = await conn.read_frame()
-            if kind == p.T_FAIL:
-                raise agent_error(*p.decode_failure(body))
-            if kind != p.T_DONE:
-                conn.unexpected(kind)
-            return p.decode_u64(body) == 1
+            return p.decode_u64(await conn.expect(p.T_DONE)) == 1
         finally:
             await conn.close()
 
@@ -593,9 +593,7 @@ class AgentClient:
                     reply.cancel()
                 with contextlib.suppress(asyncio.CancelledError, DSecError):
                     await reply
-            if kind == p.T_FAIL:
-                raise agent_error(*p.decode_failure(body))
-            if kind != p.T_DONE or p.decode_u64(body) != total:
+            if p.decode_u64(conn.answer(kind, body, p.T_DONE)) != total:
                 conn.unexpected(kind)
             return total
         finally:
