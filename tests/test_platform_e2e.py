@@ -403,7 +403,8 @@ def processes_with_env(entry: str) -> dict[int, list[str]]:
 def test_sighup_stops_dsec_up_cleanly_and_its_sandboxes_run_on() -> None:
     """The terminal a `dsec up` ran in closed: a clean stop like SIGTERM's (exit 0, the
     host's mounts and rules gone: platform_process checks), not a death by the signal
-    that leaves all of it behind. Its sandbox runs on, and the next start adopts it."""
+    that leaves all of it behind. Its sandbox runs on, and the next start adopts it.
+    A `dsec up` started with SIGHUP ignored (nohup) keeps ignoring it."""
     with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
         with DSecSyncClient(plat.url, plat.api_key) as client:
             client.build_image("busybox")
@@ -414,8 +415,16 @@ def test_sighup_stops_dsec_up_cleanly_and_its_sandboxes_run_on() -> None:
         plat.proc.send_signal(signal.SIGHUP)
         assert plat.proc.wait(30) == 0
         assert "Traceback" not in plat.log_path.read_text()
-        plat.proc = None
-        plat.start()
+        # Started with SIGHUP ignored (`nohup dsec up &`): it stays ignored.
+        was = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            plat.start()
+        finally:
+            signal.signal(signal.SIGHUP, was)
+        assert plat.proc is not None
+        plat.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert plat.proc.poll() is None, "nohup'ed: a SIGHUP must not stop it"
         with DSecSyncClient(plat.url, plat.api_key) as client:
             again = client.get(sb.id)
             assert again.run_shell("echo up").stdout.strip() == "up"

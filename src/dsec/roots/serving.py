@@ -19,6 +19,18 @@ from dsec.security.safe_text import escape_log_records
 
 # What stops a server cleanly (its sandboxes run on unless asked to stop with it).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """STOP_SIGNALS to handle in this process: SIGHUP only if it was not ignored when
+    the process started (``nohup dsec up &`` asked to outlive its terminal)."""
+    return tuple(
+        sig
+        for sig in STOP_SIGNALS
+        if sig is not signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+    )
+
+
 # Seconds the HTTP server waits for requests in flight at SIGTERM before cancelling them.
 SHUTDOWN_GRACE_S = 3
 
@@ -42,17 +54,19 @@ def _server_class() -> type[Any]:
         process before the platform stops its sandboxes; we handle the signals instead.
         SIGHUP (the terminal a `dsec up` ran in closed) is a clean stop too: by default
         it would end the process on the spot, leaving its mounts, network rules and
-        the records of what it was doing for the next start to sweep."""
+        the records of what it was doing for the next start to sweep. Unless it was
+        ignored at start (``nohup``): then it stays ignored."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             loop = asyncio.get_running_loop()
-            for sig in STOP_SIGNALS:
+            handled = stop_signals()
+            for sig in handled:
                 loop.add_signal_handler(sig, self._request_exit)
             try:
                 yield
             finally:
-                for sig in STOP_SIGNALS:
+                for sig in handled:
                     loop.remove_signal_handler(sig)
 
         def _request_exit(self) -> None:

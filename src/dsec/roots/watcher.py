@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dsec.cluster.registry import Registry
 from dsec.cluster.watcher import Watcher
 from dsec.control.db import check_reachable, database_url, make_engine, migrate
-from dsec.roots.serving import STOP_SIGNALS, run_loop
+from dsec.roots.serving import run_loop, stop_signals
 
 
 @dataclass
@@ -40,7 +40,7 @@ async def serve_watcher(config: WatcherConfig, *, ready: Callable[[], None] | No
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
+        for sig in stop_signals():
             loop.add_signal_handler(sig, stop.set)
         task = asyncio.create_task(watcher.run())
         if ready is not None:
