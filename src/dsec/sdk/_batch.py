@@ -251,7 +251,7 @@ async def open_batch(
     """POST the batch and wait for ``accepted`` (a refused batch raises its typed error)."""
     content = create_batch_body(args, count, job, timeout, parallelism)
     try:
-        resp = await client.open_stream(
+        resp = await client._open_stream(
             "POST",
             "/v1/batches",
             content=content,

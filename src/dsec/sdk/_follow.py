@@ -48,7 +48,7 @@ async def follow(
         if last is not None:
             headers["Last-Event-ID"] = last
         try:
-            resp = await client.open_stream(
+            resp = await client._open_stream(
                 "GET",
                 "/v1/events/stream",
                 params=params,

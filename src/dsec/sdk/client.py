@@ -156,7 +156,7 @@ class DSecClient(
             self._inflight = [0] * self._shards
         return min(range(self._shards), key=self._inflight.__getitem__)
 
-    async def open_stream(
+    async def _open_stream(
         self,
         method: str,
         path: str,
@@ -168,7 +168,9 @@ class DSecClient(
     ) -> httpx.Response:
         """Send a request whose answer is read as it comes (the event stream, a batch's
         progress) on the least-loaded pool; the caller reads and closes the response.
-        Raises httpx.HTTPError as is: one caller reconnects, another reports it."""
+        Raises httpx.HTTPError as is: one caller reconnects, another reports it. For the
+        SDK's own streaming helpers (dsec.sdk._follow, dsec.sdk._batch): not API, so the
+        sync twin has no counterpart."""
         shard = self._pick_pool()  # before reading _pools: it may create them
         pool = self._pools[shard]
         request = pool.build_request(
