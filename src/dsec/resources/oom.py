@@ -21,15 +21,17 @@ Why it holds against root in a sandbox: the kernel lets a process lower its
 ``oom_score_adj`` only to the lowest value a writer with CAP_SYS_RESOURCE set for it
 (``oom_score_adj_min``), and sandboxes have no CAP_SYS_RESOURCE. crun's
 ``process.oomScoreAdj`` puts the value in place before the sandbox's first
-instruction but is written without that capability, so the platform writes it again
-from the host right after the start (``set_oom_score_adj``: the sandbox's processes,
-a QEMU; the FnCall zygote writes each of its sandboxes' before the sandbox runs, so
-its steps inherit value and floor), which makes the floor the bias itself. Raising
-it further is allowed and only hurts the sandbox that does.
-Where the platform itself runs without CAP_SYS_RESOURCE (some container hosts drop
-it from root's bounding set, as our CI machines do) no floor can be set: root inside
-may lower the bias back to 0 (never below), the platform's own value; the health
-report says which (``floor_enforced``).
+instruction; whether crun's write also sets the floor depends on the capabilities
+crun holds at that moment, so the platform writes it again from the host right after
+the start (``set_oom_score_adj``: the sandbox's processes, a QEMU; the FnCall zygote
+writes each of its sandboxes' before the sandbox runs, so its steps inherit value and
+floor), which makes the floor the bias itself. Raising it further is allowed and only
+hurts the sandbox that does.
+
+Where the platform itself runs without CAP_SYS_RESOURCE (some container hosts drop it
+from root's bounding set, as our CI machines do) no floor can be set: root inside may
+lower the bias back to 0 (never below), the platform's own value; the health report
+says which (``floor_enforced``).
 """
 
 from __future__ import annotations
