@@ -401,10 +401,11 @@ def processes_with_env(entry: str) -> dict[int, list[str]]:
 
 
 def test_sighup_stops_dsec_up_cleanly_and_its_sandboxes_run_on() -> None:
-    """The terminal a `dsec up` ran in closed: a clean stop like SIGTERM's (exit 0, the
-    host's mounts and rules gone: platform_process checks), not a death by the signal
-    that leaves all of it behind. Its sandbox runs on, and the next start adopts it.
-    A `dsec up` started with SIGHUP ignored (nohup) keeps ignoring it."""
+    """The terminal a `dsec up` ran in closed: a clean stop like SIGTERM's (exit 0, no
+    traceback), not a death by the signal, which left the platform's mounts, shared
+    sysfs and rules behind (platform_process's leak check found them). Its sandbox runs
+    on, and the next start adopts it. A `dsec up` started with SIGHUP ignored (nohup)
+    keeps ignoring it."""
     with platform_process(DSEC_STOP_SANDBOXES_ON_EXIT="0") as plat:
         with DSecSyncClient(plat.url, plat.api_key) as client:
             client.build_image("busybox")
