@@ -442,18 +442,26 @@ class Edge:
         return await backend.create(CreateInput(id=sid, spec=spec, image=image))
 
     async def _discard_warm(self, warm: Warm) -> None:
+        """Tear a warm sandbox down through its backend's destroy, which works from a
+        record: one made for it here, never stored (nobody had it)."""
+        rec = self._new_record(warm.id, warm.spec, warm.image, SandboxState.STOPPING)
+        rec.facts = warm.facts
+        await self.backend_for(BackendKind(warm.spec.backend)).destroy(rec)
+
+    def _new_record(
+        self, sandbox_id: str, spec: RunArgs, image: ImageInfo, state: SandboxState
+    ) -> SandboxRecord:
+        """A record of this edge's, made now."""
         now = _now()
-        rec = SandboxRecord(
-            id=warm.id,
-            spec=warm.spec,
-            image=warm.image,
-            state=SandboxState.STOPPING,
+        return SandboxRecord(
+            id=sandbox_id,
+            spec=spec,
+            image=image,
+            state=state,
             created_at=now,
             updated_at=now,
             edge=self.edge_id,
-            facts=warm.facts,
         )
-        await self.backend_for(BackendKind(warm.spec.backend)).destroy(rec)
 
     def _room_for_warm(self) -> bool:
         """Warm sandboxes are started and handed out only while a create would be
@@ -635,15 +643,11 @@ class Edge:
             if warm is not None:  # not used: free for the next create of its shape
                 self.pool.give_back(warm)
             raise
-        now = _now()
-        rec = SandboxRecord(
-            id=sandbox_id or (warm.id if warm is not None else self.new_sandbox_id()),
-            spec=spec,
-            image=image,
-            state=SandboxState.CREATING,
-            created_at=now,
-            updated_at=now,
-            edge=self.edge_id,
+        rec = self._new_record(
+            sandbox_id or (warm.id if warm is not None else self.new_sandbox_id()),
+            spec,
+            image,
+            SandboxState.CREATING,
         )
         self._records[rec.id] = rec
         self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)

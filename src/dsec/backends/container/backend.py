@@ -469,11 +469,12 @@ class ContainerBackend(AgentDataPath, Backend):
                 sid, root, config, overlay=(rootfs, overlay), dev_tmpfs=dev, backlog=512
             )
             # Before any command runs: what the agent forks from now on inherits it.
-            started = self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid}
-            if qos.acts_on(spec.qos):
-                qos.apply(spec.qos, started)
-            if oom.floor_enforced():  # crun set the bias; this write sets its floor
-                for pid in started:
+            floor = oom.floor_enforced()  # crun set the bias; a host write sets its floor
+            if floor or qos.acts_on(spec.qos):  # read the cgroup only when something acts
+                started = self.cgroups.pids(self.cgroup_of(sid)) or {facts.pid}
+                if qos.acts_on(spec.qos):
+                    qos.apply(spec.qos, started)
+                for pid in started if floor else ():
                     oom.set_oom_score_adj(pid, oom.oom_score_adj(spec.qos))
             facts.seccomp = self._seccomp_attached(sid)
             self.decoys.watch(sid, prepared)
