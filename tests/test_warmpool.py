@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs, LayerRef
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, LayerRef, linux
 from dsec.errors import DSecError
 from dsec.resources import cgroups
 from tests.conftest import PlatformProcess, platform_process
@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (crun)")
 @pytest.fixture(scope="module")
 def plat() -> Iterator[PlatformProcess]:
     with platform_process(DSEC_WARM_POOL="1") as p:
+        with DSecSyncClient(p.url, p.api_key) as c:
+            c.build_image("busybox")
         yield p
 
 
@@ -36,7 +38,6 @@ async def client(plat: PlatformProcess) -> AsyncIterator[DSecClient]:
     c = DSecClient(plat.url, plat.api_key)
     await c.open()
     try:
-        await c.build_image("busybox")
         yield c
     finally:
         await c.close()
@@ -68,14 +69,6 @@ async def warm_ids(
             return warm
         assert time.monotonic() < deadline, "no warm sandbox started"
         await asyncio.sleep(0.05)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def init_pids(plat: PlatformProcess, sid: str) -> set[int]:
@@ -145,8 +138,15 @@ async def test_a_warm_sandbox_that_died_is_not_handed_out(
     before = await unexplained(plat, client)
     await (await client.run_container(args(pids_limit=77))).stop()
     (warm,) = await warm_ids(plat, client, before)
-    for pid in init_pids(plat, warm):
+    pids = init_pids(plat, warm)
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: the init has died once it is gone or a
+    # zombie its parent has not reaped yet (dead all the same: dsec.linux.pid_alive)
+    for _ in range(1000):  # 10 s at most
+        if not any(linux.pid_alive(pid) for pid in pids):
+            break
+        await asyncio.sleep(0.01)
     sb = await client.run_container(args(pids_limit=77))
     try:
         assert sb.id != warm
@@ -264,7 +264,7 @@ async def test_a_warm_sandbox_from_before_a_component_restart_is_not_handed_out(
         # (the create may keep the id it was named with: a container of its own)
         assert metric(plat, "dsec_warm_hits") == hits
         assert init_pids(plat, sb.id).isdisjoint(warm_init)
-        assert not any(pid_alive(pid) for pid in warm_init)  # torn down, not kept
+        assert not any(linux.pid_alive(pid) for pid in warm_init)  # torn down, not kept
         assert (await sb.run_shell("echo ok")).stdout == "ok\n"
     finally:
         await sb.stop()

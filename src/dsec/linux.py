@@ -38,17 +38,23 @@ MNT_DETACH = 2
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0: nothing is sent). A process we may not
-    signal exists too."""
+    """Whether process ``pid`` still runs (signal 0: nothing is sent). A process we may
+    not signal runs too; a zombie (dead, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     except OSError as exc:  # pragma: no cover - unexpected errno
         return exc.errno != errno.ESRCH
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte)
+            state = fh.read().rpartition(b")")[2].split(maxsplit=1)[0]
+    except (OSError, IndexError):
+        return True  # no /proc view of it: kill() said it exists
+    return state not in (b"Z", b"X")
 
 
 def _raise(what: str, path: str | os.PathLike[str]) -> None:
