@@ -21,10 +21,9 @@ Starts its own `dsec up` on a fresh data directory, then measures through the SD
   creation of N sandboxes, host memory per idle sandbox; and raw `crun run` of
   /bin/true in the foreground. ``--only-create`` skips these.
 
-Creates are served by warm sandboxes (dsec.edge.warmpool, ``--warm 1``, the default
-here; `dsec up` turns them on with DSEC_WARM_POOL=1): a create of the shape just created
-finds one started during the settle time. ``--warm 0`` measures creates that start
-their own container (`dsec up`'s default).
+Creates are served by warm sandboxes (dsec.edge.warmpool, ``--warm 1``, `dsec up`'s
+default): a create of the shape just created finds one started during the settle
+time. ``--warm 0`` (DSEC_WARM_POOL=0) measures creates that start their own container.
 
 Prints a table and writes bench/results/platform.json.
 """
@@ -320,8 +319,8 @@ def main() -> None:
         "--warm",
         type=int,
         default=1,
-        help="DSEC_WARM_POOL for the platform: warm sandboxes a shape (default 1; 0, "
-        "`dsec up`'s default, measures creates that start their own container)",
+        help="DSEC_WARM_POOL for the platform: warm sandboxes a shape (default 1, as "
+        "`dsec up`'s; 0 measures creates that start their own container)",
     )
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--idle", type=int, default=500)

@@ -54,6 +54,7 @@ class Host:
         self.room = True
         self.fail = False
         self.n = 0
+        self.live = 1  # the edge's sandboxes that are not ended
 
     def pool(self, per_shape: int = 1, max_shapes: int = 2) -> WarmPool:
         return WarmPool(
@@ -64,6 +65,8 @@ class Host:
             discard=self.discard,
             new_id=self.new_id,
             can_refill=lambda: self.room,
+            live=lambda: self.live,
+            grace_seconds=5.0,
             clock=lambda: self.now,
         )
 
@@ -221,6 +224,43 @@ async def test_shapes_nobody_asks_for_go_and_only_the_last_few_are_kept() -> Non
     pool.expire()
     await settle()
     assert pool.ready_count() == 0 and sorted(host.discarded) == ["e-1", "e-2", "e-3"]
+
+
+async def test_once_no_sandbox_lives_for_the_grace_every_ready_one_goes() -> None:
+    host = Host()
+    pool = host.pool()
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    assert pool.ready_count() == 1
+    host.live = 0  # the create's sandbox was stopped, and nothing else runs
+    host.now += 4
+    pool.expire()
+    await settle()
+    assert pool.ready_count() == 1  # a loop of create, stop, create pauses shorter
+    host.now += 2
+    pool.expire()
+    await settle()
+    assert pool.ready_count() == 0 and host.discarded == ["e-1"]
+    # The shape is still known: its next create warms it again, and while sandboxes
+    # live the warm one stays however long (up to the shape's idle time).
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    host.live = 3
+    host.now += 50
+    pool.expire()
+    await settle()
+    assert pool.ready_count() == 1
+    held = pool.reserve(spec())  # a create about to take it: not torn down under it
+    host.live = 0
+    host.now += 1
+    pool.expire()
+    assert pool.claim(held or "") is not None
+    pool.asked(spec(), image(), hit=True)
+    await settle()
+    host.now += 6  # 6 s since the last create ended, none live since
+    pool.expire()
+    await settle()
+    assert pool.ready_count() == 0 and host.discarded == ["e-1", "e-3"]
 
 
 async def test_close_tears_down_everything_and_builds_no_more() -> None:

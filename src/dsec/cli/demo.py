@@ -125,9 +125,6 @@ def start_platform(data_dir: Path | None, wait: float = 120.0) -> StartedPlatfor
         # Its data dir is removed at the end: nothing may run on for a later `dsec up`
         # to re-adopt (a kept spawner would outlive the directory it serves).
         env["DSEC_STOP_SANDBOXES_ON_EXIT"] = "1"
-    # The demo's own platform shows warm sandboxes (dsec.edge.warmpool, off by default
-    # in `dsec up`); a DSEC_WARM_POOL the user set wins.
-    env.setdefault("DSEC_WARM_POOL", "1")
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(
             platform_command(port, directory),

@@ -123,6 +123,7 @@ class Edge:
         warm_per_shape: int = 0,
         warm_shapes: int = 4,
         warm_idle_seconds: float = 600.0,
+        warm_grace_seconds: float = 5.0,
     ) -> None:
         self.audit = audit or AuditLog(None)
         # Prometheus metrics of this edge (dsec.observe.metrics), served at /metrics;
@@ -199,6 +200,8 @@ class Edge:
             new_id=self.new_sandbox_id,
             can_refill=self._room_for_warm,
             generation=lambda: self.supervisor.generation,
+            live=lambda: self.admission.count,
+            grace_seconds=warm_grace_seconds,
         )
 
     # -- startup and shutdown -------------------------------------------------------------

@@ -29,6 +29,14 @@ pressure admission drains the pool first (``drain``), before any idle sandbox is
 squeezed. When the host's layer cache is over its budget and a warm sandbox holds a
 layer it would evict, the sandbox goes and its shape is forgotten until asked again
 (``let_go``). Closing the edge tears every warm sandbox down.
+
+Only while the edge is in use: once no sandbox has been live on it for
+``grace_seconds`` (the last one stopped and no create came), every ready warm sandbox
+goes. Warm sandboxes are there for the next create of a workload that is running; an
+edge whose sandboxes were all stopped keeps nothing started ahead (no container, quota
+group, cgroup or layer hold) a few seconds later, as a leak check or an operator who
+stopped everything expects. A loop of create, stop, create keeps its warm sandbox as
+long as its pauses are shorter than the grace.
 """
 
 from __future__ import annotations
@@ -133,17 +141,24 @@ class WarmPool:
         new_id: Callable[[], str],
         can_refill: Callable[[], bool],
         generation: Callable[[], int] = lambda: 0,
+        live: Callable[[], int] = lambda: 1,
+        grace_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``live()``: how many sandboxes the edge has that are not ended (paused ones
+        count); none for ``grace_seconds`` and the ready warm ones go."""
         self.per_shape = per_shape
         self.max_shapes = max_shapes
         self.idle_seconds = idle_seconds
+        self.grace_seconds = grace_seconds
+        self._live = live
         self._build = build
         self._discard = discard
         self._new_id = new_id
         self._can_refill = can_refill
         self._generation = generation
         self._clock = clock
+        self._last_in_use = clock()  # when a sandbox was last seen live (or a create ended)
         self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # least recently asked first
         self._reserved: dict[str, Warm] = {}
         self._busy = 0  # creates in flight
@@ -256,6 +271,7 @@ class WarmPool:
             return
         if not hit:
             self.misses += 1
+        self._last_in_use = self._clock()
         shape = self._shapes.get(key)
         if shape is None or not same_image(shape.image, image):
             old = self._shapes.pop(key, None) if shape is not None else None
@@ -296,8 +312,13 @@ class WarmPool:
 
     # -- upkeep -------------------------------------------------------------------------
     def expire(self) -> None:
-        """Tear down what nobody asked for lately, and reservations never claimed."""
+        """Tear down what nobody asked for lately, reservations never claimed, and
+        every ready one once the edge has had no live sandbox for ``grace_seconds``."""
         now = self._clock()
+        if self._live() > 0:
+            self._last_in_use = now
+        elif now - self._last_in_use >= self.grace_seconds:
+            self.drain()  # shapes stay known: the next create warms its shape again
         for key, shape in list(self._shapes.items()):
             if now - shape.last_asked >= self.idle_seconds:
                 del self._shapes[key]
@@ -308,7 +329,7 @@ class WarmPool:
                 del self._reserved[sid]
                 self._spawn(self._discard_quietly(warm))
 
-    async def loop(self, every: float = 5.0) -> None:
+    async def loop(self, every: float = 1.0) -> None:
         while True:
             await asyncio.sleep(every)
             self.expire()

@@ -232,6 +232,7 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             warm_per_shape=config.warm_per_shape,
             warm_shapes=config.warm_shapes,
             warm_idle_seconds=config.warm_idle_seconds,
+            warm_grace_seconds=config.warm_grace_seconds,
         )
         swap = await asyncio.to_thread(start_swap, config, host)
         recovery = await edge.start()
