@@ -55,6 +55,7 @@ class Host:
         self.fail = False
         self.n = 0
         self.live = 1  # the edge's sandboxes that are not ended
+        self.discard_fails = 0  # the next this many teardowns fail
 
     def pool(self, per_shape: int = 1, max_shapes: int = 2) -> WarmPool:
         return WarmPool(
@@ -82,6 +83,9 @@ class Host:
         return FakeFacts(os.getpid())
 
     async def discard(self, warm: Warm) -> None:
+        if self.discard_fails:
+            self.discard_fails -= 1
+            raise OSError(24, "Too many open files")
         self.discarded.append(warm.id)
 
 
@@ -261,6 +265,31 @@ async def test_once_no_sandbox_lives_for_the_grace_every_ready_one_goes() -> Non
     pool.expire()
     await settle()
     assert pool.ready_count() == 0 and host.discarded == ["e-1", "e-3"]
+
+
+async def test_a_failed_teardown_is_tried_again_until_it_succeeds() -> None:
+    """Out of fds (say), a warm sandbox's teardown fails: it is not forgotten while it
+    still exists, but tried again on the next tick and, the last time, at close."""
+    host = Host()
+    pool = host.pool()
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    host.discard_fails = 2
+    assert pool.drain() == 1
+    await settle()
+    assert host.discarded == [] and pool.ready_count() == 1  # still there: still counted
+    pool.expire()  # one tick of the loop (fails again)
+    await settle()
+    assert host.discarded == [] and pool.ready_count() == 1
+    pool.expire()
+    await settle()
+    assert host.discarded == ["e-1"] and pool.ready_count() == 0
+    # at close: a few rounds, with pauses, before the next start's sweep is left to it
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    host.discard_fails = 2
+    await pool.close()
+    assert host.discarded == ["e-1", "e-2"] and pool.ready_count() == 0
 
 
 async def test_close_tears_down_everything_and_builds_no_more() -> None:

@@ -44,6 +44,7 @@ from dsec.edge.deaths import InitWatcher, describe
 from dsec.edge.idempotency import IdempotencyClaim, IdempotencyKeys
 from dsec.edge.idle import IdleReclaimer
 from dsec.edge.state import EdgeStateDB
+from dsec.edge.teardowns import UnfinishedTeardowns
 from dsec.edge.ttl import IdleClocks
 from dsec.edge.warmpool import Warm, WarmPool
 from dsec.errors import (
@@ -203,6 +204,8 @@ class Edge:
             live=lambda: self.admission.count,
             grace_seconds=warm_grace_seconds,
         )
+        # Teardowns that failed (e.g. out of fds) are tried again (dsec.edge.teardowns).
+        self.teardowns = UnfinishedTeardowns(self._destroy_again, self._teardown_finished)
 
     # -- startup and shutdown -------------------------------------------------------------
     async def start(self) -> dict[str, list[str]]:
@@ -287,6 +290,7 @@ class Edge:
                 self.idle.track(rec)
         self.supervisor.spawn("idle-reclaim", self.idle.loop)
         self.supervisor.spawn("warm-pool", self.pool.loop)
+        self.supervisor.spawn("teardown-retry", self.teardowns.loop)
         network = self.network.supervised() if self.network is not None else []
         backends = list(self.backends.values())
         for name, healthy, restart in [*(s for b in backends for s in b.supervised()), *network]:
@@ -313,6 +317,12 @@ class Edge:
                 *(self.stop(sid, reason="platform shut down") for sid in live),
                 return_exceptions=True,
             )
+        # Teardowns that failed get their last tries while the backends are still open.
+        for pause in (0.0, 0.2, 0.5):
+            if not self.teardowns:
+                break
+            await asyncio.sleep(pause)
+            await self.teardowns.retry()
         for backend in self.backends.values():
             await backend.close()
         if self.network is not None:
@@ -753,8 +763,9 @@ class Edge:
         try:
             await self.backend_of(rec).destroy(rec)
         except DSecError as exc:
-            log.error("teardown of %s incomplete: %s", rec.id, exc)
+            log.error("teardown of %s incomplete (will retry): %s", rec.id, exc)
             final, reason = SandboxState.FAILED, f"{reason}; teardown incomplete: {exc}"
+            self.teardowns.add(rec)
         self._set_best_effort(rec, final, reason)
         self.metrics.ended(str(rec.spec.backend), final.value)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, final.value, reason=reason)
@@ -765,6 +776,14 @@ class Edge:
             self.network.release(rec.id)
         if was_live:
             self.admission.release(rec.spec)
+
+    async def _destroy_again(self, rec: SandboxRecord) -> None:
+        async with self._lock(rec.id):
+            await self.backend_of(rec).destroy(rec)
+
+    def _teardown_finished(self, rec: SandboxRecord, attempts: int) -> None:
+        log.info("teardown of %s completed (try %d)", rec.id, attempts)
+        self.audit.record(rec.id, AuditKind.LIFECYCLE, "teardown_completed", attempts=attempts)
 
     def _watch_init(self, rec: SandboxRecord) -> None:
         pid = rec.facts.init_pid

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # Fields only the edge reads (bookkeeping), never the backend that builds a sandbox.
 EDGE_ONLY_FIELDS = frozenset({"labels", "job_id", "trajectory_id", "project", "ttl_running_stop"})
+CLOSE_ATTEMPTS = 4
+"""Rounds of teardown at close for warm sandboxes whose teardown failed."""
 RESERVE_SECONDS = 60.0
 """A warm sandbox reserved for a create (Edge.new_sandbox_id) that never came is
 torn down after this long (its caller failed before the create, e.g. a quota)."""
@@ -161,6 +163,9 @@ class WarmPool:
         self._last_in_use = clock()  # when a sandbox was last seen live (or a create ended)
         self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # least recently asked first
         self._reserved: dict[str, Warm] = {}
+        # Teardowns that failed (e.g. the edge out of fds): tried again each tick and
+        # at close, so a warm sandbox is never forgotten while it still exists.
+        self._unfinished: list[Warm] = []
         self._busy = 0  # creates in flight
         self._quiet = asyncio.Event()
         self._quiet.set()
@@ -313,7 +318,9 @@ class WarmPool:
     # -- upkeep -------------------------------------------------------------------------
     def expire(self) -> None:
         """Tear down what nobody asked for lately, reservations never claimed, and
-        every ready one once the edge has had no live sandbox for ``grace_seconds``."""
+        every ready one once the edge has had no live sandbox for ``grace_seconds``;
+        try the teardowns that failed again."""
+        self._finish_teardowns()
         now = self._clock()
         if self._live() > 0:
             self._last_in_use = now
@@ -373,10 +380,18 @@ class WarmPool:
         return n
 
     def _holders(self) -> Iterator[Warm]:
-        """Every warm sandbox started and not yet taken: ready or reserved."""
+        """Every warm sandbox started and not yet taken: ready, reserved, or one whose
+        teardown has yet to succeed."""
         for shape in self._shapes.values():
             yield from shape.ready
         yield from self._reserved.values()
+        yield from self._unfinished
+
+    def _finish_teardowns(self) -> None:
+        """Try the failed teardowns again."""
+        failed, self._unfinished = self._unfinished, []
+        for warm in failed:
+            self._spawn(self._discard_quietly(warm))
 
     async def close(self) -> None:
         """Tear down every warm sandbox, reserved ones included; no refill after."""
@@ -386,8 +401,13 @@ class WarmPool:
         for warm in list(self._reserved.values()):
             self._spawn(self._discard_quietly(warm))
         self._reserved.clear()
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for attempt in range(CLOSE_ATTEMPTS):
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            if not self._unfinished or attempt == CLOSE_ATTEMPTS - 1:
+                break
+            await asyncio.sleep(0.2 * (attempt + 1))  # e.g. the fds come back
+            self._finish_teardowns()
 
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
@@ -398,5 +418,8 @@ class WarmPool:
     async def _discard_quietly(self, warm: Warm) -> None:
         try:
             await self._discard(warm)
-        except Exception as exc:  # the sweep of the next start removes what is left
-            log.warning("warm sandbox %s not torn down: %s", warm.id, exc)
+        except Exception as exc:
+            # Kept and tried again (each tick, and at close); what still fails at close
+            # the sweep of the next start removes, like anything no record explains.
+            log.warning("warm sandbox %s not torn down (will retry): %s", warm.id, exc)
+            self._unfinished.append(warm)

@@ -1,0 +1,106 @@
+"""A teardown that failed is tried again until it succeeds (dsec.edge.teardowns): on the
+edge's loop while it runs, and once more at close while the backends are still open.
+A teardown can fail for a reason that passes (the edge out of fds for a moment); the
+sandbox's kernel objects must not stay on the host until the next start's sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+from dsec.api.sandbox import SandboxState
+from dsec.api.spec import DSecMemoryRunArgs
+from dsec.backends.base import SandboxRecord
+from dsec.backends.memory.backend import MemoryBackend
+from dsec.backends.memory.world import MemoryWorld
+from dsec.edge.admission import Admission
+from dsec.edge.edge import Edge
+from dsec.edge.state import EdgeStateDB
+from dsec.edge.teardowns import UnfinishedTeardowns
+from dsec.errors import BackendError
+from dsec.security.audit import AuditLog
+
+
+class FlakyTeardown(MemoryBackend):
+    """Its destroy fails the next ``fails`` times (as out of fds would), then works."""
+
+    def __init__(self, world: MemoryWorld) -> None:
+        super().__init__(world)
+        self.fails = 0
+        self.tries = 0
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        self.tries += 1
+        if self.fails:
+            self.fails -= 1
+            raise BackendError("cleanup incomplete: [Errno 24] Too many open files")
+        await super().destroy(rec)
+
+
+def make_edge(tmp_path: Path, backend: MemoryBackend) -> tuple[Edge, EdgeStateDB]:
+    state = EdgeStateDB(tmp_path / "edge.db")
+    edge = Edge(
+        edge_id="e1",
+        backends=[backend],
+        images=None,  # type: ignore[arg-type]  # the memory kind needs no images
+        state=state,
+        admission=Admission(max_sandboxes=10),
+        audit=AuditLog(None),
+    )
+    return edge, state
+
+
+async def test_a_failed_teardown_is_done_again_while_the_edge_runs(tmp_path: Path) -> None:
+    world = MemoryWorld()
+    backend = FlakyTeardown(world)
+    edge, state = make_edge(tmp_path, backend)
+    try:
+        await edge.start()
+        info = await edge.create(DSecMemoryRunArgs(), timeout=5)
+        backend.fails = 2
+        stopped = await edge.stop(info.id)
+        assert stopped.state is SandboxState.FAILED
+        assert "teardown incomplete" in (stopped.reason or "")
+        assert world.get(info.id) is not None  # still on the "host"
+        assert await edge.teardowns.retry() == 1  # fails once more
+        assert await edge.teardowns.retry() == 0
+        assert world.get(info.id) is None and backend.tries == 3
+        assert len(edge.teardowns) == 0
+    finally:
+        await edge.close()
+        state.close()
+
+
+async def test_close_tries_a_failed_teardown_again(tmp_path: Path) -> None:
+    world = MemoryWorld()
+    backend = FlakyTeardown(world)
+    edge, state = make_edge(tmp_path, backend)
+    try:
+        await edge.start()
+        info = await edge.create(DSecMemoryRunArgs(), timeout=5)
+        backend.fails = 1
+        await edge.stop(info.id)
+        assert world.get(info.id) is not None
+    finally:
+        await edge.close()
+        state.close()
+    assert world.get(info.id) is None
+
+
+async def test_only_successes_are_reported_and_every_record_is_tried() -> None:
+    done: list[tuple[str, int]] = []
+    failing = {"b"}
+
+    async def destroy(rec: SandboxRecord) -> None:
+        if rec.id in failing:
+            raise BackendError("busy")
+
+    teardowns = UnfinishedTeardowns(destroy, lambda rec, n: done.append((rec.id, n)))
+    # only the id is read: a stand-in record will do
+    recs = [cast(SandboxRecord, SimpleNamespace(id=sid)) for sid in ("a", "b")]
+    for rec in recs:
+        teardowns.add(rec)
+    assert await teardowns.retry() == 1 and done == [("a", 2)]
+    failing.clear()
+    assert await teardowns.retry() == 0 and done == [("a", 2), ("b", 3)]
