@@ -16,7 +16,10 @@ busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxe
   and, without Slab's reclaimable part (dentries and inodes of any other work on the
   host, which pressure takes back), ``SUnreclaim + Percpu + KernelStack + PageTables``;
 - sequential create p50/p99 of the creates of that step (each create is timed; they are
-  the step's sandboxes), and the ratio to raw crun measured right then;
+  the step's sandboxes), and the ratio to raw crun measured right then; with warm
+  sandboxes on (the default) back-to-back creates are a mix of creates a warm sandbox
+  served and creates that started their own container while the pool refilled:
+  ``creates_served_warm`` says how many of the step's were the former;
 - the burst rate: ``--burst`` creates at once (they stay, counted in N);
 - raw ``crun run --detach`` of the same EROFS layer with an own overlay, ``--raw`` times
   (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same).
@@ -37,6 +40,7 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -44,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -106,6 +112,16 @@ def memory_cgroups() -> int | None:
     return None
 
 
+async def warm_hits(url: str, key: str) -> int | None:
+    """Creates served by a warm sandbox so far (dsec.edge.warmpool, on by default): a
+    step's sequential creates are a mix of those and creates that start their own
+    container, and the row says how many of each."""
+    async with httpx.AsyncClient(timeout=30) as h:
+        resp = await h.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"})
+    found = re.search(r"^dsec_warm_hits_total ([0-9.e+]+)$", resp.text, re.M)
+    return int(float(found.group(1))) if found else None
+
+
 def spec() -> DSecContainerRunArgs:
     return DSecContainerRunArgs(
         container_image="busybox:latest", memory_limit_mb=64, ttl_running_stop=None
@@ -135,8 +151,10 @@ class Density:
         raw: RawCrun | None,
         edge_pid: int | None = None,
         sandbox_dir: Path | None = None,
+        api: tuple[str, str] | None = None,
     ):
         self.opts = opts
+        self.api = api  # (url, API key): where the warm-hit counter is read
         self.client = client
         self.raw = raw
         # The edge's open fds, before the first sandbox and at each step: what one
@@ -192,12 +210,14 @@ class Density:
         target = self.opts.step
         while len(self.made) < self.opts.max and self.failure is None:
             times: list[float] = []
+            hits_before = await warm_hits(*self.api) if self.api else None
             while len(self.made) < min(target, self.opts.max) - self.opts.burst:
                 try:
                     times.append(await self.create())
                 except Exception as exc:  # the first failure ends the run: say which
                     self.failure = f"create #{len(self.made) + 1}: {type(exc).__name__}: {exc}"
                     break
+            hits_after = await warm_hits(*self.api) if self.api else None  # before the burst
             row: dict[str, Any] = {}
             if self.failure is None:
                 row.update(await self.burst())
@@ -211,6 +231,8 @@ class Density:
             if times:
                 s = summary(times)
                 row.update(create_p50_ms=s["p50_ms"], create_p99_ms=s["p99_ms"], creates=len(times))
+                if hits_before is not None and hits_after is not None:
+                    row["creates_served_warm"] = hits_after - hits_before
             row.update(await self.raw_figure())
             if "raw_p50_ms" in row and "create_p50_ms" in row:
                 row["create_over_raw_p50"] = round(row["create_p50_ms"] / row["raw_p50_ms"], 2)
@@ -258,7 +280,7 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
         with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
             dens = Density(
                 opts, client, raw, plat.proc.pid if plat.proc else None,
-                plat.data_dir / "sandboxes",
+                plat.data_dir / "sandboxes", (plat.url, plat.api_key),
             )  # fmt: skip
             try:
                 await dens.run(base)
