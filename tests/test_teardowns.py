@@ -5,6 +5,8 @@ sandbox's kernel objects must not stay on the host until the next start's sweep.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -38,8 +40,11 @@ class FlakyTeardown(MemoryBackend):
         await super().destroy(rec)
 
 
-def make_edge(tmp_path: Path, backend: MemoryBackend) -> tuple[Edge, EdgeStateDB]:
+@contextlib.asynccontextmanager
+async def running_edge(tmp_path: Path) -> AsyncIterator[tuple[Edge, FlakyTeardown]]:
+    """An edge on a real state DB over a flaky memory backend; closed on the way out."""
     state = EdgeStateDB(tmp_path / "edge.db")
+    backend = FlakyTeardown(MemoryWorld())
     edge = Edge(
         edge_id="e1",
         backends=[backend],
@@ -48,44 +53,35 @@ def make_edge(tmp_path: Path, backend: MemoryBackend) -> tuple[Edge, EdgeStateDB
         admission=Admission(max_sandboxes=10),
         audit=AuditLog(None),
     )
-    return edge, state
+    try:
+        await edge.start()
+        yield edge, backend
+    finally:
+        await edge.close()
+        state.close()
 
 
 async def test_a_failed_teardown_is_done_again_while_the_edge_runs(tmp_path: Path) -> None:
-    world = MemoryWorld()
-    backend = FlakyTeardown(world)
-    edge, state = make_edge(tmp_path, backend)
-    try:
-        await edge.start()
+    async with running_edge(tmp_path) as (edge, backend):
         info = await edge.create(DSecMemoryRunArgs(), timeout=5)
         backend.fails = 2
         stopped = await edge.stop(info.id)
         assert stopped.state is SandboxState.FAILED
         assert "teardown incomplete" in (stopped.reason or "")
-        assert world.get(info.id) is not None  # still on the "host"
+        assert backend.world.get(info.id) is not None  # still on the "host"
         assert await edge.teardowns.retry() == 1  # fails once more
         assert await edge.teardowns.retry() == 0
-        assert world.get(info.id) is None and backend.tries == 3
+        assert backend.world.get(info.id) is None and backend.tries == 3
         assert len(edge.teardowns) == 0
-    finally:
-        await edge.close()
-        state.close()
 
 
 async def test_close_tries_a_failed_teardown_again(tmp_path: Path) -> None:
-    world = MemoryWorld()
-    backend = FlakyTeardown(world)
-    edge, state = make_edge(tmp_path, backend)
-    try:
-        await edge.start()
+    async with running_edge(tmp_path) as (edge, backend):
         info = await edge.create(DSecMemoryRunArgs(), timeout=5)
         backend.fails = 1
         await edge.stop(info.id)
-        assert world.get(info.id) is not None
-    finally:
-        await edge.close()
-        state.close()
-    assert world.get(info.id) is None
+        assert backend.world.get(info.id) is not None
+    assert backend.world.get(info.id) is None
 
 
 async def test_only_successes_are_reported_and_every_record_is_tried() -> None:
