@@ -73,6 +73,9 @@ async def test_a_failed_teardown_is_done_again_while_the_edge_runs(tmp_path: Pat
         assert await edge.teardowns.retry() == 0
         assert backend.world.get(info.id) is None and backend.tries == 3
         assert len(edge.teardowns) == 0
+        after = await edge.get(info.id)  # still failed (it was cut off), and says the rest
+        assert after.state is SandboxState.FAILED
+        assert (after.reason or "").endswith("teardown completed on try 3")
 
 
 async def test_close_tries_a_failed_teardown_again(tmp_path: Path) -> None:

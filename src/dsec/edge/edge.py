@@ -782,8 +782,12 @@ class Edge:
             await self.backend_of(rec).destroy(rec)
 
     def _teardown_finished(self, rec: SandboxRecord, attempts: int) -> None:
+        """A teardown that failed succeeded on a later try: the record says so too (it
+        stays failed: what ran in it was cut off the way its reason says)."""
         log.info("teardown of %s completed (try %d)", rec.id, attempts)
         self.audit.record(rec.id, AuditKind.LIFECYCLE, "teardown_completed", attempts=attempts)
+        reason = f"{rec.reason or 'failed'}; teardown completed on try {attempts}"
+        self._set_best_effort(rec, rec.state, reason)
 
     def _watch_init(self, rec: SandboxRecord) -> None:
         pid = rec.facts.init_pid

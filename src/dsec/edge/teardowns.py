@@ -38,9 +38,6 @@ class UnfinishedTeardowns:
         _, tries = self._pending.get(rec.id, (rec, 0))
         self._pending[rec.id] = (rec, tries + 1)
 
-    def forget(self, sandbox_id: str) -> None:
-        self._pending.pop(sandbox_id, None)
-
     def __len__(self) -> int:
         return len(self._pending)
 

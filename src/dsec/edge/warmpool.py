@@ -106,6 +106,7 @@ class Warm:
     spec: RunArgs
     generation: int = 0  # the platform's restarts when it was started (Supervisor)
     reserved_at: float | None = None
+    teardown_failures: int = 0
 
     def alive(self) -> bool:
         """Its init still runs (a cheap look; the edge's death watch follows it from
@@ -421,5 +422,7 @@ class WarmPool:
         except Exception as exc:
             # Kept and tried again (each tick, and at close); what still fails at close
             # the sweep of the next start removes, like anything no record explains.
-            log.warning("warm sandbox %s not torn down (will retry): %s", warm.id, exc)
+            warm.teardown_failures += 1
+            if warm.teardown_failures in (1, 10, 100):  # said now and then, not every tick
+                log.warning("warm sandbox %s not torn down (will retry): %s", warm.id, exc)
             self._unfinished.append(warm)
