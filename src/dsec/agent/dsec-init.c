@@ -830,6 +830,21 @@ static void __attribute__((noreturn)) command_main(struct exec_req *r, const str
 	exec_program(r->argv, r->envp, 3);
 }
 
+struct command_start {
+	struct exec_req *r;
+	const struct user_info *u;
+};
+
+/* The stack command_main runs on until its execve (see supervisor_main): the PATH
+ * search and a failure's message need a few KiB; 64 KiB leaves room for libc. */
+static unsigned char g_command_stack[64 * 1024] __attribute__((aligned(16)));
+
+static int command_entry(void *arg)
+{
+	struct command_start *start = arg;
+	command_main(start->r, start->u);
+}
+
 /* Wait for the command's main process; on request, signal or kill its whole tree.
  * fd 4 is the agent's control pipe: 'S'+u32 signal delivers a signal, EOF means kill. */
 static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
@@ -916,11 +931,20 @@ static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const 
 	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK); /* SIGCHLD is already blocked */
 	if (sfd < 0)
 		child_fail(3, errno, "signalfd: %s", strerror(errno));
-	pid_t pid = fork();
+	struct command_start start = {r, &u};
+	/* CLONE_VM|CLONE_VFORK, as posix_spawn does: the command runs on its own stack in
+	 * our memory until its execve, and we wait for that. No copy of our page tables,
+	 * no copy-on-write faults (each a TLB flush across CPUs, costly in a VM) for a
+	 * memory image the execve throws away: the part of a command's start that is ours
+	 * to cut. The child only makes system calls and writes its own stack (child_fail's
+	 * message, the PATH search); our dispositions, mask and fds are its own copies.
+	 * The price: until the execve returns we cannot act on the agent's control pipe, so
+	 * a kill that arrives while the kernel is still loading the program (a layer being
+	 * fetched) takes effect right after it; stopping the sandbox kills it at once. */
+	pid_t pid = clone(command_entry, g_command_stack + sizeof g_command_stack,
+			  CLONE_VM | CLONE_VFORK | SIGCHLD, &start);
 	if (pid < 0)
 		child_fail(3, errno, "cannot start a process: %s", strerror(errno));
-	if (pid == 0)
-		command_main(r, &u);
 	unsigned char m[5] = {'p'};
 	put_u32(m + 1, (uint32_t)pid);
 	if (write(3, m, 5) < 0) {
