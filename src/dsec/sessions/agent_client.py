@@ -238,10 +238,14 @@ class _ExecStream:
         """Set once the command has ended (after :meth:`next_chunk` returned ``None``)."""
 
     @classmethod
-    async def start(cls, socket_path: Path, request: p.ExecRequest) -> _ExecStream:
-        """Send the request and wait until the program runs (or raise why it cannot)."""
-        payload = p.encode_exec(request)
-        conn, pid = await _running(socket_path, payload, f"exec of {request.argv[0]!r}")
+    async def start(
+        cls, socket_path: Path, request: p.ExecRequest, frame: bytes | None = None
+    ) -> _ExecStream:
+        """Send the request (``frame``: already encoded) and wait until the program runs
+        (or raise why it cannot)."""
+        if frame is None:
+            frame = p.encode_exec(request)
+        conn, pid = await _running(socket_path, frame, f"exec of {request.argv[0]!r}")
         return cls(conn, pid)
 
     @classmethod
@@ -348,12 +352,12 @@ class AgentClient:
         ``timeout`` kills the whole process tree (``timed_out``, exit code 137);
         ``max_output`` caps stdout + stderr together, the rest is dropped (``truncated``).
         """
-        request = self._exec_request(argv, env, cwd, user, timeout, max_output, stdin)
+        request, frame = self._exec_request(argv, env, cwd, user, timeout, max_output, stdin)
         guard = None if timeout is None else timeout + _AGENT_GRACE
         out, err = bytearray(), bytearray()
         try:
             async with asyncio.timeout(guard):
-                stream = await _ExecStream.start(self.socket_path, request)
+                stream = await _ExecStream.start(self.socket_path, request, frame)
                 async with stream:
                     feeder = None
                     if stdin is not None:
@@ -402,10 +406,10 @@ class AgentClient:
         ``keep`` (key, meta, ring bytes) hands the command to the agent: it then runs on,
         and :meth:`attach` follows it again (also from a restarted edge).
         """
-        request = self._exec_request(
+        request, frame = self._exec_request(
             argv, env, cwd, user, timeout, max_output, b"" if with_stdin else None, pty, keep
         )
-        return await _ExecStream.start(self.socket_path, request)
+        return await _ExecStream.start(self.socket_path, request, frame)
 
     async def attach(self, key: str, start: int = 0) -> ExecStream:
         """Follow a kept command again from output chunk ``start`` (see ``ExecStream.base``)."""
@@ -468,7 +472,9 @@ class AgentClient:
         stdin: bytes | None,
         pty: tuple[int, int] | None = None,
         keep: tuple[str, str, int] | None = None,
-    ) -> p.ExecRequest:
+    ) -> tuple[p.ExecRequest, bytes]:
+        """The request and its ``X`` frame; a value the agent would refuse is a typed
+        error here, before any connection."""
         if not argv:
             raise InvalidArgument("argv must not be empty")
         if timeout is not None and not 0 < timeout < p.U32_MAX / 1000:
@@ -487,10 +493,9 @@ class AgentClient:
             keep=keep,
         )
         try:
-            p.encode_exec(request)  # validate now, with a typed error
+            return request, p.encode_exec(request)
         except ValueError as exc:
             raise _invalid(exc) from None
-        return request
 
     async def read_file(self, path: str, *, user: str, max_bytes: int) -> bytes:
         """Read a file as ``user``; larger than ``max_bytes`` raises ``LimitExceeded``."""
