@@ -163,7 +163,7 @@ def baselines(sb: Sandbox, data_dir: Path, n: int) -> dict[str, Any]:
 async def agent_and_http(sb: Sandbox, url: str, key: str, data_dir: Path, n: int) -> dict[str, Any]:
     import httpx
 
-    agent = AgentClient(data_dir / "sandboxes" / sb.id / "agent.sock")
+    agent = AgentClient(data_dir / "run" / "agents" / f"{sb.id}.sock")
     raw = await timed(
         lambda: agent.exec(
             ["/bin/sh", "-c", "true"], env={}, cwd="/", user="root", timeout=None,

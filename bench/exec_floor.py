@@ -84,7 +84,7 @@ async def exec_vs_floor(
 ) -> dict[str, Any]:
     """The four arms on container ``sandbox_id`` (see the module doc); ``execs`` per arm
     (nsenter: a third of that, it is a process start each)."""
-    sock = data_dir / "sandboxes" / sandbox_id / "agent.sock"
+    sock = data_dir / "run" / "agents" / f"{sandbox_id}.sock"
     init_pid = int((data_dir / "sandboxes" / sandbox_id / "init.pid").read_text())
     agent = AgentClient(sock)
     nsenter = [shutil.which("nsenter") or "/usr/bin/nsenter", "-t", str(init_pid), "-a", "true"]

@@ -145,6 +145,9 @@ def host_leaks(data_dir: Path, edge_id: str) -> list[str]:
     sandboxes = data_dir / "sandboxes"
     if sandboxes.is_dir():
         leaks.extend(f"sandbox dir {p}" for p in sandboxes.iterdir())
+    agents = data_dir / "run" / "agents"
+    if agents.is_dir():
+        leaks.extend(f"agent socket {p}" for p in agents.iterdir())
     leaks.extend(f"lazy layer daemon {pid}" for pid in lazyfs_daemons(data_dir))
     leaks.extend(f"spawner {pid}" for pid in spawners(data_dir))
     crun_root = data_dir / "run" / "crun"

@@ -11,6 +11,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from dsec import (
     SandboxState,
     linux,
 )
+from dsec.backends.container.backend import link_legacy_socket
 from dsec.errors import (
     ImageNotFound,
     InvalidArgument,
@@ -179,7 +182,7 @@ async def test_isolation_from_host_and_other_sandboxes(
         r = await a.run_shell("cat /proc/1/cmdline | tr '\\0' ' '")
         assert r.stdout.strip() == "/.dsec/init"
         # The agent's socket is not reachable from inside.
-        r = await a.run_shell("find / -xdev -name agent.sock 2>/dev/null | wc -l")
+        r = await a.run_shell("find / -xdev -name '*.sock' 2>/dev/null | wc -l")
         assert r.stdout.strip() == "0"
         r = await a.run_shell("hostname")
         assert r.stdout.strip() == a.id
@@ -282,6 +285,52 @@ async def test_typed_errors(
         assert r.status_code == 404
         r = await httpx.AsyncClient(base_url=platform.url).get("/v1/sandboxes")
         assert r.status_code == 401
+
+
+async def test_agent_sockets_do_not_share_a_kernel_hash_chain(
+    client: DSecClient, platform: PlatformProcess, busybox_image: str
+) -> None:
+    """The kernel finds the socket behind a path in a table hashed by inode number
+    only (unix_find_other). Each sandbox's directory is a btrfs subvolume whose inode
+    numbers start over, so sockets made there all had one number: one chain, walked on
+    every connect, 3 us with one sandbox and 60 us with 2,000. Agent sockets of many
+    sandboxes must have distinct inode numbers and land in more than one bucket."""
+    boxes = await asyncio.gather(
+        *(
+            client.run_container(DSecContainerRunArgs(container_image=busybox_image))
+            for _ in range(4)
+        )
+    )
+    try:
+        agents = platform.data_dir / "run" / "agents"
+        stats = [(agents / f"{sb.id}.sock").stat() for sb in boxes]
+        assert all(stat.S_ISSOCK(st.st_mode) for st in stats)
+        inodes = [st.st_ino for st in stats]
+        assert len(set(inodes)) == len(inodes), inodes
+        assert len({ino % 256 for ino in inodes}) > 1, inodes  # UNIX_HASH_SIZE buckets
+        for sb in boxes:  # and none left where the subvolume would number it again
+            assert not (platform.data_dir / "sandboxes" / sb.id / "agent.sock").exists()
+            assert (await sb.run_shell("echo ok")).stdout == "ok\n"
+    finally:
+        await asyncio.gather(*(sb.stop() for sb in boxes))
+    assert not any((agents / f"{sb.id}.sock").exists() for sb in boxes)
+
+
+def test_a_sandbox_of_an_older_version_keeps_its_socket_reachable(tmp_path: Path) -> None:
+    """Live restore after an upgrade: the old socket (in the sandbox's directory) is
+    linked from the new place, once, and reached through it."""
+    legacy, path = tmp_path / "box" / "agent.sock", tmp_path / "agents" / "box.sock"
+    legacy.parent.mkdir()
+    path.parent.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(legacy))
+        server.listen(1)
+        link_legacy_socket(path, legacy)
+        link_legacy_socket(path, legacy)  # idempotent
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(path))
+    link_legacy_socket(tmp_path / "agents" / "new.sock", tmp_path / "nothing" / "agent.sock")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["box.sock"]
 
 
 async def test_stop_leaves_nothing_behind(

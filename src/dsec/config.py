@@ -366,6 +366,11 @@ class PlatformConfig:
         return self.data_dir / "sandboxes"
 
     @property
+    def agent_sockets_dir(self) -> Path:
+        """Where container sandboxes' agent sockets are bound (see ContainerBackend)."""
+        return self.data_dir / "run" / "agents"
+
+    @property
     def control_db(self) -> Path:
         return self.data_dir / "control.db"
 
