@@ -31,6 +31,7 @@ class NamedEdge:
         self.made: list[str] = []
         self.named: list[str] = []
         self.forgotten: list[str] = []
+        self.events: list[str] = []  # forgets, and what a test adds beside them
 
     def new_sandbox_id(self, spec: RunArgs | None = None) -> str:
         sid = f"{self.edge_id}-{secrets.token_hex(8)}"
@@ -39,6 +40,7 @@ class NamedEdge:
 
     def forget_sandbox_id(self, sandbox_id: str) -> None:
         self.forgotten.append(sandbox_id)
+        self.events.append(f"forget {sandbox_id}")
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
         self.made.append(sandbox_id)
@@ -108,4 +110,27 @@ async def test_a_refused_charge_frees_the_id_it_was_named_with(iam: IAM) -> None
         await creator.create("admin", SPEC.model_copy(update={"project": project}), timeout=10)
     assert refused.value.status == 429
     assert edge.made == [] and edge.forgotten == edge.named and len(edge.named) == 1
+    assert await iam.charger.charged() == []
+
+
+async def test_a_failed_create_frees_its_id_only_after_the_charge_is_given_back(
+    iam: IAM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id may name a warm sandbox held for this create: freed before the charge
+    under it is gone, the next create handed the same sandbox charges under the same
+    id and gets 409 already_exists (seen in a batch with admission refusals)."""
+    edge = NamedEdge(fail=True)
+    creator = SandboxCreator(edge, iam=iam)  # type: ignore[arg-type]  # a stub edge
+    release = iam.release
+
+    async def noted_release(sandbox_id: str) -> bool:
+        done = await release(sandbox_id)
+        edge.events.append(f"release {sandbox_id}")
+        return done
+
+    monkeypatch.setattr(iam, "release", noted_release)
+    with pytest.raises(BackendError):
+        await creator.create("admin", SPEC, timeout=10)
+    (sid,) = edge.named
+    assert edge.events == [f"release {sid}", f"forget {sid}"]
     assert await iam.charger.charged() == []

@@ -217,6 +217,32 @@ async def test_reservations_are_claimed_given_back_or_expire() -> None:
     assert host.discarded == [sid] and pool.ready_count() == 0
 
 
+async def test_a_named_create_that_failed_holds_its_warm_one_until_the_caller_lets_go() -> None:
+    """A named create claims its warm sandbox, then fails (admission said no): the
+    sandbox stays held under its id, not handed to the next create, until the caller,
+    which charged its quota under that id, has given the charge back and unreserves.
+    Handed out at once, the next create charged under the same id while the first
+    charge was still on record: 409 already_exists to an innocent create."""
+    host = Host()
+    pool = host.pool()
+    pool.asked(spec(), image(), hit=False)
+    await settle()
+    sid = pool.reserve(spec())
+    claimed = pool.claim(sid) if sid is not None else None
+    assert claimed is not None
+    pool.hold(claimed)  # the create failed before it used it
+    assert pool.reserve(spec()) is None and pool.take(spec()) is None
+    pool.unreserve(claimed.id)  # the caller's charge is given back: free again
+    assert pool.reserve(spec()) == claimed.id
+    # held after the pool closed: torn down, not kept
+    again = pool.claim(claimed.id)
+    assert again is not None
+    await pool.close()
+    pool.hold(again)
+    await settle()
+    assert host.discarded == [claimed.id]
+
+
 async def test_shapes_nobody_asks_for_go_and_only_the_last_few_are_kept() -> None:
     host = Host()
     pool = host.pool(max_shapes=2)

@@ -87,6 +87,12 @@ class SandboxCreator:
             info = await self.edge.create(spec, timeout=timeout)
         except BaseException:
             await asyncio.shield(iam.release(charged))
+            if named is not None:
+                # Only now, with no charge left under the id: a warm sandbox held for it
+                # goes back to the pool, and the next create it is handed to charges
+                # under the same id (given back first, that charge found this one still
+                # on record: 409 already_exists to an innocent create).
+                named.forget_sandbox_id(charged)
             raise
         await self._bind_charge(charged, info)
         return info

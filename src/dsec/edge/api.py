@@ -89,7 +89,10 @@ class NamedCreates(Protocol):
         ...
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
-        """``create`` under ``sandbox_id`` (from new_sandbox_id)."""
+        """``create`` under ``sandbox_id`` (from new_sandbox_id). On failure whatever was
+        held for the id stays held until forget_sandbox_id: the caller first gives back
+        what it did under the id (its quota charge), else the next create handed the same
+        warm sandbox would find that charge still on record."""
         ...
 
 

@@ -352,15 +352,13 @@ class Edge:
 
     async def create_named(self, spec: RunArgs, *, timeout: float, sandbox_id: str) -> SandboxInfo:
         """``create`` under an id from new_sandbox_id, so that the caller could charge
-        the quota under the final id before the create (dsec.apiserver.creator)."""
-        try:
-            if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
-                raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
-            return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
-        finally:
-            # A warm sandbox held under the id and not taken (the create failed before,
-            # e.g. a 422 or 404): free for the next create. A no-op once it was taken.
-            self.pool.unreserve(sandbox_id)
+        the quota under the final id before the create (dsec.apiserver.creator). A warm
+        sandbox held under the id and not taken (the create failed first, e.g. a 422 or
+        a refusal) stays held until the caller's forget_sandbox_id: the caller gives
+        back its charge under the id first (see NamedCreates)."""
+        if not sandbox_id.startswith(f"{self.edge_id}-") or sandbox_id in self._records:
+            raise InvalidArgument(f"sandbox id {sandbox_id!r} is not a fresh id of this edge")
+        return await self._create(spec, timeout=timeout, claim=None, sandbox_id=sandbox_id)
 
     async def replay(self, claim: IdempotencyClaim, *, timeout: float) -> SandboxInfo | None:
         """The sandbox an earlier create with ``claim``'s key made, whatever its state
@@ -653,7 +651,9 @@ class Edge:
                 candidate, warm = warm, None
                 warm = await self.pool.fits(candidate, image)
         except BaseException:
-            if warm is not None:  # not used: free for the next create of its shape
+            if warm is not None and sandbox_id is not None:
+                self.pool.hold(warm)  # named: the caller's forget_sandbox_id frees it
+            elif warm is not None:  # not used: free for the next create of its shape
                 self.pool.give_back(warm)
             raise
         rec = self._new_record(

@@ -201,6 +201,17 @@ class WarmPool:
         if warm is not None:
             self.give_back(warm)
 
+    def hold(self, warm: Warm) -> None:
+        """``warm``, claimed by a named create that failed before it used it, held under
+        its id again until the caller's ``unreserve``: the caller gives back what it did
+        under the id first (its quota charge), so no other create is handed this sandbox
+        (and charges under the same id) while that is still on record."""
+        if self._closed or not warm.alive():
+            self._spawn(self._discard_quietly(warm))
+            return
+        warm.reserved_at = self._clock()
+        self._reserved[warm.id] = warm
+
     def give_back(self, warm: Warm) -> None:
         """A create that took ``warm`` failed before it used it (e.g. admission said
         no): back to its shape, or torn down if that shape is gone or it died."""
