@@ -24,11 +24,12 @@ import pytest
 from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient
 from dsec.api.fields import parse_image_ref
 from dsec.control.db import make_engine, sqlite_url
-from dsec.errors import CorruptBlob, ImageNotFound, InvalidArgument, RegistryError
+from dsec.errors import BackendError, CorruptBlob, ImageNotFound, InvalidArgument, RegistryError
 from dsec.images.images import Images
 from dsec.images.oci.auth import Credentials, load_docker_config, parse_challenge
 from dsec.images.oci.blobcheck import BlobCheck
 from dsec.images.oci.client import RegistrySettings
+from dsec.images.oci.lower import LowerLayers
 from dsec.images.oci.reference import Reference, names_registry
 from dsec.images.remote.client import open_remote
 from dsec.sdk.dockerfile import build_dockerfile
@@ -76,6 +77,47 @@ def test_references() -> None:
     for bad in ("Busybox", "a:b:c", "/x", "x@sha256:zz"):
         with pytest.raises(InvalidArgument):
             Reference.parse(bad)
+
+
+class CountedMounts:
+    """LayerMounts' refcounts, no mounts: prepare waits like a lazy layer's index fetch."""
+
+    def __init__(self) -> None:
+        self.refs: dict[str, int] = {}
+
+    async def prepare(self, digests: list[str], loading: str = "lazy") -> None:
+        await asyncio.sleep(0.2)
+
+    def acquire(self, digest: str) -> Path:
+        self.refs[digest] = self.refs.get(digest, 0) + 1
+        return Path("/nonexistent") / digest
+
+    def release(self, digest: str) -> None:
+        self.refs[digest] -= 1
+
+
+async def test_lower_layers_closed_under_a_running_lookup_hold_no_layer() -> None:
+    """An abandoned conversion's thread may still look up while the caller closes the
+    lower layers (a thread cannot be cancelled): it must not mount a layer after close
+    (nobody would release it: a layer mount left at shutdown), and close must release
+    exactly what was acquired."""
+    mounts = CountedMounts()
+    loop = asyncio.get_running_loop()
+    lower = LowerLayers(mounts, ["sha256:a", "sha256:b"], loop)  # type: ignore[arg-type]
+    assert await asyncio.to_thread(lower.lookup, ["etc", "x"]) is None  # both looked at
+    assert mounts.refs == {"sha256:a": 1, "sha256:b": 1}
+    await asyncio.to_thread(lower.close)
+    assert mounts.refs == {"sha256:a": 0, "sha256:b": 0}
+
+    racing = LowerLayers(mounts, ["sha256:c"], loop)  # type: ignore[arg-type]
+    lookup = asyncio.ensure_future(asyncio.to_thread(racing.lookup, ["etc", "x"]))
+    await asyncio.sleep(0.05)  # the lookup waits for the layer's prepare
+    await asyncio.to_thread(racing.close)
+    with pytest.raises(BackendError, match="abandoned"):
+        await lookup
+    assert mounts.refs.get("sha256:c", 0) == 0
+    with pytest.raises(BackendError):
+        await asyncio.to_thread(racing.lookup, ["etc", "x"])
 
 
 def test_blob_check() -> None:

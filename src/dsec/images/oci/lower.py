@@ -17,14 +17,22 @@ import asyncio
 import contextlib
 import os
 import stat
+import threading
 from collections.abc import Iterable, Sequence
 
+from dsec.errors import BackendError
 from dsec.images.difftar import OPAQUE_XATTR
 from dsec.images.mounts import LayerMounts
 
 
 class LowerLayers:
-    """``lookup`` for write_diff_tree's ``lower``; call ``close`` when done (any thread)."""
+    """``lookup`` for write_diff_tree's ``lower``; call ``close`` when done (any thread).
+
+    The converter calls ``lookup`` from its own thread, and an abandoned conversion's
+    thread may still be running when the caller closes (a thread cannot be cancelled):
+    a lookup after ``close`` raises instead of mounting a layer nobody would release,
+    and close never races a lookup that is adding one (the mounts' refcounts stay
+    exact, so every layer mount goes when its last user does)."""
 
     def __init__(
         self, mounts: LayerMounts, digests: Sequence[str], loop: asyncio.AbstractEventLoop
@@ -33,22 +41,38 @@ class LowerLayers:
         self.digests = list(digests)  # bottom first
         self.loop = loop
         self.acquired: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._closed = False
 
     def _root(self, digest: str) -> str:
-        if digest not in self.acquired:
-            prepare = self.mounts.prepare([digest], "lazy")
-            asyncio.run_coroutine_threadsafe(prepare, self.loop).result()
-            self.acquired[digest] = os.fspath(self.mounts.acquire(digest))
-        return self.acquired[digest]
+        with self._lock:
+            self._check_open()
+            root = self.acquired.get(digest)
+        if root is not None:
+            return root
+        # Outside the lock: it waits for the event loop, which may be closing us.
+        prepare = self.mounts.prepare([digest], "lazy")
+        asyncio.run_coroutine_threadsafe(prepare, self.loop).result()
+        with self._lock:
+            self._check_open()
+            if digest not in self.acquired:
+                self.acquired[digest] = os.fspath(self.mounts.acquire(digest))
+            return self.acquired[digest]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the layer conversion was abandoned (its lower layers closed)")
 
     def lookup(self, parts: list[str]) -> str | None:
         """The host path of the regular file ``parts`` in the layers below, or None."""
         return lookup_in((self._root(d) for d in reversed(self.digests)), parts)
 
     def close(self) -> None:
-        for digest in self.acquired:
+        with self._lock:
+            self._closed = True
+            acquired, self.acquired = self.acquired, {}
+        for digest in acquired:
             self.mounts.release(digest)
-        self.acquired.clear()
 
 
 def lookup_in(roots: Iterable[str], parts: list[str]) -> str | None:
