@@ -190,9 +190,13 @@ class WarmPool:
         warm = self._pop(spec)
         if warm is None:
             return None
+        self._reserve(warm)
+        return warm.id
+
+    def _reserve(self, warm: Warm) -> None:
+        """Held under its id for one create; torn down if unclaimed (expire)."""
         warm.reserved_at = self._clock()
         self._reserved[warm.id] = warm
-        return warm.id
 
     def unreserve(self, sandbox_id: str) -> None:
         """The create named ``sandbox_id`` will not come (its caller failed first): the
@@ -209,8 +213,7 @@ class WarmPool:
         if self._closed or not warm.alive():
             self._spawn(self._discard_quietly(warm))
             return
-        warm.reserved_at = self._clock()
-        self._reserved[warm.id] = warm
+        self._reserve(warm)
 
     def give_back(self, warm: Warm) -> None:
         """A create that took ``warm`` failed before it used it (e.g. admission said
