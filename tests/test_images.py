@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import stat
@@ -527,6 +528,32 @@ async def test_mount_refcount_and_adopt_after_restart(
     await third.close()
     await again.close()
     assert _mount_count(p1) == 0
+
+
+async def test_close_leaves_no_layer_mounted_that_nothing_live_needs(
+    images: Images, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A layer still busy after its last user went (here: a file open in it) is detached
+    at close, and with no sandbox left a layer whose user never let go is unmounted too
+    and named in the log; a layer in use stays for the next run when sandboxes live on."""
+    src = tmp_path / "src"
+    _sample_tree(src)
+    a = (await images.import_directory("busy:1", src)).layers[0]
+    (src / "other").write_text("another layer")
+    b = (await images.import_directory("leaked:1", src)).layers[0]
+    pa, pb = images.mounts.acquire(a), images.mounts.acquire(b)
+    images.mounts.release(a)
+    held = os.open(pa / "etc/hello", os.O_RDONLY)  # busy: a plain umount fails with EBUSY
+    try:
+        images.mounts.close(busy_seconds=0.2)  # sandboxes live on: b stays
+        assert _mount_count(pa) == 0 and os.read(held, 64) == b"hello\n"  # detached, readable
+        assert _mount_count(pb) == 1 and images.mounts.refcount(b) == 1
+    finally:
+        os.close(held)
+    with caplog.at_level(logging.WARNING, logger="dsec.images.mounts"):
+        images.mounts.close(nothing_live=True)
+    assert _mount_count(pb) == 0 and not images.mounts.mounted()
+    assert any(b in r.getMessage() for r in caplog.records), caplog.records
 
 
 async def test_remove_deletes_unreferenced_layers(images: Images, tmp_path: Path) -> None:

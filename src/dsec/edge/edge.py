@@ -328,10 +328,13 @@ class Edge:
         if self.network is not None:
             # The table and veths stay only for sandboxes that run on to the next edge
             # process; with none live (all stopped, or none made) nothing is left behind.
-            lives_on = any(r.state in LIVE_STATES for r in self._records.values())
-            await self.network.close(keep_rules=not self.stop_on_close and lives_on)
+            await self.network.close(keep_rules=not self.stop_on_close and self.sandboxes_live())
         self.state.close()
         await self.audit.close()
+
+    def sandboxes_live(self) -> bool:
+        """Whether any sandbox of this edge is live (after close: runs on past it)."""
+        return any(r.state in LIVE_STATES for r in self._records.values())
 
     # -- lifecycle ------------------------------------------------------------------------
     async def create(self, spec: RunArgs, *, timeout: float) -> SandboxInfo:

@@ -175,15 +175,17 @@ class Images:
                 self._renewer = asyncio.create_task(keep_fresh(self.remote, self.lazy))
         await asyncio.to_thread(self.mounts.adopt_existing)
 
-    async def close(self) -> None:
+    async def close(self, *, nothing_live: bool = False) -> None:
         """Unmount layers no sandbox uses; used ones stay for the next run to adopt
-        (and so does the lazy daemon while any lazily loaded layer is mounted)."""
+        (and so does the lazy daemon while any lazily loaded layer is mounted).
+        ``nothing_live``: no sandbox outlives this process, so every layer goes
+        (LayerMounts.close)."""
         if self._renewer is not None:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
             self._renewer = None
-        await asyncio.to_thread(self.mounts.close)
+        await asyncio.to_thread(self.mounts.close, nothing_live=nothing_live)
         if self.lazy is not None and not any(self.host.is_lazy(d) for d in self.mounts.mounted()):
             try:
                 await asyncio.to_thread(self.lazy.stop)

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -38,6 +39,9 @@ MOUNT_FLAGS = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 # may grow to LAZY_READAHEAD_KB for sequential reads: the kernel's readahead knows file
 # boundaries, so a large file read front to back reaches dsec-lazyfs as a few large
 # requests (one range request each) without fetching past the file's end.
+CLOSE_BUSY_SECONDS = 2.0
+"""How long a close waits for an unused layer that is still busy before detaching it."""
+
 LAZY_MOUNT_DATA = "directio"
 LAZY_READAHEAD_KB = 1024
 BDI_DIR = Path("/sys/class/bdi")
@@ -245,9 +249,45 @@ class LayerMounts:
             return self.provider.keep_mount(digest, source)
         return self.store.exists(digest)
 
-    def close(self) -> None:
-        """Unmount everything unused; layers still in use stay for the next run to adopt."""
-        self.unmount_unused()
+    def close(
+        self, *, nothing_live: bool = False, busy_seconds: float = CLOSE_BUSY_SECONDS
+    ) -> None:
+        """Unmount everything unused; layers still in use stay for the next run to adopt.
+
+        A layer whose last user has just gone can still be busy for a moment (a reader
+        the kernel is letting go of): it is tried again for up to ``busy_seconds``, then
+        detached (gone from the host's mount table; the kernel frees it once its last
+        reader ends), so a shutdown never leaves a mount behind for that. With
+        ``nothing_live`` (no sandbox outlives this process) a layer still counted as used
+        is a user that never let go: it is named in the log and unmounted as well.
+        """
+        if nothing_live:
+            with self._lock:
+                held = {d: n for d, n in self._refs.items() if n > 0}
+                for digest in held:
+                    self._refs[digest] = 0
+            if held:
+                log.warning("layers still counted as used with no sandbox left: %s", held)
+        deadline = time.monotonic() + busy_seconds
+        while True:
+            self.unmount_unused()
+            busy = [d for d, n in self.mounted().items() if n == 0]
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        with self._lock:
+            for digest in busy:
+                if self._refs.get(digest) != 0:
+                    continue
+                try:
+                    linux.umount(self.mount_point(digest), detach=True)
+                except OSError as exc:
+                    log.warning("layer %s still busy at close, not detached: %s", digest, exc)
+                    continue
+                log.warning("layer %s still busy at close: detached", digest)
+                del self._refs[digest]
+                with contextlib.suppress(OSError):
+                    self.mount_point(digest).rmdir()
 
     def _mount(self, blob: Path, target: Path, *, lazy: bool = False) -> None:
         if not self._dirs_ready:

@@ -264,7 +264,8 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
             # none left (all stopped, or none made) nothing is left running either.
             await asyncio.to_thread(spawner.stop if stop_all else spawner.stop_if_idle)
         if images is not None:
-            await images.close()
+            # With no sandbox left, no layer of this host is in use, whatever was counted.
+            await images.close(nothing_live=edge is None or not edge.sandboxes_live())
         await engine.dispose()
 
 
