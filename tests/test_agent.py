@@ -67,14 +67,32 @@ def _proc_table() -> dict[int, tuple[int, str]]:
     return table
 
 
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def descendants(root: int) -> set[int]:
+    """Every process under ``root`` but its idle spare supervisor (``dsec-spare``: the
+    agent keeps one ready between commands; nothing a command left behind)."""
     table = _proc_table()
     found: set[int] = set()
     frontier = {root}
     while frontier:
         frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier} - found
         found |= frontier
-    return found
+    return {pid for pid in found if not (table[pid][0] == root and comm(pid) == "dsec-spare")}
+
+
+def spares(root: int) -> list[int]:
+    """The agent's idle spare supervisors (at most one)."""
+    return [
+        pid
+        for pid, (ppid, state) in _proc_table().items()
+        if ppid == root and state != "Z" and comm(pid) == "dsec-spare"
+    ]
 
 
 def with_marker(marker: str) -> list[int]:
@@ -150,7 +168,9 @@ class Agent:
 
 
 @contextlib.contextmanager
-def running_agent(binary: Path, *, pid_namespace: bool) -> Iterator[Agent]:
+def running_agent(
+    binary: Path, *, pid_namespace: bool, env_extra: dict[str, str] | None = None
+) -> Iterator[Agent]:
     workdir = Path(tempfile.mkdtemp(prefix="dsec-agent-", dir="/tmp"))
     workdir.chmod(0o755)
     sock_path = workdir / "agent.sock"
@@ -167,6 +187,7 @@ def running_agent(binary: Path, *, pid_namespace: bool) -> Iterator[Agent]:
                 # makes the namespace die with unshare whatever happens to the test.
                 argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", str(binary)]
                 env = {"DSEC_AGENT_FD": "3", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+                env.update(env_extra or {})
                 proc = subprocess.Popen(
                     argv,
                     pass_fds=[fd, 3],  # the original fd stays open too: the agent closes it
@@ -177,7 +198,7 @@ def running_agent(binary: Path, *, pid_namespace: bool) -> Iterator[Agent]:
                 )
             else:
                 argv = [str(binary)]
-                env = {"DSEC_AGENT_FD": str(fd)}
+                env = {"DSEC_AGENT_FD": str(fd), **(env_extra or {})}
                 proc = subprocess.Popen(argv, pass_fds=[fd], env=env, stdout=log, stderr=log)
         listener.close()
         if pid_namespace:
@@ -566,6 +587,77 @@ async def test_100_concurrent_execs(agent: Agent) -> None:
     for i, res in enumerate(results):
         assert (res.exit_code, res.stdout, res.stderr) == (0, f"{i}\n".encode(), f"e{i}\n".encode())
     assert await wait_until(lambda: descendants(agent.pid) == set())
+
+
+# --------------------------------------------------------------------------------------
+# the spare supervisor (forked while idle; the next command starts without a fork)
+
+
+async def test_the_next_command_is_supervised_by_the_spare(agent: Agent) -> None:
+    assert (await agent.run("true")).exit_code == 0
+    assert await wait_until(lambda: len(spares(agent.pid)) == 1), "no spare after a command"
+    (spare,) = spares(agent.pid)
+    # it holds its socket only: no client connection or command pipe of the agent's
+    assert os.listdir(f"/proc/{spare}/fd") == ["5"]
+    res = await agent.run("sh", "-c", "echo $PPID; cat /proc/$PPID/comm")
+    assert res.stdout.decode().split() == [str(spare), "dsec-init"], res
+    # used once: it is gone (reaped, not a zombie) and a new one waits
+    assert await wait_until(lambda: spare not in _proc_table())
+    assert await wait_until(lambda: spares(agent.pid) not in ([], [spare]))
+
+
+async def test_a_killed_spare_is_reaped_and_commands_still_start(any_agent: Agent) -> None:
+    assert (await any_agent.run("true")).exit_code == 0
+    assert await wait_until(lambda: len(spares(any_agent.pid)) == 1)
+    (spare,) = spares(any_agent.pid)
+    os.kill(spare, signal.SIGKILL)
+    assert await wait_until(lambda: spare not in _proc_table()), "the dead spare was not reaped"
+    res = await any_agent.run("sh", "-c", "echo ok; exit 3")
+    assert (res.exit_code, res.stdout) == (3, b"ok\n")
+    assert await wait_until(lambda: len(spares(any_agent.pid)) == 1)
+
+
+async def test_a_stopped_spare_delays_only_the_command_handed_to_it(agent: Agent) -> None:
+    """A spare stopped from inside (root can) is handed the next command like any other:
+    that command's own timeout still ends it once the spare runs, and the commands
+    after it start normally."""
+    assert (await agent.run("true")).exit_code == 0
+    assert await wait_until(lambda: len(spares(agent.pid)) == 1)
+    (spare,) = spares(agent.pid)
+    os.kill(spare, signal.SIGSTOP)
+    stuck = asyncio.ensure_future(agent.run("true", timeout=0.2))
+    await asyncio.sleep(0.3)
+    assert not stuck.done()
+    other = await agent.run("sh", "-c", "echo other")  # forks its own supervisor
+    assert other.stdout == b"other\n"
+    os.kill(spare, signal.SIGCONT)
+    res = await asyncio.wait_for(stuck, 10)
+    assert res.exit_code in (0, 137), res
+
+
+async def test_a_request_too_big_for_the_spare_is_forked_as_before(agent: Agent) -> None:
+    assert (await agent.run("true")).exit_code == 0
+    assert await wait_until(lambda: len(spares(agent.pid)) == 1)
+    big = "x" * (100 * 1024)
+    res = await agent.run("sh", "-c", "echo ${#BIG}; echo $PPID", env={"BIG": big})
+    length, ppid = res.stdout.decode().split()
+    assert length == str(len(big)) and int(ppid) not in spares(agent.pid), res
+
+
+async def test_an_unused_spare_exits_after_its_idle_time(agent_bin: Path) -> None:
+    with running_agent(
+        agent_bin, pid_namespace=False, env_extra={"DSEC_AGENT_SPARE_IDLE_MS": "300"}
+    ) as a:
+        assert (await a.run("true")).exit_code == 0
+        assert await wait_until(lambda: len(spares(a.pid)) == 1)
+        assert await wait_until(lambda: descendants(a.pid) | set(spares(a.pid)) == set())
+    with running_agent(
+        agent_bin, pid_namespace=False, env_extra={"DSEC_AGENT_SPARE_IDLE_MS": "0"}
+    ) as off:
+        for _ in range(3):
+            assert (await off.run("true")).exit_code == 0
+        await asyncio.sleep(0.2)
+        assert spares(off.pid) == []
 
 
 async def test_zombies_are_reaped_as_pid1(ns_agent: Agent) -> None:

@@ -124,11 +124,22 @@ def notify_fds(pid: int) -> int:
 
 
 def sockets(pid: int) -> int:
-    return sum(
+    """Sockets ``pid`` holds, not counting its link to an idle spare supervisor (the
+    agent keeps one forked between commands: a socketpair with its own child)."""
+    held = sum(
         1
         for fd in os.listdir(f"/proc/{pid}/fd")
         if _link(f"/proc/{pid}/fd/{fd}").startswith("socket:")
     )
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return held - sum(1 for c in children if _comm(int(c)) == "dsec-spare")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _link(path: str) -> str:

@@ -6,8 +6,13 @@
  * serves any number of connections; the slow or dangerous work happens in forked
  * children so the loop never blocks:
  *
- *   agent (pid 1) --fork--> supervisor (subreaper, one per command) --fork--> command
+ *   agent (pid 1) --fork--> supervisor (subreaper, one per command) --vfork--> command
  *         |       --fork--> file-op child (switched to the caller's user)
+ *
+ * The supervisor is usually forked ahead of time, while the agent is idle (a "spare",
+ * handed the request and the command's fds when it comes: see spare_start()), and it
+ * reports the command's status before it exits (supervisor_exit()): neither a fork nor
+ * a process teardown is on a command's path.
  *
  * The edge passes a *listening* unix socket as fd $DSEC_AGENT_FD (default 3). Each
  * connection carries one operation; the wire protocol is described in
@@ -845,6 +850,20 @@ static int command_entry(void *arg)
 	command_main(start->r, start->u);
 }
 
+/* The supervisor's last act: its command's status to the agent ('x' on the ctl pipe,
+ * fd 3), then exit. The agent reports the command done from the 'x' without waiting
+ * for the kernel to tear this process down and signal it (~0.1 ms of every command);
+ * the reap that follows finds the command already finished. */
+static void __attribute__((noreturn)) supervisor_exit(int code)
+{
+	unsigned char m[5] = {'x'};
+	put_u32(m + 1, (uint32_t)code);
+	if (write(3, m, 5) < 0) {
+		/* the agent is gone or stopped listening: the reap reports the same status */
+	}
+	_exit(code);
+}
+
 /* Wait for the command's main process; on request, signal or kill its whole tree.
  * fd 4 is the agent's control pipe: 'S'+u32 signal delivers a signal, EOF means kill. */
 static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
@@ -859,7 +878,7 @@ static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
 			if (w == pid)
 				code = status_code(st);
 		if (code >= 0 && !killing)
-			_exit(code);
+			supervisor_exit(code);
 		if (killing) {
 			int left = signal_descendants(getpid(), SIGKILL);
 			if (left < 0) /* no /proc: the session is all we can reach */
@@ -869,10 +888,10 @@ static void __attribute__((noreturn)) supervise(pid_t pid, int sfd)
 					code = status_code(st);
 			if ((left == 0 || (left < 0 && code >= 0)) ||
 			    now_ns() - kill_start > KILL_PATIENCE_NS)
-				_exit(code >= 0 ? code : 128 + SIGKILL);
+				supervisor_exit(code >= 0 ? code : 128 + SIGKILL);
 		}
 		if (poll(pf, 2, killing ? 2 : -1) < 0 && errno != EINTR)
-			_exit(code >= 0 ? code : 255);
+			supervisor_exit(code >= 0 ? code : 255);
 		if (pf[0].revents) {
 			struct signalfd_siginfo si;
 			while (read(sfd, &si, sizeof si) > 0) {
@@ -950,11 +969,120 @@ static void __attribute__((noreturn)) supervisor_main(struct exec_req *r, const 
 	if (write(3, m, 5) < 0) {
 		/* the agent will notice the exit anyway */
 	}
-	close(3);
+	/* fd 3 stays open for the command's status (supervisor_exit) */
 	close(0); /* only the command holds its pipes now, so EOF means it is done */
 	close(1);
 	close(2);
 	supervise(pid, sfd);
+}
+
+/* The spare supervisor: forked ahead of time, while the agent is idle, so that starting
+ * a command costs handing it the request and five fds, not a fork of the agent (its
+ * page tables copied, copy-on-write faults on both sides) on the command's path. It is
+ * forked only once the sandbox has run a command and no foreground command is running
+ * (it must not compete with one for the CPU), and it exits after 30 s unused (by default:
+ * DSEC_AGENT_SPARE_IDLE_MS; 0 turns spares off):
+ * an idle sandbox holds no extra process. A request larger than SPARE_REQ_MAX, or any
+ * failure to hand it over, falls back to forking the supervisor as before. */
+#define SPARE_REQ_MAX (64u * 1024)
+
+static int64_t g_spare_idle_ns = 30LL * 1000000000LL; /* DSEC_AGENT_SPARE_IDLE_MS */
+
+static pid_t g_spare;          /* the spare's pid; 0: none */
+static int g_spare_fd = -1;    /* our end of its socket (SOCK_SEQPACKET) */
+static int64_t g_spare_until;  /* when an unused spare is let go */
+static int g_spare_wanted;     /* a command started since the last spare was forked */
+
+/* In the spare: fd 5 is its socket, all others closed. One message: the exec request's
+ * bytes (parsed again here, as the agent parsed them) with the command's five fds. EOF
+ * (the agent let it go) ends it. */
+static void __attribute__((noreturn)) spare_main(void)
+{
+	unsigned char *buf = malloc(SPARE_REQ_MAX);
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(5 * sizeof(int))];
+	} u;
+	memset(&u, 0, sizeof u);
+	struct iovec iov = {buf, SPARE_REQ_MAX};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b, .msg_controllen = sizeof u.b};
+	ssize_t n;
+	do
+		n = buf ? recvmsg(5, &mh, MSG_CMSG_CLOEXEC) : -1;
+	while (n < 0 && errno == EINTR);
+	struct cmsghdr *h = n > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
+	if (!h || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || h->cmsg_level != SOL_SOCKET ||
+	    h->cmsg_type != SCM_RIGHTS || h->cmsg_len != CMSG_LEN(5 * sizeof(int)))
+		_exit(0); /* let go, or not a request from the agent: the agent sees a dead supervisor */
+	int fds[5];
+	memcpy(fds, CMSG_DATA(h), sizeof fds);
+	prctl(PR_SET_NAME, "dsec-init"); /* a supervisor now, named as a forked one is */
+	struct exec_req r;
+	char err[256];
+	int e = parse_exec(buf, (uint32_t)n, &r, err, sizeof err);
+	if (e)
+		child_fail(fds[3], e, "%s", err);
+	supervisor_main(&r, fds);
+}
+
+static void spare_start(void)
+{
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+		return;
+	pid_t pid = fork();
+	if (pid == 0) {
+		child_signal_mask();
+		prctl(PR_SET_NAME, "dsec-spare"); /* what it is, in ps */
+		move_fds(&sv[1], 1, 5); /* closes every fd of ours from 6 up: no connection is held open */
+		close_range(0, 4, 0);
+		spare_main();
+	}
+	close(sv[1]);
+	if (pid < 0) {
+		close(sv[0]);
+		return;
+	}
+	g_spare = pid;
+	g_spare_fd = sv[0];
+	g_spare_until = now_ns() + g_spare_idle_ns;
+}
+
+/* Let the spare go (it exits at EOF; the reap finds no command for it). */
+static void spare_drop(void)
+{
+	close_fd(&g_spare_fd);
+	g_spare = 0;
+}
+
+/* Hand a command to the spare: its supervisor's pid, or 0 (no spare, or it could not take
+ * it: the caller forks one). The spare is used once either way. */
+static pid_t spare_take(const unsigned char *p, uint32_t n, const int fds[5])
+{
+	if (!g_spare || n > SPARE_REQ_MAX)
+		return 0;
+	pid_t pid = g_spare;
+	int s = g_spare_fd;
+	g_spare = 0;
+	g_spare_fd = -1;
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(5 * sizeof(int))];
+	} u;
+	memset(&u, 0, sizeof u);
+	struct iovec iov = {(void *)p, n};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b, .msg_controllen = sizeof u.b};
+	struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+	h->cmsg_level = SOL_SOCKET;
+	h->cmsg_type = SCM_RIGHTS;
+	h->cmsg_len = CMSG_LEN(5 * sizeof(int));
+	memcpy(CMSG_DATA(h), fds, 5 * sizeof(int));
+	ssize_t k = sendmsg(s, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+	close(s);
+	if (k == (ssize_t)n)
+		return pid;
+	kill(pid, SIGKILL); /* still our unreaped child: the pid cannot name anyone else */
+	return 0;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1316,41 +1444,24 @@ static void cmd_write_stdin(struct cmd *cmd)
 		buf_free(&cmd->stdin_buf);
 }
 
-/* The ctl pipe reached EOF: the program was exec'ed, or a failure message is there. */
-static void cmd_ctl_done(struct cmd *cmd)
+/* The command could not start ('f' from the supervisor or its child): tell the client. */
+static void cmd_start_failed(struct cmd *cmd, int err, const char *msg, size_t msglen)
 {
-	int err = 0;
-	const char *msg = "";
-	size_t msglen = 0;
-	for (size_t i = 0; i < cmd->ctl_len;) {
-		if (cmd->ctl[i] == 'p' && i + 5 <= cmd->ctl_len) {
-			cmd->pid = (pid_t)get_u32(cmd->ctl + i + 1);
-			i += 5;
-		} else if (cmd->ctl[i] == 'f' && i + 7 <= cmd->ctl_len) {
-			err = (int)get_u32(cmd->ctl + i + 1);
-			msglen = (size_t)cmd->ctl[i + 5] | (size_t)cmd->ctl[i + 6] << 8;
-			if (i + 7 + msglen > cmd->ctl_len)
-				msglen = cmd->ctl_len - i - 7;
-			msg = (const char *)cmd->ctl + i + 7;
-			break;
-		} else {
-			break;
-		}
+	cmd->failed = 1;
+	if (cmd->conn) {
+		char m[1024];
+		snprintf(m, sizeof m, "%.*s", (int)msglen, msg);
+		conn_fail(cmd->conn, err, m);
+		cmd->conn->cmd = NULL;
+		cmd->conn = NULL;
 	}
-	if (err) {
-		cmd->failed = 1;
-		if (cmd->conn) {
-			char m[1024];
-			snprintf(m, sizeof m, "%.*s", (int)msglen, msg);
-			conn_fail(cmd->conn, err, m);
-			cmd->conn->cmd = NULL;
-			cmd->conn = NULL;
-		}
-		return;
-	}
+}
+
+/* The command is running (its execve returned): 'P' to the client, start reading. */
+static void cmd_started(struct cmd *cmd, pid_t pid)
+{
 	cmd->started = 1;
-	if (!cmd->pid)
-		cmd->pid = cmd->sup;
+	cmd->pid = pid ? pid : cmd->sup;
 	if (cmd->conn) {
 		unsigned char p[4];
 		put_u32(p, (uint32_t)cmd->pid);
@@ -1361,6 +1472,66 @@ static void cmd_ctl_done(struct cmd *cmd)
 	cmd_read_output(cmd, 1, CHUNK);
 }
 
+/* The supervisor is done and its command's status is ``code`` (from its 'x' message or
+ * from reaping it, whichever comes first; the other is then ignored). */
+static void cmd_sup_done(struct cmd *cmd, int code)
+{
+	if (cmd->sup_exited)
+		return;
+	int64_t now = now_ns();
+	cmd->sup_exited = 1;
+	cmd->exit_code = code;
+	cmd->exit_ns = now;
+	cmd->grace_ns = now + EOF_GRACE_NS;
+	close_fd(&cmd->sup_fd);
+	if (cmd->started) {
+		cmd_read_output(cmd, 0, CHUNK);
+		cmd_read_output(cmd, 1, CHUNK);
+	}
+}
+
+/* The ctl pipe's messages, parsed as they arrive, in the order they are written: 'f'
+ * (errno, u16 length, message: the command could not start; the child writes it before
+ * its execve fails, so before the supervisor's 'p'), 'p' (the command's pid: it runs),
+ * 'x' (its exit status: the supervisor is exiting). At EOF without 'p' or 'f' (the
+ * supervisor died early) the command counts as started, as the supervisor itself. */
+static void cmd_ctl_parse(struct cmd *cmd, int eof)
+{
+	size_t i = 0;
+	while (i < cmd->ctl_len && !cmd->failed) {
+		unsigned char t = cmd->ctl[i];
+		if (t == 'f') {
+			if (i + 7 > cmd->ctl_len)
+				break;
+			size_t msglen = (size_t)cmd->ctl[i + 5] | (size_t)cmd->ctl[i + 6] << 8;
+			if (i + 7 + msglen > cmd->ctl_len) {
+				if (!eof && cmd->ctl_len < sizeof cmd->ctl)
+					break;
+				msglen = cmd->ctl_len - i - 7;
+			}
+			cmd_start_failed(cmd, (int)get_u32(cmd->ctl + i + 1), (const char *)cmd->ctl + i + 7, msglen);
+			i = cmd->ctl_len;
+		} else if (t == 'p' || t == 'x') {
+			if (i + 5 > cmd->ctl_len)
+				break;
+			uint32_t v = get_u32(cmd->ctl + i + 1);
+			i += 5;
+			if (t == 'p' && !cmd->started)
+				cmd_started(cmd, (pid_t)v);
+			else if (t == 'x' && cmd->started)
+				cmd_sup_done(cmd, (int)(v & 0xff));
+		} else {
+			i = cmd->ctl_len; /* not ours: the reap will tell */
+		}
+	}
+	if (cmd->failed)
+		i = cmd->ctl_len;
+	memmove(cmd->ctl, cmd->ctl + i, cmd->ctl_len - i);
+	cmd->ctl_len -= i;
+	if (eof && !cmd->started && !cmd->failed)
+		cmd_started(cmd, 0);
+}
+
 static void cmd_read_ctl(struct cmd *cmd)
 {
 	while (cmd->ctl_fd >= 0) {
@@ -1368,8 +1539,12 @@ static void cmd_read_ctl(struct cmd *cmd)
 		unsigned char sink[256];
 		ssize_t n = room ? read(cmd->ctl_fd, cmd->ctl + cmd->ctl_len, room) : read(cmd->ctl_fd, sink, sizeof sink);
 		if (n > 0) {
-			if (room)
+			if (room) {
 				cmd->ctl_len += (size_t)n;
+				cmd_ctl_parse(cmd, 0);
+			}
+			if (cmd->sup_exited || cmd->failed)
+				close_fd(&cmd->ctl_fd); /* nothing more to learn from it */
 			continue;
 		}
 		if (n < 0 && errno == EINTR)
@@ -1377,29 +1552,20 @@ static void cmd_read_ctl(struct cmd *cmd)
 		if (n < 0 && errno == EAGAIN)
 			return;
 		close_fd(&cmd->ctl_fd);
-		cmd_ctl_done(cmd);
+		cmd_ctl_parse(cmd, 1);
 	}
 }
 
 static void on_sup_exit(struct cmd *cmd, int st)
 {
-	int64_t now = now_ns();
-	cmd->sup_exited = 1;
-	cmd->exit_code = status_code(st);
-	cmd->exit_ns = now;
-	cmd->grace_ns = now + EOF_GRACE_NS;
-	close_fd(&cmd->sup_fd);
 	if (cmd->ctl_fd >= 0) {
 		cmd_read_ctl(cmd);
 		if (cmd->ctl_fd >= 0) { /* someone else holds it: stop waiting */
 			close_fd(&cmd->ctl_fd);
-			cmd_ctl_done(cmd);
+			cmd_ctl_parse(cmd, 1);
 		}
 	}
-	if (cmd->started) {
-		cmd_read_output(cmd, 0, CHUNK);
-		cmd_read_output(cmd, 1, CHUNK);
-	}
+	cmd_sup_done(cmd, status_code(st));
 }
 
 /* Finish a command once its main process is gone and its pipes reached EOF (or the grace
@@ -1536,12 +1702,15 @@ static void start_exec(struct conn *c, const unsigned char *p, uint32_t n)
 		goto fail;
 	}
 	int64_t t0 = now_ns();
-	pid_t pid = fork();
-	if (pid == 0) {
-		int fds[5] = {pin[0], pout[1], perr[1], pctl[1], psup[0]};
-		if (pty)
-			fds[0] = fds[1] = fds[2] = slave;
-		supervisor_main(&r, fds);
+	int fds[5] = {pin[0], pout[1], perr[1], pctl[1], psup[0]};
+	if (pty)
+		fds[0] = fds[1] = fds[2] = slave;
+	g_spare_wanted = 1;
+	pid_t pid = spare_take(p, n, fds);
+	if (!pid) {
+		pid = fork();
+		if (pid == 0)
+			supervisor_main(&r, fds);
 	}
 	if (pid < 0) {
 		e = errno;
@@ -2487,6 +2656,10 @@ static void reap_all(void)
 	int st;
 	pid_t pid;
 	while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+		if (pid == g_spare) { /* killed before it was used */
+			spare_drop();
+			continue;
+		}
 		for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next) {
 			if (cmd->sup == pid && !cmd->sup_exited) {
 				on_sup_exit(cmd, st);
@@ -2555,6 +2728,21 @@ static void run_timers(int64_t now)
 			close_fd(&c->fd);
 			c->dead = 1;
 		}
+	if (g_spare && now >= g_spare_until)
+		spare_drop();
+}
+
+/* Fork a spare supervisor now? Only after a command started since the last one, and
+ * only while no foreground command is starting or running (see spare_start). */
+static void spare_refill(void)
+{
+	if (!g_spare_wanted || g_spare || g_spare_idle_ns <= 0)
+		return;
+	for (struct cmd *cmd = g_cmds; cmd; cmd = cmd->next)
+		if (!cmd->dead && !cmd->keep && !cmd->sup_exited)
+			return;
+	g_spare_wanted = 0;
+	spare_start();
 }
 
 static int poll_timeout(int64_t now)
@@ -2573,6 +2761,8 @@ static int poll_timeout(int64_t now)
 			next = c->linger_deadline;
 	if (g_accept_pause_until > now && g_accept_pause_until < next)
 		next = g_accept_pause_until;
+	if (g_spare && g_spare_until < next)
+		next = g_spare_until;
 	if (next == INT64_MAX)
 		return -1;
 	if (next <= now)
@@ -2681,6 +2871,10 @@ static int agent_main(void)
 		return 2;
 	}
 	unsetenv("DSEC_AGENT_FD");
+	const char *idle = getenv("DSEC_AGENT_SPARE_IDLE_MS");
+	if (idle && *idle)
+		g_spare_idle_ns = atoll(idle) * 1000000LL;
+	unsetenv("DSEC_AGENT_SPARE_IDLE_MS");
 	for (int fd = 0; fd < 3; fd++)
 		set_cloexec(fd);
 	set_cloexec(g_lfd);
@@ -2729,6 +2923,7 @@ static int agent_main(void)
 			if (!c->dead && (c->out.len || (c->state == CS_CLOSING && !c->wr_shut)))
 				conn_flush(c);
 		collect_garbage();
+		spare_refill(); /* after the flush: a finished command's 'Z' is on its way first */
 
 		g_np = 0;
 		add_poll(g_sfd, POLLIN, K_SIG, NULL);
