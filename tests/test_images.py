@@ -649,9 +649,9 @@ async def test_debian_python_image(images: Images, overlay_cleanup: Path) -> Non
     info = await images.build("debian-python", progress=lambda s, d, t: steps.append(s))
     print(f"\ndebian-python first build: {time.perf_counter() - t0:.1f} s, {info.size_bytes} bytes")
     assert info.ref == "debian-python:bookworm"
-    # The tree comes from debootstrap here, or from the session's shared build cache
-    # (tests/conftest.py build_cache) when a platform built the recipe first: one
-    # debootstrap a session. A stamp of another recipe version would have been rebuilt.
+    # The tree comes from debootstrap here, or from the shared build cache (tests/
+    # conftest.py build_cache, kept across runs) when it was built before: one debootstrap
+    # a machine and recipe version. A stamp of another recipe version would be rebuilt.
     stamp = images.build_cache / "debian-python-bookworm" / "recipe.json"
     assert any(s.startswith("debootstrap") for s in steps) or (
         "using the cached debootstrap tree" in steps
