@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -528,6 +529,36 @@ async def test_mount_refcount_and_adopt_after_restart(
     await third.close()
     await again.close()
     assert _mount_count(p1) == 0
+
+
+async def test_a_mount_made_for_a_cancelled_caller_is_released(
+    images: Images, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acquire_async (the FnCall pool's way to mount its layers): cancelled while the
+    worker thread mounts, the layer ends with no user counted, so it can be unmounted."""
+    src = tmp_path / "src"
+    _sample_tree(src)
+    digest = (await images.import_directory("cancelled:1", src)).layers[0]
+    go = threading.Event()
+    real = images.mounts.acquire
+
+    def slow(d: str) -> Path:
+        go.wait(5)
+        return real(d)
+
+    monkeypatch.setattr(images.mounts, "acquire", slow)
+    task = asyncio.ensure_future(images.mounts.acquire_async(digest))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go.set()
+    for _ in range(200):
+        if images.mounts.is_mounted(digest) and images.mounts.refcount(digest) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert images.mounts.is_mounted(digest) and images.mounts.refcount(digest) == 0
+    assert images.mounts.unmount_unused() == [digest]
 
 
 async def test_close_leaves_no_layer_mounted_that_nothing_live_needs(

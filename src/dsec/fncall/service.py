@@ -286,7 +286,7 @@ class FnCallService:
         try:
             lowers = []
             for digest in reversed(layers):  # overlay wants the top layer first
-                lowers.append(await asyncio.to_thread(mounts.acquire, digest))
+                lowers.append(await mounts.acquire_async(digest))  # cancel-safe
                 acquired.append(digest)
             memory = args.memory_limit_mb << 20
             plan = await asyncio.to_thread(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from typing import Protocol
 from dsec import linux
 from dsec.errors import BackendError, CorruptBlob
 from dsec.images.store import HEX_RE, LayerStore, digest_hex, normalize_digest
+from dsec.threads import acquire_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,14 @@ class LayerMounts:
                 self._refs[digest] = 0
             self._refs[digest] += 1
             return target
+
+    async def acquire_async(self, digest: str) -> Path:
+        """:meth:`acquire` in a worker thread (the first one may hash a whole blob). If
+        the caller is cancelled meanwhile, the mount made for it is released, not left
+        counted for a user that never learnt of it (dsec.threads)."""
+        return await acquire_in_thread(
+            functools.partial(self.acquire, digest), lambda _mount: self.release(digest)
+        )
 
     def blob(self, digest: str) -> Path:
         """The file a layer's bytes are read from: the verified local blob, or for a

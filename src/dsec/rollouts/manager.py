@@ -72,6 +72,7 @@ from dsec.errors import (
 from dsec.rollouts.gateway import GatewayRollout, ModelGateway
 from dsec.rollouts.listener import ListenerKeeper
 from dsec.rollouts.store import Rollout, RolloutStore
+from dsec.threads import acquire_in_thread
 
 if TYPE_CHECKING:
     from dsec.apiserver.creator import SandboxCreator
@@ -193,7 +194,8 @@ class RolloutManager:
             self.edge.network.open_service_port(port)
         sock = None
         if self.listener is not None:
-            sock = await asyncio.to_thread(self.listener.acquire, port)  # OSError: taken
+            listener = self.listener  # OSError: taken; cancel-safe (dsec.threads)
+            sock = await acquire_in_thread(lambda: listener.acquire(port), socket.socket.close)
         self._sock = sock
         self.gateway = ModelGateway(self, port)
         await self.gateway.start(sock)
