@@ -617,22 +617,31 @@ async def test_a_killed_spare_is_reaped_and_commands_still_start(any_agent: Agen
     assert await wait_until(lambda: len(spares(any_agent.pid)) == 1)
 
 
-async def test_a_stopped_spare_delays_only_the_command_handed_to_it(agent: Agent) -> None:
-    """A spare stopped from inside (root can) is handed the next command like any other:
-    that command's own timeout still ends it once the spare runs, and the commands
-    after it start normally."""
+async def test_a_spare_stopped_from_inside_still_starts_the_next_command(agent: Agent) -> None:
+    """Root inside can stop the idle spare; the command handed to it next (the harness's,
+    not the attacker's) must start anyway: the agent wakes the spare as it hands it over."""
     assert (await agent.run("true")).exit_code == 0
     assert await wait_until(lambda: len(spares(agent.pid)) == 1)
     (spare,) = spares(agent.pid)
     os.kill(spare, signal.SIGSTOP)
-    stuck = asyncio.ensure_future(agent.run("true", timeout=0.2))
-    await asyncio.sleep(0.3)
-    assert not stuck.done()
-    other = await agent.run("sh", "-c", "echo other")  # forks its own supervisor
-    assert other.stdout == b"other\n"
-    os.kill(spare, signal.SIGCONT)
-    res = await asyncio.wait_for(stuck, 10)
-    assert res.exit_code in (0, 137), res
+    res = await asyncio.wait_for(agent.run("sh", "-c", "echo $PPID", timeout=5), 10)
+    assert (res.exit_code, res.timed_out, res.stdout) == (0, False, f"{spare}\n".encode()), res
+
+
+async def test_a_stopped_supervisor_is_woken_to_honour_the_timeout(agent: Agent) -> None:
+    """A supervisor stopped from inside cannot kill its command at the deadline unless
+    the agent wakes it: the timeout still ends the command's whole tree."""
+    mark = unique_sleep()
+    run = asyncio.ensure_future(agent.run("sh", "-c", f"sleep {mark}", timeout=1.0))
+    assert await wait_until(lambda: len(with_marker(mark)) == 1)
+    (cmd,) = with_marker(mark)
+    supervisor = _proc_table()[cmd][0]
+    while _proc_table().get(supervisor, (0, ""))[0] != agent.pid:  # sh's parent, or sh exec'd
+        supervisor = _proc_table()[supervisor][0]
+    os.kill(supervisor, signal.SIGSTOP)
+    res = await asyncio.wait_for(run, 15)
+    assert res.timed_out and res.exit_code == 137, res
+    assert await wait_until(lambda: with_marker(mark) == [])
 
 
 async def test_a_request_too_big_for_the_spare_is_forked_as_before(agent: Agent) -> None:

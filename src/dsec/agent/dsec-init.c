@@ -1079,8 +1079,12 @@ static pid_t spare_take(const unsigned char *p, uint32_t n, const int fds[5])
 	memcpy(CMSG_DATA(h), fds, 5 * sizeof(int));
 	ssize_t k = sendmsg(s, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
 	close(s);
-	if (k == (ssize_t)n)
+	if (k == (ssize_t)n) {
+		/* Root inside may have stopped it while it waited: a stopped spare would hold the
+		 * next command (someone else's) before it ever started. */
+		kill(pid, SIGCONT);
 		return pid;
+	}
 	kill(pid, SIGKILL); /* still our unreaped child: the pid cannot name anyone else */
 	return 0;
 }
@@ -1318,10 +1322,13 @@ static void conn_fail(struct conn *c, int err, const char *msg)
 	c->state = CS_CLOSING;
 }
 
-/* Ask the supervisor to kill the command's whole tree: closing its pipe is the request. */
+/* Ask the supervisor to kill the command's whole tree: closing its pipe is the request,
+ * and a supervisor someone stopped (root inside can) is woken to act on it. */
 static void cmd_kill(struct cmd *cmd)
 {
 	close_fd(&cmd->sup_fd);
+	if (!cmd->sup_exited && cmd->sup > 0)
+		kill(cmd->sup, SIGCONT); /* our unreaped child: the pid names no one else */
 }
 
 static void conn_lost(struct conn *c)
