@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # affected by them (checked: a setuid binary and /dev/null work through the overlay).
 MOUNT_FLAGS = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 
+CLOSE_BUSY_SECONDS = 2.0
+"""How long a close waits for an unused layer that is still busy before detaching it."""
+
 # Lazily loaded layers (EROFS on a dsec-lazyfs file): EROFS reads the FUSE file with
 # O_DIRECT, so a layer's bytes are cached once (EROFS's page cache), not a second time
 # in the FUSE file's (bench_lazy.py: 177 MiB -> 4 MiB of FUSE page cache at the peak of
@@ -41,9 +44,6 @@ MOUNT_FLAGS = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 # may grow to LAZY_READAHEAD_KB for sequential reads: the kernel's readahead knows file
 # boundaries, so a large file read front to back reaches dsec-lazyfs as a few large
 # requests (one range request each) without fetching past the file's end.
-CLOSE_BUSY_SECONDS = 2.0
-"""How long a close waits for an unused layer that is still busy before detaching it."""
-
 LAZY_MOUNT_DATA = "directio"
 LAZY_READAHEAD_KB = 1024
 BDI_DIR = Path("/sys/class/bdi")
