@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socketserver
 import subprocess
 import sys
@@ -309,6 +310,98 @@ def test_rules_survive_an_edge_restart(net: Net) -> None:
         res = sb.run_shell(f"{GET} {net.npm.ip} 80", timeout=20)
         assert "fake-npm" not in res.stdout
         sb.stop()
+
+
+# A resolver that keeps one socket (c-ares in Node, long-lived clients): one A query
+# from a fixed source port; prints "answers N" or "error <why>".
+KEPT_PORT_RESOLVER = r"""
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    unsigned char q[512], r[512];
+    size_t n = 12, i;
+    const char *name = argv[3];
+    memset(q, 0, 12);
+    q[0] = 0x42; q[2] = 1; q[5] = 1;  /* id, recursion desired, one question */
+    while (*name) {
+        const char *dot = strchr(name, '.');
+        size_t len = dot ? (size_t)(dot - name) : strlen(name);
+        q[n++] = (unsigned char)len;
+        memcpy(q + n, name, len); n += len;
+        name += len + (dot ? 1 : 0);
+    }
+    q[n++] = 0; q[n++] = 0; q[n++] = 1; q[n++] = 0; q[n++] = 1;  /* A, IN */
+    int fd = socket(AF_INET, SOCK_DGRAM, 0), one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[2]))};
+    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons(53)};
+    inet_pton(AF_INET, argv[1], &to.sin_addr);
+    struct timeval tv = {.tv_sec = 3};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (bind(fd, (void *)&me, sizeof me) || connect(fd, (void *)&to, sizeof to)) {
+        printf("error %s\n", strerror(errno));
+        return 1;
+    }
+    for (i = 0; i < 3; i++) {  /* as a resolver would: retry a lost datagram */
+        if (send(fd, q, n, 0) < 0 || recv(fd, r, sizeof r, 0) < 0) {
+            if (errno == EAGAIN) continue;
+            printf("error %s\n", strerror(errno));
+            return 1;
+        }
+        printf("answers %d\n", (r[6] << 8) | r[7]);
+        return 0;
+    }
+    printf("error no answer\n");
+    return 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kept_port_resolver(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the resolver")
+    tmp = tmp_path_factory.mktemp("resolver")
+    (tmp / "r.c").write_text(KEPT_PORT_RESOLVER)
+    subprocess.run(
+        ["gcc", "-static", "-Os", "-s", "-o", str(tmp / "r"), str(tmp / "r.c")], check=True
+    )
+    return (tmp / "r").read_bytes()
+
+
+def test_a_resolver_that_keeps_its_socket_is_answered_after_an_edge_restart(
+    net: Net, kept_port_resolver: bytes
+) -> None:
+    """The kernel's NAT entry of a DNS flow still names the last process's port after a
+    restart; a resolver that keeps its source port must reach the new responder, not
+    be refused for as long as it keeps asking (dsec.net.conntrack)."""
+    from dsec import DSecSyncClient
+
+    plat = net.platform
+    with DSecSyncClient(plat.url, plat.api_key) as c:
+        sb = c.run_container(spec(net, {"npm": True}), timeout=60)
+        try:
+            sb.write_file("/resolver", kept_port_resolver, mode=0o755)
+            gw = sb.run_shell("ip route | awk '/default/ {print $3}'").stdout.strip()
+            ask = f"/resolver {gw} 40053 registry.npmjs.org"
+            assert sb.run_shell(ask).stdout.strip() == "answers 1"
+            plat.kill()
+            plat.start()
+            sb = c.get(sb.id)
+            for _ in range(2):  # the first answer, and the flow it made is the new one
+                res = sb.run_shell(ask, timeout=20)
+                assert res.stdout.strip() == "answers 1", res.stdout + res.stderr
+            other = sb.run_shell(f"/resolver {gw} 40054 registry.npmjs.org", timeout=20)
+            assert other.stdout.strip() == "answers 1"
+        finally:
+            sb.stop()
 
 
 def test_cli_create_and_replace_rules(net: Net) -> None:

@@ -60,12 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from dsec.api.events import AuditKind, EventKind
 from dsec.errors import BackendError, InvalidArgument
 from dsec.exhaustion import classify
 from dsec.net import netns, vmtap
 from dsec.net.catalog import Policy, PortRange, Service, compile_rules, load_catalog
+from dsec.net.conntrack import forget_stale_redirects
 from dsec.net.dhcp import DhcpResponder, Lease
 from dsec.net.dns import (
     Answer,
@@ -246,6 +248,17 @@ class NetworkManager:
             else:  # a leftover of a sandbox no record knows
                 await loop.run_in_executor(self._exec, self._del_link, name)
         await asyncio.to_thread(self._nft.run, self._table_text())
+        # Flows of a resolver that kept its socket across the restart still go to the
+        # last process's DNS port (dsec.net.conntrack): send them to this one.
+        try:
+            stale = await loop.run_in_executor(
+                self._exec, forget_stale_redirects, self.block, self._dns.port
+            )
+        except (OSError, NetlinkError) as exc:
+            log.warning("stale DNS redirects not forgotten (conntrack): %s", exc)
+        else:
+            if stale:
+                log.info("forgot %d DNS flows redirected to a previous edge's port", stale)
         for sb in self._by_sid.values():
             if sb.vm and sb.slot.ifindex:
                 try:
