@@ -28,6 +28,7 @@ import pytest
 
 from dsec import linux, native
 from dsec.backends.container import sharedsys
+from dsec.images.mounts import TRACE_USERS_ENV
 from dsec.net.manager import host_leftovers as net_leftovers
 from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups, swap
@@ -73,6 +74,7 @@ class PlatformProcess:
         # A test's platform ends its sandboxes on SIGTERM, so the leak check after it
         # finds nothing; tests of live restore across SIGTERM pass "0" (dsec up's default).
         env.setdefault("DSEC_STOP_SANDBOXES_ON_EXIT", "1")
+        env.setdefault(TRACE_USERS_ENV, "1")  # a layer user that never lets go is named
         env.update(self.extra_env)
         env["DSEC_EDGE_ID"] = self.edge_id
         env.setdefault("XDG_CONFIG_HOME", str(self.data_dir.parent / "xdg"))
@@ -137,7 +139,9 @@ def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
 
 # What LayerMounts.close logs when it had to clean up after a layer user that never let
 # go or a mount still busy: the platform leaves nothing behind, but the cause is a bug.
-LAYER_CLOSE_MARKS = re.compile(r"layers still counted as used|still busy at close")
+LAYER_CLOSE_MARKS = re.compile(
+    r"layers still counted as used|still busy at close|layer sha256:\w+: [+-]\d+ at "
+)
 
 
 def host_leaks(data_dir: Path, edge_id: str) -> list[str]:

@@ -27,6 +27,7 @@ from dsec.control.db import make_engine, sqlite_url
 from dsec.errors import CorruptBlob, ImageBuildError, ImageNotFound, InvalidArgument
 from dsec.images import builders
 from dsec.images.images import Images
+from dsec.images.mounts import TRACE_USERS_ENV, LayerMounts
 from dsec.images.service import ImageService
 
 pytestmark = [
@@ -585,6 +586,39 @@ async def test_close_leaves_no_layer_mounted_that_nothing_live_needs(
         images.mounts.close(nothing_live=True)
     assert _mount_count(pb) == 0 and not images.mounts.mounted()
     assert any(b in r.getMessage() for r in caplog.records), caplog.records
+
+
+def _take(mounts: LayerMounts, digest: str) -> None:
+    mounts.acquire(digest)
+
+
+def _give_back(mounts: LayerMounts, digest: str) -> None:
+    mounts.release(digest)
+
+
+async def test_a_user_that_never_lets_go_is_named_by_its_call_site(
+    images: Images,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the tracer on (the tests' platforms), the close that finds a layer still
+    counted as used names where it was taken and where it was given back."""
+    monkeypatch.setenv(TRACE_USERS_ENV, "1")
+    src = tmp_path / "src"
+    _sample_tree(src)
+    digest = (await images.import_directory("traced:1", src)).layers[0]
+    mounts = LayerMounts(images.mounts.root, images.store)
+    for _ in range(3):
+        _take(mounts, digest)
+    for _ in range(2):
+        _give_back(mounts, digest)
+    with caplog.at_level(logging.WARNING, logger="dsec.images.mounts"):
+        mounts.close(nothing_live=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("+3 at " in m and "_take" in m for m in said), said
+    assert any("-2 at " in m and "_give_back" in m for m in said), said
+    assert not mounts.mounted()
 
 
 async def test_remove_deletes_unreferenced_layers(images: Images, tmp_path: Path) -> None:

@@ -17,8 +17,11 @@ import errno
 import functools
 import logging
 import os
+import sysconfig
 import threading
 import time
+import traceback
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -36,6 +39,32 @@ MOUNT_FLAGS = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 
 CLOSE_BUSY_SECONDS = 2.0
 """How long a close waits for an unused layer that is still busy before detaching it."""
+
+TRACE_USERS_ENV = "DSEC_TRACE_LAYER_USERS"
+"""Set to 1 (the tests do): every acquire and release is counted by its call site, and
+a close that finds a layer still counted as used names the sites that took more than
+they gave back. Off in production: a stack walk per acquire."""
+
+
+_LIBRARIES = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
+
+
+def _ours(filename: str) -> bool:
+    return filename != __file__ and (
+        f"{os.sep}dsec{os.sep}" in filename or not filename.startswith(_LIBRARIES)
+    )
+
+
+def _call_site() -> str:
+    """Where a user is: the innermost frames of our code (dsec's or a test's, not this
+    module's, the standard library's or another package's), innermost first."""
+    frames = [
+        f"{Path(f.filename).name}:{f.lineno} {f.name}"
+        for f in traceback.extract_stack()
+        if _ours(f.filename)
+    ]
+    return " < ".join(reversed(frames[-6:])) or "?"
+
 
 # Lazily loaded layers (EROFS on a dsec-lazyfs file): EROFS reads the FUSE file with
 # O_DIRECT, so a layer's bytes are cached once (EROFS's page cache), not a second time
@@ -88,6 +117,10 @@ class LayerMounts:
         self.mnt_dir = self.root / "mnt" / "sha256"
         self._refs: dict[str, int] = {}  # digest -> users; present == mounted by us
         self._lock = threading.Lock()
+        # digest -> call site -> acquires minus releases there (TRACE_USERS_ENV)
+        self._sites: dict[str, Counter[str]] | None = (
+            {} if os.environ.get(TRACE_USERS_ENV) == "1" else None
+        )
         self._dirs_ready = False
 
     def mount_point(self, digest: str) -> Path:
@@ -115,6 +148,7 @@ class LayerMounts:
         with self._lock:
             if digest in self._refs:
                 self._refs[digest] += 1
+                self._trace(digest, +1)
                 return self.mount_point(digest)
         # Outside the lock: may hash the whole blob.
         blob = self.provider.source(digest) if self.provider else self.store.verify(digest)
@@ -124,6 +158,7 @@ class LayerMounts:
                 self._mount(blob, target, lazy=self.is_lazy(digest))
                 self._refs[digest] = 0
             self._refs[digest] += 1
+            self._trace(digest, +1)
             return target
 
     async def acquire_async(self, digest: str) -> Path:
@@ -155,11 +190,17 @@ class LayerMounts:
                 log.warning("release of layer %s with no users", digest)
                 return
             self._refs[digest] = count - 1
+            self._trace(digest, -1)
         if self.provider is not None and (count == 1 or self.provider.over_budget):
             # A layer just became unused: the cache may have grown past its budget. Or
             # the cache is over it and this user was one that let go (a warm sandbox:
             # dsec.images.service.LayerCacheBudget), so the rest may be others that can.
             self.provider.enforce_budget()
+
+    def _trace(self, digest: str, delta: int) -> None:
+        """Count a user at its call site (under the lock; only with TRACE_USERS_ENV)."""
+        if self._sites is not None:
+            self._sites.setdefault(digest, Counter())[_call_site()] += delta
 
     def refcount(self, digest: str) -> int:
         with self._lock:
@@ -278,6 +319,8 @@ class LayerMounts:
                     self._refs[digest] = 0
             if held:
                 log.warning("layers still counted as used with no sandbox left: %s", held)
+                for digest in held:
+                    self._log_sites(digest)
         deadline = time.monotonic() + busy_seconds
         while True:
             self.unmount_unused()
@@ -298,6 +341,15 @@ class LayerMounts:
                 del self._refs[digest]
                 with contextlib.suppress(OSError):
                     self.mount_point(digest).rmdir()
+
+    def _log_sites(self, digest: str) -> None:
+        """With TRACE_USERS_ENV: the sites whose acquires and releases of ``digest`` do
+        not balance (a release is counted where it happens: look for the pair)."""
+        if self._sites is None:
+            return
+        for site, n in (self._sites.get(digest) or Counter()).items():
+            if n:
+                log.warning("layer %s: %+d at %s", digest, n, site)
 
     def _mount(self, blob: Path, target: Path, *, lazy: bool = False) -> None:
         if not self._dirs_ready:
