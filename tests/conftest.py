@@ -8,6 +8,7 @@ directory, cgroups under ``dsec/<edge>``, runtime state, processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import secrets
@@ -388,15 +389,33 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed test that used a whole cluster (tests/cluster_env.py) reports what its
-    processes logged: their directory is gone by the time anyone looks."""
+    """A failed test that used a whole cluster (tests/cluster_env.py) or a platform
+    (itself, or a field of a fixture's dataclass) reports what those processes logged:
+    their directory is gone by the time anyone looks."""
     report = yield
     if report.failed:
         for value in getattr(item, "funcargs", {}).values():
             tails = getattr(value, "log_tails", None)
             if callable(tails):
                 report.sections.append(("cluster process logs", str(tails())))
+            for plat in platforms_in(value):
+                if plat.log_path.exists():
+                    tail = plat.log_path.read_text(errors="replace")[-PLATFORM_LOG_TAIL:]
+                    report.sections.append((f"platform {plat.edge_id} log", tail))
     return report
+
+
+PLATFORM_LOG_TAIL = 8000  # characters of a platform's log a failed test reports
+
+
+def platforms_in(value: object) -> list[PlatformProcess]:
+    """``value`` if it is a platform, else its dataclass fields that are (one level)."""
+    if isinstance(value, PlatformProcess):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = (getattr(value, f.name) for f in dataclasses.fields(value))
+        return [f for f in fields if isinstance(f, PlatformProcess)]
+    return []
 
 
 @dataclass
