@@ -30,6 +30,7 @@ from typing import Any
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
 from dsec.api.events import AuditKind, EventKind, Severity
+from dsec.native import binary
 from dsec.net.catalog import DEFAULT_SERVICES, Service
 from dsec.net.dns import DnsServer, Resolved
 from dsec.net.manager import NetworkManager
@@ -66,6 +67,18 @@ class FakeService:
     ip: str
     body: str
     proc: subprocess.Popen[bytes] | None = None
+
+
+def dnsq_program() -> bytes:
+    """The raw DNS client the tests copy into sandboxes (tests/adversary/dnsq.c), built
+    static on the host once per source."""
+    return binary(
+        Path(__file__).parent / "adversary" / "dnsq.c",
+        name="dnsq",
+        subdir="tests",
+        cflags=["-static", "-O1", "-w"],
+        what="the DNS test client",
+    ).read_bytes()
 
 
 def _ip(*args: str) -> None:

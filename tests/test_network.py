@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import socketserver
 import subprocess
 import sys
@@ -38,7 +37,14 @@ from dsec.net.catalog import DEFAULT_SERVICES, Service, compile_rules, load_cata
 from dsec.net.dns import Resolved, Upstream
 from dsec.net.dnsguard import EventLimiter, Limits, Reason, TunnelGuard, looks_like_data, screen
 from tests.conftest import PlatformProcess, platform_process
-from tests.fakenet import FakeService, StaticUpstream, fake_resolver, fake_service, offline_dns
+from tests.fakenet import (
+    FakeService,
+    StaticUpstream,
+    dnsq_program,
+    fake_resolver,
+    fake_service,
+    offline_dns,
+)
 
 pytestmark = [
     pytest.mark.root,
@@ -312,94 +318,32 @@ def test_rules_survive_an_edge_restart(net: Net) -> None:
         sb.stop()
 
 
-# A resolver that keeps one socket (c-ares in Node, long-lived clients): one A query
-# from a fixed source port; prints "answers N" or "error <why>".
-KEPT_PORT_RESOLVER = r"""
-#include <arpa/inet.h>
-#include <errno.h>
-#include <netinet/in.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
-int main(int argc, char **argv) {
-    unsigned char q[512], r[512];
-    size_t n = 12, i;
-    const char *name = argv[3];
-    memset(q, 0, 12);
-    q[0] = 0x42; q[2] = 1; q[5] = 1;  /* id, recursion desired, one question */
-    while (*name) {
-        const char *dot = strchr(name, '.');
-        size_t len = dot ? (size_t)(dot - name) : strlen(name);
-        q[n++] = (unsigned char)len;
-        memcpy(q + n, name, len); n += len;
-        name += len + (dot ? 1 : 0);
-    }
-    q[n++] = 0; q[n++] = 0; q[n++] = 1; q[n++] = 0; q[n++] = 1;  /* A, IN */
-    int fd = socket(AF_INET, SOCK_DGRAM, 0), one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[2]))};
-    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons(53)};
-    inet_pton(AF_INET, argv[1], &to.sin_addr);
-    struct timeval tv = {.tv_sec = 3};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    if (bind(fd, (void *)&me, sizeof me) || connect(fd, (void *)&to, sizeof to)) {
-        printf("error %s\n", strerror(errno));
-        return 1;
-    }
-    for (i = 0; i < 3; i++) {  /* as a resolver would: retry a lost datagram */
-        if (send(fd, q, n, 0) < 0 || recv(fd, r, sizeof r, 0) < 0) {
-            if (errno == EAGAIN) continue;
-            printf("error %s\n", strerror(errno));
-            return 1;
-        }
-        printf("answers %d\n", (r[6] << 8) | r[7]);
-        return 0;
-    }
-    printf("error no answer\n");
-    return 1;
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def kept_port_resolver(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc to build the resolver")
-    tmp = tmp_path_factory.mktemp("resolver")
-    (tmp / "r.c").write_text(KEPT_PORT_RESOLVER)
-    subprocess.run(
-        ["gcc", "-static", "-Os", "-s", "-o", str(tmp / "r"), str(tmp / "r.c")], check=True
-    )
-    return (tmp / "r").read_bytes()
-
-
 def test_a_resolver_that_keeps_its_socket_is_answered_after_an_edge_restart(
-    net: Net, kept_port_resolver: bytes
+    net: Net,
 ) -> None:
     """The kernel's NAT entry of a DNS flow still names the last process's port after a
-    restart; a resolver that keeps its source port must reach the new responder, not
-    be refused for as long as it keeps asking (dsec.net.conntrack)."""
+    restart; a resolver that keeps its source port (c-ares in Node, long-lived clients)
+    must reach the new responder, not be refused for as long as it keeps asking
+    (dsec.net.conntrack)."""
     from dsec import DSecSyncClient
 
     plat = net.platform
+    answered = "sent=1 noerror=1 refused=0 servfail=0 formerr=0 other=0 timeout=0 answers=1"
     with DSecSyncClient(plat.url, plat.api_key) as c:
         sb = c.run_container(spec(net, {"npm": True}), timeout=60)
         try:
-            sb.write_file("/resolver", kept_port_resolver, mode=0o755)
+            sb.write_file("/dnsq", dnsq_program(), mode=0o755)
             gw = sb.run_shell("ip route | awk '/default/ {print $3}'").stdout.strip()
-            ask = f"/resolver {gw} 40053 registry.npmjs.org"
-            assert sb.run_shell(ask).stdout.strip() == "answers 1"
+            ask = f"echo registry.npmjs.org | /dnsq -p 40053 {gw} 1 -"
+            assert sb.run_shell(ask).stdout.strip() == answered
             plat.kill()
             plat.start()
             sb = c.get(sb.id)
             for _ in range(2):  # the first answer, and the flow it made is the new one
                 res = sb.run_shell(ask, timeout=20)
-                assert res.stdout.strip() == "answers 1", res.stdout + res.stderr
-            other = sb.run_shell(f"/resolver {gw} 40054 registry.npmjs.org", timeout=20)
-            assert other.stdout.strip() == "answers 1"
+                assert res.stdout.strip() == answered, res.stdout + res.stderr
+            other = sb.run_shell(ask.replace("40053", "40054"), timeout=20)
+            assert other.stdout.strip() == answered
         finally:
             sb.stop()
 

@@ -1,6 +1,6 @@
 /* A raw DNS client for the DNS attacks of tests/adversary/test_dns.py.
  *
- *   dnsq [-v] SERVER QTYPE NAMES-FILE [REPEAT]
+ *   dnsq [-v] [-p PORT] SERVER QTYPE NAMES-FILE [REPEAT]
  *
  * Sends one query of type QTYPE (a number: 1 A, 16 TXT, 10 NULL, ...) per line of
  * NAMES-FILE ("-": stdin), REPEAT times over, each as fast as the previous reply (or a
@@ -10,6 +10,8 @@
  * "@HEX" sends those bytes as the whole datagram instead. Prints, with -v, one line per
  * query: "<name> <rcode> <address>..."; always a last line
  * "sent=N noerror=N refused=N servfail=N formerr=N other=N timeout=N answers=N".
+ * With -p, every query leaves from source port PORT, as from a resolver that keeps its
+ * socket (tests/test_network.py: such a flow across an edge restart).
  * Built static on the host by the tests and copied into the sandbox.
  */
 #include <arpa/inet.h>
@@ -88,10 +90,14 @@ static int skip_name(const unsigned char *b, int len, int off) {
 }
 
 int main(int argc, char **argv) {
-    int verbose = 0;
-    if (argc > 1 && strcmp(argv[1], "-v") == 0) verbose = 1, argv++, argc--;
+    int verbose = 0, port = 0;
+    for (;;) {
+        if (argc > 1 && strcmp(argv[1], "-v") == 0) verbose = 1, argv++, argc--;
+        else if (argc > 2 && strcmp(argv[1], "-p") == 0) port = atoi(argv[2]), argv += 2, argc -= 2;
+        else break;
+    }
     if (argc < 4) {
-        fprintf(stderr, "usage: dnsq [-v] SERVER QTYPE NAMES-FILE [REPEAT]\n");
+        fprintf(stderr, "usage: dnsq [-v] [-p PORT] SERVER QTYPE NAMES-FILE [REPEAT]\n");
         return 2;
     }
     int qtype = atoi(argv[2]);
@@ -110,6 +116,12 @@ int main(int argc, char **argv) {
     int fd = socket(AF_INET, SOCK_DGRAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(53)};
     if (fd < 0 || inet_pton(AF_INET, argv[1], &sa.sin_addr) != 1) { perror("socket"); return 2; }
+    if (port) {
+        int one = 1;
+        struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port)};
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, (struct sockaddr *)&me, sizeof me) < 0) { perror("bind"); return 2; }
+    }
     struct timeval tv = {.tv_sec = 1};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     long sent = 0, noerror = 0, refused = 0, servfail = 0, formerr = 0, other = 0, timeouts = 0,

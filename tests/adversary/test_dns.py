@@ -33,10 +33,16 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.api.events import EventKind
-from dsec.native import binary
 from dsec.sdk.client import Sandbox
-from tests.conftest import REPO, PlatformProcess, platform_process
-from tests.fakenet import FakeRecord, FakeResolver, FakeService, fake_resolver, fake_service
+from tests.conftest import PlatformProcess, platform_process
+from tests.fakenet import (
+    FakeRecord,
+    FakeResolver,
+    FakeService,
+    dnsq_program,
+    fake_resolver,
+    fake_service,
+)
 
 pytestmark = [
     pytest.mark.root,
@@ -58,13 +64,7 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    program = binary(
-        REPO / "tests" / "adversary" / "dnsq.c",
-        name="dnsq",
-        subdir="tests",
-        cflags=["-static", "-O1", "-w"],
-        what="the DNS attack client",
-    ).read_bytes()
+    program = dnsq_program()
     with (
         fake_service("target", secrets.randbelow(256), 0) as target,
         fake_resolver() as resolver,
