@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -17,6 +16,7 @@ import pytest
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import REPO
+from tests.waiting import until
 
 selenium = pytest.importorskip("selenium")
 from selenium import webdriver  # noqa: E402
@@ -33,19 +33,9 @@ T = TypeVar("T")
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T:
-    """Poll ``probe`` until it returns something truthy, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            got = probe()
-        except Exception as exc:  # the page may be mid-render
-            got, last = None, exc
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
-        time.sleep(0.05)
+    """Poll ``probe`` until it returns something truthy; an exception means the page
+    is mid-render, so it is retried (and named if time runs out)."""
+    return until(what, probe, timeout, retry_on=(Exception,))
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from dsec.resources import cgroups
 from dsec.resources.cgevents import CgroupEvents
 from dsec.security.audit import AuditLog
 from dsec.security.limits import LimitReading, LimitWatcher, read_cgroup_counters
+from tests.waiting import until_async
 
 MiB = 1024 * 1024
 
@@ -40,15 +40,6 @@ def start_in(procs: list[Any], script: str) -> subprocess.Popen[bytes]:
     )
 
 
-async def until(pred: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 @pytest.mark.root
 async def test_oom_kill_and_refused_fork_are_notified(parent: str) -> None:
     host = cgroups.detect()
@@ -65,7 +56,7 @@ async def test_oom_kill_and_refused_fork_are_notified(parent: str) -> None:
         # A memory hog, a fork storm: both exit on their own, no command reports them.
         hog = start_in(procs["oom"], "head -c 200000000 /dev/zero | tail > /dev/null")
         storm = start_in(procs["forks"], "for i in 1 2 3 4 5 6 7 8; do sleep 1 & done; wait")
-        assert await until(lambda: "oom" in seen), seen
+        await until_async(f"an oom event (seen: {seen})", lambda: "oom" in seen, 3.0)
         hog.wait(timeout=10)
         storm.wait(timeout=10)
         oom, _ = read_cgroup_counters(host, f"{parent}/oom")
@@ -73,7 +64,7 @@ async def test_oom_kill_and_refused_fork_are_notified(parent: str) -> None:
         assert oom and oom >= 1 and refused and refused >= 1
         # v1 pids.events is silent (the limit watcher's sweep finds those): v2 only.
         if events.notifies_forks:
-            assert await until(lambda: "forks" in seen), seen
+            await until_async(f"a forks event (seen: {seen})", lambda: "forks" in seen, 3.0)
         # Unwatched: no more callbacks for it; a second OOM there is not reported.
         events.unwatch("oom")
         seen.clear()

@@ -4,11 +4,9 @@ pidfd if it is not (a pid 1 that closed its connection is watched all the same).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +14,11 @@ from dsec.api.events import AuditKind, EventKind, Severity
 from dsec.backends.container.initwatch import InitChannels
 from dsec.edge.deaths import InitWatcher
 from dsec.security.init_signals import InitSignalWatcher
+from tests.waiting import until_async
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen(["sleep", "60"])
-
-
-async def _until(cond: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
 
 
 async def test_closed_while_alive_falls_back_to_a_pidfd() -> None:
@@ -41,7 +33,7 @@ async def test_closed_while_alive_falls_back_to_a_pidfd() -> None:
         assert deaths == []
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        await _until(lambda: deaths)
+        await until_async("the death seen", lambda: deaths, 5.0, interval=0.01)
         assert deaths[0][:2] == ("sb", proc.pid)
     finally:
         proc.kill()
@@ -58,7 +50,7 @@ async def test_closed_after_death_reports_it() -> None:
         proc.kill()
         proc.wait()  # reaped by us, not by a reaper it knows: status unknown
         watcher.closed("sb")
-        await _until(lambda: deaths, timeout=5.0)
+        await until_async("the death seen", lambda: deaths, 5.0, interval=0.01)
         assert deaths == [("sb", proc.pid, None)]
         assert watcher.watched == 0
         watcher.closed("sb")  # a second end changes nothing

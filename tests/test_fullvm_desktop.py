@@ -23,6 +23,7 @@ Marked ``slow`` (it builds the Debian image).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -30,7 +31,7 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from dsec.backends.fullvm.machine import DEFAULT_DISPLAY
 from dsec.errors import DSecError, Unsupported
 from dsec.guest.desktopimage import build_desktop_image
 from dsec.sdk.sync import SyncSandbox
+from tests import waiting
 from tests.conftest import PlatformProcess, platform_process
 from tests.fakenet import FakeService, catalog, fake_service
 from tests.rfb import Rfb
@@ -128,11 +130,8 @@ def pixels(png: bytes) -> bytes:
     return zlib.decompress(data)
 
 
-def until(what: str, probe: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(1)
+# A guest probe is a command in a slow VM: asked once a second.
+until = functools.partial(waiting.until, interval=1.0)
 
 
 def test_the_desktop_boots_and_takes_typed_commands(desktop: Desktop) -> None:

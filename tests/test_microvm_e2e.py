@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from tests.conftest import PlatformProcess, platform_process, qemus
 from tests.fakenet import FakeService, fake_service
 from tests.test_network import fetch, host_service
 from tests.test_qos import cpu_class
+from tests.waiting import until_async
 
 pytestmark = [
     pytest.mark.root,
@@ -151,16 +152,6 @@ def vm_rss_kb(pid: int) -> int:
 
 def argv_of(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if await check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.1)
 
 
 def nothing_left(vmp: VMPlatform, sid: str) -> list[str]:
@@ -383,7 +374,9 @@ async def test_pause_to_snapshot_and_transparent_resume(
             info = await counter.refresh()
             return info.state == "running"
 
-        await eventually(followed, "the background process followed again after the resume", 15)
+        await until_async(
+            "the background process followed again after the resume", followed, 15, interval=0.1
+        )
         assert (await sb.run_shell("pidof httpd")).stdout == before_pids
         r = await sb.run_shell("printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc 127.0.0.1 8080")
         assert r.stdout.endswith("served\n")
@@ -513,7 +506,7 @@ async def test_guest_death_fails_the_sandbox_and_leaves_nothing(
 
             # Not a latency target: ~2 s on a quiet host, but a fresh-clone run on a
             # loaded one took over 20 s from the guest's end to FAILED (cause not found).
-            await eventually(failed, f"{sb.id} FAILED after the guest ended", 90)
+            await until_async(f"{sb.id} FAILED after the guest ended", failed, 90, interval=0.1)
             assert sb.info.reason and "the guest shut down" in sb.info.reason, sb.info
             rows = await client.audit(sandbox=sb.id, kinds=[AuditKind.LIFECYCLE])
             ended = [r for r in rows if r.action == "guest_ended"]
@@ -522,7 +515,7 @@ async def test_guest_death_fails_the_sandbox_and_leaves_nothing(
             async def cleaned(sb: Sandbox = sb) -> bool:
                 return nothing_left(vmp, sb.id) == []
 
-            await eventually(cleaned, f"nothing left of {sb.id}", 30)
+            await until_async(f"nothing left of {sb.id}", cleaned, 30, interval=0.1)
         print(f"guest end -> FAILED in {time.monotonic() - t0:.1f}s; reason {a.info.reason!r}")
     finally:
         for sb in (a, b):
@@ -540,7 +533,7 @@ async def test_second_create_restores_from_the_template(
     async def template() -> bool:
         return any(vmp.templates.glob("template-*.vmstate"))
 
-    await eventually(template, "a template snapshot saved in the background", 60)
+    await until_async("a template snapshot saved in the background", template, 60, interval=0.1)
     timings = []
     for _ in range(2):
         t0 = time.monotonic()
@@ -592,7 +585,7 @@ async def test_hostile_guest_hurts_only_itself(vmp: VMPlatform, client: DSecClie
         async def bad_failed() -> bool:
             return (await bad.refresh()).state is SandboxState.FAILED
 
-        await eventually(bad_failed, "the hostile VM FAILED", 20)
+        await until_async("the hostile VM FAILED", bad_failed, 20, interval=0.1)
         rows = await client.audit(sandbox=bad.id, kinds=[AuditKind.LIFECYCLE])
         assert "agent_channel_lost" in {r.action for r in rows}
         assert (await good.run_shell("echo unaffected")).stdout == "unaffected\n"
@@ -613,7 +606,7 @@ async def test_guest_ending_its_mux_quietly_fails_the_vm_at_once(
         async def ended() -> bool:
             return (await quiet.refresh()).state is SandboxState.FAILED
 
-        await eventually(ended, "the VM whose mux ended FAILED", 15)
+        await until_async("the VM whose mux ended FAILED", ended, 15, interval=0.1)
         t0 = time.monotonic()
         with pytest.raises(DSecError):
             await quiet.run_shell("true", timeout=10)
@@ -646,7 +639,7 @@ async def test_guest_stopping_its_mux_fails_the_vm_in_bounded_time(
         async def ended() -> bool:
             return (await frozen.refresh()).state is SandboxState.FAILED
 
-        await eventually(ended, "the VM whose mux stopped FAILED", 20)
+        await until_async("the VM whose mux stopped FAILED", ended, 20, interval=0.1)
         rows = await client.audit(sandbox=frozen.id, kinds=[AuditKind.LIFECYCLE])
         actions = [r.action for r in rows]
         assert "agent_channel_stalled" in actions and "agent_channel_lost" in actions, actions

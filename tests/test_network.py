@@ -7,7 +7,6 @@ service names to them with static DNS answers.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import http.server
@@ -45,6 +44,7 @@ from tests.fakenet import (
     fake_service,
     offline_dns,
 )
+from tests.waiting import until_async
 
 pytestmark = [
     pytest.mark.root,
@@ -162,15 +162,6 @@ async def fetch(sb: object, url: str) -> tuple[int, str]:
     return 0, body.strip()
 
 
-async def wait_for(predicate: object, what: str, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not seen within {timeout}s: {what}")
-
-
 def test_rules_are_validated_against_the_catalog() -> None:
     catalog = load_catalog(None)
     policy = compile_rules({"pypi": True, "npm": False, "10.0.0.0/8:80,443": True}, catalog)
@@ -211,7 +202,7 @@ async def test_allowed_service_by_name_denied_one_fails(net: Net, nclient: DSecC
             evs = await nclient.events(job=job, kinds=[EventKind.DENIED_CONNECTION])
             return any(e.detail.get("dst") == net.npm.ip for e in evs)
 
-        await wait_for(denied_event, "a denied_connection event for the npm address")
+        await until_async("a denied_connection event for the npm address", denied_event, 3.0)
         rows = await nclient.audit(job=job, kinds=[AuditKind.NETWORK], limit=10_000)
         actions = {(r.action, r.detail.get("name") or r.detail.get("dst")) for r in rows}
         assert ("dns_answered", "pypi.org") in actions
@@ -273,7 +264,7 @@ async def test_host_metadata_and_other_sandboxes_unreachable(net: Net, nclient: 
             evs = await nclient.events(job=job, kinds=[EventKind.HOST_ACCESS])
             return {"host", "metadata", "sandbox"} <= {e.detail.get("target") for e in evs}
 
-        await wait_for(host_events, "host_access events for host, metadata and sandbox")
+        await until_async("host_access events for host, metadata and sandbox", host_events, 3.0)
         with host_service() as host_port:  # a host service listening on every address
             assert (await fetch(a, f"http://{gw}:{host_port}/"))[0] != 0
             # Explicitly allowed, the other sandbox and the host are reachable.

@@ -11,6 +11,7 @@ every rollout finishes with each model call recorded once.
 from __future__ import annotations
 
 import collections
+import functools
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from dsec import (
 )
 from tests.conftest import PlatformProcess, platform_process
 from tests.scripted_trainer import ScriptedTrainer
+from tests.waiting import until
 
 pytestmark = pytest.mark.root
 
@@ -80,13 +82,8 @@ def spec(job: str, **kw: object) -> RolloutSpec:
     return RolloutSpec.model_validate(base)
 
 
-def wait_for(what: str, cond: object, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+# A rollout moves at the pace of its scaffold and model calls: a minute, polled lightly.
+wait_for = functools.partial(until, timeout=60.0, interval=0.2)
 
 
 def test_rollouts_outlive_trainer_and_edge(plat: PlatformProcess) -> None:

@@ -9,15 +9,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 from dsec.edge.identity import derived_edge_id
 from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
-
-T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -73,15 +69,3 @@ def second_up(data_dir: Path, edge_id: str | None, timeout: float = 60.0) -> tup
         _out, err = proc.communicate()
         return 0, f"it started (killed after {timeout}s): {err.decode(errors='replace')}"
     return proc.returncode, err.decode(errors="replace")
-
-
-def poll(check: Callable[[], T | None], timeout: float, interval: float = 0.02) -> T:
-    """``check()`` until it returns something (not None) or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s")
-        time.sleep(interval)

@@ -33,7 +33,7 @@ import pytest
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.errors import InsufficientStorage, ResourceExhausted
 from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
-from tests.faults.helpers import poll
+from tests.waiting import until
 
 pytestmark = pytest.mark.root
 
@@ -77,10 +77,6 @@ class OffsitePlatform(PlatformProcess):
         return self.log_dir / f"{self.edge_id}.log"
 
 
-def wait_for(check: Any, timeout: float) -> None:
-    poll(lambda: True if check() else None, timeout, interval=0.2)
-
-
 def run_args(**kw: Any) -> DSecContainerRunArgs:
     kw.setdefault("memory_limit_mb", 64)
     return DSecContainerRunArgs.model_validate(
@@ -114,7 +110,7 @@ def health(http: httpx.Client) -> dict[str, Any]:
 def assert_heals(http: httpx.Client, *, timeout: float) -> None:
     """The fault is gone: health says ok again by itself, a create works (and is
     stopped), and the fault counts as survived."""
-    wait_for(lambda: health(http)["status"] == "ok", timeout=timeout)
+    until("health ok", lambda: health(http)["status"] == "ok", timeout, interval=0.2)
     resp = create_raw(http)
     assert resp.status_code in (200, 201), resp.text
     stop_raw(http, resp.json()["id"])
@@ -393,7 +389,12 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 try:
                     fill(mnt)
                     # 1. visible: the guard clamped (and the data dir is full)
-                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    until(
+                        "health degraded by sandbox_disk",
+                        lambda: degraded_by(http, "sandbox_disk"),
+                        10,
+                        interval=0.2,
+                    )
                     (cond,) = [
                         d for d in health(http)["degraded"] if d["resource"] == "sandbox_disk"
                     ]
@@ -413,7 +414,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 finally:
                     unfill(mnt)
                 # 4. heals: limits back, health ok, and the file system stayed writable
-                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
                 r = sb.run_shell(
                     "rm -f /big; dd if=/dev/zero of=/after bs=1M count=64 && echo fine",
                     timeout=60,
@@ -435,7 +436,12 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 try:
                     budget = 256 * MiB
                     fill(mnt, leave=512 * MiB + budget)  # the reserve plus the budget
-                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    until(
+                        "health degraded by sandbox_disk",
+                        lambda: degraded_by(http, "sandbox_disk"),
+                        10,
+                        interval=0.2,
+                    )
                     resp = create_raw(http)
                     assert resp.status_code in (200, 201), resp.text
                     late = resp.json()["id"]
@@ -450,7 +456,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                     assert "rw" in mount_options(sandboxes)
                 finally:
                     unfill(mnt)
-                wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+                until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
                 assert late is not None
                 r = client.get(late).run_shell("dd if=/dev/zero of=/big bs=1M count=300 && rm /big")
                 assert r.exit_code == 0, r  # its configured limit is back
@@ -462,7 +468,12 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 FIGURES.injected += 1
                 try:
                     fill(mnt, leave=512 * MiB + 20 * MiB)
-                    wait_for(lambda: degraded_by(http, "sandbox_disk"), timeout=10)
+                    until(
+                        "health degraded by sandbox_disk",
+                        lambda: degraded_by(http, "sandbox_disk"),
+                        10,
+                        interval=0.2,
+                    )
                     fill(mnt, leave=512 * MiB + 20 * MiB)  # what came back meanwhile
                     time.sleep(1.0)  # two of the guard's looks (every 0.5 s)
                     resp = create_raw(http)
@@ -533,7 +544,12 @@ def test_out_of_fds_is_typed_visible_and_heals() -> None:
             # Its teardown, if it failed for want of fds, is done again without a restart.
             if stopped.status_code == 503:
                 stop_raw(http, victim)
-            wait_for(lambda: not (plat.data_dir / "sandboxes" / victim).exists(), timeout=30)
+            until(
+                "the victim's directory removed",
+                lambda: not (plat.data_dir / "sandboxes" / victim).exists(),
+                30,
+                interval=0.2,
+            )
             FIGURES.notes.append(
                 f"fds: create statuses while exhausted {statuses}; the stop while exhausted: "
                 f"{stopped.status_code} {stopped.json().get('reason', '')!r}"
@@ -553,9 +569,13 @@ def test_broken_seccomp_listener_recovers() -> None:
         assert sock.exists()
         for _ in range(3):
             FIGURES.injected += 1
-            ino = sock.stat().st_ino
+            old = sock.stat().st_ino
             sock.unlink()
-            wait_for(lambda old=ino: sock.exists() and sock.stat().st_ino != old, timeout=30)
+
+            def replaced(old: int = old) -> bool:
+                return sock.exists() and sock.stat().st_ino != old
+
+            until("a new socket", replaced, 30, interval=0.2)
             resp = create_raw(http)
             assert resp.status_code in (200, 201), resp.text
             sid = resp.json()["id"]
@@ -564,7 +584,7 @@ def test_broken_seccomp_listener_recovers() -> None:
             FIGURES.survived += 1
         h = health(http)
         # Listed while it was down; ok again once it has run STABLE seconds.
-        wait_for(lambda: health(http)["status"] == "ok", timeout=30)
+        until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
         FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
 
 

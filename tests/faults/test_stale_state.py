@@ -17,7 +17,7 @@ from dsec import DSecContainerRunArgs, DSecSyncClient, SandboxState
 from dsec.api.sandbox import SandboxInfo
 from dsec.resources import cgroups
 from tests.conftest import PlatformProcess, pid1_orphans, platform_process
-from tests.faults.helpers import poll
+from tests.waiting import until
 
 pytestmark = pytest.mark.root
 
@@ -55,7 +55,7 @@ def test_init_killed_from_host_fails_at_once(plat: PlatformProcess, how: str) ->
                 info = client.get(sb.id).info
                 return info if info.state is SandboxState.FAILED else None
 
-            info = poll(failed, timeout=1.0)
+            info = until("the sandbox FAILED", failed, 1.0, interval=0.02)
             took = time.monotonic() - start
             assert info.reason is not None and "killed by SIGKILL" in info.reason, info.reason
             assert "init process died" in info.reason
@@ -66,7 +66,7 @@ def test_init_killed_from_host_fails_at_once(plat: PlatformProcess, how: str) ->
         host = cgroups.detect()
         assert not host.pids(f"/dsec/{plat.edge_id}/{sb.id}")
         assert not (plat.data_dir / "sandboxes" / sb.id).exists()
-        poll(lambda: True if not pid1_orphans(zombies_only=True) - orphans else None, 5.0)
+        until("no new zombie", lambda: not pid1_orphans(zombies_only=True) - orphans, 5.0)
 
 
 def _stopped_at(client: DSecSyncClient, sandbox_id: str) -> SandboxInfo | None:
@@ -100,7 +100,7 @@ def test_idle_ttl_fires_on_time_across_a_restart() -> None:
                 def stopped(sid: str = sid) -> SandboxInfo | None:
                     return _stopped_at(client, sid)
 
-                info = poll(stopped, timeout=3 * ttl, interval=0.1)
+                info = until(f"{sid} stopped by its TTL", stopped, 3 * ttl, interval=0.1)
                 assert info.state is SandboxState.STOPPED
                 assert info.reason is not None and "ttl_running_stop" in info.reason
                 at = info.updated_at.timestamp()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Awaitable, Callable
 
 import pytest
 from dnslib import DNSRecord
@@ -17,6 +16,7 @@ from dnslib import DNSRecord
 from dsec import supervise
 from dsec.net.dns import Answer, DnsServer, Query, Verdict
 from dsec.net.nflog import NflogReader
+from tests.waiting import until_async
 
 pytestmark = pytest.mark.root
 
@@ -43,13 +43,6 @@ async def _ask(port: int) -> str | None:
     return str(rr[0].rdata) if rr else ""
 
 
-async def _until(check: Callable[[], Awaitable[bool]], timeout: float = 15) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
-        await asyncio.sleep(0.1)
-
-
 async def test_dns_responder_is_restarted_on_its_port() -> None:
     server = DnsServer(_resolve, lambda ip: ip == "127.0.0.1")
     port = await server.start()
@@ -69,17 +62,15 @@ async def test_dns_responder_is_restarted_on_its_port() -> None:
         async def healed() -> bool:
             return server.healthy() is None and await _ask(port) == "192.0.2.7"
 
-        await _until(healed)
+        await until_async("the responder healed on its port", healed, 15, interval=0.1)
         assert server.port == port
-        await _until(lambda: _true(not sup.failures()), timeout=supervise.STABLE + 10)
+        await until_async(
+            "no failure on record", lambda: not sup.failures(), supervise.STABLE + 10, interval=0.1
+        )
         assert sup.components["dns-responder"].restarts >= 1
     finally:
         await sup.close()
         await server.close()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def test_nflog_reader_rebinds_its_group() -> None:
