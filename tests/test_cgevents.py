@@ -56,7 +56,7 @@ async def test_oom_kill_and_refused_fork_are_notified(parent: str) -> None:
         # A memory hog, a fork storm: both exit on their own, no command reports them.
         hog = start_in(procs["oom"], "head -c 200000000 /dev/zero | tail > /dev/null")
         storm = start_in(procs["forks"], "for i in 1 2 3 4 5 6 7 8; do sleep 1 & done; wait")
-        await until_async(f"an oom event (seen: {seen})", lambda: "oom" in seen, 3.0)
+        await until_async("an oom event", lambda: "oom" in seen, 3.0)
         hog.wait(timeout=10)
         storm.wait(timeout=10)
         oom, _ = read_cgroup_counters(host, f"{parent}/oom")
@@ -64,7 +64,7 @@ async def test_oom_kill_and_refused_fork_are_notified(parent: str) -> None:
         assert oom and oom >= 1 and refused and refused >= 1
         # v1 pids.events is silent (the limit watcher's sweep finds those): v2 only.
         if events.notifies_forks:
-            await until_async(f"a forks event (seen: {seen})", lambda: "forks" in seen, 3.0)
+            await until_async("a forks event", lambda: "forks" in seen, 3.0)
         # Unwatched: no more callbacks for it; a second OOM there is not reported.
         events.unwatch("oom")
         seen.clear()
