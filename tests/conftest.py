@@ -141,7 +141,7 @@ def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
 # What LayerMounts.close logs when it had to clean up after a layer user that never let
 # go or a mount still busy: the platform leaves nothing behind, but the cause is a bug.
 LAYER_CLOSE_MARKS = re.compile(
-    r"layers still counted as used|still busy at close|layer sha256:\w+: [+-]\d+ at "
+    r"layers still counted as used|still busy at close|layer sha256:\w+: [+-]\d+ (at|held by) "
 )
 
 

@@ -543,9 +543,9 @@ async def test_a_mount_made_for_a_cancelled_caller_is_released(
     go = threading.Event()
     real = images.mounts.acquire
 
-    def slow(d: str) -> Path:
+    def slow(d: str, *, holder: str | None = None) -> Path:
         go.wait(5)
-        return real(d)
+        return real(d, holder=holder)
 
     monkeypatch.setattr(images.mounts, "acquire", slow)
     task = asyncio.ensure_future(images.mounts.acquire_async(digest))
@@ -619,6 +619,36 @@ async def test_a_user_that_never_lets_go_is_named_by_its_call_site(
     assert any("+3 at " in m and "_take" in m for m in said), said
     assert any("-2 at " in m and "_give_back" in m for m in said), said
     assert not mounts.mounted()
+
+
+async def test_a_holder_that_never_lets_go_is_named_with_where_it_took_the_layer(
+    images: Images,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Users that say who holds the layer (a sandbox id) are paired by it: the close
+    names the one sandbox that kept it, and where, not every site of a busy day."""
+    monkeypatch.setenv(TRACE_USERS_ENV, "1")
+    src = tmp_path / "src"
+    _sample_tree(src)
+    digest = (await images.import_directory("held:1", src)).layers[0]
+    mounts = LayerMounts(images.mounts.root, images.store)
+    for sid in ("sb-a", "sb-b", "sb-c"):
+        mounts.acquire(digest, holder=sid)
+    for sid in ("sb-c", "sb-a"):  # in another order than taken, from another site
+        _give_back_as(mounts, digest, sid)
+    with caplog.at_level(logging.WARNING, logger="dsec.images.mounts"):
+        mounts.close(nothing_live=True)
+    said = [r.getMessage() for r in caplog.records if "held by" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "+1 held by sb-b (acquired at " in said[0], said
+    assert "test_a_holder_that_never_lets_go" in said[0], said  # where it was taken
+    assert not mounts.mounted()
+
+
+def _give_back_as(mounts: LayerMounts, digest: str, holder: str) -> None:
+    mounts.release(digest, holder=holder)
 
 
 async def test_remove_deletes_unreferenced_layers(images: Images, tmp_path: Path) -> None:

@@ -282,11 +282,12 @@ class FnCallService:
     ) -> WarmPool:
         mounts = self.images.mounts
         await mounts.prepare(layers, "eager")
+        holder = _pool_holder(key)
         acquired: list[str] = []
         try:
             lowers = []
             for digest in reversed(layers):  # overlay wants the top layer first
-                lowers.append(await mounts.acquire_async(digest))  # cancel-safe
+                lowers.append(await mounts.acquire_async(digest, holder=holder))  # cancel-safe
                 acquired.append(digest)
             memory = args.memory_limit_mb << 20
             plan = await asyncio.to_thread(
@@ -342,7 +343,7 @@ class FnCallService:
             await pool.start()
         except BaseException:
             for digest in acquired:
-                mounts.release(digest)
+                mounts.release(digest, holder=holder)
             raise
         self.pools[key] = pool
         self._pool_layers[key] = acquired
@@ -354,7 +355,7 @@ class FnCallService:
             return
         await pool.close()
         for digest in self._pool_layers.pop(key, []):
-            self.images.mounts.release(digest)
+            self.images.mounts.release(digest, holder=_pool_holder(key))
 
     async def _idle_loop(self) -> None:
         while True:
@@ -731,3 +732,8 @@ class FnCallService:
             call_id, "judge", req.args, verdict=res.verdict, passed=passed, tests=len(req.tests)
         )
         return res
+
+
+def _pool_holder(key: str) -> str:
+    """Who holds a warm pool's layers, for the layer trace (dsec.images.mounts)."""
+    return f"fncall pool {key}"

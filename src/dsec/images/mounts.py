@@ -41,9 +41,11 @@ CLOSE_BUSY_SECONDS = 2.0
 """How long a close waits for an unused layer that is still busy before detaching it."""
 
 TRACE_USERS_ENV = "DSEC_TRACE_LAYER_USERS"
-"""Set to 1 (the tests do): every acquire and release is counted by its call site, and
-a close that finds a layer still counted as used names the sites that took more than
-they gave back. Off in production: a stack walk per acquire."""
+"""Set to 1 (the tests do): every acquire and release is counted by its holder (a
+sandbox id, where the caller names one) or else by its call site, and a close that
+finds a layer still counted as used names the holders (with where they acquired) and
+sites that took more than they gave back. Off in production: a stack walk per acquire."""
+HELD_BY = "held by "
 
 
 _LIBRARIES = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
@@ -117,10 +119,11 @@ class LayerMounts:
         self.mnt_dir = self.root / "mnt" / "sha256"
         self._refs: dict[str, int] = {}  # digest -> users; present == mounted by us
         self._lock = threading.Lock()
-        # digest -> call site -> acquires minus releases there (TRACE_USERS_ENV)
+        # digest -> holder or call site -> acquires minus releases (TRACE_USERS_ENV)
         self._sites: dict[str, Counter[str]] | None = (
             {} if os.environ.get(TRACE_USERS_ENV) == "1" else None
         )
+        self._acquired_at: dict[tuple[str, str], str] = {}  # (digest, holder) -> site
         self._dirs_ready = False
 
     def mount_point(self, digest: str) -> Path:
@@ -136,11 +139,13 @@ class LayerMounts:
         """Lazily loaded layers are read on demand, never prewarmed."""
         return self.provider is not None and self.provider.is_lazy(digest)
 
-    def acquire(self, digest: str) -> Path:
+    def acquire(self, digest: str, *, holder: str | None = None) -> Path:
         """Mount the layer if needed, count one more user, return its mount point.
 
         The blob is verified first (cheap when unchanged since its last check), so a
-        corrupt blob raises CorruptBlob and is never mounted.
+        corrupt blob raises CorruptBlob and is never mounted. ``holder`` (the sandbox
+        that uses it; the same on its :meth:`release`) names a user that never lets go
+        in the trace (TRACE_USERS_ENV); the count does not depend on it.
         """
         digest = normalize_digest(digest)
         if self.provider is not None:
@@ -148,7 +153,7 @@ class LayerMounts:
         with self._lock:
             if digest in self._refs:
                 self._refs[digest] += 1
-                self._trace(digest, +1)
+                self._trace(digest, +1, holder)
                 return self.mount_point(digest)
         # Outside the lock: may hash the whole blob.
         blob = self.provider.source(digest) if self.provider else self.store.verify(digest)
@@ -158,15 +163,16 @@ class LayerMounts:
                 self._mount(blob, target, lazy=self.is_lazy(digest))
                 self._refs[digest] = 0
             self._refs[digest] += 1
-            self._trace(digest, +1)
+            self._trace(digest, +1, holder)
             return target
 
-    async def acquire_async(self, digest: str) -> Path:
+    async def acquire_async(self, digest: str, *, holder: str | None = None) -> Path:
         """:meth:`acquire` in a worker thread (the first one may hash a whole blob). If
         the caller is cancelled meanwhile, the mount made for it is released, not left
         counted for a user that never learnt of it (dsec.threads)."""
         return await acquire_in_thread(
-            functools.partial(self.acquire, digest), lambda _mount: self.release(digest)
+            functools.partial(self.acquire, digest, holder=holder),
+            lambda _mount: self.release(digest, holder=holder),
         )
 
     def blob(self, digest: str) -> Path:
@@ -178,8 +184,9 @@ class LayerMounts:
         digest = normalize_digest(digest)
         return self.provider.source(digest) if self.provider else self.store.path(digest)
 
-    def release(self, digest: str) -> None:
-        """One user fewer. The mount stays cached until :meth:`unmount_unused`."""
+    def release(self, digest: str, *, holder: str | None = None) -> None:
+        """One user fewer (``holder``: as given to its :meth:`acquire`). The mount
+        stays cached until :meth:`unmount_unused`."""
         digest = normalize_digest(digest)
         with self._lock:
             count = self._refs.get(digest)
@@ -190,17 +197,29 @@ class LayerMounts:
                 log.warning("release of layer %s with no users", digest)
                 return
             self._refs[digest] = count - 1
-            self._trace(digest, -1)
+            self._trace(digest, -1, holder)
         if self.provider is not None and (count == 1 or self.provider.over_budget):
             # A layer just became unused: the cache may have grown past its budget. Or
             # the cache is over it and this user was one that let go (a warm sandbox:
             # dsec.images.service.LayerCacheBudget), so the rest may be others that can.
             self.provider.enforce_budget()
 
-    def _trace(self, digest: str, delta: int) -> None:
-        """Count a user at its call site (under the lock; only with TRACE_USERS_ENV)."""
-        if self._sites is not None:
+    def _trace(self, digest: str, delta: int, holder: str | None) -> None:
+        """Count a user by its holder, or else at its call site (under the lock; only
+        with TRACE_USERS_ENV)."""
+        if self._sites is None:
+            return
+        if holder is None:
             self._sites.setdefault(digest, Counter())[_call_site()] += delta
+            return
+        key = HELD_BY + holder
+        counts = self._sites.setdefault(digest, Counter())
+        counts[key] += delta
+        if counts[key] > 0:
+            self._acquired_at.setdefault((digest, holder), _call_site())
+        elif counts[key] == 0:  # balanced: nothing to report about this holder
+            del counts[key]
+            self._acquired_at.pop((digest, holder), None)
 
     def refcount(self, digest: str) -> int:
         with self._lock:
@@ -343,13 +362,19 @@ class LayerMounts:
                     self.mount_point(digest).rmdir()
 
     def _log_sites(self, digest: str) -> None:
-        """With TRACE_USERS_ENV: the sites whose acquires and releases of ``digest`` do
-        not balance (a release is counted where it happens: look for the pair)."""
+        """With TRACE_USERS_ENV: the holders and sites whose acquires and releases of
+        ``digest`` do not balance (a release without a holder is counted where it
+        happens: look for the pair)."""
         if self._sites is None:
             return
-        for site, n in (self._sites.get(digest) or Counter()).items():
-            if n:
-                log.warning("layer %s: %+d at %s", digest, n, site)
+        for key, n in (self._sites.get(digest) or Counter()).items():
+            if not n:
+                continue
+            if key.startswith(HELD_BY):
+                where = self._acquired_at.get((digest, key.removeprefix(HELD_BY)))
+                log.warning("layer %s: %+d %s (acquired at %s)", digest, n, key, where)
+            else:
+                log.warning("layer %s: %+d at %s", digest, n, key)
 
     def _mount(self, blob: Path, target: Path, *, lazy: bool = False) -> None:
         if not self._dirs_ready:

@@ -59,6 +59,7 @@ from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
 from dsec.security.seccomp import SeccompGuard
 from dsec.supervise import keep_running
+from dsec.threads import undo_to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -475,7 +476,7 @@ class ContainerBackend(AgentDataPath, Backend):
             await self.layers.prepare(inp.image.layers, spec.image_loading)
             lowers = []
             for digest in reversed(inp.image.layers):  # overlay wants the top layer first
-                lowers.append(str(self.layers.acquire(digest)))
+                lowers.append(str(self.layers.acquire(digest, holder=sid)))
                 facts.layers_held.append(digest)
                 if not self.layers.is_lazy(digest):  # lazy layers are read on demand only
                     await self._prewarm(digest, Path(lowers[-1]))
@@ -512,9 +513,10 @@ class ContainerBackend(AgentDataPath, Backend):
             await self.check_init_user(sid, spec.init_user)
         except BaseException:
             # Nothing of it may outlive a create that did not return: the edge gets no
-            # facts to tear down from (an agent's refusal of the user included).
+            # facts to tear down from (an agent's refusal of the user included). Not
+            # even when the create is cancelled twice (its timeout, then its client).
             with contextlib.suppress(Exception):
-                await self.teardown(sid, facts)
+                await undo_to_the_end(self.teardown(sid, facts))
             raise
         return facts
 
@@ -532,7 +534,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 layers.append(None)
                 continue
             await self.layers.prepare([digest], spec.image_loading)
-            layers.append((digest, self.layers.acquire(digest)))
+            layers.append((digest, self.layers.acquire(digest, holder=inp.id)))
             facts.layers_held.append(digest)
         # Inline contents come from the edge beside the (redacted) spec.
         contents = [dict(f) for f in inp.protected_files] or [dict(m.files) for m in spec.protected]
@@ -633,7 +635,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 errors.append(str(exc))
         for digest in facts.layers_held:
             with contextlib.suppress(Exception):
-                self.layers.release(digest)
+                self.layers.release(digest, holder=sid)
         facts.layers_held = []
         # A detached unmount that did not take: keep the directory.
         still_mounted = leftover_mount and linux.is_mounted(rootfs)
@@ -743,7 +745,7 @@ class ContainerBackend(AgentDataPath, Backend):
                 [p.digest for p in prepared if p.digest], container_spec(rec).image_loading
             )
         for digest in [*rec.image.layers, *(p.digest for p in prepared if p.digest)]:
-            self.layers.acquire(digest)
+            self.layers.acquire(digest, holder=rec.id)
             held.append(digest)
         facts.layers_held = held  # what this process holds (the stored list was the last one's)
         if (

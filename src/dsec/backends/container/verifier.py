@@ -257,7 +257,7 @@ async def _verify(
             started = True
             pristine = []
             for digest in reversed(rec.image.layers):  # overlay wants the top layer first
-                pristine.append(str(backend.layers.acquire(digest)))
+                pristine.append(str(backend.layers.acquire(digest, holder=vid)))
                 held.layers_held.append(digest)
             check_overlay_paths([str(root), *pristine])
             try:

@@ -92,6 +92,7 @@ from dsec.net.vmtap import VMNetAttachment, attach_vm
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
+from dsec.threads import undo_to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -439,9 +440,14 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             # the loaded VM runs), so no wait here either
             await self._probe_agent(sid, vm)
         except BaseException as exc:
-            tail = await self._console_tail(vm)
-            with contextlib.suppress(Exception):
-                await self._teardown(sid, facts)
+
+            async def undo() -> str:
+                tail = await self._console_tail(vm)
+                with contextlib.suppress(Exception):
+                    await self._teardown(sid, facts)
+                return tail
+
+            tail = await undo_to_the_end(undo())  # Backend.create: nothing left behind
             if isinstance(exc, BackendError) and tail:
                 raise BackendError(
                     f"{exc.message}; the guest console's last line: {tail!r}"

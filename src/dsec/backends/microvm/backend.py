@@ -67,6 +67,7 @@ from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
+from dsec.threads import undo_to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             await self.layers.prepare(inp.image.layers, spec.image_loading)
             drives: list[Drive] = []
             for i, digest in enumerate(reversed(inp.image.layers)):  # top layer first
-                self.layers.acquire(digest)
+                self.layers.acquire(digest, holder=sid)
                 facts.layers_held.append(digest)
                 drives.append(Drive(self.layers.blob(digest), layer_serial(i), readonly=True))
             facts.disk_bytes = await asyncio.to_thread(
@@ -398,11 +399,16 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             if self.templates and not restored:
                 self.build_template_later(config)
         except BaseException as exc:
-            tail = await machine.console_tail() if machine is not None else ""
-            if net is not None:
-                net.close()
-            with contextlib.suppress(Exception):
-                await self._teardown(sid, facts)
+
+            async def undo() -> str:
+                tail = await machine.console_tail() if machine is not None else ""
+                if net is not None:
+                    net.close()
+                with contextlib.suppress(Exception):
+                    await self._teardown(sid, facts)
+                return tail
+
+            tail = await undo_to_the_end(undo())  # Backend.create: nothing left behind
             if isinstance(exc, BackendError) and tail:
                 # Guest-written text: its last line only, quoted (no control characters).
                 said = last_line(tail)
@@ -424,7 +430,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         for i, (m, digest) in enumerate(zip(spec.protected, inp.protected_layers, strict=True)):
             if digest is not None:
                 await self.layers.prepare([digest], spec.image_loading)
-                self.layers.acquire(digest)
+                self.layers.acquire(digest, holder=inp.id)
                 facts.layers_held.append(digest)
                 facts.protected.append((m.path, str(self.layers.blob(digest))))
                 continue
@@ -552,7 +558,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         ):
             errors.append(f"cgroup {self.cgroup_of(sid)} not removed")
         for digest in facts.layers_held:
-            self.layers.release(digest)
+            self.layers.release(digest, holder=sid)
         facts.layers_held = []
         await asyncio.to_thread(shutil.rmtree, self.vm_dir(sid), True)
         if self.vm_dir(sid).exists():
@@ -607,7 +613,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         facts = self.facts(rec)
         held = []
         for digest in rec.image.layers:
-            self.layers.acquire(digest)
+            self.layers.acquire(digest, holder=rec.id)
             held.append(digest)
         facts.layers_held = held
 
