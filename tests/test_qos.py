@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.resources import cgroups, oom, qos
 from tests.conftest import PlatformProcess, platform_process
+from tests.waiting import until
 
 pytestmark = pytest.mark.root
 
@@ -232,11 +232,10 @@ def test_a_function_calls_code_carries_the_fncall_bias(
     biases = set()
     for runner in (r for z in zygotes for r in children(z)):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            bias = oom.oom_score_adj_of(runner)
-            for _ in range(50):
-                if bias == oom.FNCALL_OOM_SCORE_ADJ:
-                    break
-                time.sleep(0.02)
-                bias = oom.oom_score_adj_of(runner)
-            biases.add(bias)
+
+            def biased(r: int = runner) -> bool:
+                return oom.oom_score_adj_of(r) == oom.FNCALL_OOM_SCORE_ADJ
+
+            until(f"runner {runner} with the FnCall OOM bias", biased, 1.0, interval=0.02)
+            biases.add(oom.oom_score_adj_of(runner))
     assert biases == {oom.FNCALL_OOM_SCORE_ADJ}

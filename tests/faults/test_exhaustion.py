@@ -107,10 +107,20 @@ def health(http: httpx.Client) -> dict[str, Any]:
     return body
 
 
+def healthy_within(http: httpx.Client, timeout: float) -> None:
+    until("health ok", lambda: health(http)["status"] == "ok", timeout, interval=0.2)
+
+
+def degraded_within(http: httpx.Client, resource: str, timeout: float = 10) -> None:
+    until(
+        f"health degraded by {resource}", lambda: degraded_by(http, resource), timeout, interval=0.2
+    )
+
+
 def assert_heals(http: httpx.Client, *, timeout: float) -> None:
     """The fault is gone: health says ok again by itself, a create works (and is
     stopped), and the fault counts as survived."""
-    until("health ok", lambda: health(http)["status"] == "ok", timeout, interval=0.2)
+    healthy_within(http, timeout)
     resp = create_raw(http)
     assert resp.status_code in (200, 201), resp.text
     stop_raw(http, resp.json()["id"])
@@ -389,12 +399,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 try:
                     fill(mnt)
                     # 1. visible: the guard clamped (and the data dir is full)
-                    until(
-                        "health degraded by sandbox_disk",
-                        lambda: degraded_by(http, "sandbox_disk"),
-                        10,
-                        interval=0.2,
-                    )
+                    degraded_within(http, "sandbox_disk")
                     (cond,) = [
                         d for d in health(http)["degraded"] if d["resource"] == "sandbox_disk"
                     ]
@@ -414,7 +419,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 finally:
                     unfill(mnt)
                 # 4. heals: limits back, health ok, and the file system stayed writable
-                until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
+                healthy_within(http, 30)
                 r = sb.run_shell(
                     "rm -f /big; dd if=/dev/zero of=/after bs=1M count=64 && echo fine",
                     timeout=60,
@@ -436,12 +441,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 try:
                     budget = 256 * MiB
                     fill(mnt, leave=512 * MiB + budget)  # the reserve plus the budget
-                    until(
-                        "health degraded by sandbox_disk",
-                        lambda: degraded_by(http, "sandbox_disk"),
-                        10,
-                        interval=0.2,
-                    )
+                    degraded_within(http, "sandbox_disk")
                     resp = create_raw(http)
                     assert resp.status_code in (200, 201), resp.text
                     late = resp.json()["id"]
@@ -456,7 +456,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                     assert "rw" in mount_options(sandboxes)
                 finally:
                     unfill(mnt)
-                until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
+                healthy_within(http, 30)
                 assert late is not None
                 r = client.get(late).run_shell("dd if=/dev/zero of=/big bs=1M count=300 && rm /big")
                 assert r.exit_code == 0, r  # its configured limit is back
@@ -468,12 +468,7 @@ def test_full_data_disk_with_a_sparse_image_fails_writes_inside_and_heals() -> N
                 FIGURES.injected += 1
                 try:
                     fill(mnt, leave=512 * MiB + 20 * MiB)
-                    until(
-                        "health degraded by sandbox_disk",
-                        lambda: degraded_by(http, "sandbox_disk"),
-                        10,
-                        interval=0.2,
-                    )
+                    degraded_within(http, "sandbox_disk")
                     fill(mnt, leave=512 * MiB + 20 * MiB)  # what came back meanwhile
                     time.sleep(1.0)  # two of the guard's looks (every 0.5 s)
                     resp = create_raw(http)
@@ -584,7 +579,7 @@ def test_broken_seccomp_listener_recovers() -> None:
             FIGURES.survived += 1
         h = health(http)
         # Listed while it was down; ok again once it has run STABLE seconds.
-        until("health ok", lambda: health(http)["status"] == "ok", 30, interval=0.2)
+        healthy_within(http, 30)
         FIGURES.notes.append(f"seccomp: health after rebinding {h['status']}")
 
 

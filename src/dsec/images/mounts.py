@@ -216,7 +216,8 @@ class LayerMounts:
         counts = self._sites.setdefault(digest, Counter())
         counts[key] += delta
         if counts[key] > 0:
-            self._acquired_at.setdefault((digest, holder), _call_site())
+            if (digest, holder) not in self._acquired_at:
+                self._acquired_at[(digest, holder)] = _call_site()
         elif counts[key] == 0:  # balanced: nothing to report about this holder
             del counts[key]
             self._acquired_at.pop((digest, holder), None)
