@@ -230,9 +230,11 @@ async def test_fork_bomb_is_contained(client: DSecClient, busybox_image: str) ->
     sb = await client.run_container(args(busybox_image, pids_limit=64))
     try:
         r = await sb.run_shell("bomb() { bomb | bomb & }; bomb; sleep 2; echo done", timeout=20)
-        assert r.timed_out or r.exit_code == 0
+        # It ends: by its timeout, on its own, or with the shell itself refused a fork
+        # at the limit (its `sleep` raced the bomb for the last pids: exit 2).
+        assert r.timed_out or r.exit_code == 0 or "can't fork" in r.stderr, r
         # The host can still fork; the sandbox keeps working after the bomb is killed.
-        assert (await asyncio.create_subprocess_exec("true")).pid > 0
+        assert await (await asyncio.create_subprocess_exec("true")).wait() == 0
         await sb.run_shell("kill -9 -1 2>/dev/null; true", timeout=10)
         ok = await sb.run_shell("echo ok", timeout=10)
         assert ok.stdout == "ok\n"
