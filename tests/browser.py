@@ -6,7 +6,9 @@ browser, logging in, waiting with a deadline and writing screenshots."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -40,7 +42,14 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10.0) ->
 
 @contextlib.contextmanager
 def chromium() -> Iterator[webdriver.Chrome]:
-    """A headless Chromium; it and its chromedriver are gone afterwards, also on failure."""
+    """A headless Chromium; it, its chromedriver and its temporary files are gone
+    afterwards, also on failure (with --disable-dev-shm-usage it keeps its shared memory
+    in $TMPDIR, a directory of its own that it does not always remove)."""
+    with tempfile.TemporaryDirectory(prefix="dsec-chromium-") as tmp:
+        yield from _chromium(tmp)
+
+
+def _chromium(tmp: str) -> Iterator[webdriver.Chrome]:
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
     for arg in (
@@ -52,7 +61,10 @@ def chromium() -> Iterator[webdriver.Chrome]:
         "--no-first-run",
     ):
         opts.add_argument(arg)
-    service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver")
+    service = Service(
+        shutil.which("chromedriver") or "/usr/bin/chromedriver",
+        env={**os.environ, "TMPDIR": tmp},  # chromedriver passes it on to the browser
+    )
     driver = webdriver.Chrome(options=opts, service=service)
     try:
         yield driver
