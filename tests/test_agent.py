@@ -653,6 +653,63 @@ async def test_a_request_too_big_for_the_spare_is_forked_as_before(agent: Agent)
     assert length == str(len(big)) and int(ppid) not in spares(agent.pid), res
 
 
+async def test_a_request_bigger_than_the_socket_buffer_arrives_whole(agent: Agent) -> None:
+    # A frame the socket buffer cannot take at once is written in parts as the agent
+    # reads: every byte arrives, in order, and the loop never blocks on it.
+    env = {f"V{i}": chr(ord("a") + i) * (100 * 1024) for i in range(12)}
+    frame = p.encode_exec(
+        p.ExecRequest(argv=["sh"], env=env, cwd="", user="root", timeout_ms=0,
+                      max_output=0, with_stdin=False)
+    )  # fmt: skip
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sndbuf = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    probe.close()
+    assert len(frame) > 2 * sndbuf  # partial writes are exercised
+    script = 'for v in V0 V5 V11; do eval "x=\\$$v"; echo "$v ${#x} ${x#"${x%?}"}"; done'
+    res = await agent.run("sh", "-c", script, env=env)
+    assert res.exit_code == 0, res
+    assert res.stdout.decode().split("\n")[:3] == [
+        f"V0 {100 * 1024} a",
+        f"V5 {100 * 1024} f",
+        f"V11 {100 * 1024} l",
+    ]
+
+
+async def test_an_agent_that_hangs_up_at_once_is_a_backend_error(tmp_path: Path) -> None:
+    # Accepts, then closes without reading: the request's write may fail (EPIPE, a
+    # reset) or land in a buffer nobody reads; either way the caller gets the typed
+    # error, for a small request and for one bigger than the socket buffer.
+    path = tmp_path / "rude.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(16)
+    stop = threading.Event()
+
+    def hang_up() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = server.accept()
+                conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    client = AgentClient(path)
+    try:
+        for env in ({}, {"BIG": "x" * (1 << 20)}):
+            with pytest.raises(BackendError, match=r"closed the connection|reset"):
+                await client.exec(
+                    ["true"], env=env, cwd="", user="root", timeout=5, max_output=1,
+                    stdin=None,
+                )  # fmt: skip
+        with pytest.raises(BackendError, match=r"closed the connection|reset"):
+            await client.read_file("/etc/hostname", user="root", max_bytes=10)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
 async def test_an_unused_spare_exits_after_its_idle_time(agent_bin: Path) -> None:
     with running_agent(
         agent_bin, pid_namespace=False, env_extra={"DSEC_AGENT_SPARE_IDLE_MS": "300"}
