@@ -400,11 +400,14 @@ async def test_memory_bomb_is_killed_inside_the_sandbox(arena: Arena) -> None:
 async def test_disk_fill_and_inode_exhaustion_stop_at_the_quota(arena: Arena) -> None:
     res = await arena.attacker.run_shell("dd if=/dev/zero of=/fill bs=1M count=400", timeout=60)
     assert res.exit_code != 0 and "quota" in res.stderr.lower()
-    await arena.attacker.run_shell("rm -f /fill")
+    # Data keeps 48 of the 64 MiB, so the empty files meet the quota after ~5x10^4
+    # (~2x10^5 from empty); a quota blind to metadata would let them run forever.
+    res = await arena.attacker.run_shell("rm -f /fill; dd if=/dev/zero of=/fill bs=1M count=48")
+    assert res.exit_code == 0, res
     out = await arena.attack("fill_inodes", "/many", timeout=120)
     assert "stopped after" in out and "quota" in out.lower()
     await arena.expect_event(EventKind.RESOURCE_LIMIT, limit="disk")
-    await arena.attacker.run_shell("rm -rf /many", timeout=60)
+    await arena.attacker.run_shell("rm -rf /many /fill", timeout=60)
 
 
 async def test_huge_output_flood_is_truncated(arena: Arena) -> None:
