@@ -25,6 +25,7 @@ from dsec.api.images import ImageInfo
 from dsec.api.rollouts import RolloutInfo
 from dsec.api.sandbox import SandboxInfo, SandboxState
 from dsec.apiserver import ApiServices, create_app
+from dsec.cli import common as cli_common
 from dsec.cli import demo as demo_mod
 from dsec.cli import demo_timings
 from dsec.cli.common import emit_rows, percentile
@@ -49,6 +50,10 @@ def isolated_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("DSEC_URL", raising=False)
     monkeypatch.delenv("DSEC_API_KEY", raising=False)
     monkeypatch.setenv("COLUMNS", "200")
+    # The CLI's consoles read COLUMNS when dsec.cli.common is imported, at collection,
+    # before this fixture (a pytest-xdist worker starts with COLUMNS=80): set theirs too.
+    for console in (cli_common.out, cli_common.err):
+        monkeypatch.setattr(console, "width", 200)
 
 
 Result = tuple[int, str, str]
