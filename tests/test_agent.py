@@ -654,8 +654,9 @@ async def test_a_request_too_big_for_the_spare_is_forked_as_before(agent: Agent)
 
 
 async def test_a_request_bigger_than_the_socket_buffer_arrives_whole(agent: Agent) -> None:
-    # A frame the socket buffer cannot take at once is written in parts as the agent
-    # reads: every byte arrives, in order, and the loop never blocks on it.
+    # A frame the socket buffer cannot take at once goes out in parts as the agent
+    # reads: every byte arrives, in order (the agent checks the frame, the shell each
+    # value's length and last character).
     env = {f"V{i}": chr(ord("a") + i) * (100 * 1024) for i in range(12)}
     frame = p.encode_exec(
         p.ExecRequest(argv=["sh"], env=env, cwd="", user="root", timeout_ms=0,
