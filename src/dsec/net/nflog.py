@@ -126,6 +126,15 @@ class NflogReader:
         self.broken = None
 
     def bind(self, first: int, attempts: int = 64) -> int:
+        """Bind the first free group from ``first`` on, trying ``attempts`` groups.
+
+        The kernel refuses a group that another socket holds with EPERM (its owner's
+        port id differs), and one this socket already holds with EBUSY: both mean
+        "taken, try the next". Two platforms on one host (or a test run's two workers)
+        can hash to one group, so a taken group is the expected case, not an error.
+        EPERM is also what a process without CAP_NET_ADMIN gets for every group; that
+        ends in the same exhausted error, which says both causes."""
+        taken = (errno.EPERM, errno.EBUSY)
         for i in range(attempts):
             group = 1024 + (first + i) % (65535 - 1024)
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
@@ -140,13 +149,17 @@ class NflogReader:
                 self._config(sock, group, mode + qth)
             except OSError as exc:
                 sock.close()
-                if exc.errno == errno.EBUSY:
+                if exc.errno in taken:
                     continue
                 raise
             sock.setblocking(False)
             self.sock, self.group = sock, group
             return group
-        raise OSError(errno.EBUSY, "no free NFLOG group")
+        raise OSError(
+            errno.EBUSY,
+            f"no free NFLOG group among the {attempts} from {1024 + first % (65535 - 1024)} "
+            "(each is held by another socket, or this process lacks CAP_NET_ADMIN)",
+        )
 
     @staticmethod
     def _config(sock: socket.socket, group: int, attrs: bytes) -> None:
