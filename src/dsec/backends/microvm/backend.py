@@ -79,6 +79,7 @@ MIN_MEMORY_MB = 128  # the guest kernel and initramfs need this much to boot
 QEMU_PIDS = 256  # QEMU's threads (vCPUs, I/O workers)
 GUEST_END_POLL = 2.0  # seconds between checks that a guest has not shut down
 RELINK_TIMEOUT = 10.0  # seconds a guest has to answer a new agent channel
+GUEST_END_GRACE = 3.0  # seconds a guest whose agent port closed has to be seen powered off
 PORT_POLL = 0.5  # seconds between asking QEMU, during a relink, whether the port is open
 ADOPT_LINK_ATTEMPTS = 2  # links to a re-adopted VM's agent before it counts as gone
 
@@ -718,13 +719,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 for sid, machine in list(self._machines.items()):
                     try:
                         if await machine.guest_ended():
-                            tail = await machine.console_tail(300)
-                            log.warning("microvm %s: the guest ended; console: %r", sid, tail)
-                            self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
-                            machine.ended = "the guest shut down, rebooted or panicked" + (
-                                f" (its console's last line: {last_line(tail)!r})" if tail else ""
-                            )
-                            await machine.kill()
+                            await self._end_ended_guest(sid, machine)
                             continue
                     except Exception as exc:  # a VM torn down under us: not the loop's end
                         log.debug("microvm %s: guest state unknown: %s", sid, exc)
@@ -798,13 +793,30 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             why = "the guest closed its agent port (its mux ended)"
             await self._end_unanswerable(sid, machine, why, "its port stays closed")
 
+    async def _end_ended_guest(self, sid: str, machine: Machine) -> None:
+        """End a VM whose guest is over (QEMU paused in a shutdown or panic state):
+        its console's end is audited and becomes the reason ``death_reason`` gives."""
+        tail = await machine.console_tail(300)
+        log.warning("microvm %s: the guest ended; console: %r", sid, tail)
+        self.audit.record(sid, AuditKind.LIFECYCLE, "guest_ended", console=tail)
+        machine.ended = "the guest shut down, rebooted or panicked" + (
+            f" (its console's last line: {last_line(tail)!r})" if tail else ""
+        )
+        await machine.kill()
+
     async def _end_unanswerable(self, sid: str, machine: Machine, why: str, error: str) -> None:
         """End a VM whose agent channel can no longer be served (the caller holds its
         lock): requests waiting in the agent socket fail now, the edge's init watch
-        fails the sandbox, and the reason is audited and kept for ``death_reason``."""
+        fails the sandbox, and the reason is audited and kept for ``death_reason``.
+        A guest that is powering off closes its agent port before QEMU sees it end;
+        such a guest gets GUEST_END_GRACE to be seen ended, and is then reported as
+        ended, not as having broken its channel."""
+        machine.close_listener()
+        if await machine.ends_within(GUEST_END_GRACE):
+            await self._end_ended_guest(sid, machine)
+            return
         log.warning("microvm %s: agent channel lost (%s): %s", sid, why, error)
         self.audit.record(sid, AuditKind.LIFECYCLE, "agent_channel_lost", why=why, error=error)
-        machine.close_listener()
         machine.ended = f"the guest broke its agent channel ({why}) and did not answer"
         await machine.kill()
 

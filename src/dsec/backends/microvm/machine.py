@@ -176,6 +176,27 @@ class Machine:
             await self.close_qmp()
             return False
 
+    async def ends_within(self, grace: float) -> bool:
+        """Whether the guest is seen over (as in ``guest_ended``) within ``grace``
+        seconds, asked by a caller that holds ``lock`` and saw the agent port close.
+
+        Why wait: a guest that powers off shuts its devices down first, and its agent
+        port closes with them; QEMU reaches its shutdown state only after that, a
+        while later on a loaded host under TCG. Without the wait, a poweroff reads as
+        "the guest broke its agent channel", which blames the wrong thing."""
+        deadline = time.monotonic() + grace
+        while self.proc is not None:
+            try:
+                qmp = await self.connect_qmp()
+                if await qmp.guest_ended(timeout=min(2.0, max(0.1, grace))):
+                    return True
+            except QmpError:
+                await self.close_qmp()
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        return False
+
     async def agent_port_closed(self) -> bool:
         """Whether the guest holds its agent port closed (QMP ``query-chardev``): the
         guest's mux, the only program that keeps it open, has ended. Its link can then
