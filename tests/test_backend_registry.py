@@ -81,6 +81,9 @@ class MinimalBackend(Backend):
     async def is_alive(self, rec: SandboxRecord) -> bool:
         return True
 
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        return True
+
     async def sweep(self, known_ids: set[str]) -> list[str]:
         return []
 

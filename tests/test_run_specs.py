@@ -324,6 +324,9 @@ class _UntouchedBackend(Backend):
     async def is_alive(self, rec: SandboxRecord) -> bool:
         raise AssertionError("the edge reached the backend")
 
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        raise AssertionError("the edge reached the backend")
+
     async def sweep(self, known_ids: set[str]) -> list[str]:
         return []
 

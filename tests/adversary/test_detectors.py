@@ -261,6 +261,9 @@ class _StubBackend(Backend):
     async def is_alive(self, rec: SandboxRecord) -> bool:
         return True
 
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        return True
+
     async def adopt(self, rec: SandboxRecord) -> None:
         return None
 

@@ -18,7 +18,13 @@ from dsec.api.verify import VerifyRequest
 from dsec.backends.base import Capability
 from dsec.edge.dataplane import DataPlane
 from dsec.edge.tokens import TokenSigner
-from dsec.errors import AdmissionRejected, FileNotFound, SandboxNotRunning, Unsupported
+from dsec.errors import (
+    AdmissionRejected,
+    BackendError,
+    FileNotFound,
+    SandboxNotRunning,
+    Unsupported,
+)
 from tests.conformance.conftest import Harness
 
 
@@ -99,6 +105,41 @@ async def test_an_edge_restart_re_adopts_running_sandboxes(harness: Harness) -> 
     assert harness.last_recovery["lost"] == [dies]
     assert (await edge.get(dies)).state is SandboxState.FAILED
     assert edge.admission.count == 1
+
+
+async def test_a_failed_request_leaves_a_live_sandbox_and_its_work_alone(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that fails with a BackendError makes the edge ask the backend whether
+    the sandbox still runs (``still_running``). Asking must disturb nothing: a command
+    in flight finishes, the sandbox stays RUNNING and serves, and only the one request
+    fails. (The microVM backend once answered with its restart adoption: a new
+    tracked VM and agent link, which broke the command in flight and, during a verify,
+    continued the held VM and killed its verifier.)"""
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
+    rec = edge.find(sid)
+    assert rec is not None
+    backend = edge.backend_of(rec)
+    # The memory backend's toy shell has no sleep and runs a command at once.
+    command = "echo done" if harness.kind is BackendKind.MEMORY else "sleep 2; echo done"
+    slow = asyncio.create_task(edge.exec(sid, ExecRequest(command=command)))
+    await asyncio.sleep(0.5)
+
+    async def broken(*_args: object, **_kw: object) -> bytes:
+        raise BackendError("injected: the agent link failed this one request")
+
+    with monkeypatch.context() as m:
+        m.setattr(backend, "read_file", broken)
+        for _ in range(3):
+            with pytest.raises(BackendError, match="injected"):
+                await edge.read_file(sid, "/etc/hostname", max_bytes=100)
+    assert (await slow).stdout == "done\n"
+    assert (await edge.get(sid)).state is SandboxState.RUNNING
+    assert (await edge.exec(sid, ExecRequest(command="echo fine"))).stdout == "fine\n"
+    assert await backend.still_running(rec)
+    await edge.stop(sid)
+    assert not await backend.still_running(rec)
 
 
 async def test_missing_capabilities_are_refused_before_any_work(harness: Harness) -> None:

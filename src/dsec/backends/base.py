@@ -309,7 +309,24 @@ class Backend(ABC):
 
     @abstractmethod
     async def is_alive(self, rec: SandboxRecord) -> bool:
-        """After a restart: does the sandbox still run, and can we talk to it?"""
+        """After an edge restart, before ``adopt``: does the sandbox still run, and can
+        we talk to it? It may take back what the crashed edge left half-done (a verify
+        step's verifier, a VMM it stopped) and link to the sandbox anew: only the
+        restart's recovery calls it. A sandbox this process tracks is asked
+        ``still_running`` instead."""
+
+    @abstractmethod
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        """For a sandbox this edge process created or adopted: does it still run?
+
+        Asked by the data path when a request failed with a BackendError: did the
+        sandbox die, or did only this request fail? Answered from what the backend
+        tracks (its init or VMM process), with no side effect. A verify, pack or pause
+        of this process may be holding the sandbox still right now, so nothing here
+        links anew, thaws, continues or recovers anything, and an agent that cannot
+        answer while its sandbox is held is not a dead one. (``is_alive`` did all of
+        that here once: a failed request during a microVM verify continued the VM
+        and killed its verifier, and replaced the VM's tracked state.)"""
 
     async def adopt(self, rec: SandboxRecord) -> None:
         """Take back a sandbox that survived an edge restart (re-take host references)."""

@@ -1020,12 +1020,12 @@ class Edge:
         except DSecError as exc:
             if not isinstance(exc, BackendError):
                 raise
-            if rec.state is SandboxState.RUNNING and not await self.backend_of(rec).is_alive(rec):
+            backend = self.backend_of(rec)
+            if rec.state is SandboxState.RUNNING and not await backend.still_running(rec):
                 async with self._lock(sandbox_id):
                     if not rec.state.terminal:
-                        await self._finish(
-                            rec, SandboxState.FAILED, "the sandbox's init process died"
-                        )
+                        reason = backend.death_reason(rec) or "the sandbox's init process died"
+                        await self._finish(rec, SandboxState.FAILED, reason)
                 raise SandboxNotRunning(f"sandbox {sandbox_id} died: {rec.reason}") from None
             raise
         except Exception as exc:

@@ -711,6 +711,12 @@ class ContainerBackend(AgentDataPath, Backend):
                 return
             await asyncio.sleep(0.005)
 
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        """Whether its init (the agent) runs, by the runtime's state: a frozen one (a
+        verify or pack of this process) still runs, and is not pinged."""
+        state = await self.runtime.state(rec.id)
+        return state is not None and state.get("status") in ("running", "created")
+
     async def is_alive(self, rec: SandboxRecord) -> bool:
         await verifier.recover(self, rec.id)  # an edge killed mid-verify left it frozen
         state = await self.runtime.state(rec.id)

@@ -521,13 +521,15 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             raise BackendError(f"cleanup of {sid} incomplete: {'; '.join(errors)}")
 
     # -- recovery -----------------------------------------------------------------------
-    async def is_alive(self, rec: SandboxRecord) -> bool:
+    async def still_running(self, rec: SandboxRecord) -> bool:
         """A VM this edge tracks lives while its QEMU does (a guest agent that fails a
-        request fails that request only); after a restart, its QEMU is adopted by pid
-        and start time and must answer a guest agent sync."""
+        request fails that request only)."""
         known = self._vms.get(rec.id)
-        if known is not None:
-            return known.alive()
+        return known is not None and known.alive()
+
+    async def is_alive(self, rec: SandboxRecord) -> bool:
+        """After a restart: its QEMU is adopted by pid and start time and must answer
+        a guest agent sync."""
         vm = self._adopt(rec)
         if vm is None:
             return False

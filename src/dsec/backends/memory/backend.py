@@ -112,6 +112,9 @@ class MemoryBackend(Backend):
         self._box(rec).files[path] = bytes(data)
 
     async def is_alive(self, rec: SandboxRecord) -> bool:
+        return await self.still_running(rec)
+
+    async def still_running(self, rec: SandboxRecord) -> bool:
         try:
             self._box(rec)
         except BackendError:

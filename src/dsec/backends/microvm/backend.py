@@ -618,6 +618,13 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             held.append(digest)
         facts.layers_held = held
 
+    async def still_running(self, rec: SandboxRecord) -> bool:
+        """A VM this edge tracks lives while its QEMU does: a broken agent channel is
+        the guest-end watch's to mend or end (``_watch_guest_ends``), and a VM held
+        stopped by a verify or pack has a live QEMU."""
+        machine = self._machines.get(rec.id)
+        return machine is not None and machine.proc is not None and machine.proc.is_alive()
+
     async def is_alive(self, rec: SandboxRecord) -> bool:
         proc = self._adopt_process(rec)
         if proc is None:
@@ -770,7 +777,8 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
     async def _wait_answer(self, machine: Machine, channel: GuestChannel) -> None:
         """Until a new link's guest answers READY, at most RELINK_TIMEOUT; BackendError
         at once when the guest's agent port is closed meanwhile (its mux ended: nothing
-        will answer, however long the wait)."""
+        will answer, however long the wait) or the guest is over (the watch's own check
+        skips a VM whose lock is held, as it is for this whole wait)."""
         deadline = time.monotonic() + RELINK_TIMEOUT
         while True:
             try:
@@ -781,6 +789,8 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                     raise
             if await machine.agent_port_closed():
                 raise BackendError("the guest closed its agent port (its mux ended)")
+            if await machine.ends_within(0):
+                raise BackendError("the guest ended")
 
     async def _abandon(self, sid: str, machine: Machine, channel: GuestChannel) -> None:
         """The guest closed its agent port: its mux, which opens the port once and
