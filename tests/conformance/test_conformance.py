@@ -5,7 +5,11 @@ stop, recovery after an edge restart, capability refusals, admission limits, aud
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +29,9 @@ from dsec.errors import (
     SandboxNotRunning,
     Unsupported,
 )
+from dsec.security import protected
 from tests.conformance.conftest import Harness
+from tests.waiting import until
 
 
 async def test_create_and_exec(harness: Harness) -> None:
@@ -140,6 +146,60 @@ async def test_a_failed_request_leaves_a_live_sandbox_and_its_work_alone(
     assert await backend.still_running(rec)
     await edge.stop(sid)
     assert not await backend.still_running(rec)
+
+
+@contextlib.contextmanager
+def held_still(harness: Harness, backend: Any, rec: Any) -> Iterator[Callable[[], bool]]:
+    """Hold a sandbox still the way a verify or pack step does (a container's cgroup
+    frozen, a VM's QEMU stopped); yields a check that it is still held."""
+    if harness.kind is BackendKind.CONTAINER:
+        rel = backend.cgroup_of(rec.id)
+        protected.freeze(backend.cgroups, rel)
+        try:
+            yield lambda: protected.is_frozen(backend.cgroups, rel)
+        finally:
+            protected.thaw(backend.cgroups, rel)
+    elif harness.kind in (BackendKind.MICROVM, BackendKind.FULLVM):
+        pid = rec.facts.init_pid
+        os.kill(pid, signal.SIGSTOP)
+        until(f"QEMU {pid} stopped", lambda: _proc_state(pid) in ("T", "t"), 5, interval=0.01)
+        try:
+            yield lambda: _proc_state(pid) in ("T", "t")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    else:  # the memory backend has nothing to hold
+        yield lambda: True
+
+
+def _proc_state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()[0]
+
+
+async def test_a_failed_request_on_a_held_sandbox_keeps_it_held_and_running(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same question while the sandbox is held still by a step of this process: a
+    held sandbox is a live one (a container's runtime calls it "paused"; its agent
+    cannot answer a ping until thawed), and asking must not release the hold. The old
+    answer ran the crashed-verify recovery, which thawed a container or continued a VM
+    that a verify or pack was reading."""
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
+    rec = edge.find(sid)
+    assert rec is not None
+    backend = edge.backend_of(rec)
+
+    async def broken(*_args: object, **_kw: object) -> bytes:
+        raise BackendError("injected: the agent link failed this one request")
+
+    with held_still(harness, backend, rec) as still_held, monkeypatch.context() as m:
+        m.setattr(backend, "read_file", broken)
+        with pytest.raises(BackendError, match="injected"):
+            await edge.read_file(sid, "/etc/hostname", max_bytes=100)
+        assert still_held()
+        assert (await edge.get(sid)).state is SandboxState.RUNNING
+    assert (await edge.exec(sid, ExecRequest(command="echo fine"))).stdout == "fine\n"
 
 
 async def test_missing_capabilities_are_refused_before_any_work(harness: Harness) -> None:

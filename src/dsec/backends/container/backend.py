@@ -712,10 +712,11 @@ class ContainerBackend(AgentDataPath, Backend):
             await asyncio.sleep(0.005)
 
     async def still_running(self, rec: SandboxRecord) -> bool:
-        """Whether its init (the agent) runs, by the runtime's state: a frozen one (a
-        verify or pack of this process) still runs, and is not pinged."""
+        """Whether its init (the agent) runs, by the runtime's state, without a ping. A
+        frozen one (a verify or pack of this process holds it) still runs: crun calls
+        that "paused", and it is not pinged, since it cannot answer until thawed."""
         state = await self.runtime.state(rec.id)
-        return state is not None and state.get("status") in ("running", "created")
+        return state is not None and state.get("status") in ("running", "created", "paused")
 
     async def is_alive(self, rec: SandboxRecord) -> bool:
         await verifier.recover(self, rec.id)  # an edge killed mid-verify left it frozen
