@@ -178,17 +178,19 @@ class Machine:
 
     async def ends_within(self, grace: float) -> bool:
         """Whether the guest is seen over (as in ``guest_ended``) within ``grace``
-        seconds, asked by a caller that holds ``lock`` and saw the agent port close.
+        seconds (0: asked once), by a caller that holds ``lock``, which makes
+        ``guest_ended`` answer False.
 
         Why wait: a guest that powers off shuts its devices down first, and its agent
         port closes with them; QEMU reaches its shutdown state only after that, a
         while later on a loaded host under TCG. Without the wait, a poweroff reads as
-        "the guest broke its agent channel", which blames the wrong thing."""
+        "the guest broke its agent channel", which blames the wrong thing. The grace
+        bounds the polling, not one query: a query cut short would drop the QMP link."""
         deadline = time.monotonic() + grace
         while self.proc is not None:
             try:
                 qmp = await self.connect_qmp()
-                if await qmp.guest_ended(timeout=min(2.0, max(0.1, grace))):
+                if await qmp.guest_ended(timeout=2.0):
                     return True
             except QmpError:
                 await self.close_qmp()
