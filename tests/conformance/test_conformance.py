@@ -1,6 +1,7 @@
 """The backend conformance suite: the same tests for every backend with a harness
 (tests/conformance/conftest.py), through a real Edge: create, exec, files, idle TTL,
-stop, recovery after an edge restart, capability refusals, admission limits, audit."""
+stop, recovery after an edge restart, a failed request that must leave a live or
+held-still sandbox alone, capability refusals, admission limits, audit."""
 
 from __future__ import annotations
 
@@ -113,6 +114,11 @@ async def test_an_edge_restart_re_adopts_running_sandboxes(harness: Harness) -> 
     assert edge.admission.count == 1
 
 
+async def _failing_read(*_args: object, **_kw: object) -> bytes:
+    """A backend's ``read_file`` that fails the way a broken agent link does."""
+    raise BackendError("injected: the agent link failed this one request")
+
+
 async def test_a_failed_request_leaves_a_live_sandbox_and_its_work_alone(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,11 +138,8 @@ async def test_a_failed_request_leaves_a_live_sandbox_and_its_work_alone(
     slow = asyncio.create_task(edge.exec(sid, ExecRequest(command=command)))
     await asyncio.sleep(0.5)
 
-    async def broken(*_args: object, **_kw: object) -> bytes:
-        raise BackendError("injected: the agent link failed this one request")
-
     with monkeypatch.context() as m:
-        m.setattr(backend, "read_file", broken)
+        m.setattr(backend, "read_file", _failing_read)
         for _ in range(3):
             with pytest.raises(BackendError, match="injected"):
                 await edge.read_file(sid, "/etc/hostname", max_bytes=100)
@@ -190,11 +193,8 @@ async def test_a_failed_request_on_a_held_sandbox_keeps_it_held_and_running(
     assert rec is not None
     backend = edge.backend_of(rec)
 
-    async def broken(*_args: object, **_kw: object) -> bytes:
-        raise BackendError("injected: the agent link failed this one request")
-
     with held_still(harness, backend, rec) as still_held, monkeypatch.context() as m:
-        m.setattr(backend, "read_file", broken)
+        m.setattr(backend, "read_file", _failing_read)
         with pytest.raises(BackendError, match="injected"):
             await edge.read_file(sid, "/etc/hostname", max_bytes=100)
         assert still_held()

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DEATH_TEARDOWN_GRACE = 15.0  # seconds a close waits for teardowns of deaths it saw
 LIVE_STATES = {
     SandboxState.CREATING,
     SandboxState.RUNNING,
@@ -306,6 +307,11 @@ class Edge:
         await self.limits.close()
         await self.supervisor.close()
         await self.deaths.close()
+        # A death seen just before the close is torn down to the end: cut midway, it
+        # would leave a STOPPING record and half its kernel objects for the next start.
+        # Bounded: only a teardown stuck past its own timeouts is cancelled.
+        if self._death_tasks:
+            await asyncio.wait(list(self._death_tasks), timeout=DEATH_TEARDOWN_GRACE)
         for task in list(self._death_tasks):
             task.cancel()
         await asyncio.gather(*self._death_tasks, return_exceptions=True)

@@ -204,6 +204,18 @@ class LayerMounts:
             # dsec.images.service.LayerCacheBudget), so the rest may be others that can.
             self.provider.enforce_budget()
 
+    def release_held(self, held: list[str], *, holder: str) -> None:
+        """Release every layer in ``held`` (a sandbox's own list of what it holds) and
+        empty that list in place, so a second call releases nothing: for teardowns,
+        which are idempotent and call this in a ``finally`` (a step that fails, or a
+        cancel midway, must not leave the layers counted as used)."""
+        while held:
+            digest = held.pop()
+            try:
+                self.release(digest, holder=holder)
+            except Exception:  # one bad entry must not keep the others held
+                log.exception("release of layer %s by %s failed", digest, holder)
+
     def _trace(self, digest: str, delta: int, holder: str | None) -> None:
         """Count a user by its holder, or else at its call site (under the lock; only
         with TRACE_USERS_ENV)."""

@@ -601,7 +601,18 @@ class ContainerBackend(AgentDataPath, Backend):
 
     async def teardown(self, sid: str, facts: ContainerFacts) -> None:
         """Remove every kernel object of container ``sid`` (a sandbox or a verifier),
-        releasing the layers ``facts`` holds; idempotent, works on half-made ones."""
+        releasing the layers ``facts`` holds; idempotent, works on half-made ones. The
+        layers are released also when a step fails or the teardown is cancelled
+        midway: what is left is the next teardown's or the next start's, but no layer
+        stays counted as used (CI once saw a layer held at close by a sandbox that
+        was gone, through the platform's layer-holder trace)."""
+        try:
+            await self._remove_objects(sid, facts)
+        finally:
+            self.layers.release_held(facts.layers_held, holder=sid)
+
+    async def _remove_objects(self, sid: str, facts: ContainerFacts) -> None:
+        """Everything of ``teardown`` but the layers (BackendError: what is left)."""
         self.decoys.unwatch(sid)  # before anything of ours opens the decoys
         self.init_channels.forget(sid)
         if self.seccomp is not None:
@@ -633,10 +644,6 @@ class ContainerBackend(AgentDataPath, Backend):
                 linux.umount(rootfs, detach=True)
             except OSError as exc:
                 errors.append(str(exc))
-        for digest in facts.layers_held:
-            with contextlib.suppress(Exception):
-                self.layers.release(digest, holder=sid)
-        facts.layers_held = []
         # A detached unmount that did not take: keep the directory.
         still_mounted = leftover_mount and linux.is_mounted(rootfs)
         if root.exists() and not still_mounted:

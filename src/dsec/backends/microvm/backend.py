@@ -538,7 +538,16 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         await self._teardown(rec.id, self.facts(rec))
 
     async def _teardown(self, sid: str, facts: MicroVMFacts) -> None:
-        """Kill QEMU, remove its cgroup, files and sockets, release layers; idempotent."""
+        """Kill QEMU, remove its cgroup, files and sockets, release layers; idempotent.
+        The layers are released also when a step fails or the teardown is cancelled
+        midway (as in the container backend's ``teardown``)."""
+        try:
+            await self._remove_objects(sid, facts)
+        finally:
+            self.layers.release_held(facts.layers_held, holder=sid)
+
+    async def _remove_objects(self, sid: str, facts: MicroVMFacts) -> None:
+        """Everything of ``_teardown`` but the layers (BackendError: what is left)."""
         errors: list[str] = []
         self.init_signals.unwatch(sid)
         machine = self._machines.pop(sid, None)
@@ -558,9 +567,6 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             self.cgroups.kill_and_remove, self.cgroup_of(sid), timeout=5
         ):
             errors.append(f"cgroup {self.cgroup_of(sid)} not removed")
-        for digest in facts.layers_held:
-            self.layers.release(digest, holder=sid)
-        facts.layers_held = []
         await asyncio.to_thread(shutil.rmtree, self.vm_dir(sid), True)
         if self.vm_dir(sid).exists():
             errors.append(f"{self.vm_dir(sid)} not removed")

@@ -1,0 +1,68 @@
+"""A teardown that is cut midway still releases the image layers its sandbox held
+(``LayerMounts.release_held`` in a ``finally``), for the backends that hold layers:
+the container and microVM backends, through the platform's own root as in the
+conformance suite. CI once saw a layer counted as used at close by a sandbox that was
+gone (the layer-holder trace); a teardown cancelled or failing before its release step
+leaves exactly that."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec.api.spec import BackendKind
+from tests.conformance.conftest import HARNESSES, Harness
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(params=[BackendKind.CONTAINER, BackendKind.MICROVM], ids=lambda k: k.value)
+async def layered(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
+    h = HARNESSES[request.param](tmp_path)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+@pytest.mark.parametrize("cut", ["cancelled", "failed"])
+async def test_a_teardown_cut_midway_releases_its_layers(
+    layered: Harness, cut: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No warm sandbox: it would hold the same layers, and the counts are compared.
+    monkeypatch.setenv("DSEC_WARM_POOL", "0")
+    edge = await layered.edge()
+    sid = (await edge.create(layered.make_spec(), timeout=layered.create_timeout)).id
+    rec = edge.find(sid)
+    assert rec is not None
+    backend: Any = edge.backend_of(rec)
+    layers = list(rec.image.layers)
+    before = {d: backend.layers.refcount(d) for d in layers}
+    assert layers and all(n >= 1 for n in before.values()), before
+    real = backend._remove_objects
+    started = asyncio.Event()
+
+    async def cut_short(*args: Any) -> None:
+        started.set()
+        if cut == "failed":
+            raise OSError("injected: a step of the teardown failed")
+        await asyncio.sleep(3600)  # until cancelled, as a close cancels a teardown
+
+    monkeypatch.setattr(backend, "_remove_objects", cut_short)
+    facts = backend.facts(rec)
+    task = asyncio.create_task(backend.destroy(rec))
+    await started.wait()
+    if cut == "cancelled":
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError if cut == "cancelled" else OSError):
+        await task
+    assert {d: backend.layers.refcount(d) for d in layers} == {d: n - 1 for d, n in before.items()}
+    assert facts.layers_held == []
+    # The rest of the teardown is still done by the next try, which releases nothing twice.
+    monkeypatch.setattr(backend, "_remove_objects", real)
+    await edge.stop(sid)
+    assert {d: backend.layers.refcount(d) for d in layers} == {d: n - 1 for d, n in before.items()}
