@@ -8,35 +8,28 @@ leaves exactly that."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dsec.api.spec import BackendKind
-from tests.conformance.conftest import HARNESSES, Harness
+from tests.conformance.conftest import Harness
 
 pytestmark = pytest.mark.root
 
 
-@pytest.fixture(params=[BackendKind.CONTAINER, BackendKind.MICROVM], ids=lambda k: k.value)
-async def layered(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
-    h = HARNESSES[request.param](tmp_path)
-    try:
-        yield h
-    finally:
-        await h.close()
-
-
+# The conformance suite's harness, for the backends that hold layers only.
+@pytest.mark.parametrize(
+    "harness", [BackendKind.CONTAINER, BackendKind.MICROVM], indirect=True, ids=lambda k: k.value
+)
 @pytest.mark.parametrize("cut", ["cancelled", "failed"])
 async def test_a_teardown_cut_midway_releases_its_layers(
-    layered: Harness, cut: str, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, cut: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No warm sandbox: it would hold the same layers, and the counts are compared.
     monkeypatch.setenv("DSEC_WARM_POOL", "0")
-    edge = await layered.edge()
-    sid = (await edge.create(layered.make_spec(), timeout=layered.create_timeout)).id
+    edge = await harness.edge()
+    sid = (await edge.create(harness.make_spec(), timeout=harness.create_timeout)).id
     rec = edge.find(sid)
     assert rec is not None
     backend: Any = edge.backend_of(rec)
