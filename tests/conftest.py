@@ -383,6 +383,11 @@ def platform_process(**extra_env: str) -> Iterator[PlatformProcess]:
         for line in log_text.splitlines():
             if LAYER_CLOSE_MARKS.search(line):  # recovered at close: said, not failed
                 warnings.warn(f"platform {edge_id} at close: {line[:500]}", stacklevel=1)
+                # The holder's own story from the log (the log goes with the data dir):
+                # how that sandbox ended is what the next look at such a report needs.
+                for holder in re.findall(r"held by (\S+) ", line):
+                    story = [ln[:300] for ln in log_text.splitlines() if holder in ln]
+                    warnings.warn(f"{holder} in the log: {story[-12:]}", stacklevel=1)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -604,8 +604,7 @@ class ContainerBackend(AgentDataPath, Backend):
         releasing the layers ``facts`` holds; idempotent, works on half-made ones. The
         layers are released also when a step fails or the teardown is cancelled
         midway: what is left is the next teardown's or the next start's, but no layer
-        stays counted as used (CI once saw a layer held at close by a sandbox that
-        was gone, through the platform's layer-holder trace)."""
+        stays counted as used."""
         try:
             await self._remove_objects(sid, facts)
         finally:
