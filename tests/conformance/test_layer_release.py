@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from dsec.api.sandbox import SandboxState
 from dsec.api.spec import BackendKind
 from tests.conformance.conftest import Harness
 
@@ -59,3 +60,31 @@ async def test_a_teardown_cut_midway_releases_its_layers(
     monkeypatch.setattr(backend, "_remove_objects", real)
     await edge.stop(sid)
     assert {d: backend.layers.refcount(d) for d in layers} == {d: n - 1 for d, n in before.items()}
+
+
+async def test_a_stop_during_the_create_waits_for_it_and_leaves_nothing_held(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop while the sandbox is still CREATING (a named create's id is known before
+    it returns) waits for the create to settle, then tears down what it made: the
+    record ends STOPPED, the sandbox does not run, and no layer stays held. Torn down
+    at once, the stop met facts that held nothing; the create then stored facts that
+    held the layers, which nothing released (the layer counted as used at close in CI
+    on b9eae9e and 1335cd2; reproduced here with the stop 20 ms into the create)."""
+    monkeypatch.setenv("DSEC_WARM_POOL", "0")
+    edge = await harness.edge()
+    spec = harness.make_spec()
+    for delay in (0.0, 0.01, 0.02, 0.05):
+        sid = edge.new_sandbox_id()
+        creating = asyncio.create_task(
+            edge.create_named(spec, timeout=harness.create_timeout, sandbox_id=sid)
+        )
+        await asyncio.sleep(delay)
+        assert (await edge.stop(sid)).state is SandboxState.STOPPED
+        assert (await creating).id == sid
+        rec = edge.find(sid)
+        assert rec is not None and rec.state is SandboxState.STOPPED, delay
+        backend: Any = edge.backend_of(rec)
+        assert not await backend.still_running(rec)
+        held = {d: backend.layers.refcount(d) for d in rec.image.layers}
+        assert all(n == 0 for n in held.values()), (delay, held)

@@ -671,70 +671,76 @@ class Edge:
             image,
             SandboxState.CREATING,
         )
-        self._records[rec.id] = rec
-        self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)
-        self.audit.record(
-            rec.id,
-            AuditKind.LIFECYCLE,
-            "create",
-            image=spec.image_ref,
-            layers=list(image.layers),
-            network_rules=spec.network_rules,
-            **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
-        )
-        try:
-            # The key is durable with the record, before anything is acknowledged.
-            self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
-            if self.network is not None and spec.network_rules:
-                rec.net = await self.network.attach(
-                    rec.id, spec.network_rules, vm=backend.network_device == "tap"
+        # The sandbox lock is held until the create has settled: a stop of a CREATING
+        # sandbox waits for it, and then tears down what the create really made. Torn
+        # down meanwhile, it met facts that held nothing, and the create then stored
+        # facts holding the image layers that nothing would release (a layer counted
+        # as used at close, CI on b9eae9e and 1335cd2), and set RUNNING over STOPPED.
+        async with self._lock(rec.id):
+            self._records[rec.id] = rec
+            self.audit.tag(rec.id, spec.job_id, spec.trajectory_id)
+            self.audit.record(
+                rec.id,
+                AuditKind.LIFECYCLE,
+                "create",
+                image=spec.image_ref,
+                layers=list(image.layers),
+                network_rules=spec.network_rules,
+                **({"protected": protected_summary(spec.protected)} if spec.protected else {}),
+            )
+            try:
+                # The key is durable with the record, before anything is acknowledged.
+                self.state.save(rec, key=None if claim is None else self.keys.row(claim, rec.id))
+                if self.network is not None and spec.network_rules:
+                    rec.net = await self.network.attach(
+                        rec.id, spec.network_rules, vm=backend.network_device == "tap"
+                    )
+                inp = CreateInput(
+                    id=rec.id,
+                    spec=spec,
+                    image=image,
+                    protected_layers=tuple(protected_layers),
+                    protected_files=tuple(inline),
+                    net=rec.net,
                 )
-            inp = CreateInput(
-                id=rec.id,
-                spec=spec,
-                image=image,
-                protected_layers=tuple(protected_layers),
-                protected_files=tuple(inline),
-                net=rec.net,
-            )
-            if warm is not None:
-                rec.facts = warm.facts  # started ahead, never handed to anyone
-            else:
-                # asyncio.timeout, not wait_for: no task of its own (two event-loop turns
-                # less on the create path); a timeout cancels the create just the same.
-                with self.pool.creating():
-                    async with asyncio.timeout(timeout):
-                        rec.facts = await backend.create(inp)
-            if self.network is not None:
-                self.network.joined(rec.id)  # the sandbox holds its netns from now on
-        except BaseException as exc:
-            reason = (
-                f"creation did not finish within {timeout:g}s"
-                if isinstance(exc, TimeoutError)
-                else f"creation failed: {exc or type(exc).__name__}"
-            )
-            await asyncio.shield(self._finish(rec, SandboxState.FAILED, reason))
-            if isinstance(exc, TimeoutError):
-                raise Timeout(reason, sandbox_id=rec.id) from None
-            typed = self.exhaustion.typed(exc) if isinstance(exc, Exception) else None
-            if typed is not None:  # the host ran out of something: say which, no traceback
-                typed.details["sandbox_id"] = rec.id
-                raise typed from None
-            if isinstance(exc, DSecError):
+                if warm is not None:
+                    rec.facts = warm.facts  # started ahead, never handed to anyone
+                else:
+                    # asyncio.timeout, not wait_for: no task of its own (two event-loop turns
+                    # less on the create path); a timeout cancels the create just the same.
+                    with self.pool.creating():
+                        async with asyncio.timeout(timeout):
+                            rec.facts = await backend.create(inp)
+                if self.network is not None:
+                    self.network.joined(rec.id)  # the sandbox holds its netns from now on
+            except BaseException as exc:
+                reason = (
+                    f"creation did not finish within {timeout:g}s"
+                    if isinstance(exc, TimeoutError)
+                    else f"creation failed: {exc or type(exc).__name__}"
+                )
+                await asyncio.shield(self._finish(rec, SandboxState.FAILED, reason))
+                if isinstance(exc, TimeoutError):
+                    raise Timeout(reason, sandbox_id=rec.id) from None
+                typed = self.exhaustion.typed(exc) if isinstance(exc, Exception) else None
+                if typed is not None:  # the host ran out of something: say which, no traceback
+                    typed.details["sandbox_id"] = rec.id
+                    raise typed from None
+                if isinstance(exc, DSecError):
+                    raise
+                if isinstance(exc, Exception):
+                    raise BackendError(reason, sandbox_id=rec.id) from exc
                 raise
-            if isinstance(exc, Exception):
-                raise BackendError(reason, sandbox_id=rec.id) from exc
-            raise
-        self._set(rec, SandboxState.RUNNING)
-        self.limits.track(rec.id)
-        self.limits.watch(rec)
-        self.clocks.started(rec)
-        self._arm_idle_ttl(rec)
-        self.idle.track(rec)
-        self._watch_init(rec)
-        if spec.backend in WARM_KINDS:
-            self.pool.asked(spec, image, hit=warm is not None)
-        return rec.info()
+            self._set(rec, SandboxState.RUNNING)
+            self.limits.track(rec.id)
+            self.limits.watch(rec)
+            self.clocks.started(rec)
+            self._arm_idle_ttl(rec)
+            self.idle.track(rec)
+            self._watch_init(rec)
+            if spec.backend in WARM_KINDS:
+                self.pool.asked(spec, image, hit=warm is not None)
+            return rec.info()
 
     async def _image_of(self, spec: RunArgs) -> ImageInfo:
         """What a sandbox starts from: a container's or microVM's layered image (base +
