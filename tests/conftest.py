@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec import linux, native
+from dsec import linux, native, spawn
 from dsec.backends.container import sharedsys
 from dsec.images.mounts import TRACE_USERS_ENV
 from dsec.net.manager import host_leftovers as net_leftovers
@@ -293,6 +293,22 @@ def spawners(data_dir: Path) -> list[int]:
     return [pid for pid in found if _ppid(pid) not in found]
 
 
+def stop_spawners(data_dir: Path, timeout: float = 5.0) -> None:
+    """Stop the spawner of the platform on ``data_dir`` as the platform does: asked, it
+    reaps its children (the inits just killed) before it exits. A SIGKILL would hand
+    them to pid 1 as zombies for good, seen by every worker's ``pid1_orphans``; so only
+    one that does not drain in ``timeout`` is killed."""
+    if not spawners(data_dir):
+        return
+    spawn.stop_spawner(data_dir / "run" / "spawner.sock")
+    deadline = time.monotonic() + timeout
+    while spawners(data_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in spawners(data_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def pid1_orphans(
     names: frozenset[str] = frozenset({"init", "crun"}), *, zombies_only: bool = False
 ) -> set[int]:
@@ -326,9 +342,10 @@ def clean_leftovers(data_dir: Path, edge_id: str) -> None:
     remove_net_leftovers(edge_id)
     for dev in loop_devices_backed_by(data_dir):
         subprocess.run(["losetup", "-d", dev], check=False)
-    for pid in [*qemus(data_dir), *lazyfs_daemons(data_dir), *spawners(data_dir)]:
+    for pid in [*qemus(data_dir), *lazyfs_daemons(data_dir)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    stop_spawners(data_dir)
     for pid in zygotes(data_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -267,3 +267,96 @@ async def test_stop_if_idle_stops_only_a_spawner_with_nothing_to_reap(
     monkeypatch.undo()
     assert spawner.stop_if_idle()
     assert not spawn.spawner_answers(spawner.path)
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of ``pid`` (Z: a zombie), None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2]
+
+
+async def test_a_stop_reaps_every_child_first_dead_dying_or_alive(
+    spawner: spawn.HostSpawner,
+) -> None:
+    """The platform stops the spawner right after stopping its sandboxes: their inits
+    are then dead with their SIGCHLDs merged (reaped only by the next sweep), or still
+    dying. A spawner that exited then would hand each to pid 1, which here never reaps
+    (ci: a zombie init after `dsec down --stop-sandboxes`). It reaps them all first."""
+    assert spawner.pid is not None
+    spawn.use_spawner(spawner.path)
+    started = await spawn.run(
+        ["/bin/sh", "-c", "for i in $(seq 40); do sleep 30 <&- >&- 2>&- & echo $!; done"]
+    )
+    killed = [int(p) for p in started.stdout.split()]
+    late = await spawn.run(["/bin/sh", "-c", "sleep 0.4 <&- >&- 2>&- & echo $!"])
+    living = int(late.stdout)
+    for pid in killed:  # deaths together: their SIGCHLDs merge
+        os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    await asyncio.to_thread(spawner.stop)
+    assert time.monotonic() - t0 >= 0.2, "it waited for the child still alive"
+    assert spawner.pid is None and not spawner.path.exists()
+    assert {pid: _state(pid) for pid in [*killed, living]} == dict.fromkeys([*killed, living]), (
+        "each is reaped by the spawner, none left to pid 1"
+    )
+
+
+async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_needed(
+    spawner: spawn.HostSpawner,
+) -> None:
+    """A restarted platform re-uses its predecessor's spawner (not its child): its stop
+    waits for that one to drain too. A child that outlives the wait keeps its reaping
+    parent: the spawner is left running, never killed, and exits once it is reaped."""
+    assert spawner.pid is not None
+    spawn.use_spawner(spawner.path)
+    late = int((await spawn.run(["/bin/sh", "-c", "sleep 0.4 <&- >&- 2>&- & echo $!"])).stdout)
+    t0 = time.monotonic()
+    await asyncio.to_thread(spawn.HostSpawner(spawner.path, None).stop)
+    assert time.monotonic() - t0 >= 0.2 and _state(late) is None
+    assert _state(spawner.pid) == "Z", "the spawner exited (our child: the fixture reaps it)"
+
+    spawner = await spawn.start_spawner(agent_binary(), spawner.path)
+    assert spawner.pid is not None
+    try:
+        kept = int((await spawn.run(["/bin/sh", "-c", "sleep 30 <&- >&- 2>&- & echo $!"])).stdout)
+        await asyncio.to_thread(spawner.stop, 0.3)
+        assert spawner.pid is not None and _state(spawner.pid) not in (None, "Z")
+        assert not spawner.path.exists(), "it takes no new work"
+        assert _children(spawner.pid) == [(kept, "S")], "still the parent of what lives on"
+        os.kill(kept, signal.SIGKILL)
+        for _ in range(100):
+            if _state(spawner.pid) == "Z":
+                break
+            await asyncio.sleep(0.02)
+        assert _state(spawner.pid) == "Z" and _state(kept) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(spawner.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(spawner.pid, 0)  # noqa: ASYNC222 - exited or SIGKILLed
+
+
+async def test_an_idle_stop_does_not_count_the_dead_it_has_yet_to_reap(
+    spawner: spawn.HostSpawner,
+) -> None:
+    """Sandboxes that all ended just before a clean shutdown leave their inits dead but
+    maybe not reaped yet (SIGCHLDs merged, the sweep not due): that is idle. Counting
+    them kept the spawner running for good after `dsec demo`, with nothing to reap."""
+    assert spawner.pid is not None
+    spawn.use_spawner(spawner.path)
+    started = await spawn.run(
+        ["/bin/sh", "-c", "for i in $(seq 40); do sleep 30 <&- >&- 2>&- & echo $!; done"]
+    )
+    killed = [int(p) for p in started.stdout.split()]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(100):  # all dead: gone, or zombies the spawner has yet to reap
+        if all(_state(pid) in (None, "Z") for pid in killed):
+            break
+        await asyncio.sleep(0.01)
+    assert await asyncio.to_thread(spawner.stop_if_idle)
+    assert spawner.pid is None and [_state(pid) for pid in killed] == [None] * len(killed)

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,9 @@ _PID, _EXIT, _BYE, _UNKNOWN = 1, 2, 3, 4
 # The wait statuses of the last orphans reap_orphans() collected (pid -> raw status),
 # what reaped_status() answers without a spawner; the spawner keeps its own ring.
 _RING = 1024
+# How long a stop waits for the spawner to reap its last child and exit: the inits of
+# the sandboxes just stopped die within ms; one still alive after this is logged.
+SPAWNER_DRAIN_S = 10.0
 _reaped: dict[int, int] = {}
 _HEADER = struct.Struct("<IiII")
 _REPLY = struct.Struct("<ii")
@@ -147,30 +151,34 @@ def spawner_answers(path: Path) -> bool:
     return True
 
 
-def spawner_children(path: Path) -> list[int] | None:
-    """The processes the spawner on ``path`` is the parent of (sandbox inits, crun's
-    intermediates it adopted as subreaper); None when no spawner answers or its
-    children cannot be read. Its pid comes from the socket's peer credentials, so this
-    also works for a spawner a crashed platform started."""
+def spawner_pid(path: Path) -> int | None:
+    """The pid of the spawner listening on ``path``, from the socket's peer credentials
+    (so also of one a crashed platform started); None when none answers."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
         try:
             s.connect(str(path))
             creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
             return None
-    pid = struct.unpack("3i", creds)[0]
-    children: list[int] = []
-    try:
-        for task in os.scandir(f"/proc/{pid}/task"):
-            with open(f"{task.path}/children", encoding="ascii") as fh:
-                children += [int(c) for c in fh.read().split()]
-    except OSError:
-        return None
-    return children
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
+
+
+def spawner_children(path: Path) -> list[int] | None:
+    """The living processes the spawner on ``path`` is the parent of (sandbox inits,
+    crun's intermediates it adopted as subreaper); None when no spawner answers or its
+    children cannot be read. Its pid comes from the socket's peer credentials, so this
+    also works for a spawner a crashed platform started. A dead child not reaped yet
+    (its SIGCHLD merged into another's and the sweep not due) does not count: a
+    stop reaps it anyway."""
+    pid = spawner_pid(path)
+    children = None if pid is None else _children_of(pid)
+    return None if children is None else [c for c in children if not _gone(c, reap=False)]
 
 
 def stop_spawner(path: Path, timeout: float = 5.0) -> bool:
-    """Ask the spawner on ``path`` to exit; True once it acknowledged."""
+    """Ask the spawner on ``path`` to exit; True once it acknowledged. It stops
+    listening at once, and exits when it has reaped its last child (see ``stop``)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
         try:
             s.settimeout(timeout)
@@ -341,6 +349,34 @@ async def reaped_status(pid: int, timeout: float = 1.0) -> int | None:
     return value if kind == _EXIT else _reaped.get(pid)
 
 
+def _gone(pid: int, *, reap: bool) -> bool:
+    """Whether ``pid`` has exited: reaped here when ``reap`` (our child), else gone or a
+    zombie (a crashed platform's spawner is pid 1's child now, and pid 1 reaps late)."""
+    if reap:
+        try:
+            return os.waitpid(pid, os.WNOHANG) != (0, 0)
+        except ChildProcessError:
+            return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2 :].startswith("Z")
+
+
+def _children_of(pid: int) -> list[int] | None:
+    """The children of ``pid`` (every thread's), or None when they cannot be read."""
+    children: list[int] = []
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/children", encoding="ascii") as fh:
+                children += [int(c) for c in fh.read().split()]
+    except OSError:
+        return None
+    return children
+
+
 @dataclass
 class HostSpawner:
     """The spawner this platform uses; ``pid`` is set when we started it (our child)."""
@@ -349,8 +385,8 @@ class HostSpawner:
     pid: int | None
 
     def stop_if_idle(self) -> bool:
-        """``stop`` when no process is left for it to reap (a clean shutdown whose
-        sandboxes all ended, though they were free to run on): a spawner outlives the
+        """``stop`` when no living process is left for it to reap (a clean shutdown
+        whose sandboxes all ended, though they were free to run on): a spawner outlives the
         platform only for the sandboxes that do. True if it was stopped; kept when
         its children cannot be read (a kernel without /proc/PID/task/TID/children):
         a spawner left running is harmless, a sandbox without its reaping parent not."""
@@ -360,16 +396,37 @@ class HostSpawner:
         self.stop()
         return True
 
-    def stop(self) -> None:
-        """Make it exit (once every sandbox is gone) and reap it if it is ours."""
+    def stop(self, drain_timeout: float = SPAWNER_DRAIN_S) -> None:
+        """Make it exit once it has reaped every child, and wait for that (bounded).
+
+        The platform stops it right after stopping its sandboxes, whose inits may not
+        be reaped yet; a spawner that left then would hand them to pid 1, which here
+        never reaps. So it drains first (dsec-init.c, sp_drain), and we wait for it
+        to be gone, also when a crashed platform started it (not our child). A child
+        that outlives ``drain_timeout`` keeps it running, as its reaping parent: it is
+        logged, never killed. Only a spawner that does not answer is killed, if ours."""
         use_spawner(None)
-        if not stop_spawner(self.path) and self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        if self.pid is not None:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
-            self.pid = None
+        pid = self.pid if self.pid is not None else spawner_pid(self.path)
+        if not stop_spawner(self.path):
+            if self.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
+                self.pid = None
+            return
+        deadline = time.monotonic() + drain_timeout
+        while pid is not None and not _gone(pid, reap=pid == self.pid):
+            if time.monotonic() > deadline:
+                log.warning(
+                    "the spawner (pid %d) still reaps %s after %.0f s: left running",
+                    pid,
+                    _children_of(pid),
+                    drain_timeout,
+                )
+                return
+            time.sleep(0.01)
+        self.pid = None
 
 
 async def start_spawner(binary: Path, path: Path, timeout: float = 10.0) -> HostSpawner:

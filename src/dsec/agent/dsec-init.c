@@ -3285,7 +3285,8 @@ usage:
 /*   request: u32 op, i32 extra_target, u32 argc, u32 envc, then argc + envc strings,   */
 /*            each NUL-terminated; SCM_RIGHTS carries stdout, stderr[, extra fd].       */
 /*   replies: i32 kind, i32 value: PID (pid, or -errno if it could not start), later    */
-/*            EXIT (raw wait status). op SHUTDOWN is answered with BYE, then we exit.   */
+/*            EXIT (raw wait status). op SHUTDOWN is answered with BYE; we then stop    */
+/*            listening and exit once every child of ours is reaped (sp_drain).         */
 /* op STATUS (extra_target = a pid, no strings or fds) is answered with EXIT and the    */
 /* wait status of that pid if it is among the last SP_RING orphans we reaped, else with */
 /* UNKNOWN: how the platform learns how a sandbox's init died without holding a pidfd */
@@ -3586,6 +3587,24 @@ static void sp_reap_all(void)
 		sp_reaped(pid, status);
 }
 
+/* After SHUTDOWN: reap every child, waiting for the ones still alive, before exiting. */
+/* The platform asks for a shutdown right after it stopped its sandboxes, so their inits */
+/* (our children as subreaper) may be dying, or dead with their SIGCHLD merged and the  */
+/* sweep not due yet. Exiting then would hand each to pid 1, which on this host never   */
+/* reaps: a zombie init for good, one per sandbox. A child that lives on keeps us as    */
+/* its reaping parent, which is our job; the socket is gone, so no new work comes.      */
+static void sp_drain(void)
+{
+	for (;;) {
+		int status;
+		pid_t pid = waitpid(-1, &status, 0);
+		if (pid > 0)
+			sp_reaped(pid, status);
+		else if (errno != EINTR)
+			return; /* ECHILD: nothing left to reap */
+	}
+}
+
 static long long sp_now_ms(void)
 {
 	struct timespec ts;
@@ -3683,6 +3702,8 @@ static int spawner_main(int argc, char **argv)
 				if (stat(path, &now) == 0 && now.st_ino == ours.st_ino &&
 				    now.st_dev == ours.st_dev)
 					unlink(path);
+				close(lfd);
+				sp_drain();
 				return 0;
 			}
 		}
