@@ -279,11 +279,8 @@ def lazyfs_daemons(data_dir: Path) -> list[int]:
 
 
 def _ppid(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat[stat.rfind(")") + 2 :].split()[1])
+    st = linux.proc_stat(pid)
+    return 0 if st is None else st.ppid
 
 
 def spawners(data_dir: Path) -> list[int]:
@@ -314,20 +311,11 @@ def pid1_orphans(
 ) -> set[int]:
     """Processes called one of ``names`` (container inits, crun) re-parented to pid 1,
     which reaps late or never on this machine: such an init leaks a zombie once stopped."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
-        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
-        if ppid == "1" and comm in names and (state == "Z" or not zombies_only):
-            found.add(int(entry))
-    return found
+    return {
+        pid
+        for pid, st in linux.proc_stats()
+        if st.ppid == 1 and st.comm in names and (st.state == "Z" or not zombies_only)
+    }
 
 
 def clean_leftovers(data_dir: Path, edge_id: str) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from dsec import linux
+
 PG_BIN = Path(os.environ.get("DSEC_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_USER = "postgres"
 DATABASE = "dsec"
@@ -184,11 +186,8 @@ class PostgresServer:
         """The postmaster runs (a zombie waiting for init to reap it does not count)."""
         if self.pid is None:
             return False
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        st = linux.proc_stat(self.pid)
+        return st is not None and not st.dead
 
     def stop(self) -> None:
         """Fast shutdown, then immediate, then SIGKILL; remove the directory. Idempotent."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec import linux
 from dsec.agent import build
 from dsec.errors import (
     BackendError,
@@ -53,18 +54,7 @@ NOBODY = 65534
 
 def _proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, state) for every process on the host."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[0])
-    return table
+    return {pid: (st.ppid, st.state) for pid, st in linux.proc_stats()}
 
 
 def comm(pid: int) -> str:

@@ -44,18 +44,7 @@ pytestmark = pytest.mark.root
 
 
 def zombie_children(ppid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] == "Z" and int(fields[1]) == ppid:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, st in linux.proc_stats() if st.state == "Z" and st.ppid == ppid]
 
 
 def args(image: str, **kw: object) -> DSecContainerRunArgs:

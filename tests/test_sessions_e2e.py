@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
-from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, Sandbox
+from dsec import DSecClient, DSecContainerRunArgs, DSecSyncClient, Sandbox, linux
 from dsec.api.events import AuditKind
 from dsec.errors import InvalidArgument, NotFound, SandboxNotRunning
 from dsec.sdk.datapath import OutputChunk
@@ -54,11 +54,10 @@ def host_processes_with(mark: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
                 cmdline = fh.read()
-            with open(f"/proc/{entry}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and mark.encode() in cmdline and b"sleep" in cmdline:
+        st = linux.proc_stat(int(entry))
+        if st is not None and not st.dead and mark.encode() in cmdline and b"sleep" in cmdline:
             found.append(int(entry))
     return found
 

@@ -16,25 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from dsec import spawn
+from dsec import linux, spawn
 from dsec.agent.build import agent_binary
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, state) of every process whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
-        if int(ppid) == pid:
-            found.append((int(entry), state))
-    return found
+    return [(child, st.state) for child, st in linux.proc_stats() if st.ppid == pid]
 
 
 @pytest.fixture
@@ -271,12 +259,8 @@ async def test_stop_if_idle_stops_only_a_spawner_with_nothing_to_reap(
 
 def _state(pid: int) -> str | None:
     """The state letter of ``pid`` (Z: a zombie), None once it is gone (reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2]
+    st = linux.proc_stat(pid)
+    return None if st is None else st.state
 
 
 async def test_a_stop_reaps_every_child_first_dead_dying_or_alive(

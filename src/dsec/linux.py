@@ -37,6 +37,49 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
 
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat the platform reads about a process."""
+
+    comm: str
+    state: str  # R, S, D, T (stopped), t (traced), Z (zombie), X (dead), ...
+    ppid: int
+    start_time: int  # clock ticks after boot (field 22): tells a reused pid apart
+
+    @property
+    def dead(self) -> bool:
+        """Exited: a zombie not reaped by its parent yet, or being removed."""
+        return self.state in ("Z", "X")
+
+    @property
+    def stopped(self) -> bool:
+        """Held by SIGSTOP (a stopped QEMU) or by a tracer."""
+        return self.state in ("T", "t")
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """/proc/PID/stat of ``pid``; None once it is gone (reaped) or cannot be read.
+    The name may hold any byte, ')' and spaces too: the fields follow the last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    name, _, rest = raw.rpartition(b")")
+    fields = rest.split()
+    if len(fields) < 20:
+        return None
+    comm = name.partition(b"(")[2].decode(errors="replace")
+    return ProcStat(comm, fields[0].decode(), int(fields[1]), int(fields[19]))
+
+
+def proc_stats() -> Iterator[tuple[int, ProcStat]]:
+    """(pid, stat) of every process on the host that is there while we look."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := proc_stat(int(entry))) is not None:
+            yield int(entry), st
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (signal 0: nothing is sent). A process we may
     not signal runs too; a zombie (dead, not yet reaped by its parent) does not."""
@@ -48,13 +91,8 @@ def pid_alive(pid: int) -> bool:
         pass
     except OSError as exc:  # pragma: no cover - unexpected errno
         return exc.errno != errno.ESRCH
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte)
-            state = fh.read().rpartition(b")")[2].split(maxsplit=1)[0]
-    except (OSError, IndexError):
-        return True  # no /proc view of it: kill() said it exists
-    return state not in (b"Z", b"X")
+    st = proc_stat(pid)
+    return st is None or not st.dead  # no /proc view of it: kill() said it exists
 
 
 def _raise(what: str, path: str | os.PathLike[str]) -> None:

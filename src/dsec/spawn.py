@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec import linux
+
 log = logging.getLogger(__name__)
 
 # Children that run() waits for itself; the orphan reaper must leave them alone.
@@ -294,12 +296,8 @@ async def _run_via_spawner(
 
 
 def _comm(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    return stat[stat.find("(") + 1 : stat.rfind(")")]
+    st = linux.proc_stat(pid)
+    return None if st is None else st.comm
 
 
 def reap_orphans(names: frozenset[str]) -> int:
@@ -357,12 +355,8 @@ def _gone(pid: int, *, reap: bool) -> bool:
             return os.waitpid(pid, os.WNOHANG) != (0, 0)
         except ChildProcessError:
             return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2 :].startswith("Z")
+    st = linux.proc_stat(pid)
+    return st is None or st.dead
 
 
 def _children_of(pid: int) -> list[int] | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs
+from dsec import DSecClient, DSecContainerRunArgs, linux
 from dsec.api.events import EventKind, SecurityEvent
 from dsec.api.sandbox import SandboxState
 from dsec.errors import DSecError
@@ -42,18 +42,15 @@ pytestmark = pytest.mark.root
 __all__ = ["attack_binary"]  # the fixture, re-exported for pytest
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat after the name: [state, ppid, ...]; [] once the pid is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return []
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started: tells a process from a later one with the same pid."""
+    st = linux.proc_stat(pid)
+    return None if st is None else st.start_time
 
 
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat: tells a process from a later one with the same pid."""
-    fields = _stat(pid)
-    return fields[19] if fields else None
+def _state(pid: int) -> str:
+    st = linux.proc_stat(pid)
+    return "gone" if st is None else st.state
 
 
 @dataclass
@@ -62,7 +59,7 @@ class Target:
     sandbox: Sandbox
     job: str
     init_pid: int  # pid 1 of the sandbox, as the host sees it
-    init_start: str | None
+    init_start: int | None
 
     async def attack(self, name: str, arg: str = "") -> str:
         res = await self.sandbox.exec([ATTACK_IN_SANDBOX, name, *([arg] if arg else [])])
@@ -76,12 +73,12 @@ class Target:
         assert _start_time(self.init_pid) == self.init_start, "pid 1 of the sandbox changed"
         # D is a moment of I/O, not harm: right after a resume pid 1 pages its memory
         # back in from the swap its pause went to. Stopped (T, t) or dead (Z) is harm.
-        state = _stat(self.init_pid)[0]
+        state = _state(self.init_pid)
         for _ in range(100):
             if state != "D":
                 break
             await asyncio.sleep(0.05)
-            state = _stat(self.init_pid)[0]
+            state = _state(self.init_pid)
         assert state in ("S", "R"), f"pid 1 is in state {state}"
         res = await self.sandbox.run_shell("echo answering")
         assert (res.exit_code, res.stdout) == (0, "answering\n")
@@ -275,8 +272,8 @@ async def test_sigterm_from_the_host_still_ends_it(target: Target) -> None:
     the kernel reports its sender as pid 0, which nothing inside can claim for SI_USER."""
     os.kill(target.init_pid, signal.SIGTERM)
     for _ in range(200):  # wait for pid 1 to exit (a zombie until its parent reaps it)
-        fields = _stat(target.init_pid)
-        if not fields or fields[19] != target.init_start or fields[0] == "Z":
+        st = linux.proc_stat(target.init_pid)
+        if st is None or st.start_time != target.init_start or st.dead:
             break
         await asyncio.sleep(0.02)
     else:

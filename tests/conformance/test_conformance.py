@@ -10,11 +10,11 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dsec import linux
 from dsec.api.events import AuditKind
 from dsec.api.exec import ExecRequest, SessionArgs
 from dsec.api.sandbox import SandboxState
@@ -165,18 +165,18 @@ def held_still(harness: Harness, backend: Any, rec: Any) -> Iterator[Callable[[]
     elif harness.kind in (BackendKind.MICROVM, BackendKind.FULLVM):
         pid = rec.facts.init_pid
         os.kill(pid, signal.SIGSTOP)
-        until(f"QEMU {pid} stopped", lambda: _proc_state(pid) in ("T", "t"), 5, interval=0.01)
+        until(f"QEMU {pid} stopped", lambda: _stopped(pid), 5, interval=0.01)
         try:
-            yield lambda: _proc_state(pid) in ("T", "t")
+            yield lambda: _stopped(pid)
         finally:
             os.kill(pid, signal.SIGCONT)
     else:  # the memory backend has nothing to hold
         yield lambda: True
 
 
-def _proc_state(pid: int) -> str:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2 :].split()[0]
+def _stopped(pid: int) -> bool:
+    st = linux.proc_stat(pid)
+    return st is not None and st.stopped
 
 
 async def test_a_failed_request_on_a_held_sandbox_keeps_it_held_and_running(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs
+from dsec import DSecClient, DSecContainerRunArgs, linux
 from dsec.agent import build
 from dsec.api.events import AuditKind
 from dsec.api.exec import ProcessInfo
@@ -154,10 +154,10 @@ def host_sleeps(mark: str) -> list[int]:
             continue
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and cmdline == b"sleep\0" + mark.encode() + b"\0":
+        st = linux.proc_stat(int(entry))
+        if st is not None and not st.dead and cmdline == b"sleep\0" + mark.encode() + b"\0":
             found.append(int(entry))
     return found
 

@@ -35,7 +35,7 @@ import signal
 import struct
 from collections.abc import Callable
 
-from dsec import spawn
+from dsec import linux, spawn
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +59,10 @@ def exit_status(pidfd: int) -> int | None:
     return fields[-1] if fields[0] & _PIDFD_INFO_EXIT else None
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (/proc/PID/stat field 22): tells a pid's reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else None
+def _start_time(pid: int) -> int | None:
+    """The process's start time (a zombie's too): tells a pid's reuse."""
+    st = linux.proc_stat(pid)
+    return None if st is None else st.start_time
 
 
 def describe(status: int | None) -> str:
@@ -95,7 +90,7 @@ class InitWatcher:
         self.on_death = on_death
         self._fds: dict[str, int] = {}
         self._pids: dict[str, int] = {}
-        self._passive: dict[str, tuple[int, str | None]] = {}  # sid -> (pid, start time)
+        self._passive: dict[str, tuple[int, int | None]] = {}  # sid -> (pid, start time)
         self._tasks: set[asyncio.Task[None]] = set()
         soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.max_watched = (

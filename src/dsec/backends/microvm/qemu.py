@@ -30,6 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from dsec import linux
 from dsec.errors import BackendError
 
 Accel = Literal["kvm", "tcg"]
@@ -240,15 +241,8 @@ def build_argv(config: VMConfig, *, binary: str | None = None) -> list[str]:
 def _start_time(pid: int) -> int | None:
     """The process's start time in clock ticks (/proc/PID/stat field 22), or None
     if there is no such process or it is a zombie (dead, just not reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # comm may hold spaces and parens: split after the last ')'
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
+    st = linux.proc_stat(pid)
+    return None if st is None or st.dead else st.start_time
 
 
 class QemuProcess:

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsec import linux
 from dsec.api.events import EventKind
 from dsec.api.verify import GradedRefusal, VerifyRequest, VerifyResult
 from dsec.backends.container.verifier import (
@@ -412,11 +413,8 @@ async def boot_verifier(
 
 
 def _stopped(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text[text.rindex(")") + 2 :].split()[0] in ("T", "t")
+    st = linux.proc_stat(pid)
+    return st is not None and st.stopped
 
 
 async def recover(backend: MicroVMBackend, sandbox_id: str, agent_pid: int) -> None:

@@ -246,12 +246,8 @@ class LazyDaemon:
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
+    st = linux.proc_stat(pid)
+    return st is not None and not st.dead
 
 
 def _is_lazyfs(pid: int, mount_dir: Path) -> bool:
