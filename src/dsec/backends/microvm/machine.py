@@ -169,6 +169,11 @@ class Machine:
             return False  # a create, pause or restore is using QMP: not now
         if self.restoring is not None and not self.restoring.done():
             return False
+        return await self._ended_now()
+
+    async def _ended_now(self) -> bool:
+        """One QMP query: is the guest over? False while QMP is gone (the link is
+        dropped, so the next ask connects again)."""
         try:
             qmp = await self.connect_qmp()
             return await qmp.guest_ended(timeout=2.0)
@@ -188,12 +193,8 @@ class Machine:
         bounds the polling, not one query: a query cut short would drop the QMP link."""
         deadline = time.monotonic() + grace
         while self.proc is not None:
-            try:
-                qmp = await self.connect_qmp()
-                if await qmp.guest_ended(timeout=2.0):
-                    return True
-            except QmpError:
-                await self.close_qmp()
+            if await self._ended_now():
+                return True
             if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)
