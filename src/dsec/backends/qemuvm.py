@@ -11,16 +11,49 @@ definition here instead of a copy in each backend: the numbers stay per backend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 from dsec.api.spec import DSecRunArgs, RunArgs
-from dsec.errors import LimitExceeded
+from dsec.errors import BackendError, LimitExceeded
 from dsec.resources import oom, qos
 from dsec.resources.cgroups import CgroupHost
+from dsec.threads import undo_to_the_end
 
 MiB = 1 << 20
+
+
+def last_line(console: str, limit: int = 160) -> str:
+    """The guest's last console line, cut short: guest-written text for a reason an
+    operator reads (quoted with repr by the caller, so no control character passes)."""
+    lines = [line.strip() for line in console.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+async def undo_failed_create(
+    exc: BaseException,
+    console_tail: Callable[[], Awaitable[str]],
+    teardown: Callable[[], Awaitable[None]],
+) -> NoReturn:
+    """The end of a VM create that failed with ``exc``, one way for both backends: read
+    what the guest printed last (while QEMU may still run), tear everything down to the
+    end even if cancelled meanwhile (Backend.create: on failure nothing is left behind;
+    the teardown's own failure is not the news), and raise ``exc``. A BackendError says
+    the console's last line, quoted: often the only clue why a guest did not come up."""
+
+    async def undo() -> str:
+        tail = await console_tail()
+        with contextlib.suppress(Exception):
+            await teardown()
+        return tail
+
+    tail = await undo_to_the_end(undo())
+    if isinstance(exc, BackendError) and (said := last_line(tail)):
+        raise BackendError(f"{exc.message}; the guest console's last line: {said!r}") from exc
+    raise exc
 
 
 class QemuVMBackend:

@@ -77,7 +77,7 @@ from dsec.backends.microvm.accel import AccelChoice, probe_accelerator
 from dsec.backends.microvm.jail import Jail, vm_uid
 from dsec.backends.microvm.qemu import QemuProcess, find_running
 from dsec.backends.microvm.qmp import Qmp, QmpError
-from dsec.backends.qemuvm import QemuVMBackend
+from dsec.backends.qemuvm import QemuVMBackend, last_line, undo_failed_create
 from dsec.errors import (
     BackendError,
     DSecError,
@@ -92,7 +92,6 @@ from dsec.net.vmtap import VMNetAttachment, attach_vm
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
-from dsec.threads import undo_to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -440,19 +439,9 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             # the loaded VM runs), so no wait here either
             await self._probe_agent(sid, vm)
         except BaseException as exc:
-
-            async def undo() -> str:
-                tail = await self._console_tail(vm)
-                with contextlib.suppress(Exception):
-                    await self._teardown(sid, facts)
-                return tail
-
-            tail = await undo_to_the_end(undo())  # Backend.create: nothing left behind
-            if isinstance(exc, BackendError) and tail:
-                raise BackendError(
-                    f"{exc.message}; the guest console's last line: {tail!r}"
-                ) from exc
-            raise
+            await undo_failed_create(
+                exc, lambda: self._console_tail(vm), lambda: self._teardown(sid, facts)
+            )
         self.audit.record(
             sid,
             AuditKind.LIFECYCLE,
@@ -493,8 +482,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             text = await (await vm.connect_qmp()).console(timeout=2)
         except QmpError:
             return ""
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        return lines[-1][:160] if lines else ""
+        return last_line(text)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         await self._teardown(rec.id, self.facts(rec))

@@ -56,7 +56,7 @@ from dsec.backends.microvm.facts import MicroVMFacts
 from dsec.backends.microvm.jail import Jail
 from dsec.backends.microvm.machine import Machine, rss_bytes, wait_until
 from dsec.backends.microvm.qemu import Drive, NetAttachment, QemuProcess, VMConfig, find_running
-from dsec.backends.qemuvm import QemuVMBackend
+from dsec.backends.qemuvm import QemuVMBackend, last_line, undo_failed_create
 from dsec.errors import BackendError
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.guest.channel import ST_READY, GuestChannel, HoldWatch
@@ -67,7 +67,6 @@ from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
 from dsec.security.init_signals import InitSignalWatcher
 from dsec.security.limits import LimitReading, read_cgroup_counters
-from dsec.threads import undo_to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -401,22 +400,15 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 self.build_template_later(config)
         except BaseException as exc:
 
-            async def undo() -> str:
-                tail = await machine.console_tail() if machine is not None else ""
+            async def console_tail() -> str:
+                return await machine.console_tail() if machine is not None else ""
+
+            async def teardown() -> None:
                 if net is not None:
                     net.close()
-                with contextlib.suppress(Exception):
-                    await self._teardown(sid, facts)
-                return tail
+                await self._teardown(sid, facts)
 
-            tail = await undo_to_the_end(undo())  # Backend.create: nothing left behind
-            if isinstance(exc, BackendError) and tail:
-                # Guest-written text: its last line only, quoted (no control characters).
-                said = last_line(tail)
-                raise BackendError(
-                    f"{exc.message}; the guest console's last line: {said!r}"
-                ) from exc
-            raise
+            await undo_failed_create(exc, console_tail, teardown)
         self.audit.record(sid, AuditKind.LIFECYCLE, "microvm_started", accel=facts.accel)
         return facts
 
@@ -1006,10 +998,3 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             "disk_bytes": disk_usage(self.vm_dir(rec.id) / "disk.img"),
             "accelerator": self.facts(rec).accel,
         }
-
-
-def last_line(console: str, limit: int = 160) -> str:
-    """The guest's last console line, cut short: guest-written text for a reason an
-    operator reads (quoted with repr by the caller, so no control character passes)."""
-    lines = [line.strip() for line in console.splitlines() if line.strip()]
-    return lines[-1][:limit] if lines else ""
