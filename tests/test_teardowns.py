@@ -44,25 +44,29 @@ class FlakyTeardown(MemoryBackend):
         await super().destroy(rec)
 
 
-@contextlib.asynccontextmanager
-async def running_edge(tmp_path: Path) -> AsyncIterator[tuple[Edge, FlakyTeardown]]:
-    """An edge on a real state DB over a flaky memory backend; closed on the way out."""
-    state = EdgeStateDB(tmp_path / "edge.db")
-    backend = FlakyTeardown(MemoryWorld())
-    edge = Edge(
+def edge_over(backend: MemoryBackend, tmp_path: Path) -> Edge:
+    """An edge "e1" over ``backend`` on a real state DB in ``tmp_path`` (its close
+    closes the DB)."""
+    return Edge(
         edge_id="e1",
         backends=[backend],
         images=None,  # type: ignore[arg-type]  # the memory kind needs no images
-        state=state,
+        state=EdgeStateDB(tmp_path / "edge.db"),
         admission=Admission(max_sandboxes=10),
         audit=AuditLog(None),
     )
+
+
+@contextlib.asynccontextmanager
+async def running_edge(tmp_path: Path) -> AsyncIterator[tuple[Edge, FlakyTeardown]]:
+    """An edge on a real state DB over a flaky memory backend; closed on the way out."""
+    backend = FlakyTeardown(MemoryWorld())
+    edge = edge_over(backend, tmp_path)
     try:
         await edge.start()
         yield edge, backend
     finally:
         await edge.close()
-        state.close()
 
 
 async def test_a_failed_teardown_is_done_again_while_the_edge_runs(tmp_path: Path) -> None:
@@ -147,16 +151,8 @@ async def test_close_lets_the_teardown_of_a_death_it_just_saw_finish(
     The close waits for that teardown (DEATH_TEARDOWN_GRACE) instead of cancelling it,
     which lost how the sandbox ended (a stop-all then recorded "shut down") or, where
     sandboxes live on, left a STOPPING record and its kernel objects to the next start."""
-    state = EdgeStateDB(tmp_path / "edge.db")
     backend = SlowTeardownOfARealInit(MemoryWorld(), teardown_s=1.0)
-    edge = Edge(
-        edge_id="e1",
-        backends=[backend],
-        images=None,  # type: ignore[arg-type]  # the memory kind needs no images
-        state=state,
-        admission=Admission(max_sandboxes=10),
-        audit=AuditLog(None),
-    )
+    edge = edge_over(backend, tmp_path)
     try:
         edge.stop_on_close = stop_on_close
         await edge.start()
@@ -176,7 +172,6 @@ async def test_close_lets_the_teardown_of_a_death_it_just_saw_finish(
                 proc.kill()
             await proc.wait()
     assert backend.world.get(info.id) is None, "the teardown ran to its end"
-    state.close()
     again = EdgeStateDB(tmp_path / "edge.db")  # what the next start reads
     rows = {rec.id: rec for rec in again.load("e1")}
     again.close()
