@@ -307,15 +307,34 @@ def stop_spawners(data_dir: Path, timeout: float = 5.0) -> None:
 
 
 def pid1_orphans(
-    names: frozenset[str] = frozenset({"init", "crun"}), *, zombies_only: bool = False
+    names: frozenset[str] = frozenset({"init", "crun"}),
+    *,
+    zombies_only: bool = False,
+    edge_id: str | None = None,
 ) -> set[int]:
     """Processes called one of ``names`` (container inits, crun) re-parented to pid 1,
-    which reaps late or never on this machine: such an init leaks a zombie once stopped."""
+    which reaps late or never on this machine: such an init leaks a zombie once stopped.
+    With ``edge_id``, not those in another platform's cgroups (a zombie keeps its
+    cgroup): the other test worker's platforms are not this test's to answer for."""
     return {
         pid
         for pid, st in linux.proc_stats()
-        if st.ppid == 1 and st.comm in names and (st.state == "Z" or not zombies_only)
+        if st.ppid == 1
+        and st.comm in names
+        and (st.state == "Z" or not zombies_only)
+        and (edge_id is None or not _of_another_edge(pid, edge_id))
     }
+
+
+def _of_another_edge(pid: int, edge_id: str) -> bool:
+    """Whether ``pid`` sits in the cgroups of a platform other than ``edge_id``'s
+    (/dsec/<edge>, and its -vm, -fvm and .fncall trees)."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+    edges = set(re.findall(r"/dsec/([^/.\n]+?)(?:-vm|-fvm|\.fncall)?(?=/|$)", text, re.MULTILINE))
+    return bool(edges) and edge_id not in edges
 
 
 def clean_leftovers(data_dir: Path, edge_id: str) -> None:

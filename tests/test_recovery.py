@@ -47,7 +47,8 @@ async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -
         assert spawners(plat.data_dir) == spawner, "the spawner must outlive the platform"
         plat.start()
         assert spawners(plat.data_dir) == spawner, "a restarted platform re-uses it"
-        assert not pid1_orphans() - orphans_before, "an init or crun lost its reaping parent"
+        lost = pid1_orphans(edge_id=plat.edge_id) - orphans_before
+        assert not lost, "an init or crun lost its reaping parent"
         client = await _client(plat.url, plat.api_key)
         try:
             again = await client.get(keep.id)
@@ -67,10 +68,11 @@ async def test_sigkill_then_restart_readopts_running_and_cleans_half_created() -
         # Clean shutdown stops the spawner (the leak check asserts that too).
         assert spawners(plat.data_dir) == []
     for _ in range(50):  # the last reap may still be in flight
-        if not pid1_orphans(zombies_only=True) - orphans_before:
+        zombies = pid1_orphans(zombies_only=True, edge_id=plat.edge_id) - orphans_before
+        if not zombies:
             break
         await asyncio.sleep(0.1)
-    assert not pid1_orphans(zombies_only=True) - orphans_before, "an init or crun is a zombie"
+    assert not zombies, "an init or crun is a zombie"
 
 
 async def test_admission_rejects_when_host_full() -> None:

@@ -66,7 +66,10 @@ def test_init_killed_from_host_fails_at_once(plat: PlatformProcess, how: str) ->
         host = cgroups.detect()
         assert not host.pids(f"/dsec/{plat.edge_id}/{sb.id}")
         assert not (plat.data_dir / "sandboxes" / sb.id).exists()
-        until("no new zombie", lambda: not pid1_orphans(zombies_only=True) - orphans, 5.0)
+        edge = plat.edge_id
+        until(
+            "no new zombie", lambda: not pid1_orphans(zombies_only=True, edge_id=edge) - orphans, 5
+        )
 
 
 def _stopped_at(client: DSecSyncClient, sandbox_id: str) -> SandboxInfo | None:
