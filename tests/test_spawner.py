@@ -307,7 +307,12 @@ async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_
     assert spawner.pid is not None
     try:
         kept = int((await spawn.run(["/bin/sh", "-c", "sleep 30 <&- >&- 2>&- & echo $!"])).stdout)
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        idle.connect(str(spawner.path))  # a client that had not sent its request yet
         await asyncio.to_thread(spawner.stop, 0.3)
+        idle.settimeout(1.0)
+        assert idle.recv(8) == b"", "told at once that no answer comes, not at the exit"
+        idle.close()
         assert spawner.pid is not None and _state(spawner.pid) not in (None, "Z")
         assert not spawner.path.exists(), "it takes no new work"
         assert _children(spawner.pid) == [(kept, "S")], "still the parent of what lives on"

@@ -3595,6 +3595,10 @@ static void sp_reap_all(void)
 /* its reaping parent, which is our job; the socket is gone, so no new work comes.      */
 static void sp_drain(void)
 {
+	/* A client whose request was not read will get none: EOF now, not when we exit. */
+	for (size_t i = sp_count; i-- > 0;)
+		if (i < sp_count && sp_clients[i].pid == 0)
+			sp_drop(i);
 	for (;;) {
 		int status;
 		pid_t pid = waitpid(-1, &status, 0);
