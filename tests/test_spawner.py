@@ -276,13 +276,12 @@ async def test_a_stop_reaps_every_child_first_dead_dying_or_alive(
         ["/bin/sh", "-c", "for i in $(seq 40); do sleep 30 <&- >&- 2>&- & echo $!; done"]
     )
     killed = [int(p) for p in started.stdout.split()]
-    late = await spawn.run(["/bin/sh", "-c", "sleep 0.4 <&- >&- 2>&- & echo $!"])
+    late = await spawn.run(["/bin/sh", "-c", "sleep 1 <&- >&- 2>&- & echo $!"])
     living = int(late.stdout)
     for pid in killed:  # deaths together: their SIGCHLDs merge
         os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
+    assert _state(living) not in (None, "Z"), "alive when the stop begins"
     await asyncio.to_thread(spawner.stop)
-    assert time.monotonic() - t0 >= 0.2, "it waited for the child still alive"
     assert spawner.pid is None and not spawner.path.exists()
     assert {pid: _state(pid) for pid in [*killed, living]} == dict.fromkeys([*killed, living]), (
         "each is reaped by the spawner, none left to pid 1"
@@ -297,10 +296,10 @@ async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_
     parent: the spawner is left running, never killed, and exits once it is reaped."""
     assert spawner.pid is not None
     spawn.use_spawner(spawner.path)
-    late = int((await spawn.run(["/bin/sh", "-c", "sleep 0.4 <&- >&- 2>&- & echo $!"])).stdout)
-    t0 = time.monotonic()
+    late = int((await spawn.run(["/bin/sh", "-c", "sleep 1 <&- >&- 2>&- & echo $!"])).stdout)
+    assert _state(late) not in (None, "Z"), "alive when the stop begins"
     await asyncio.to_thread(spawn.HostSpawner(spawner.path, None).stop)
-    assert time.monotonic() - t0 >= 0.2 and _state(late) is None
+    assert _state(late) is None, "the stop returned once the spawner had reaped it and gone"
     assert _state(spawner.pid) == "Z", "the spawner exited (our child: the fixture reaps it)"
 
     spawner = await spawn.start_spawner(agent_binary(), spawner.path)
@@ -317,7 +316,7 @@ async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_
         assert not spawner.path.exists(), "it takes no new work"
         assert _children(spawner.pid) == [(kept, "S")], "still the parent of what lives on"
         os.kill(kept, signal.SIGKILL)
-        for _ in range(100):
+        for _ in range(500):
             if _state(spawner.pid) == "Z":
                 break
             await asyncio.sleep(0.02)

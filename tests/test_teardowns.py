@@ -160,7 +160,7 @@ async def test_close_lets_the_teardown_of_a_death_it_just_saw_finish(
         init = backend.inits[0]
         init.kill()
         await init.wait()
-        for _ in range(200):  # the death is seen: its teardown has begun
+        for _ in range(1000):  # the death is seen: its teardown has begun
             if (await edge.get(info.id)).state is SandboxState.STOPPING:
                 break
             await asyncio.sleep(0.01)
