@@ -304,6 +304,7 @@ async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_
 
     spawner = await spawn.start_spawner(agent_binary(), spawner.path)
     assert spawner.pid is not None
+    kept = 0
     try:
         kept = int((await spawn.run(["/bin/sh", "-c", "sleep 30 <&- >&- 2>&- & echo $!"])).stdout)
         idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -322,6 +323,13 @@ async def test_a_stop_waits_for_a_spawner_it_did_not_start_and_leaves_one_still_
             await asyncio.sleep(0.02)
         assert _state(spawner.pid) == "Z" and _state(kept) is None
     finally:
+        if kept:  # then the draining spawner reaps it and exits; killed only if it does not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kept, signal.SIGKILL)
+        for _ in range(250):
+            if _state(spawner.pid) in (None, "Z"):
+                break
+            await asyncio.sleep(0.02)
         with contextlib.suppress(ProcessLookupError):
             os.kill(spawner.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
