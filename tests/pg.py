@@ -186,8 +186,7 @@ class PostgresServer:
         """The postmaster runs (a zombie waiting for init to reap it does not count)."""
         if self.pid is None:
             return False
-        st = linux.proc_stat(self.pid)
-        return st is not None and not st.dead
+        return linux.pid_alive(self.pid)
 
     def stop(self) -> None:
         """Fast shutdown, then immediate, then SIGKILL; remove the directory. Idempotent."""

@@ -355,8 +355,7 @@ def _gone(pid: int, *, reap: bool) -> bool:
             return os.waitpid(pid, os.WNOHANG) != (0, 0)
         except ChildProcessError:
             return True
-    st = linux.proc_stat(pid)
-    return st is None or st.dead
+    return not linux.pid_alive(pid)
 
 
 def _children_of(pid: int) -> list[int] | None:

@@ -106,7 +106,7 @@ class LazyDaemon:
         os.replace(tmp, self.auth_file)
 
     def alive(self) -> bool:
-        return self.pid is not None and _running(self.pid) and self.mounted()
+        return self.pid is not None and linux.pid_alive(self.pid) and self.mounted()
 
     def mounted(self) -> bool:
         target = str(self.mount_dir.resolve())
@@ -245,11 +245,6 @@ class LazyDaemon:
         )
 
 
-def _running(pid: int) -> bool:
-    st = linux.proc_stat(pid)
-    return st is not None and not st.dead
-
-
 def _is_lazyfs(pid: int, mount_dir: Path) -> bool:
     """Is ``pid`` a live dsec-lazyfs serving ``mount_dir`` (not a recycled pid)?"""
     try:
@@ -258,7 +253,7 @@ def _is_lazyfs(pid: int, mount_dir: Path) -> bool:
     except OSError:
         return False
     return (
-        _running(pid)
+        linux.pid_alive(pid)
         and bool(argv)
         and os.path.basename(argv[0]).startswith(b"dsec-lazyfs")
         and os.fsencode(str(mount_dir)) in argv
@@ -275,7 +270,7 @@ def _wait_exit(pid: int, timeout: float) -> None:
             if done:
                 return
         except ChildProcessError:
-            if not _running(pid):
+            if not linux.pid_alive(pid):
                 return
         if time.monotonic() > deadline and not killed:
             with contextlib.suppress(ProcessLookupError):
