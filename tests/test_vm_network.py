@@ -31,7 +31,7 @@ from dsec.errors import BackendError
 from dsec.net import dhcp, vmtap
 from dsec.net.catalog import load_catalog
 from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
-from dsec.net.vmtap import VMNetAttachment, attach_vm
+from dsec.net.vmtap import VMNetAttachment, attach_vm, attach_vm_ready
 from tests import microvm_guest
 from tests.fakenet import FakeService, RecordingAudit, fake_service
 
@@ -316,7 +316,7 @@ async def test_tap_follows_the_rules_dns_and_updates(vmnet: VmNet) -> None:
     assert [(a["local"], a["prefixlen"]) for a in dev["addr_info"]] == [(net["gateway"], 30)]
     assert "netns" not in net and net["tap"] is True
     mgr.joined(sid)  # what the edge calls after any create: harmless for a VM
-    att = attach_vm(net)
+    att = await attach_vm_ready(net)
     assert att.cmdline() == f"dsec.ip={net['ip']}/30 dsec.gw={net['gateway']}"
     assert att.qemu_args()[1] == f"tap,id=n0,fd={att.tap_fd}"
     assert os.get_inheritable(att.tap_fd) is False  # pass_fds hands it to QEMU only
@@ -371,7 +371,7 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
     net = await mgr.attach(kept, {"pypi": True}, vm=True)
     other = await mgr.attach(lost, {"pypi": True}, vm=True)
     assert net["slot"] != other["slot"] and net["mac"] != other["mac"]
-    att = attach_vm(net)
+    att = await attach_vm_ready(net)
     with pytest.raises(BackendError, match="still held"):  # one VMM per tap
         attach_vm(net)
     with guest_of(att) as g:
@@ -389,7 +389,7 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
     assert await nobody.wait() == 0
     att.close()
     assert link(net["ifname"])["linkinfo"]["info_data"]["user"] == "nobody"  # type: ignore[index]
-    with guest_of(attach_vm(net)) as g:
+    with guest_of(await attach_vm_ready(net)) as g:
         info = link(net["ifname"])["linkinfo"]["info_data"]  # type: ignore[index]
         assert (info["user"], info["group"]) == ("root", "root")
         await asyncio.to_thread(g.resolve_gateway)
@@ -399,7 +399,7 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
     assert link(net["ifname"]) is not None and link(other["ifname"]) is not None
     mgr = await vmnet.manager(adopt=[(kept, net, {"pypi": True})])
     assert link(other["ifname"]) is None, "the tap of an unknown sandbox was not swept"
-    with guest_of(attach_vm(net)) as g:
+    with guest_of(await attach_vm_ready(net)) as g:
         await asyncio.to_thread(g.resolve_gateway)
         # The table was rebuilt from the rules: DNS first, then the address opens.
         assert not await asyncio.to_thread(g.connect, vmnet.pypi.ip, 80, QUIET)
@@ -412,11 +412,35 @@ async def test_tap_survives_its_vmm_a_pause_and_an_edge_restart(vmnet: VmNet) ->
     assert host_leftovers(vmnet.edge_id) == []
 
 
+def operstate(ifname: str) -> str:
+    return Path(f"/sys/class/net/{ifname}/operstate").read_text().strip()
+
+
+async def test_a_reopened_tap_carries_the_first_reply(vmnet: VmNet) -> None:
+    """When a VMM ends, the kernel soon turns the tap's queue off (operstate down); a
+    new fd turns it back on only when the link watcher runs again, and until then the
+    host's frames to the guest are dropped (about one first reply in three, measured).
+    What the edge hands a guest that runs at once is ready: the first ARP is answered,
+    every time."""
+    mgr = await vmnet.manager()
+    net = await mgr.attach("vm-" + secrets.token_hex(3), {}, vm=True)
+    for _ in range(5):
+        (await attach_vm_ready(net)).close()  # a VMM ran and ended
+        deadline = time.monotonic() + 5
+        while operstate(net["ifname"]) != "down":  # the watcher turned the queue off
+            assert time.monotonic() < deadline, "the tap stayed up with no fd"
+            await asyncio.sleep(0.01)
+        with guest_of(await attach_vm_ready(net)) as g:
+            # Right after a bare TUNSETIFF it still reads down about half the time.
+            assert operstate(net["ifname"]) == "up"
+            await asyncio.to_thread(g.resolve_gateway)  # one request, as a guest's first
+
+
 async def test_another_sandbox_is_unreachable_unless_a_rule_names_it(vmnet: VmNet) -> None:
     mgr = await vmnet.manager()
     net_a = await mgr.attach("vm-a", {"pypi": True}, vm=True)
     net_b = await mgr.attach("vm-b", {}, vm=True)
-    with guest_of(attach_vm(net_a)) as a, guest_of(attach_vm(net_b)) as b:
+    with guest_of(await attach_vm_ready(net_a)) as a, guest_of(await attach_vm_ready(net_b)) as b:
         await asyncio.to_thread(a.resolve_gateway)
         await asyncio.to_thread(b.resolve_gateway)
 
@@ -480,7 +504,7 @@ async def test_dhcp_answers_a_vm_with_its_slot_lease_only(vmnet: VmNet) -> None:
         g.udp("255.255.255.255", dhcp.CLIENT_PORT, dhcp.SERVER_PORT, payload, src="0.0.0.0")
         return _dhcp_reply(g, xid)
 
-    with guest_of(attach_vm(net)) as g:
+    with guest_of(await attach_vm_ready(net)) as g:
         offer = await asyncio.to_thread(exchange, g, _dhcp_request(1, g.mac, b"xid1"))
         assert offer is not None, "no DHCPOFFER"
         assert offer[dhcp.OPT_TYPE] == bytes([dhcp.OFFER])

@@ -88,7 +88,7 @@ from dsec.errors import (
 from dsec.guest.channel import HoldWatch
 from dsec.images.mounts import LayerMounts
 from dsec.images.vmdisk import DiskInfo, VMImage, VMMachine
-from dsec.net.vmtap import VMNetAttachment, attach_vm
+from dsec.net.vmtap import VMNetAttachment, attach_vm, attach_vm_ready, link_ready
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
@@ -414,7 +414,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
                 rw=[overlay, root / "q", *([efi_vars] if efi_vars is not None else [])],
             )
             await asyncio.to_thread(launch.save, root / LAUNCH_FILE)
-            tap = attach_vm(dict(inp.net)) if inp.net is not None else None
+            tap = await attach_vm_ready(dict(inp.net)) if inp.net is not None else None
             try:
                 proc = launch.spawn(
                     self.jail_for(sid),
@@ -704,6 +704,7 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
             return
         facts = self.facts(rec)
         tap = attach_vm(dict(rec.net)) if rec.net is not None else None
+        tap_name = str(rec.net["ifname"]) if rec.net is not None else None
         try:
             proc = vm.launch.spawn(
                 self.jail_for(rec.id),
@@ -717,11 +718,13 @@ class FullVMBackend(QemuVMBackend, AgentDataPath, Backend):
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
         self.start_qos(rec.spec, proc.pid)  # a new QEMU: the class goes with the sandbox
         vm.restoring = asyncio.get_running_loop().create_task(
-            self._finish_resume(rec.id, vm), name=f"fullvm-resume-{rec.id}"
+            self._finish_resume(rec.id, vm, tap_name), name=f"fullvm-resume-{rec.id}"
         )
 
-    async def _finish_resume(self, sid: str, vm: _VM) -> None:
+    async def _finish_resume(self, sid: str, vm: _VM, tap: str | None) -> None:
         try:
+            if tap is not None:  # the restored guest runs at once: its replies must flow
+                await link_ready(tap)
             t0 = time.monotonic()
             await snapshot.load_into(await vm.connect_qmp(), vm.snapshot, timeout=120)
             vm.snapshot.unlink(missing_ok=True)

@@ -61,7 +61,7 @@ from dsec.errors import BackendError
 from dsec.guest.bootparams import RW_SERIAL, BootParams, layer_serial
 from dsec.guest.channel import ST_READY, GuestChannel, HoldWatch
 from dsec.images.mounts import LayerMounts
-from dsec.net.vmtap import VMNetAttachment, attach_vm, scratch_tap
+from dsec.net.vmtap import VMNetAttachment, attach_vm, attach_vm_ready, link_ready, scratch_tap
 from dsec.resources import qos
 from dsec.resources.cgroups import CgroupHost
 from dsec.security.audit import AuditSink
@@ -371,7 +371,7 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 await self._prepare_protected(inp, root, facts)
             await asyncio.to_thread(self.create_vm_cgroup, sid, spec, pids=QEMU_PIDS)
             if inp.net is not None:
-                net = attach_vm(dict(inp.net))
+                net = await attach_vm_ready(dict(inp.net))
                 facts.mac, facts.guest_ip, facts.gateway = net.mac, net.guest_ip, net.gateway
             tap = NetAttachment(net.tap_fd, net.mac) if net is not None else None
             config = self.vm_config(sid, spec, kernel, initrd, accel, tuple(drives), tap)
@@ -923,7 +923,8 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
         if not machine.snapshot.is_file():
             return
         config = machine.config
-        net = attach_vm(self._net_record(rec)) if facts.mac is not None else None
+        net_record = self._net_record(rec) if facts.mac is not None else None
+        net = attach_vm(net_record) if net_record is not None else None
         try:
             if net is not None:
                 config = dataclasses.replace(config, net=NetAttachment(net.tap_fd, net.mac))
@@ -935,8 +936,9 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
                 net.close()
         facts.pid, facts.pid_start, facts.snapshot = proc.pid, proc.start_time, False
         machine.listen()
+        tap = str(net_record["ifname"]) if net_record is not None else None
         machine.restoring = asyncio.get_running_loop().create_task(
-            self._finish_resume(rec.id, machine), name=f"vm-resume-{rec.id}"
+            self._finish_resume(rec.id, machine, tap), name=f"vm-resume-{rec.id}"
         )
 
     def _net_record(self, rec: SandboxRecord) -> dict[str, Any]:
@@ -958,9 +960,11 @@ class MicroVMBackend(AgentDataPath, QemuVMBackend, Backend):
             machine.close_listener()
             await machine.kill()  # the edge's init watch fails the sandbox
 
-    async def _finish_resume(self, sid: str, machine: Machine) -> None:
+    async def _finish_resume(self, sid: str, machine: Machine, tap: str | None) -> None:
         try:
             async with machine.lock:
+                if tap is not None:  # the restored guest runs at once: its replies must flow
+                    await link_ready(tap)
                 t0 = time.monotonic()
                 await machine.restore(machine.snapshot, 120)
                 t1 = time.monotonic()
