@@ -61,6 +61,7 @@ def _chromium(tmp: str) -> Iterator[webdriver.Chrome]:
         "--no-first-run",
     ):
         opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console_log() reads it
     service = Service(
         shutil.which("chromedriver") or "/usr/bin/chromedriver",
         env={**os.environ, "TMPDIR": tmp},  # chromedriver passes it on to the browser
@@ -84,6 +85,15 @@ def login(browser: webdriver.Chrome, url: str, key: str) -> webdriver.Chrome:
     browser.get(url + "/ui?api_key=" + key)
     wait_for("the login redirect", lambda: browser.current_url == url + "/ui")
     return browser
+
+
+def console_log(browser: webdriver.Chrome) -> str:
+    """What the page wrote to its console and the errors it met (for a failure's message)."""
+    try:
+        entries = browser.get_log("browser")  # type: ignore[no-untyped-call]
+    except Exception as exc:  # the browser is gone: say so, the failure is the news
+        return f"(no console log: {exc})"
+    return "\n".join(f"{e.get('level')} {e.get('message')}" for e in entries) or "(empty)"
 
 
 def shot(browser: webdriver.Chrome, name: str) -> None:
