@@ -34,7 +34,7 @@ from dsec.net.manager import host_leftovers as net_leftovers
 from dsec.net.manager import remove_leftovers as remove_net_leftovers
 from dsec.resources import cgroups, swap
 from dsec.resources.disk import loop_devices_backed_by
-from tests.fakenet import FakeService, catalog, fake_service, package_index
+from tests.fakenet import FakeService, catalog, fake_service, package_index, service_octet
 from tests.pg import pg_url, postgres  # noqa: F401  (real PostgreSQL fixtures)
 
 # Every test platform turns on its own swap file (DSEC_SWAP=auto, dsec.resources.swap):
@@ -481,7 +481,7 @@ def fake_internet() -> Iterator[FakeInternet]:
     platform's "pypi" service resolves to it, so nothing leaves the machine."""
     with tempfile.TemporaryDirectory(prefix="dsec-fakenet-") as tmp:
         index = package_index(Path(tmp) / "index")
-        with fake_service("pypi", secrets.randbelow(256), 2, root=index) as pypi:
+        with service_octet() as octet, fake_service("pypi", octet, 2, root=index) as pypi:
             yield FakeInternet(pypi, catalog({"pypi": pypi}, Path(tmp) / "catalog.json"))
 
 

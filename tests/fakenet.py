@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -83,6 +84,56 @@ def dnsq_program() -> bytes:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+OCTET_LOCKS = Path("/run/lock/dsec-tests-fakenet")
+
+
+def _octets_on_host() -> set[int]:
+    """Third octets of the 198.18.0.0/16 addresses the host holds now."""
+    out = subprocess.run(
+        ["ip", "-j", "-4", "addr", "show", "to", "198.18.0.0/16"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {
+        int(a["local"].split(".")[2])
+        for link in json.loads(out.stdout or "[]")
+        for a in link.get("addr_info", [])
+    }
+
+
+def _candidate_octets() -> list[int]:
+    """The octets no host address uses, in a random order."""
+    free = set(range(1, 256)) - _octets_on_host()
+    return sorted(free, key=lambda _: secrets.randbelow(1 << 16))
+
+
+@contextlib.contextmanager
+def service_octet() -> Iterator[int]:
+    """A third octet for one test's fake services (198.18.<octet>.0/24) that no other
+    test process uses while this is held.
+
+    Why not a random one: two test workers that drew the same octet put the same
+    gateway address on two host veths, and a destination another test took to be
+    "nowhere" was the broadcast address of a service's /30 (seen in CI: a denial
+    counted as host access). One lock file per octet, held with flock (a test run that
+    died holds nothing), among the octets no host address uses."""
+    OCTET_LOCKS.mkdir(parents=True, exist_ok=True)
+    for octet in _candidate_octets():
+        fd = os.open(OCTET_LOCKS / str(octet), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield octet
+        finally:
+            os.close(fd)  # the lock goes with it
+        return
+    raise RuntimeError("every 198.18.<octet>.0/24 for fake services is in use")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import secrets
 import shutil
 import struct
 import tempfile
@@ -47,7 +46,7 @@ from dsec.guest.desktopimage import build_desktop_image
 from dsec.sdk.sync import SyncSandbox
 from tests import waiting
 from tests.conftest import PlatformProcess, platform_process
-from tests.fakenet import FakeService, catalog, fake_service
+from tests.fakenet import FakeService, catalog, fake_service, service_octet
 from tests.rfb import Rfb
 
 pytestmark = [
@@ -88,8 +87,8 @@ def desktop() -> Iterator[Desktop]:
     t0 = time.monotonic()
     files = asyncio.run(build_desktop_image())
     print(f"debian-desktop image ready in {time.monotonic() - t0:.0f}s")
-    octet = secrets.randbelow(256)
     with (
+        service_octet() as octet,
         fake_service("pypi", octet, 0) as pypi,
         fake_service("npm", octet, 1) as npm,
         tempfile.TemporaryDirectory(prefix="dsec-desktopcat-") as tmp,

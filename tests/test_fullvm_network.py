@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from dsec.guest.vmimage import busybox_vm_image
 from dsec.net.vmtap import is_tap
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
-from tests.fakenet import FakeService, fake_service
+from tests.fakenet import FakeService, fake_service, service_octet
 from tests.fullvm_env import BOOT, FULLVM_MARKS
 from tests.test_network import host_service
 
@@ -69,8 +68,8 @@ def _catalog(path: Path, pypi: FakeService, npm: FakeService) -> None:
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
     files = busybox_vm_image()
-    octet = secrets.randbelow(256)
     with (
+        service_octet() as octet,
         fake_service("pypi", octet, 0) as pypi,
         fake_service("npm", octet, 1) as npm,
         tempfile.TemporaryDirectory(prefix="dsec-fvmcat-") as tmp,

@@ -196,7 +196,9 @@ def test_pause_verify_refusals_network_and_pools_are_measured(
             )
         )
         try:
-            assert net.run_shell("nc -w 1 198.18.7.7 80 </dev/null", timeout=20).exit_code != 0
+            # Nowhere: 198.19/16 holds no fake service (tests.fakenet uses 198.18/16);
+            # 198.18.7.7 was once another worker's service's broadcast (host access).
+            assert net.run_shell("nc -w 1 198.19.7.7 80 </dev/null", timeout=20).exit_code != 0
             assert net.run_shell("nslookup example.com", timeout=20).exit_code != 0
             prometheus.wait_for('dsec_egress_denials_total{target="egress"} >= 1')
             prometheus.wait_for('dsec_dns_refusals_total{reason="not_allowed"} >= 1')

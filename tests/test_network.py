@@ -43,6 +43,7 @@ from tests.fakenet import (
     fake_resolver,
     fake_service,
     offline_dns,
+    service_octet,
 )
 from tests.waiting import until_async
 
@@ -89,8 +90,8 @@ class Net:
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
-    octet = secrets.randbelow(256)
     with (
+        service_octet() as octet,
         fake_service("pypi", octet, 0) as pypi,
         fake_service("npm", octet, 1) as npm,
         tempfile.TemporaryDirectory(prefix="dsec-netcat-") as tmp,

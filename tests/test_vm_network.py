@@ -33,7 +33,7 @@ from dsec.net.catalog import load_catalog
 from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
 from dsec.net.vmtap import VMNetAttachment, attach_vm, attach_vm_ready
 from tests import microvm_guest
-from tests.fakenet import FakeService, RecordingAudit, fake_service
+from tests.fakenet import FakeService, RecordingAudit, fake_service, service_octet
 
 pytestmark = [
     pytest.mark.root,
@@ -247,9 +247,9 @@ class VmNet:
 
 @pytest.fixture
 async def vmnet() -> AsyncIterator[VmNet]:
-    octet = secrets.randbelow(256)
     edge_id = "vmnet-" + secrets.token_hex(4)
     with contextlib.ExitStack() as stack:
+        octet = stack.enter_context(service_octet())
         pypi = stack.enter_context(fake_service("pypi", octet, 0))
         npm = stack.enter_context(fake_service("npm", octet, 1))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-vmnet-")))
