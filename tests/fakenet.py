@@ -89,7 +89,7 @@ def _ip(*args: str) -> None:
 OCTET_LOCKS = Path("/run/lock/dsec-tests-fakenet")
 
 
-def _octets_on_host() -> set[int]:
+def octets_on_host() -> set[int]:
     """Third octets of the 198.18.0.0/16 addresses the host holds now."""
     out = subprocess.run(
         ["ip", "-j", "-4", "addr", "show", "to", "198.18.0.0/16"],
@@ -104,9 +104,9 @@ def _octets_on_host() -> set[int]:
     }
 
 
-def _candidate_octets() -> list[int]:
+def candidate_octets() -> list[int]:
     """The octets no host address uses, in a random order."""
-    free = set(range(1, 256)) - _octets_on_host()
+    free = set(range(1, 256)) - octets_on_host()
     return sorted(free, key=lambda _: secrets.randbelow(1 << 16))
 
 
@@ -121,7 +121,7 @@ def service_octet() -> Iterator[int]:
     counted as host access). One lock file per octet, held with flock (a test run that
     died holds nothing), among the octets no host address uses."""
     OCTET_LOCKS.mkdir(parents=True, exist_ok=True)
-    for octet in _candidate_octets():
+    for octet in candidate_octets():
         fd = os.open(OCTET_LOCKS / str(octet), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

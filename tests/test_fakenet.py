@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.fakenet import _candidate_octets, _octets_on_host, fake_service, service_octet
+from tests.fakenet import candidate_octets, fake_service, octets_on_host, service_octet
 
 pytestmark = [
     pytest.mark.root,
@@ -28,5 +28,5 @@ def test_an_octet_a_host_address_uses_is_never_handed_out() -> None:
     """The lock is one guard; an address on the host is the other (a holder that is
     not a test of ours, or a dead run's leftover): such an octet is not a candidate."""
     with service_octet() as octet, fake_service("x", octet, 0):
-        assert octet in _octets_on_host()
-        assert octet not in _candidate_octets()
+        assert octet in octets_on_host()
+        assert octet not in candidate_octets()
