@@ -412,9 +412,9 @@ async def test_background_process_survives_and_call_returns_quickly(agent: Agent
     elapsed = time.monotonic() - start
     assert res.exit_code == 0 and res.stdout == b"started\n" and not res.timed_out
     assert elapsed < 2, f"the call waited {elapsed:.2f}s for a pipe held by a background process"
-    survivors = with_marker(mark)
-    assert len(survivors) == 1
-    (bg,) = survivors
+    # the shell may return before its background child has exec'd sleep
+    assert await wait_until(lambda: len(with_marker(mark)) == 1)
+    (bg,) = with_marker(mark)
     assert _proc_table()[bg][0] == agent.pid, "orphans must be reparented to the agent"
     os.kill(bg, signal.SIGKILL)
     # the agent reaps it: no zombie stays behind
@@ -741,7 +741,8 @@ async def test_zombies_are_reaped_as_pid1(ns_agent: Agent) -> None:
 async def test_sigterm_to_pid1_ends_the_sandbox(ns_agent: Agent) -> None:
     mark = unique_sleep()
     await ns_agent.run("sh", "-c", f"setsid sleep {mark} > /dev/null 2>&1 &")
-    assert len(with_marker(mark)) == 1
+    # the shell may return before its background child has exec'd sleep
+    assert await wait_until(lambda: len(with_marker(mark)) == 1)
     os.kill(ns_agent.pid, signal.SIGTERM)
     assert ns_agent.proc.wait(10) == 0
     assert with_marker(mark) == []
