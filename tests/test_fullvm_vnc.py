@@ -19,6 +19,7 @@ import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -136,13 +137,20 @@ def test_viewers_are_bounded(vm: VM) -> None:
             time.sleep(0.1)
 
 
-def connected(browser: Any) -> None:
+@pytest.fixture
+def browser_mod() -> ModuleType:
+    """tests.browser, or a skip where Debian's Chromium is not installed."""
+    mod: ModuleType = pytest.importorskip("tests.browser")
+    if shutil.which("chromedriver") is None or shutil.which("chromium") is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (scripts/install.sh)")
+    return mod
+
+
+def connected(browser_mod: ModuleType, browser: Any) -> None:
     """Wait until the live view page says it is connected: each attempt has a 15 s
     deadline and the page makes five (desktop.js); on failure, say what the page said,
     what its console said and which requests it made."""
     from selenium.webdriver.common.by import By
-
-    import tests.browser as browser_mod
 
     body = browser.find_element(By.TAG_NAME, "body")
     try:
@@ -161,10 +169,7 @@ def connected(browser: Any) -> None:
         ) from None
 
 
-def test_the_novnc_page_draws_the_screen(vm: VM) -> None:
-    browser_mod = pytest.importorskip("tests.browser")
-    if shutil.which("chromedriver") is None or shutil.which("chromium") is None:
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/install.sh)")
+def test_the_novnc_page_draws_the_screen(vm: VM, browser_mod: ModuleType) -> None:
     from selenium.webdriver.common.by import By
 
     url = vm.sb.vnc_url()
@@ -178,7 +183,7 @@ def test_the_novnc_page_draws_the_screen(vm: VM) -> None:
         assert link.get_attribute("href") == url
         t0 = time.monotonic()
         browser.get(url)
-        connected(browser)
+        connected(browser_mod, browser)
         size = browser_mod.wait_for(
             "a canvas of the VM's screen size",
             lambda: browser.execute_script(
@@ -216,12 +221,11 @@ def test_the_novnc_page_draws_the_screen(vm: VM) -> None:
         browser_mod.shot(browser, "desktop")
 
 
-def test_the_novnc_page_tries_again_while_the_viewers_are_full(vm: VM) -> None:
+def test_the_novnc_page_tries_again_while_the_viewers_are_full(
+    vm: VM, browser_mod: ModuleType
+) -> None:
     """The page's first attempts are refused (every viewer place is taken): it says so
     and tries again, and connects once a place is free."""
-    browser_mod = pytest.importorskip("tests.browser")
-    if shutil.which("chromedriver") is None or shutil.which("chromium") is None:
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/install.sh)")
     from selenium.webdriver.common.by import By
 
     url = vm.ws_url() + "?token=" + vm.token()
@@ -237,7 +241,7 @@ def test_the_novnc_page_tries_again_while_the_viewers_are_full(vm: VM) -> None:
         status = browser.find_element(By.ID, "status").text
         assert "refused or lost" in status and "attempt 2" in status, status
         viewers.close()
-        connected(browser)
+        connected(browser_mod, browser)
         assert int(body.get_attribute("data-attempts") or 0) >= 2
 
 
