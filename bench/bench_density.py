@@ -25,7 +25,8 @@ busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxe
   (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same).
 
 At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox with its floors (the
-agent socket's round trip, nsenter) interleaved (bench/exec_floor.py), all sandboxes stopped
+agent socket's round trip, nsenter, the bare spawn inside) interleaved (bench/exec_floor.py),
+and the exec's p50 split into those layers; then all sandboxes stopped
 (timed), the platform stopped and the host checked for leaks (mounts, cgroups,
 processes, runtime state, loop devices, netns/veths/nft, spawners). ``--qos`` adds the
 QoS run of bench/bench_qos.py on the same platform once the sandboxes are gone; the pause
@@ -284,7 +285,7 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
             )  # fmt: skip
             try:
                 await dens.run(base)
-                if dens.made:  # exec with its floors (agent socket, nsenter) interleaved
+                if dens.made:  # exec with its floors (agent socket, nsenter, spawn) interleaved
                     res["exec"] = await exec_vs_floor(
                         plat.url, plat.api_key, dens.made[0].id, plat.data_dir,
                         execs=opts.execs, edge_pid=plat.proc.pid if plat.proc else None,
@@ -355,6 +356,7 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
     if res.get("exec"):
         out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
         out["exec_over_agent_socket_p50"] = res["exec"]["sdk_async"]["over_agent_p50"]
+        out["exec_layers_p50_ms"] = res["exec"]["layers_p50_ms"]
     if "qos" in res:
         out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50_per_round"]
     return out

@@ -3,15 +3,20 @@
     .venv/bin/python bench/exec_floor.py [--execs 600] [--rounds 20]
 
 ``run_shell("true")`` through the SDK, async and sync (the sync twin runs the async one
-on its portal thread), against the two floors of the same command in the same sandbox:
+on its portal thread), against the floors of the same command in the same sandbox:
 the agent socket's own round trip (``AgentClient.exec`` of ``sh -c true`` from this
-process, what the edge does per command without the data path around it) and
-``nsenter -t PID -a true`` (the kernel's way in, no agent). The four arms alternate in
-``--rounds`` short batches, the order turning every round, so each sees the same share
-of a noisy host's load; the ratios to the agent floor are the figures to read (the
-absolute ones move with the host's load). CPU per command is measured too: this
-process's (``time.process_time``, the SDK's part) and the edge's (``/proc/PID/stat``),
-which do not depend on load.
+process, what the edge does per command without the data path around it),
+``nsenter -t PID -a true`` (the kernel's way in, no agent), and the command itself:
+``posix_spawn`` + ``waitpid`` of ``sh -c true`` by a static probe inside the sandbox
+(bench/spawn_probe.c, built here with gcc; its own timings), what the kernel charges
+for a command there with no agent, socket or client at all. So an exec reads as three
+layers: the spawn, the agent's protocol around it (agent socket minus spawn), and the
+WebSocket hop and the edge (SDK minus agent socket). The arms alternate in ``--rounds``
+short batches, the order turning every round, so each sees the same share of a noisy
+host's load; the ratios to the agent floor are the figures to read (the absolute ones
+move with the host's load). CPU per command is measured too: this process's
+(``time.process_time``, the SDK's part) and the edge's (``/proc/PID/stat``), which do
+not depend on load.
 
 bench/bench_density.py calls :func:`exec_vs_floor` for its exec figure; standalone, this
 starts its own ``dsec up`` and writes bench/results/exec_floor.json.
@@ -24,6 +29,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +45,9 @@ from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 from dsec.sdk.sync import DSecSyncClient  # noqa: E402
 from dsec.sessions.agent_client import AgentClient  # noqa: E402
 
-ARMS = ("sdk_async", "sdk_sync", "agent_socket", "nsenter")
+ARMS = ("sdk_async", "sdk_sync", "agent_socket", "nsenter", "spawn")
+PROBE = REPO / "bench" / "spawn_probe.c"
+PROBE_IN_SANDBOX = "/tmp/.dsec-bench-spawn-probe"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -72,6 +80,23 @@ def _nsenter(argv: list[str]) -> None:
     os.waitpid(pid, 0)
 
 
+def build_probe(out_dir: Path) -> bytes:
+    """The static spawn probe (bench/spawn_probe.c), built with the host's gcc."""
+    out = out_dir / "spawn_probe"
+    subprocess.run(
+        ["gcc", "-static", "-O2", "-o", str(out), str(PROBE)], check=True, capture_output=True
+    )
+    return out.read_bytes()
+
+
+async def _spawned(sb: Any, n: int) -> list[float]:
+    """``n`` spawn round trips timed by the probe inside the sandbox, in seconds."""
+    res = await sb.run_shell(f"{PROBE_IN_SANDBOX} {n}", timeout=60)
+    if res.exit_code != 0:
+        raise RuntimeError(f"spawn probe failed ({res.exit_code}): {res.stderr[:500]}")
+    return [int(line) / 1e9 for line in res.stdout.split()]
+
+
 async def exec_vs_floor(
     url: str,
     key: str,
@@ -99,8 +124,11 @@ async def exec_vs_floor(
     cpu = {a: 0.0 for a in ARMS}
     edge_cpu = {a: 0.0 for a in ARMS}
     per = max(1, execs // rounds)
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-probe-") as tmp:
+        probe = build_probe(Path(tmp))
     async with DSecClient(url, key) as client:
         sb = await client.get(sandbox_id)
+        await sb.write_file(PROBE_IN_SANDBOX, probe, mode=0o755)
         sync = DSecSyncClient(url, key)
         try:
             ssb = await asyncio.to_thread(sync.get, sandbox_id)
@@ -114,6 +142,7 @@ async def exec_vs_floor(
                 "nsenter": lambda k: asyncio.to_thread(
                     _timed_sync, lambda: _nsenter(nsenter), max(1, k // 3)
                 ),
+                "spawn": lambda k: _spawned(sb, k),
             }
             for arm in ARMS:  # warm every path (connections, the agent, the page cache)
                 await batches[arm](20)
@@ -137,8 +166,14 @@ async def exec_vs_floor(
             s["edge_cpu_ms"] = round(edge_cpu[arm] / n * 1000, 3)
         res[arm] = s
     floor = res["agent_socket"]["p50_ms"]
-    for arm in ("sdk_async", "sdk_sync", "nsenter"):
+    for arm in ("sdk_async", "sdk_sync", "nsenter", "spawn"):
         res[arm]["over_agent_p50"] = round(res[arm]["p50_ms"] / floor, 3)
+    spawn = res["spawn"]["p50_ms"]
+    res["layers_p50_ms"] = {  # where an exec's time goes (differences of medians)
+        "spawn": spawn,
+        "agent_protocol": round(floor - spawn, 3),
+        "websocket_and_edge": round(res["sdk_async"]["p50_ms"] - floor, 3),
+    }
     res["exec_p50_ms"] = res["sdk_async"]["p50_ms"]
     res["exec_p99_ms"] = res["sdk_async"]["p99_ms"]
     res["n"] = res["sdk_async"]["n"]
@@ -151,6 +186,7 @@ def print_table(res: dict[str, Any]) -> None:
         "sdk_sync": 'run_shell("true"), sync SDK',
         "agent_socket": "floor: agent socket round trip",
         "nsenter": "floor: nsenter -t PID -a true",
+        "spawn": "floor: spawn sh -c true inside",
     }
     print(f"\n{'':34} {'n':>5} {'p50 ms':>7} {'p99 ms':>7} {'/agent':>7} {'cpu ms':>7} {'edge':>6}")
     for arm in ARMS:
@@ -161,6 +197,11 @@ def print_table(res: dict[str, Any]) -> None:
             f"{labels[arm]:34} {s['n']:>5} {s['p50_ms']:>7.3f} {s['p99_ms']:>7.2f} "
             f"{ratio:>7} {s['client_cpu_ms']:>7.3f} {edge:>6}"
         )
+    lay = res["layers_p50_ms"]
+    print(
+        f"an exec's p50 in layers: spawn {lay['spawn']:.3f} ms + agent protocol "
+        f"{lay['agent_protocol']:.3f} + WebSocket hop and edge {lay['websocket_and_edge']:.3f}"
+    )
 
 
 def loadavg() -> str:
