@@ -22,7 +22,13 @@ busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxe
   ``creates_served_warm`` says how many of the step's were the former;
 - the burst rate: ``--burst`` creates at once (they stay, counted in N);
 - raw ``crun run --detach`` of the same EROFS layer with an own overlay, ``--raw`` times
-  (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same).
+  (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same);
+- where the host's CPU goes while the sandboxes sit idle (``idle_cpu``, 3 s): all of
+  it, the edge's and the host's pid 1's, in cores. On this fleet's machines pid 1 is
+  their own agent (``process_api``), no part of the platform, and it scans every
+  process: from ~6,000 sandboxes it takes a whole core of the two, so the later steps'
+  creates (and raw crun's) run on what is left. The verdicts put raw crun's own growth
+  and pid 1's cores at the first and last step beside the platform's growth.
 
 At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox with its floors (the
 agent socket's round trip, nsenter, the bare spawn inside) interleaved (bench/exec_floor.py),
@@ -57,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
-from bench.exec_floor import exec_vs_floor  # noqa: E402
+from bench.exec_floor import cpu_seconds, exec_vs_floor  # noqa: E402
 from bench.shrinkers import probe as shrinker_probe  # noqa: E402
 from bench.shrinkers import superblocks  # noqa: E402
 from bench.stats import summary  # noqa: E402
@@ -100,6 +106,47 @@ def edge_fds(pid: int | None) -> int | None:
         return len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
+
+
+def host_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs so far (/proc/stat; idle and iowait are not busy)."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        ticks = [int(v) for v in fh.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
+
+
+async def idle_cpu(edge_pid: int | None, seconds: float = 3.0) -> dict[str, Any]:
+    """Where the host's CPU goes while the sandboxes sit idle, in cores: all of it, the
+    edge's, and the host's pid 1's. The last is no part of the platform, and on this
+    fleet's machines it is their own agent (``process_api``), which scans every process
+    and from ~6,000 sandboxes takes a whole core of the two (0.08 at 1,000, 0.54 at
+    4,000): the creates and commands of the later steps share what is left with it, and
+    so does raw crun beside them."""
+    cores = os.cpu_count() or 1
+    busy0, total0 = host_busy()
+    pid1_0 = cpu_seconds(1)
+    edge0 = cpu_seconds(edge_pid) if edge_pid else 0.0
+    t0 = time.perf_counter()
+    await asyncio.sleep(seconds)
+    dt = time.perf_counter() - t0
+    busy1, total1 = host_busy()
+    out: dict[str, Any] = {
+        "host_cores": round((busy1 - busy0) / max(1, total1 - total0) * cores, 2),
+        "pid1_cores": round((cpu_seconds(1) - pid1_0) / dt, 2),
+        "pid1": comm(1),
+        "processes": sum(1 for d in os.listdir("/proc") if d.isdigit()),
+    }
+    if edge_pid:
+        out["edge_cores"] = round((cpu_seconds(edge_pid) - edge0) / dt, 2)
+    return out
 
 
 def memory_cgroups() -> int | None:
@@ -237,6 +284,7 @@ class Density:
             row.update(await self.raw_figure())
             if "raw_p50_ms" in row and "create_p50_ms" in row:
                 row["create_over_raw_p50"] = round(row["create_p50_ms"] / row["raw_p50_ms"], 2)
+            row["idle_cpu"] = await idle_cpu(self.edge_pid)
             self.steps.append(row)
             print(json.dumps(row), flush=True)
             target += self.opts.step
@@ -346,6 +394,15 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
         ratios = [s["create_over_raw_p50"] for s in steps if "create_over_raw_p50" in s]
         if ratios:
             out["create_over_raw_p50"] = sorted(ratios)[len(ratios) // 2]
+        if "raw_p50_ms" in steps[0] and "raw_p50_ms" in last:  # the same host's own growth
+            out["raw_crun_growth_first_to_last_step"] = round(
+                last["raw_p50_ms"] / steps[0]["raw_p50_ms"], 2
+            )
+        if "idle_cpu" in steps[0] and "idle_cpu" in last:  # what the host took meanwhile
+            out["pid1_cores_first_to_last_step"] = [
+                steps[0]["idle_cpu"]["pid1_cores"],
+                last["idle_cpu"]["pid1_cores"],
+            ]
         mapped = res.get("shrinker_map_end")
         if mapped:  # host history the platform cannot undo (bench/shrinkers.py)
             map_mib = mapped["map_kib_per_memcg"] / 1024
