@@ -116,6 +116,7 @@ def host_busy() -> tuple[int, int]:
 
 
 def comm(pid: int) -> str:
+    """The process's name ("?" if it cannot be read)."""
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
             return fh.read().strip()
@@ -127,7 +128,7 @@ async def idle_cpu(edge_pid: int | None, seconds: float = 3.0) -> dict[str, Any]
     """Where the host's CPU goes while the sandboxes sit idle, in cores: all of it, the
     edge's, and the host's pid 1's. The last is no part of the platform, and on this
     fleet's machines it is their own agent (``process_api``), which scans every process
-    and from ~6,000 sandboxes takes a whole core of the two (0.08 at 1,000, 0.54 at
+    and from ~6,000 sandboxes takes a whole core of the two (0.08 at 1,000, 0.53 at
     4,000): the creates and commands of the later steps share what is left with it, and
     so does raw crun beside them."""
     cores = os.cpu_count() or 1
