@@ -25,8 +25,9 @@ busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxe
   (dsec.crun_baseline: mounted, run, deleted; the sandboxes present are the same);
 - where the host's CPU goes while the sandboxes sit idle (``idle_cpu``, 3 s): all of
   it, the edge's and the host's pid 1's, in cores. On this fleet's machines pid 1 is
-  their own agent (``process_api``), no part of the platform, and it scans every
-  process: from ~6,000 sandboxes it takes a whole core of the two, so the later steps'
+  their own agent (``process_api``), no part of the platform, whose work grows with the
+  host's network namespaces (one a sandbox): from ~6,000 sandboxes it takes a whole
+  core of the two, so the later steps'
   creates (and raw crun's) run on what is left. The verdicts put raw crun's own growth
   and pid 1's cores at the first and last step beside the platform's growth.
 
@@ -127,10 +128,10 @@ def comm(pid: int) -> str:
 async def idle_cpu(edge_pid: int | None, seconds: float = 3.0) -> dict[str, Any]:
     """Where the host's CPU goes while the sandboxes sit idle, in cores: all of it, the
     edge's, and the host's pid 1's. The last is no part of the platform, and on this
-    fleet's machines it is their own agent (``process_api``), which scans every process
-    and from ~6,000 sandboxes takes a whole core of the two (0.08 at 1,000, 0.53 at
-    4,000): the creates and commands of the later steps share what is left with it, and
-    so does raw crun beside them."""
+    fleet's machines it is their own agent (``process_api``), whose work grows with the
+    host's network namespaces (one a sandbox): from ~6,000 sandboxes it takes a whole
+    core of the two (0.08 at 1,000, 0.53 at 4,000): the creates and commands of the
+    later steps share what is left with it, and so does raw crun beside them."""
     cores = os.cpu_count() or 1
     busy0, total0 = host_busy()
     pid1_0 = cpu_seconds(1)
