@@ -415,7 +415,8 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
     if res.get("exec"):
         out["exec_p50_ms"] = res["exec"]["exec_p50_ms"]
         out["exec_over_agent_socket_p50"] = res["exec"]["sdk_async"]["over_agent_p50"]
-        out["exec_layers_p50_ms"] = res["exec"]["layers_p50_ms"]
+        if "layers_p50_ms" in res["exec"]:  # without gcc there is no spawn arm
+            out["exec_layers_p50_ms"] = res["exec"]["layers_p50_ms"]
     if "qos" in res:
         out["qos_inflation_p50"] = res["qos"]["with_qos"]["inflation_p50_per_round"]
     return out
