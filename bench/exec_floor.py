@@ -91,7 +91,7 @@ def build_probe(out_dir: Path) -> bytes | None:
         )
     except (OSError, subprocess.CalledProcessError) as exc:
         why = (
-            exc.stderr.decode(errors="replace")[-300:]
+            exc.stderr.decode(errors="replace").strip()[-300:]
             if isinstance(exc, subprocess.CalledProcessError)
             else exc
         )
