@@ -28,7 +28,6 @@ import argparse
 import collections
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import platform_process  # noqa: E402
 from tests.scripted_trainer import ScriptedTrainer  # noqa: E402
 
+from bench.probes import static_binary  # noqa: E402
 from dsec import (  # noqa: E402
     DSecContainerRunArgs,
     DSecSyncClient,
@@ -79,12 +79,7 @@ def scaffold(steps: int, heap_mib: int = 0) -> str:
 
 
 def build_probe(tmp: Path) -> bytes:
-    out = tmp / "probe"
-    subprocess.run(
-        ["gcc", "-static", "-O2", "-o", str(out), str(REPO / "bench" / "rollout_probe.c")],
-        check=True,
-    )
-    return out.read_bytes()
+    return static_binary("rollout_probe.c", tmp)
 
 
 def latency(

@@ -40,13 +40,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.probes import static_binary  # noqa: E402
 from bench.stats import summary  # noqa: E402
 from dsec import DSecClient, DSecContainerRunArgs  # noqa: E402
 from dsec.sdk.sync import DSecSyncClient  # noqa: E402
 from dsec.sessions.agent_client import AgentClient  # noqa: E402
 
 ARMS = ("sdk_async", "sdk_sync", "agent_socket", "nsenter", "spawn")
-PROBE = REPO / "bench" / "spawn_probe.c"
+PROBE = "spawn_probe.c"
 PROBE_IN_SANDBOX = "/tmp/.dsec-bench-spawn-probe"
 
 
@@ -84,11 +85,8 @@ def build_probe(out_dir: Path) -> bytes | None:
     """The static spawn probe (bench/spawn_probe.c), built with the host's gcc; None
     (said on stderr) where it cannot be built: the run goes on without that arm rather
     than lose the others (bench_density calls this at the end of a long run)."""
-    out = out_dir / "spawn_probe"
     try:
-        subprocess.run(
-            ["gcc", "-static", "-O2", "-o", str(out), str(PROBE)], check=True, capture_output=True
-        )
+        return static_binary(PROBE, out_dir)
     except (OSError, subprocess.CalledProcessError) as exc:
         why = (
             exc.stderr.decode(errors="replace").strip()[-300:]
@@ -97,7 +95,6 @@ def build_probe(out_dir: Path) -> bytes | None:
         )
         print(f"no spawn arm: the probe does not build here ({why})", file=sys.stderr)
         return None
-    return out.read_bytes()
 
 
 async def _spawned(sb: Any, n: int) -> list[float]:
