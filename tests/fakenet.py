@@ -189,6 +189,18 @@ def fake_service(
         subprocess.run(["ip", "netns", "del", svc.netns], capture_output=True)
 
 
+@contextlib.contextmanager
+def pypi_and_npm() -> Iterator[tuple[FakeService, FakeService]]:
+    """The two fake registries the network tests use ("pypi", "npm"), on an octet no
+    other test process holds (service_octet)."""
+    with (
+        service_octet() as octet,
+        fake_service("pypi", octet, 0) as pypi,
+        fake_service("npm", octet, 1) as npm,
+    ):
+        yield pypi, npm
+
+
 def catalog(services: dict[str, FakeService], path: Path) -> Path:
     """A catalog file mapping each service name to its fake (port 80, static answers)."""
     hosts = {

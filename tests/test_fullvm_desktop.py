@@ -46,7 +46,7 @@ from dsec.guest.desktopimage import build_desktop_image
 from dsec.sdk.sync import SyncSandbox
 from tests import waiting
 from tests.conftest import PlatformProcess, platform_process
-from tests.fakenet import FakeService, catalog, fake_service, service_octet
+from tests.fakenet import FakeService, catalog, pypi_and_npm
 from tests.rfb import Rfb
 
 pytestmark = [
@@ -88,9 +88,7 @@ def desktop() -> Iterator[Desktop]:
     files = asyncio.run(build_desktop_image())
     print(f"debian-desktop image ready in {time.monotonic() - t0:.0f}s")
     with (
-        service_octet() as octet,
-        fake_service("pypi", octet, 0) as pypi,
-        fake_service("npm", octet, 1) as npm,
+        pypi_and_npm() as (pypi, npm),
         tempfile.TemporaryDirectory(prefix="dsec-desktopcat-") as tmp,
     ):
         cat = catalog({"pypi": pypi, "npm": npm}, Path(tmp) / "catalog.json")

@@ -34,7 +34,7 @@ from dsec.guest.vmimage import busybox_vm_image
 from dsec.net.vmtap import is_tap
 from dsec.sdk.sync import SyncSandbox
 from tests.conftest import PlatformProcess, platform_process, qemus
-from tests.fakenet import FakeService, fake_service, service_octet
+from tests.fakenet import FakeService, pypi_and_npm
 from tests.fullvm_env import BOOT, FULLVM_MARKS
 from tests.test_network import host_service
 
@@ -69,9 +69,7 @@ def _catalog(path: Path, pypi: FakeService, npm: FakeService) -> None:
 def net() -> Iterator[Net]:
     files = busybox_vm_image()
     with (
-        service_octet() as octet,
-        fake_service("pypi", octet, 0) as pypi,
-        fake_service("npm", octet, 1) as npm,
+        pypi_and_npm() as (pypi, npm),
         tempfile.TemporaryDirectory(prefix="dsec-fvmcat-") as tmp,
     ):
         catalog = Path(tmp) / "catalog.json"

@@ -35,7 +35,7 @@ from dsec.api.events import AuditKind
 from dsec.errors import DSecError, InvalidArgument
 from dsec.resources import cgroups, oom, qos
 from tests.conftest import PlatformProcess, platform_process, qemus
-from tests.fakenet import FakeService, fake_service, service_octet
+from tests.fakenet import FakeService, pypi_and_npm
 from tests.test_network import fetch, host_service
 from tests.test_qos import cpu_class
 from tests.waiting import until_async
@@ -74,9 +74,7 @@ class VMPlatform:
 @pytest.fixture(scope="module")
 def vmp(request: pytest.FixtureRequest) -> Iterator[VMPlatform]:
     with (
-        service_octet() as octet,
-        fake_service("pypi", octet, 0) as pypi,
-        fake_service("npm", octet, 1) as npm,
+        pypi_and_npm() as (pypi, npm),
         tempfile.TemporaryDirectory(prefix="dsec-vmcat-") as tmp,
     ):
         catalog = Path(tmp) / "catalog.json"

@@ -41,9 +41,8 @@ from tests.fakenet import (
     StaticUpstream,
     dnsq_program,
     fake_resolver,
-    fake_service,
     offline_dns,
-    service_octet,
+    pypi_and_npm,
 )
 from tests.waiting import until_async
 
@@ -91,9 +90,7 @@ class Net:
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
     with (
-        service_octet() as octet,
-        fake_service("pypi", octet, 0) as pypi,
-        fake_service("npm", octet, 1) as npm,
+        pypi_and_npm() as (pypi, npm),
         tempfile.TemporaryDirectory(prefix="dsec-netcat-") as tmp,
     ):
         catalog = Path(tmp) / "catalog.json"

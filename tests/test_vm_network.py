@@ -33,7 +33,7 @@ from dsec.net.catalog import load_catalog
 from dsec.net.manager import NetworkManager, host_leftovers, remove_leftovers
 from dsec.net.vmtap import VMNetAttachment, attach_vm, attach_vm_ready
 from tests import microvm_guest
-from tests.fakenet import FakeService, RecordingAudit, fake_service, service_octet
+from tests.fakenet import FakeService, RecordingAudit, pypi_and_npm
 
 pytestmark = [
     pytest.mark.root,
@@ -249,9 +249,7 @@ class VmNet:
 async def vmnet() -> AsyncIterator[VmNet]:
     edge_id = "vmnet-" + secrets.token_hex(4)
     with contextlib.ExitStack() as stack:
-        octet = stack.enter_context(service_octet())
-        pypi = stack.enter_context(fake_service("pypi", octet, 0))
-        npm = stack.enter_context(fake_service("npm", octet, 1))
+        pypi, npm = stack.enter_context(pypi_and_npm())
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-vmnet-")))
         catalog = tmp / "catalog.json"
         catalog.write_text(
