@@ -21,7 +21,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,17 +36,11 @@ from dsec.api.layers import ImageLoading
 from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.publish import publish_tree
+from dsec.net.ports import free_port
 
 PACKAGES = 128
 FILES_PER_PACKAGE = 64
 TOKEN = "dst_bench_" + secrets.token_hex(8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def make_tree(root: Path, total_bytes: int, seed: int) -> dict[str, int]:

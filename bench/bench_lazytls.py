@@ -34,8 +34,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import free_port  # noqa: E402
 from tests.oci_registry import make_ca, make_server_cert  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 from bench.stats import summary  # noqa: E402
 from dsec.images.lazy.daemon import LazyDaemon  # noqa: E402

@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 
 from dsec import DSecSyncClient
-from tests.conftest import clean_leftovers, free_port, host_leaks, kill_process, stop_process
+from tests.conftest import clean_leftovers, host_leaks, kill_process, stop_process
 from tests.pg import PostgresServer
+from tests.ports import free_port
 
 
 def _ip(*args: str) -> None:

@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,19 +35,13 @@ from dsec.resources import cgroups, swap
 from dsec.resources.disk import loop_devices_backed_by
 from tests.fakenet import FakeService, catalog, fake_service, package_index, service_octet
 from tests.pg import pg_url, postgres  # noqa: F401  (real PostgreSQL fixtures)
+from tests.ports import free_port
 
 # Every test platform turns on its own swap file (DSEC_SWAP=auto, dsec.resources.swap):
 # a small one, so that several platforms at once do not take the host's disk.
 os.environ.setdefault("DSEC_SWAP_GB", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -43,7 +43,7 @@ from dsec.images.builders import HOST_BUSYBOX, busybox_tree
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
-from tests.conftest import free_port
+from tests.ports import free_port
 
 # bcrypt for the htpasswd file: the stdlib's crypt (3.11, 3.12; gone in 3.13, where the
 # htpasswd registries skip) rather than a new dependency for one line of a test fixture.

@@ -14,7 +14,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,17 +23,11 @@ from pathlib import Path
 import pytest
 
 from dsec import linux
+from tests.ports import free_port
 
 PG_BIN = Path(os.environ.get("DSEC_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_USER = "postgres"
 DATABASE = "dsec"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PostgresServer:
@@ -87,7 +80,7 @@ class PostgresServer:
             ]
         )
         for attempt in range(3):  # a free port can be taken between probe and bind
-            self.port = _free_port()
+            self.port = free_port()
             try:
                 self._as_postgres(
                     "pg_ctl",

@@ -19,7 +19,7 @@ from dsec.api.spec import BackendKind, DSecContainerRunArgs
 from dsec.cluster.registry import DOWN, EdgeRow, Registry, SandboxRow, sandbox_info
 from dsec.cluster.watcher import Watcher
 from dsec.control.db import make_engine, migrate, sqlite_url
-from tests.conftest import free_port
+from tests.ports import free_port
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

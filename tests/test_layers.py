@@ -29,7 +29,8 @@ from dsec.images.builders import BUSYBOX_CONFIG, busybox_tree
 from dsec.images.chunkindex import ChunkIndex, build_index
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.publish import publish_tree
-from tests.conftest import PlatformProcess, free_port, platform_process
+from tests.conftest import PlatformProcess, platform_process
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.root,

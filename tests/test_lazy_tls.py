@@ -35,8 +35,9 @@ from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.ocistore import OCIStore
 from dsec.images.remote.publish import publish_tree
 from dsec.images.store import digest_hex
-from tests.conftest import PlatformProcess, free_port, platform_process
+from tests.conftest import PlatformProcess, platform_process
 from tests.oci_registry import Registry, TLSFiles, publish, registry, registry_available
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.root,

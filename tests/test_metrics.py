@@ -27,7 +27,8 @@ from dsec.api.exec import ExitInfo
 from dsec.api.fncall import DSecFnCallRunArgs
 from dsec.errors import DSecError, LimitExceeded, NotFound
 from dsec.observe.metrics import Metrics, host_cpu
-from tests.conftest import PlatformProcess, free_port, platform_process
+from tests.conftest import PlatformProcess, platform_process
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.root,

@@ -38,7 +38,8 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.resources import cgroups
-from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks, platform_process
+from tests.conftest import PlatformProcess, clean_leftovers, host_leaks, platform_process
+from tests.ports import free_port
 
 pytestmark = pytest.mark.root
 

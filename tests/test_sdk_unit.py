@@ -52,6 +52,7 @@ from dsec.errors import (
 )
 from dsec.sdk import _protocol as proto
 from dsec.sdk._upload import open_upload
+from tests.ports import free_port
 from tests.test_apiserver_unit import KEY, FakeEdge, make_fake_app
 
 LIMITS = ApiLimits(max_file_bytes=1024 * 1024, max_import_bytes=8 * 1024 * 1024)
@@ -126,9 +127,7 @@ def sync_client(live: LiveServer) -> Iterator[DSecSyncClient]:
 
 
 def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
 ARGS = DSecContainerRunArgs(

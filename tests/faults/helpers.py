@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dsec.edge.identity import derived_edge_id
-from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
+from tests.conftest import PlatformProcess, clean_leftovers, host_leaks
+from tests.ports import free_port
 
 
 @contextlib.contextmanager

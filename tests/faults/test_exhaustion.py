@@ -32,7 +32,8 @@ import pytest
 
 from dsec import DSecContainerRunArgs, DSecSyncClient
 from dsec.errors import InsufficientStorage, ResourceExhausted
-from tests.conftest import PlatformProcess, clean_leftovers, free_port, host_leaks
+from tests.conftest import PlatformProcess, clean_leftovers, host_leaks
+from tests.ports import free_port
 from tests.waiting import until
 
 pytestmark = pytest.mark.root

@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from dsec.cli.demo_timings import TIMING_IMAGE, Timings, measure_platform, measu
 from dsec.cli.up import announce
 from dsec.config import DEFAULT_DATA_DIR, load_client_config, save_client_config
 from dsec.errors import DSecError, ImageNotFound, PlatformUnavailable, Unauthenticated
+from dsec.net.ports import free_port
 from dsec.sdk import DSecClient, Sandbox
 
 RECIPES = {"busybox": "busybox", "debian-python": "debian-python"}
@@ -60,13 +60,6 @@ def answers(url: str) -> bool:
         return httpx.get(f"{url}/v1/health", timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def platform_command(port: int, data_dir: Path) -> list[str]:

@@ -69,6 +69,7 @@ from dsec.errors import (
     TrajectoryStepInDoubt,
     Unsupported,
 )
+from dsec.net.ports import free_port
 from dsec.rollouts.gateway import GatewayRollout, ModelGateway
 from dsec.rollouts.listener import ListenerKeeper
 from dsec.rollouts.store import Rollout, RolloutStore
@@ -214,9 +215,9 @@ class RolloutManager:
             return int(saved)
         wanted = 0 if fresh else int(os.environ.get("DSEC_GATEWAY_PORT", "0"))
         if not wanted:
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", 0))
-                wanted = int(s.getsockname()[1])
+            # Outside the ephemeral range (dsec.net.ports): while the edge is down, no
+            # outgoing connection on the host can take the port its scaffolds were given.
+            wanted = free_port("0.0.0.0")
         self.store.set_setting("gateway_port", str(wanted))
         return wanted
 
