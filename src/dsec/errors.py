@@ -246,6 +246,15 @@ class DatabaseUnavailable(DSecError):
     status = 503
 
 
+class CannotListen(DSecError):
+    """A server process cannot listen on its address: the port is taken, no interface
+    has the address, or the port is privileged (dsec.roots.serving.listen). Said at
+    start, before the process has done any work."""
+
+    code = "cannot_listen"
+    status = 503
+
+
 def _all_subclasses(cls: type[DSecError]) -> list[type[DSecError]]:
     out: list[type[DSecError]] = []
     for sub in cls.__subclasses__():

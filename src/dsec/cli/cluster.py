@@ -14,7 +14,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import cells, emit_json, err, out, parse_pairs, sync_client
+from dsec.cli.common import (
+    ANY_PORT_HELP,
+    cells,
+    emit_json,
+    err,
+    out,
+    parse_pairs,
+    serving,
+    sync_client,
+)
 from dsec.config import DEFAULT_DATA_DIR, PlatformConfig
 from dsec.errors import InvalidArgument
 
@@ -47,7 +56,10 @@ def apiserver(
         str, typer.Option("--admin-key", envvar="DSEC_API_KEY", help="the admin principal's key")
     ],
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8470,
+    port: Annotated[
+        int,
+        typer.Option("--port", min=0, max=65535, help=ANY_PORT_HELP),
+    ] = 8470,
 ) -> None:
     """Serve the public API over every edge of the cluster (run as many as you like)."""
     from dsec.roots.apiserver import ApiserverConfig, run_apiserver
@@ -59,10 +71,8 @@ def apiserver(
         host=host,
         port=port,
     )
-    try:
+    with serving("the apiserver"):
         run_apiserver(config, ready=lambda url: out.print(f"apiserver listening on {url}"))
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
 
 
 def watcher(
@@ -99,7 +109,10 @@ def edge(
         ),
     ],
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "0.0.0.0",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8471,
+    port: Annotated[
+        int,
+        typer.Option("--port", min=0, max=65535, help=ANY_PORT_HELP),
+    ] = 8471,
     advertise: Annotated[
         str | None,
         typer.Option("--advertise", help="URL apiservers and SDKs reach this edge at"),
@@ -130,12 +143,10 @@ def edge(
     join_cfg = EdgeJoin(
         join=join, cluster_token=_check_token(cluster_token), labels=parse_pairs(label, "--label")
     )
-    try:
+    with serving(f"edge {edge_id}"):
         run_edge(
             config, join_cfg, ready=lambda url, _key: out.print(f"edge {edge_id} serving at {url}")
         )
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
 
 
 @app.command("edges")

@@ -12,10 +12,11 @@ markup or emoji codes, and every string they render goes through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -88,6 +89,26 @@ def print_error(error: DSecError) -> None:
     """The one-line form of every typed error: ``error: <code>: <message>``."""
     message = inert(" ".join(error.message.split()))  # may quote a sandbox's path
     err.print(f"error: {error.code}: {message}", style="red", markup=False, soft_wrap=True)
+
+
+#: The --port help of every server command (dsec.roots.serving.listen binds port 0).
+ANY_PORT_HELP = "0: any free port (the one chosen is printed)"
+
+
+@contextlib.contextmanager
+def serving(what: str) -> Iterator[None]:
+    """Around a server process's blocking run (`dsec up`, `dsec edge`, `dsec
+    apiserver`): Ctrl-C exits 130, and what stops it from starting (a port in use, an
+    address this host lacks: dsec.roots.serving.listen) is an error in words, not a
+    traceback. A PermissionError goes on to the CLI's own handler (exit 1)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except PermissionError:
+        raise
+    except OSError as exc:
+        raise DSecError(f"cannot start {what}: {exc}") from None
 
 
 def parse_pairs(values: Sequence[str], option: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import typer
 from rich.panel import Panel
 from rich.text import Text
 
-from dsec.cli.common import globals_of, inert, out
+from dsec.cli.common import ANY_PORT_HELP, globals_of, inert, out, serving
 from dsec.config import (
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
@@ -44,7 +44,10 @@ def announce(url: str, api_key: str, saved_to: Path | None) -> None:
 def up(
     ctx: typer.Context,
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = DEFAULT_PORT,
+    port: Annotated[
+        int,
+        typer.Option("--port", min=0, max=65535, help=ANY_PORT_HELP),
+    ] = DEFAULT_PORT,
     data_dir: Annotated[
         Path, typer.Option("--data-dir", help="images, sandboxes and databases")
     ] = DEFAULT_DATA_DIR,
@@ -176,18 +179,12 @@ def up(
     def ready(url: str, key: str) -> None:
         announce(url, key, save_client_config(url, key) if save_config else None)
 
-    try:
+    with serving("the platform"):
         run = getattr(platform, "run", None)  # the blocking entry point (uvloop) if provided
         if callable(run):
             run(config, ready=ready)
         else:
             asyncio.run(platform.serve(config, ready=ready))
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except PermissionError:
-        raise
-    except OSError as exc:
-        raise DSecError(f"cannot start the platform: {exc}") from None
 
 
 def down(

@@ -13,8 +13,11 @@ are in one try/finally.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
-from dsec.roots.serving import run_loop, serve_app
+from dsec.roots.serving import bound_port, listen, run_loop, serve_app
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,16 @@ class ApiserverConfig:
 
 async def serve_apiserver(
     config: ApiserverConfig, *, ready: Callable[[str], None] | None = None
+) -> None:
+    sock = listen(config.host, config.port)  # a taken port fails here, before any work
+    with contextlib.closing(sock):
+        if config.port == 0:  # any free port: the one chosen is the one to announce
+            config = dataclasses.replace(config, port=bound_port(sock))
+        await _serve_apiserver(config, sock, ready)
+
+
+async def _serve_apiserver(
+    config: ApiserverConfig, sock: socket.socket, ready: Callable[[str], None] | None
 ) -> None:
     engine = make_engine(database_url(config.db))
     router: ClusterEdge | None = None
@@ -110,7 +123,7 @@ async def serve_apiserver(
             if ready is not None:
                 ready(config.url)
 
-        await serve_app(app, config.host, config.port, started)
+        await serve_app(app, sock, started)
     finally:
         if fncall is not None:
             await fncall.close()

@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +56,7 @@ from dsec.resources import cgroups
 from dsec.resources.capacity import SandboxCost
 from dsec.resources.disk import GiB
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap, managed_size
-from dsec.roots.serving import run_loop, serve_app
+from dsec.roots.serving import bound_port, listen, run_loop, serve_app
 from dsec.security.audit import AuditLog
 
 log = logging.getLogger(__name__)
@@ -318,6 +320,19 @@ async def serve(
 
     ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
     dsec.cluster.node) and is cancelled before the platform shuts down."""
+    sock = listen(config.host, config.port)  # a taken port fails here, before any work
+    with contextlib.closing(sock):
+        if config.port == 0:  # any free port: the one chosen is the one to announce
+            config = dataclasses.replace(config, port=bound_port(sock))
+        await _serve_platform(config, sock, ready, companion)
+
+
+async def _serve_platform(
+    config: PlatformConfig,
+    sock: socket.socket,
+    ready: Callable[[str, str], None] | None,
+    companion: Callable[[Platform], Awaitable[None]] | None,
+) -> None:
     from dsec.apiserver.app import create_app
     from dsec.apiserver.services import ApiServices
     from dsec.edge.dataplane import DataPlane
@@ -395,7 +410,7 @@ async def serve(
             if companion is not None:
                 await companion(platform)
 
-        await serve_app(app, config.host, config.port, started)
+        await serve_app(app, sock, started)
 
 
 def run(

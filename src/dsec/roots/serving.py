@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
+from dsec.errors import CannotListen
 from dsec.security.safe_text import escape_log_records
 
 # What stops a server cleanly (its sandboxes run on unless asked to stop with it).
@@ -75,10 +78,50 @@ def _server_class() -> type[Any]:
     return Server
 
 
+# uvicorn's default: connections the kernel completes before the server accepts them.
+LISTEN_BACKLOG = 2048
+
+# Why a bind fails, in the words an operator acts on.
+LISTEN_FAILURES = {
+    errno.EADDRINUSE: "another process listens there (another `dsec up`?); choose --port",
+    errno.EADDRNOTAVAIL: "no interface of this host has that address; choose --host",
+    errno.EACCES: "ports below 1024 need root (CAP_NET_BIND_SERVICE)",
+}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything else starts.
+
+    A root binds first and serves on this socket afterwards (``serve_app``), so that a
+    port already taken fails at once, with a message that says so, before the platform
+    has recovered sandboxes, mounted images or opened databases only to give it all
+    back; and so that port 0 (any free port) gives the address to announce.
+    CannotListen says why in words."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        # SO_REUSEADDR (as uvicorn would): a restart binds while the last run's
+        # connections are still in TIME_WAIT.
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as exc:
+        code = exc.errno or 0
+        if isinstance(exc, socket.gaierror) or code < 0:  # EAI_*: the name, not the bind
+            reason = "unknown host; choose --host"
+        else:
+            reason = LISTEN_FAILURES.get(code, exc.strerror or str(exc))
+    raise CannotListen(f"cannot listen on {host}:{port}: {reason}", errno=code)
+
+
+def bound_port(sock: socket.socket) -> int:
+    """The port ``sock`` listens on (the one chosen when 0 was asked for)."""
+    port: int = sock.getsockname()[1]
+    return port
+
+
 async def serve_app(
-    app: Any, host: str, port: int, started: Callable[[], Awaitable[None]] | None = None
+    app: Any, sock: socket.socket, started: Callable[[], Awaitable[None]] | None = None
 ) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM/SIGHUP (every server process of the platform).
+    """Serve ``app`` on ``sock`` (from ``listen``) until SIGINT/SIGTERM/SIGHUP (every
+    server process of the platform); the socket is closed when it returns.
 
     ``started`` runs once the server listens, beside it, and is cancelled when it
     stops; running batches are cancelled on exit so that their streams end."""
@@ -88,6 +131,7 @@ async def serve_app(
     from dsec.apiserver.frames import MAX_FRAME_CHARS
     from dsec.apiserver.httpguard import ConnectionLimits, guarded_protocol
 
+    where = sock.getsockname()
     tune_gc()
     escape_log_records()  # sandbox-controlled text in our log lines is made inert
 
@@ -103,8 +147,9 @@ async def serve_app(
     server = _server_class()(
         uvicorn.Config(
             bounded,
-            host=host,
-            port=port,
+            # Only named in uvicorn's own log lines: it serves on ``sock``.
+            host=where[0],
+            port=where[1],
             log_level="warning",
             access_log=False,
             # Longer than any client pool keeps idle connections (httpx: 5 s), so a
@@ -133,12 +178,13 @@ async def serve_app(
     task = asyncio.create_task(announce())
     batches = asyncio.create_task(cancel_batches_on_exit(server, app))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         task.cancel()
         batches.cancel()
+        sock.close()
     if not server.started:
-        raise OSError(f"could not listen on {host}:{port}")
+        raise OSError(f"could not serve on {where[0]}:{where[1]}")
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
