@@ -22,6 +22,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -114,7 +115,7 @@ class PlatformProcess:
         self.proc = None
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) -> None:
+def stop_process(proc: subprocess.Popen[Any] | None, timeout: float = 60.0) -> None:
     """SIGTERM and wait (a clean shutdown); SIGKILL if it takes longer than ``timeout``."""
     if proc is None or proc.poll() is not None:
         return
@@ -125,7 +126,7 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) ->
         kill_process(proc)
 
 
-def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
+def kill_process(proc: subprocess.Popen[Any] | None) -> None:
     if proc is not None:
         proc.kill()
         proc.wait()

@@ -1,4 +1,4 @@
-"""Server processes bind their port first (dsec.roots.serving.listen).
+"""Server processes bind their port first (dsec.net.ports.listen).
 
 A port already taken stops `dsec up` at once with a message that says why, before it
 has done any work (no databases, no recovery, nothing to undo); ``--port 0`` serves on
@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from dsec.errors import CannotListen
-from dsec.roots.serving import bound_port, listen
+from dsec.net.ports import bound_port, listen
 from tests.conftest import clean_leftovers, host_leaks, stop_process
 
 
@@ -127,3 +127,43 @@ def test_dsec_up_on_port_zero_announces_the_port_it_serves_on() -> None:
             assert proc.wait(60) == 0
         finally:
             stop_process(proc)
+
+
+def test_the_layer_store_on_a_taken_port_fails_at_once_and_port_zero_serves(
+    tmp_path: Path,
+) -> None:
+    """`dsec store serve`, the other server command: the same first bind."""
+    root = tmp_path / "store"
+
+    def store_serve(port: int) -> list[str]:
+        argv = ["store", "serve", "--root", str(root), "--port", str(port), "--token", "dst_t"]
+        return [sys.executable, "-m", "dsec.cli.main", *argv]
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            store_serve(port),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert f"error: cannot_listen: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not root.exists()  # the store was not opened
+    proc = subprocess.Popen(
+        store_serve(0),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"layer store (http://127\.0\.0\.1:(\d+)) serving", line)
+        assert found is not None and int(found.group(2)) > 0, line
+        reply = httpx.get(f"{found.group(1)}/v1/refs/none", timeout=5)
+        assert reply.status_code in (401, 404)  # answered: it serves on the announced port
+    finally:
+        stop_process(proc)

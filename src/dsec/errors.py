@@ -248,7 +248,7 @@ class DatabaseUnavailable(DSecError):
 
 class CannotListen(DSecError):
     """A server process cannot listen on its address: the port is taken, no interface
-    has the address, or the port is privileged (dsec.roots.serving.listen). Said at
+    has the address, or the port is privileged (dsec.net.ports.listen). Said at
     start, before the process has done any work."""
 
     code = "cannot_listen"

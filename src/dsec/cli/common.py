@@ -91,7 +91,7 @@ def print_error(error: DSecError) -> None:
     err.print(f"error: {error.code}: {message}", style="red", markup=False, soft_wrap=True)
 
 
-#: The --port help of every server command (dsec.roots.serving.listen binds port 0).
+#: The --port help of every server command (dsec.net.ports.listen binds port 0).
 ANY_PORT_HELP = "0: any free port (the one chosen is printed)"
 
 
@@ -99,7 +99,7 @@ ANY_PORT_HELP = "0: any free port (the one chosen is printed)"
 def serving(what: str) -> Iterator[None]:
     """Around a server process's blocking run (`dsec up`, `dsec edge`, `dsec
     apiserver`): Ctrl-C exits 130, and what stops it from starting (a port in use, an
-    address this host lacks: dsec.roots.serving.listen) is an error in words, not a
+    address this host lacks: dsec.net.ports.listen) is an error in words, not a
     traceback. A PermissionError goes on to the CLI's own handler (exit 1)."""
     try:
         yield

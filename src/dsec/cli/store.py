@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from dsec.cli.common import out
+from dsec.cli.common import ANY_PORT_HELP, out, serving
 
 app = typer.Typer(help="The shared layer store.", no_args_is_help=True)
 
@@ -20,7 +20,7 @@ def serve(
         "/var/lib/dsec/store"
     ),
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8471,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help=ANY_PORT_HELP)] = 8471,
     token: Annotated[
         str | None,
         typer.Option(
@@ -57,8 +57,6 @@ def serve(
     def ready(url: str) -> None:
         out.print(f"layer store {url} serving {store.root} (pid {os.getpid()})", markup=False)
 
-    try:
-        tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
+    tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
+    with serving("the layer store"):
         serve_store(store, tokens, host=host, port=port, ready=ready, tls=tls)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None

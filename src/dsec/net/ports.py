@@ -1,6 +1,10 @@
-"""A free TCP port for a server that another process will bind a moment later.
+"""The ports servers listen on: binding one first, and picking a free one.
 
-The usual trick, ``bind(("127.0.0.1", 0))`` and close, hands out a port from the
+``listen`` binds a server's socket before the server does any other work (so a taken
+port is said at once, in words) and serves port 0. ``free_port`` is for a server that
+another process will bind a moment later (a test's platform, a database).
+
+The usual trick for that, ``bind(("127.0.0.1", 0))`` and close, hands out a port from the
 kernel's *ephemeral* range (``net.ipv4.ip_local_port_range``). Between the close and the
 server's own bind, every outgoing connection on the host draws its source port from that
 same range, so on a busy host the port can be taken first and the server fails with
@@ -17,6 +21,8 @@ import errno
 import random
 import socket
 from pathlib import Path
+
+from dsec.errors import CannotListen
 
 # Below this are the well-known and commonly configured ports (ssh, databases,
 # Prometheus, ...): not ours to hand out even when free at this moment.
@@ -62,3 +68,42 @@ def free_port(host: str = "127.0.0.1", *, slot: int = 0, slots: int = 1) -> int:
                 continue
             return port
     raise OSError(errno.EADDRINUSE, f"no free port on {host} outside the ephemeral range")
+
+
+# uvicorn's default: connections the kernel completes before the server accepts them.
+LISTEN_BACKLOG = 2048
+
+# Why a bind fails, in the words an operator acts on.
+LISTEN_FAILURES = {
+    errno.EADDRINUSE: "another process listens there (another `dsec up`?); choose --port",
+    errno.EADDRNOTAVAIL: "no interface of this host has that address; choose --host",
+    errno.EACCES: "ports below 1024 need root (CAP_NET_BIND_SERVICE)",
+}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything else starts.
+
+    A root binds first and serves on this socket afterwards (``serve_app``), so that a
+    port already taken fails at once, with a message that says so, before the platform
+    has recovered sandboxes, mounted images or opened databases only to give it all
+    back; and so that port 0 (any free port) gives the address to announce.
+    CannotListen says why in words."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        # SO_REUSEADDR (as uvicorn would): a restart binds while the last run's
+        # connections are still in TIME_WAIT.
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as exc:
+        code = exc.errno or 0
+        if isinstance(exc, socket.gaierror) or code < 0:  # EAI_*: the name, not the bind
+            reason = "unknown host; choose --host"
+        else:
+            reason = LISTEN_FAILURES.get(code, exc.strerror or str(exc))
+    raise CannotListen(f"cannot listen on {host}:{port}: {reason}", errno=code)
+
+
+def bound_port(sock: socket.socket) -> int:
+    """The port ``sock`` listens on (the one chosen when 0 was asked for)."""
+    port: int = sock.getsockname()[1]
+    return port

@@ -38,7 +38,8 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
-from dsec.roots.serving import bound_port, listen, run_loop, serve_app
+from dsec.net.ports import bound_port, listen
+from dsec.roots.serving import run_loop, serve_app
 
 log = logging.getLogger(__name__)
 

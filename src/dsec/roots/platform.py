@@ -51,12 +51,13 @@ from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.images.oci.client import RegistrySettings
 from dsec.net.manager import NetworkManager
+from dsec.net.ports import bound_port, listen
 from dsec.observe.metrics import GaugeCollector, fncall_gauges, layer_cache_gauges
 from dsec.resources import cgroups
 from dsec.resources.capacity import SandboxCost
 from dsec.resources.disk import GiB
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap, managed_size
-from dsec.roots.serving import bound_port, listen, run_loop, serve_app
+from dsec.roots.serving import run_loop, serve_app
 from dsec.security.audit import AuditLog
 
 log = logging.getLogger(__name__)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
-from dsec.errors import CannotListen
 from dsec.security.safe_text import escape_log_records
 
 # What stops a server cleanly (its sandboxes run on unless asked to stop with it).
@@ -76,45 +74,6 @@ def _server_class() -> type[Any]:
             self.should_exit = True
 
     return Server
-
-
-# uvicorn's default: connections the kernel completes before the server accepts them.
-LISTEN_BACKLOG = 2048
-
-# Why a bind fails, in the words an operator acts on.
-LISTEN_FAILURES = {
-    errno.EADDRINUSE: "another process listens there (another `dsec up`?); choose --port",
-    errno.EADDRNOTAVAIL: "no interface of this host has that address; choose --host",
-    errno.EACCES: "ports below 1024 need root (CAP_NET_BIND_SERVICE)",
-}
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound before anything else starts.
-
-    A root binds first and serves on this socket afterwards (``serve_app``), so that a
-    port already taken fails at once, with a message that says so, before the platform
-    has recovered sandboxes, mounted images or opened databases only to give it all
-    back; and so that port 0 (any free port) gives the address to announce.
-    CannotListen says why in words."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        # SO_REUSEADDR (as uvicorn would): a restart binds while the last run's
-        # connections are still in TIME_WAIT.
-        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-    except OSError as exc:
-        code = exc.errno or 0
-        if isinstance(exc, socket.gaierror) or code < 0:  # EAI_*: the name, not the bind
-            reason = "unknown host; choose --host"
-        else:
-            reason = LISTEN_FAILURES.get(code, exc.strerror or str(exc))
-    raise CannotListen(f"cannot listen on {host}:{port}: {reason}", errno=code)
-
-
-def bound_port(sock: socket.socket) -> int:
-    """The port ``sock`` listens on (the one chosen when 0 was asked for)."""
-    port: int = sock.getsockname()[1]
-    return port
 
 
 async def serve_app(

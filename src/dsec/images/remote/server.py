@@ -48,6 +48,7 @@ from dsec.errors import (
 from dsec.images.chunkindex import HEADER
 from dsec.images.remote.dirstore import DirStore
 from dsec.images.remote.records import LayerRecord
+from dsec.net.ports import bound_port, listen
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,13 @@ def serve(
     over HTTPS with ``tls`` = (certificate chain, key), PEM files."""
     import uvicorn
 
-    store.open()
+    sock = listen(host, port)  # a taken port is said before the store is opened
+    port = bound_port(sock)  # port 0: the one chosen
+    try:
+        store.open()
+    except BaseException:
+        sock.close()
+        raise
     config = uvicorn.Config(
         StoreApp(store, tokens),
         host=host,
@@ -370,9 +377,10 @@ def serve(
 
         task = asyncio.create_task(announce())
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             task.cancel()
+            sock.close()
         if not server.started:
             raise OSError(f"could not listen on {host}:{port}")
 
