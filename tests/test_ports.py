@@ -51,6 +51,7 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
         taken = held.getsockname()[1]
         held.listen()
         monkeypatch.setattr(ports, "candidate_ports", lambda slot, slots: [taken, taken + 1])
+        monkeypatch.setattr(ports, "_cursor", {})  # a fresh process's cursor:
         monkeypatch.setattr(random, "randrange", lambda n: 0)  # the taken one first
         assert ports.free_port() == taken + 1
 
@@ -71,3 +72,9 @@ def test_a_bad_slot_and_an_unreadable_range(tmp_path: Path) -> None:
     odd = tmp_path / "range"
     odd.write_text("40000\t50000\n")
     assert ports.ephemeral_range(odd) == (40_000, 50_000)
+
+
+def test_picks_in_a_row_differ_even_before_anything_binds() -> None:
+    """A caller may pick ports for several servers before starting any of them."""
+    picked = [ports.free_port(slot=1, slots=3) for _ in range(200)]
+    assert len(set(picked)) == len(picked)

@@ -51,14 +51,21 @@ def candidate_ports(slot: int = 0, slots: int = 1) -> list[int]:
     return ports[slot::slots]
 
 
+_cursor: dict[tuple[int, int], int] = {}  # (slot, slots) -> next index into the candidates
+
+
 def free_port(host: str = "127.0.0.1", *, slot: int = 0, slots: int = 1) -> int:
     """A port on ``host`` that nothing is bound to now and that no outgoing connection
     will take before the caller's server binds it (see the module's docstring).
 
     Raises OSError(EADDRINUSE) if every candidate is taken."""
     ports = candidate_ports(slot, slots)
-    start = random.randrange(len(ports))
-    for port in ports[start:] + ports[:start]:
+    # A cursor per process, from a random start: two picks in a row never hand out
+    # the same port, even when the first one's server has not bound it yet.
+    start = _cursor.get((slot, slots), random.randrange(len(ports)))
+    _cursor[(slot, slots)] = (start + 1) % len(ports)
+    for offset in range(len(ports)):
+        port = ports[(start + offset) % len(ports)]
         with socket.socket() as sock:
             try:
                 # No SO_REUSEADDR: a port still in TIME_WAIT is skipped as well, since
@@ -66,6 +73,7 @@ def free_port(host: str = "127.0.0.1", *, slot: int = 0, slots: int = 1) -> int:
                 sock.bind((host, port))
             except OSError:
                 continue
+            _cursor[(slot, slots)] = (start + offset + 1) % len(ports)
             return port
     raise OSError(errno.EADDRINUSE, f"no free port on {host} outside the ephemeral range")
 
