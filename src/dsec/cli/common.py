@@ -98,9 +98,9 @@ ANY_PORT_HELP = "0: any free port (the one chosen is printed)"
 @contextlib.contextmanager
 def serving(what: str) -> Iterator[None]:
     """Around a server process's blocking run (`dsec up`, `dsec edge`, `dsec
-    apiserver`): Ctrl-C exits 130, and what stops it from starting (a port in use, an
-    address this host lacks: dsec.net.ports.listen) is an error in words, not a
-    traceback. A PermissionError goes on to the CLI's own handler (exit 1)."""
+    apiserver`, `dsec store serve`): Ctrl-C exits 130, and what stops it from starting
+    (a port in use, an address this host lacks: dsec.net.ports.listen) is an error in
+    words, not a traceback. A PermissionError goes on to the CLI's own handler (exit 1)."""
     try:
         yield
     except KeyboardInterrupt:

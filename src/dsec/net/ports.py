@@ -92,11 +92,12 @@ LISTEN_FAILURES = {
 def listen(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before anything else starts.
 
-    A root binds first and serves on this socket afterwards (``serve_app``), so that a
-    port already taken fails at once, with a message that says so, before the platform
-    has recovered sandboxes, mounted images or opened databases only to give it all
-    back; and so that port 0 (any free port) gives the address to announce.
-    CannotListen says why in words."""
+    Every server command binds first and serves on this socket afterwards
+    (dsec.roots.serving.serve_app, the layer store's server), so that a port already
+    taken fails at once, with a message that says so, before the platform has
+    recovered sandboxes, mounted images or opened databases only to give it all back;
+    and so that port 0 (any free port) gives the address to announce. CannotListen
+    says why in words."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         # SO_REUSEADDR (as uvicorn would): a restart binds while the last run's

@@ -14,7 +14,6 @@ are in one try/finally.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -38,8 +37,7 @@ from dsec.control.iam import IAM
 from dsec.control.keys import KeyStore
 from dsec.control.roles import RoleStore
 from dsec.errors import QuotaExceeded
-from dsec.net.ports import bound_port, listen
-from dsec.roots.serving import run_loop, serve_app
+from dsec.roots.serving import listening, run_loop, serve_app
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +61,8 @@ class ApiserverConfig:
 async def serve_apiserver(
     config: ApiserverConfig, *, ready: Callable[[str], None] | None = None
 ) -> None:
-    sock = listen(config.host, config.port)  # a taken port fails here, before any work
+    sock, config = listening(config)  # a taken port fails here, before any work
     with contextlib.closing(sock):
-        if config.port == 0:  # any free port: the one chosen is the one to announce
-            config = dataclasses.replace(config, port=bound_port(sock))
         await _serve_apiserver(config, sock, ready)
 
 

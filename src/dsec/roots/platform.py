@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import os
 import secrets
@@ -51,13 +50,12 @@ from dsec.hostlimits import check_host
 from dsec.images.images import Images
 from dsec.images.oci.client import RegistrySettings
 from dsec.net.manager import NetworkManager
-from dsec.net.ports import bound_port, listen
 from dsec.observe.metrics import GaugeCollector, fncall_gauges, layer_cache_gauges
 from dsec.resources import cgroups
 from dsec.resources.capacity import SandboxCost
 from dsec.resources.disk import GiB
 from dsec.resources.swap import SwapError, SwapFile, keep_sandboxes_off_swap, managed_size
-from dsec.roots.serving import run_loop, serve_app
+from dsec.roots.serving import listening, run_loop, serve_app
 from dsec.security.audit import AuditLog
 
 log = logging.getLogger(__name__)
@@ -321,10 +319,8 @@ async def serve(
 
     ``companion`` runs beside the server once it listens (a cluster edge's heartbeats,
     dsec.cluster.node) and is cancelled before the platform shuts down."""
-    sock = listen(config.host, config.port)  # a taken port fails here, before any work
+    sock, config = listening(config)  # a taken port fails here, before any work
     with contextlib.closing(sock):
-        if config.port == 0:  # any free port: the one chosen is the one to announce
-            config = dataclasses.replace(config, port=bound_port(sock))
         await _serve_platform(config, sock, ready, companion)
 
 

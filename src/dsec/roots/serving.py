@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from dsec.net.ports import bound_port, listen
 from dsec.security.safe_text import escape_log_records
 
 # What stops a server cleanly (its sandboxes run on unless asked to stop with it).
@@ -74,6 +76,27 @@ def _server_class() -> type[Any]:
             self.should_exit = True
 
     return Server
+
+
+class Listens(Protocol):
+    """A server's settings: where it listens."""
+
+    host: str
+    port: int
+
+
+ListensT = TypeVar("ListensT", bound=Listens)
+
+
+def listening(config: ListensT) -> tuple[socket.socket, ListensT]:
+    """Bind the server's socket first (dsec.net.ports.listen: a taken port fails here,
+    before any work) and the settings to serve with: for port 0, a copy with the port
+    the kernel chose, so that the URL announced and handed out is the real one."""
+    sock = listen(config.host, config.port)
+    if config.port == 0:
+        config = copy.copy(config)
+        config.port = bound_port(sock)
+    return sock, config
 
 
 async def serve_app(
