@@ -1,6 +1,6 @@
 """Exec latency against its floor, interleaved (issue 19: exec p50 <= 1.4 ms).
 
-    .venv/bin/python bench/exec_floor.py [--execs 600] [--rounds 20]
+    .venv/bin/python bench/exec_floor.py [--execs 600] [--rounds 20] [--contend CORES]
 
 ``run_shell("true")`` through the SDK, async and sync (the sync twin runs the async one
 on its portal thread), against the floors of the same command in the same sandbox:
@@ -16,7 +16,10 @@ short batches, the order turning every round, so each sees the same share of a n
 host's load; the ratios to the agent floor are the figures to read (the absolute ones
 move with the host's load). CPU per command is measured too: this process's
 (``time.process_time``, the SDK's part) and the edge's (``/proc/PID/stat``), which do
-not depend on load.
+not depend on load. ``--contend CORES`` runs every round a second time with CORES busy
+loops at nice -10 (the contended and quiet batches interleaved): one sandbox on a host
+that has lost a core the way this fleet's pid 1 takes one from ~8,000 sandboxes, to tell
+the exec's growth at 10,000 from the effect of that lost core.
 
 bench/bench_density.py calls :func:`exec_vs_floor` for its exec figure; standalone, this
 starts its own ``dsec up`` and writes bench/results/exec_floor.json.
@@ -29,6 +32,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,6 +101,35 @@ def build_probe(out_dir: Path) -> bytes | None:
         return None
 
 
+class Burner:
+    """``cores`` busy loops at nice -10, stopped until :meth:`on`: the shape of what
+    this fleet's pid 1 does to the host from ~8,000 network namespaces (one core, at
+    nice -10; bench_density's ``idle_cpu``), with one sandbox, toggled per round so the
+    contended and quiet arms interleave."""
+
+    def __init__(self, cores: int) -> None:
+        self.procs = [
+            subprocess.Popen(["nice", "-n", "-10", "sh", "-c", "while :; do :; done"])
+            for _ in range(cores)
+        ]
+        self.off()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for proc in self.procs:
+            proc.send_signal(sig)
+
+    def on(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def off(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
 async def _spawned(sb: Any, n: int) -> list[float]:
     """``n`` spawn round trips timed by the probe inside the sandbox, in seconds."""
     res = await sb.run_shell(f"{PROBE_IN_SANDBOX} {n}", timeout=60)
@@ -114,9 +147,12 @@ async def exec_vs_floor(
     execs: int = 600,
     rounds: int = 20,
     edge_pid: int | None = None,
+    contend: int = 0,
 ) -> dict[str, Any]:
     """The arms on container ``sandbox_id`` (see the module doc); ``execs`` per arm
-    (nsenter: a third of that, it is a process start each)."""
+    (nsenter: a third of that, it is a process start each). ``contend`` > 0: every
+    round runs its arms a second time with that many cores taken by a ``Burner``;
+    those figures go under ``"contended"``, in the same shape."""
     sock = data_dir / "run" / "agents" / f"{sandbox_id}.sock"
     init_pid = int((data_dir / "sandboxes" / sandbox_id / "init.pid").read_text())
     agent = AgentClient(sock)
@@ -131,10 +167,12 @@ async def exec_vs_floor(
     with tempfile.TemporaryDirectory(prefix="dsec-bench-probe-") as tmp:
         probe = build_probe(Path(tmp))
     arms = ARMS if probe is not None else tuple(a for a in ARMS if a != "spawn")
-    samples: dict[str, list[float]] = {a: [] for a in arms}
-    cpu = {a: 0.0 for a in arms}
-    edge_cpu = {a: 0.0 for a in arms}
+    conditions = ("quiet", "contended") if contend > 0 else ("quiet",)
+    samples = {c: {a: list[float]() for a in arms} for c in conditions}
+    cpu = {c: {a: 0.0 for a in arms} for c in conditions}
+    edge_cpu = {c: {a: 0.0 for a in arms} for c in conditions}
     per = max(1, execs // rounds)
+    burner = Burner(contend) if contend > 0 else None
     async with DSecClient(url, key) as client:
         sb = await client.get(sandbox_id)
         if probe is not None:
@@ -158,15 +196,40 @@ async def exec_vs_floor(
                 await batches[arm](20)
             for r in range(rounds):
                 k = r % len(arms)
-                for arm in arms[k:] + arms[:k]:
-                    t0 = time.process_time()
-                    e0 = cpu_seconds(edge_pid) if edge_pid else 0.0
-                    samples[arm] += await batches[arm](per)
-                    cpu[arm] += time.process_time() - t0
-                    if edge_pid:
-                        edge_cpu[arm] += cpu_seconds(edge_pid) - e0
+                # the conditions alternate their order too
+                for cond in conditions[r % 2 :] + conditions[: r % 2]:
+                    if burner is not None and cond == "contended":
+                        burner.on()
+                    elif burner is not None:
+                        burner.off()
+                    for arm in arms[k:] + arms[:k]:
+                        t0 = time.process_time()
+                        e0 = cpu_seconds(edge_pid) if edge_pid else 0.0
+                        samples[cond][arm] += await batches[arm](per)
+                        cpu[cond][arm] += time.process_time() - t0
+                        if edge_pid:
+                            edge_cpu[cond][arm] += cpu_seconds(edge_pid) - e0
         finally:
+            if burner is not None:
+                burner.close()
             await asyncio.to_thread(sync.close)
+    res = _summarise(arms, samples["quiet"], cpu["quiet"], edge_cpu["quiet"], edge_pid)
+    if burner is not None:
+        res["contended"] = _summarise(
+            arms, samples["contended"], cpu["contended"], edge_cpu["contended"], edge_pid
+        )
+        res["contended"]["burner_cores"] = contend
+    return res
+
+
+def _summarise(
+    arms: tuple[str, ...],
+    samples: dict[str, list[float]],
+    cpu: dict[str, float],
+    edge_cpu: dict[str, float],
+    edge_pid: int | None,
+) -> dict[str, Any]:
+    """Per arm: the summary, CPU per command, the ratio to the agent floor; the layers."""
     res: dict[str, Any] = {}
     for arm in arms:
         s = summary(samples[arm])
@@ -234,7 +297,7 @@ async def _standalone(opts: argparse.Namespace, url: str, key: str, plat: Any) -
         try:
             return await exec_vs_floor(
                 url, key, sb.id, plat.data_dir, execs=opts.execs, rounds=opts.rounds,
-                edge_pid=plat.proc.pid if plat.proc else None,
+                edge_pid=plat.proc.pid if plat.proc else None, contend=opts.contend,
             )  # fmt: skip
         finally:
             await sb.stop()
@@ -246,6 +309,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--execs", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument(
+        "--contend", type=int, default=0, metavar="CORES",
+        help="also run every round with CORES busy loops at nice -10 (interleaved)",
+    )  # fmt: skip
     opts = ap.parse_args()
     load_start = loadavg()
     with platform_process() as plat:
@@ -255,6 +322,9 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     (out / "exec_floor.json").write_text(json.dumps(res, indent=2))
     print_table(res)
+    if "contended" in res:
+        print(f"\nthe same, {opts.contend} core(s) taken by busy loops at nice -10:")
+        print_table(res["contended"])
     print(f"host load {load_start} -> {res['host']['loadavg_end']}")
 
 
