@@ -167,3 +167,23 @@ def test_the_layer_store_on_a_taken_port_fails_at_once_and_port_zero_serves(
         assert reply.status_code in (401, 404)  # answered: it serves on the announced port
     finally:
         stop_process(proc)
+
+
+def test_the_apiserver_on_a_taken_port_fails_before_it_reaches_its_database() -> None:
+    """`dsec apiserver` binds before anything else: with its port taken it says so,
+    not that its (here unreachable) database is down, and it does not wait for it."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        argv = ["apiserver", "--db", "postgresql://nobody@127.0.0.1:9/none"]
+        argv += ["--cluster-token", "t" * 32, "--admin-key", "dsk_k", "--port", str(port)]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "dsec.cli.main", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"error: cannot_listen: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "database" not in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 30
