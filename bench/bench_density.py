@@ -27,9 +27,11 @@ busybox with a 64 MiB limit and no idle TTL. Per step (every ``--step`` sandboxe
   it, the edge's and the host's pid 1's, in cores. On this fleet's machines pid 1 is
   their own agent (``process_api``), no part of the platform, whose work grows with the
   host's network namespaces (one a sandbox): from ~6,000 sandboxes it takes a whole
-  core of the two, so the later steps'
-  creates (and raw crun's) run on what is left. The verdicts put raw crun's own growth
-  and pid 1's cores at the first and last step beside the platform's growth.
+  core of the two, so the later steps' creates (and raw crun's) run on what is left.
+  What is left is measured too: a busy loop pinned to each core for 1 s
+  (``spin_per_core``, against ``spin_per_core_start`` with no sandbox). The verdicts put
+  raw crun's own growth, pid 1's cores at the first and last step and the share of the
+  cores left at the last (``cpu_left_at_last_step``) beside the platform's growth.
 
 At the end: exec p50/p99 of ``run_shell("true")`` on one sandbox with its floors (the
 agent socket's round trip, nsenter, the bare spawn inside) interleaved (bench/exec_floor.py),
@@ -65,6 +67,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
 from bench.exec_floor import cpu_seconds, exec_vs_floor  # noqa: E402
+from bench.probes import spin_capacity  # noqa: E402
 from bench.shrinkers import probe as shrinker_probe  # noqa: E402
 from bench.shrinkers import superblocks  # noqa: E402
 from bench.stats import summary  # noqa: E402
@@ -148,6 +151,7 @@ async def idle_cpu(edge_pid: int | None, seconds: float = 3.0) -> dict[str, Any]
     }
     if edge_pid:
         out["edge_cores"] = round((cpu_seconds(edge_pid) - edge0) / dt, 2)
+    out["spin_per_core"] = [round(v) for v in await spin_capacity(1.0)]
     return out
 
 
@@ -327,6 +331,10 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
             await (await client.run_container(spec())).stop()
         await asyncio.sleep(1.0)
         res["shrinker_map_start"] = shrinker_probe()
+        # what each core gives a busy loop with no sandbox, the best of 3 s (a shared
+        # host's noise only ever lowers it): idle_cpu's spin_per_core reads against it
+        tries = [await spin_capacity(1.0) for _ in range(3)]
+        res["spin_per_core_start"] = [round(max(core)) for core in zip(*tries, strict=True)]
         base = meminfo()
         with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
             dens = Density(
@@ -405,6 +413,12 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
                 steps[0]["idle_cpu"]["pid1_cores"],
                 last["idle_cpu"]["pid1_cores"],
             ]
+            start = res.get("spin_per_core_start")
+            if start and sum(start) and "spin_per_core" in last["idle_cpu"]:
+                # the share of the host's cores a busy loop still gets at the last step
+                out["cpu_left_at_last_step"] = round(
+                    sum(last["idle_cpu"]["spin_per_core"]) / sum(start), 2
+                )
         mapped = res.get("shrinker_map_end")
         if mapped:  # host history the platform cannot undo (bench/shrinkers.py)
             map_mib = mapped["map_kib_per_memcg"] / 1024
