@@ -78,10 +78,6 @@ def scaffold(steps: int, heap_mib: int = 0) -> str:
     )
 
 
-def build_probe(tmp: Path) -> bytes:
-    return static_binary("rollout_probe.c", tmp)
-
-
 def latency(
     client: DSecSyncClient, trainer: ScriptedTrainer, probe: bytes, calls: int
 ) -> dict[str, float]:
@@ -236,7 +232,7 @@ def main() -> None:
         "load": Path("/proc/loadavg").read_text().split()[:3],
     }
     with tempfile.TemporaryDirectory() as tmp, platform_process() as plat:
-        probe = build_probe(Path(tmp))
+        probe = static_binary("rollout_probe.c", Path(tmp))
         with DSecSyncClient(plat.url, plat.api_key, timeout=300) as client:
             client.build_image("busybox")
             direct = ScriptedTrainer(host="0.0.0.0").start()

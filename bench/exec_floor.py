@@ -102,7 +102,7 @@ def build_probe(out_dir: Path) -> bytes | None:
 
 
 class Burner:
-    """``cores`` busy loops at nice -10, stopped until :meth:`on`: the shape of what
+    """``cores`` busy loops at nice -10, stopped until ``running(True)``: the shape of what
     this fleet's pid 1 does to the host from ~8,000 network namespaces (one core, at
     nice -10; bench_density's ``idle_cpu``), with one sandbox, toggled per round so the
     contended and quiet arms interleave."""
@@ -112,17 +112,12 @@ class Burner:
             subprocess.Popen(["nice", "-n", "-10", "sh", "-c", "while :; do :; done"])
             for _ in range(cores)
         ]
-        self.off()
+        self.running(False)
 
-    def _signal(self, sig: signal.Signals) -> None:
+    def running(self, on: bool) -> None:
+        """Let the loops run (SIGCONT) or stop them (SIGSTOP)."""
         for proc in self.procs:
-            proc.send_signal(sig)
-
-    def on(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def off(self) -> None:
-        self._signal(signal.SIGSTOP)
+            proc.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -172,13 +167,15 @@ async def exec_vs_floor(
     cpu = {c: {a: 0.0 for a in arms} for c in conditions}
     edge_cpu = {c: {a: 0.0 for a in arms} for c in conditions}
     per = max(1, execs // rounds)
-    burner = Burner(contend) if contend > 0 else None
+    burner: Burner | None = None
     async with DSecClient(url, key) as client:
         sb = await client.get(sandbox_id)
         if probe is not None:
             await sb.write_file(PROBE_IN_SANDBOX, probe, mode=0o755)
         sync = DSecSyncClient(url, key)
         try:
+            # made inside the try: its busy loops are killed whatever fails below
+            burner = Burner(contend) if contend > 0 else None
             ssb = await asyncio.to_thread(sync.get, sandbox_id)
             batches: dict[str, Callable[[int], Awaitable[list[float]]]] = {
                 "sdk_async": lambda k: _timed(lambda: sb.run_shell("true"), k),
@@ -198,10 +195,8 @@ async def exec_vs_floor(
                 k = r % len(arms)
                 # the conditions alternate their order too
                 for cond in conditions[r % 2 :] + conditions[: r % 2]:
-                    if burner is not None and cond == "contended":
-                        burner.on()
-                    elif burner is not None:
-                        burner.off()
+                    if burner is not None:
+                        burner.running(cond == "contended")
                     for arm in arms[k:] + arms[:k]:
                         t0 = time.process_time()
                         e0 = cpu_seconds(edge_pid) if edge_pid else 0.0
