@@ -16,7 +16,6 @@ wrapper the platform uses, since plain crun cannot run here at all without it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -33,14 +32,6 @@ from dsec.agent.build import agent_binary
 from dsec.api.spec import DSecContainerRunArgs
 from dsec.backends.container.oci_spec import sandbox_resources
 from dsec.resources import cgroups
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _become_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def unavailable(layer_blob: Path) -> str | None:
@@ -173,7 +164,7 @@ class RawCrun:
         ``--detach``, so this process becomes a subreaper and reaps exactly that pid
         (never ``waitpid(-1)``: a caller's other children are not ours to collect)."""
         if not self._subreaper:
-            _become_subreaper()
+            linux.become_subreaper()
             self._subreaper = True
         i = self._detached
         self._detached += 1

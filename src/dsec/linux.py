@@ -95,6 +95,25 @@ def pid_alive(pid: int) -> bool:
     return st is None or not st.dead  # no /proc view of it: kill() said it exists
 
 
+PR_SET_CHILD_SUBREAPER = 36
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its descendants' orphans: a process whose parent
+    dies is re-parented to us, not to the machine's pid 1 (which on some hosts never
+    reaps), so that we can reap it."""
+    if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+
+
 def _raise(what: str, path: str | os.PathLike[str]) -> None:
     err = ctypes.get_errno()
     raise OSError(err, f"{what} {path}: {os.strerror(err)}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import secrets
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec import spawn
+from dsec import linux, spawn
 from dsec.agent.build import agent_binary
 from dsec.apiserver.creator import SandboxCreator, StopReleaser, attach_iam
 from dsec.backends.base import BackendHost
@@ -59,15 +58,6 @@ from dsec.roots.serving import listening, run_loop, serve_app
 from dsec.security.audit import AuditLog
 
 log = logging.getLogger(__name__)
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper() -> None:
-    """Orphans of what we start ourselves (the spawner's fallback path) are re-parented
-    to us, so that we reap them (the machine's pid 1 may not reap orphans)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 async def start_spawner(binary: Path, path: Path) -> spawn.HostSpawner | None:
@@ -166,7 +156,8 @@ async def _running_platform(config: PlatformConfig, claim: HostClaim) -> AsyncIt
     # first, so that a bad --backends fails before anything starts.
     registry = BackendRegistry()
     selection = registry.select(config.backends)
-    become_subreaper()
+    # Orphans of what we start ourselves (the spawner's fallback path) come to us.
+    linux.become_subreaper()
     with contextlib.suppress(OSError):  # a `dsec down --stop-sandboxes` this run never got
         config.stop_marker.unlink()
     engine = make_engine(sqlite_url(config.control_db))
