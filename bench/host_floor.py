@@ -6,9 +6,11 @@ all (issue 19): the floor bench/bench_density.py's figures are read against.
 The platform runs only at the start, to build busybox and hand over its EROFS layer
 (copied out); then it is stopped. ``bench/holder_probe.c`` then makes ``--step`` more
 "holders" at a time: a sleeping process in network, pid, ipc, uts and mount namespaces
-of its own and a memory cgroup of its own, with proc, a /dev tmpfs and devpts mounted
-(4 superblocks with the ipc namespace's mqueue; a sandbox has 5, its overlay root the
-fifth). At 0 and at every step, with nothing else of ours running:
+of its own, in memory, cpu and pids cgroups of its own with a default 64 MiB sandbox's
+limits (the CPU quota too: the kernel checks each write of it against every task group
+on the host), with proc, a /dev tmpfs and devpts mounted (4 superblocks with the ipc
+namespace's mqueue; a sandbox has 5, its overlay root the fifth). At 0 and at every
+step, with nothing else of ours running:
 
 - host memory per holder: the drop of ``MemAvailable`` since the start, divided by the
   count, and its unreclaimable kernel part (``SUnreclaim + Percpu + KernelStack +
@@ -115,21 +117,26 @@ class Holders:
     """The probe process and the holders it keeps (``add``); ``close`` ends them all."""
 
     def __init__(self, binary: Path, parents: list[Path]) -> None:
-        self.parents = parents
-        for parent in parents:
-            parent.mkdir()
-            if parent.parent == cgroups.detect().v2:  # v2: the children get controllers
-                (parent / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-        # A holder outlives its probe only as a zombie (it gets SIGKILL when the probe
-        # dies): as the probe's subreaper, this process is the one that reaps it.
-        linux.become_subreaper()
-        self.proc = subprocess.Popen(
-            [str(binary), *map(str, parents)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.parents: list[Path] = []
         self.count = 0
+        try:
+            for parent in parents:
+                parent.mkdir()
+                self.parents.append(parent)
+                if parent.parent == cgroups.detect().v2:  # v2: the children get controllers
+                    (parent / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+            # A holder outlives its probe only as a zombie (it gets SIGKILL when the
+            # probe dies): as the probe's subreaper, this process is the one to reap it.
+            linux.become_subreaper()
+            self.proc = subprocess.Popen(
+                [str(binary), *map(str, parents)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        except BaseException:
+            self._remove_cgroups()
+            raise
 
     def add(self, k: int) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -150,6 +157,9 @@ class Holders:
             self.proc.wait()
         if self.proc.returncode != 0:  # killed or crashed: its holders are ours to reap
             reap_orphans()
+        self._remove_cgroups()
+
+    def _remove_cgroups(self) -> None:
         for parent in self.parents:
             for child in parent.glob("h*"):  # left only by a probe that did not finish
                 rmdir_patiently(child)
