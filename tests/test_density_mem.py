@@ -46,10 +46,13 @@ def _fake_proc(tmp_path: Path, *, mem_total_kb: int, some10: float = 0.0) -> Pat
 
 def test_capacity_is_the_smallest_host_table(tmp_path: Path) -> None:
     proc = _fake_proc(tmp_path, mem_total_kb=24 * 1024 * 1024, some10=12.5)
-    cost = SandboxCost(host_memory_bytes=3 * MiB // 2, tasks=8, files=64, edge_fds=4)
+    cost = SandboxCost(
+        host_memory_bytes=704 * 1024, tasks=8, files=64, edge_fds=4, shrinker_slot_bytes=16
+    )
     cap = capacity.host_capacity(cost, memory_reserve_bytes=GiB, proc=proc, nofile=20_000)
-    # 23 GiB / 1.5 MiB = 15,701; threads 191,000 * 0.9 / 8 = 21,487; edge fds 4,744
-    assert cap.limits["memory"] == 23 * GiB // (3 * MiB // 2)
+    # memory: the most whose cost fits 23 GiB (shrinker maps included: 13,556, not the
+    # 34,257 of 704 KiB each); threads 191,000 * 0.9 / 8 = 21,487; edge fds 4,744
+    assert cap.limits["memory"] == cost.most_that_fit(23 * GiB) == 13_556
     assert cap.limits["threads"] == 191_000 * 9 // 10 // 8
     assert cap.limits["edge_fds"] == (20_000 - 1024) // 4
     assert (cap.by, cap.max_sandboxes) == ("edge_fds", cap.limits["edge_fds"])
@@ -63,6 +66,43 @@ def test_capacity_is_the_smallest_host_table(tmp_path: Path) -> None:
     assert psi == Pressure(12.5, 1.5, 0.5)
     assert capacity.read_pressure("memory", tmp_path / "nowhere") is None
     assert capacity.meminfo(proc)["MemTotal"] == 24 * GiB
+
+
+def test_the_memory_of_n_sandboxes_counts_their_shrinker_maps() -> None:
+    """Every memory cgroup has a slot for every superblock on the host, 5 per sandbox:
+    the memory of N sandboxes grows with N squared, and the count limit is the exact
+    largest N that fits, never the constant-cost figure."""
+    cost = SandboxCost(host_memory_bytes=704 * 1024, superblocks=5, shrinker_slot_bytes=16)
+    slots = capacity.HOST_SHRINKER_IDS + 5 * 10_000
+    assert cost.memory_of(10_000) == 10_000 * (704 * 1024 + 16 * slots)
+    assert cost.memory_of(0) == 0
+    # the next sandbox: its own part, its map, and 5 more slots in each other's map
+    assert cost.one_more(0) == 704 * 1024 + 16 * (capacity.HOST_SHRINKER_IDS + 5)
+    assert cost.one_more(10_000) == cost.memory_of(10_001) - cost.memory_of(10_000)
+    assert cost.one_more(10_000) > 2 * MiB > cost.one_more(0)
+    for budget in (0, 1, 704 * 1024, 23 * GiB, 23 * GiB + 12_345, 510 * GiB, 4 << 40):
+        n = cost.most_that_fit(budget)
+        assert cost.memory_of(n) <= budget < cost.memory_of(n + 1), budget
+    # a 512 GiB host: ~78,000, where a constant 1.5 MiB each promised 348,160
+    assert 77_000 < cost.most_that_fit(510 * GiB) < 79_000
+    # no per-memcg map (before Linux 4.19): the constant-cost figure
+    flat = SandboxCost(host_memory_bytes=704 * 1024, shrinker_slot_bytes=0)
+    assert flat.most_that_fit(23 * GiB) == 23 * GiB // (704 * 1024)
+
+
+def test_a_shrinker_slot_costs_what_the_kernel_allocates(tmp_path: Path) -> None:
+    nowhere = tmp_path / "sys"
+    assert capacity.shrinker_slot_bytes("6.18.0-pvm", nowhere) == 16  # 520 B per 64 ids
+    assert capacity.shrinker_slot_bytes("6.7.1", nowhere) == 16
+    assert capacity.shrinker_slot_bytes("6.6.58-generic", nowhere) == 8  # bit + long
+    assert capacity.shrinker_slot_bytes("4.19.0", nowhere) == 8
+    assert capacity.shrinker_slot_bytes("4.18.20", nowhere) == 0  # no per-memcg map
+    assert capacity.shrinker_slot_bytes("garbage", nowhere) == 16  # the costlier layout
+    node = tmp_path / "sys/devices/system/node"
+    node.mkdir(parents=True)
+    (node / "online").write_text("0-1,3\n")  # one map per NUMA node: 3 nodes
+    assert capacity.shrinker_slot_bytes("6.18.0", tmp_path / "sys") == 48
+    assert SandboxCost().shrinker_slot_bytes == capacity.shrinker_slot_bytes()
 
 
 def _spec(mb: int = 64, cpu: float = 1.0) -> Spec:
@@ -121,7 +161,7 @@ def test_admission_by_use_refuses_naming_the_resource() -> None:
         a.admit(_spec(cpu=1.0))
     assert a.shortfall() == 0
     avail[0] = a.reserve_bytes  # less than reserve + one sandbox's cost
-    assert a.shortfall() == a.cost.host_memory_bytes
+    assert a.shortfall() == a.cost.one_more(50)
     with pytest.raises(AdmissionRejected) as err:
         a.admit(_spec())
     assert err.value.details["resource"] == "memory_available"

@@ -21,6 +21,7 @@ from dsec import DSecClient, DSecContainerRunArgs, SandboxState, linux
 from dsec.backends.container import sharedsys
 from dsec.backends.container.oci_spec import sys_masks
 from dsec.resources import cgroups
+from dsec.resources.capacity import SandboxCost
 from dsec.sdk.client import Sandbox
 from tests.conftest import clean_leftovers, host_leaks, platform_process
 
@@ -65,6 +66,8 @@ async def test_no_sysfs_or_tmpfs_superblock_of_its_own(two: tuple[Sandbox, Sandb
     # overlay root, proc, /dev (with /dev/shm in it: tests/test_devfs.py), devpts,
     # mqueue: nothing for /sys any more
     assert kinds == ["devpts", "mqueue", "overlay", "proc", "tmpfs"], own
+    # what admission's memory arithmetic counts for each sandbox's shrinker map
+    assert len(own) == SandboxCost().superblocks
     assert {point for fstype, point in own.values() if fstype == "tmpfs"} == {"/dev"}
     sys_line = next(line for line in info.splitlines() if line.split()[4] == "/sys")
     assert " - sysfs " in sys_line and sys_line.split()[2] in host, sys_line

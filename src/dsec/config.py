@@ -193,9 +193,10 @@ class PlatformConfig:
     admission_pressure: float = field(
         default_factory=lambda: env_float("DSEC_ADMISSION_PRESSURE", 60, maximum=100)
     )
-    # Host memory one idle sandbox costs (kernel and user), for the derived count limit.
+    # Host memory one idle sandbox costs (kernel and user) apart from its memory cgroup's
+    # shrinker map, which the derived count limit adds itself (dsec.resources.capacity).
     sandbox_host_cost_kb: int = field(
-        default_factory=lambda: env_int("DSEC_SANDBOX_HOST_COST_KB", 1536, minimum=1)
+        default_factory=lambda: env_int("DSEC_SANDBOX_HOST_COST_KB", 704, minimum=1)
     )
     # fds the edge holds per idle sandbox (measured: 1, dsec.resources.capacity).
     sandbox_edge_fds: int = field(

@@ -16,7 +16,8 @@ memory sits idle. Four gates, cheapest first, each refusal naming its resource:
   compressible (QoS classes share it, dsec.resources.qos), so by default it is not
   admitted by (``DSEC_CPU_OVERCOMMIT=0``); a ratio turns the gate on.
 * **use** (``memory_available``): ``MemAvailable`` must keep a reserve for the host plus
-  one more sandbox's host cost.
+  what one more sandbox costs the host with this many present (its memory cgroup's
+  shrinker map grows with the count: dsec.resources.capacity).
 * **pressure** (``memory_pressure``): the host's memory PSI ("some" avg10, percent) below
   ``DSEC_ADMISSION_PRESSURE``.
 
@@ -147,7 +148,7 @@ class Admission:
         use = use or self.measure()
         if use is None:
             return 0
-        need = self.reserve_bytes + self.cost.host_memory_bytes - use.available
+        need = self.reserve_bytes + self.cost.one_more(self.count) - use.available
         psi = use.pressure
         if psi is not None and psi.some_avg10 >= self.pressure_limit:
             need = max(need, 64 * MiB)
@@ -160,7 +161,7 @@ class Admission:
         available = use.available
         # The host's measured figures stay out of the refusal: a tenant could watch
         # other tenants through them (the metrics have them, for the operator).
-        if available < self.reserve_bytes + self.cost.host_memory_bytes:
+        if available < self.reserve_bytes + self.cost.one_more(self.count):
             self._refuse(
                 "memory_available",
                 f"host memory is in use: less than the {self.reserve_bytes // MiB} MiB kept "
