@@ -51,6 +51,10 @@ static int holder(void *arg)
 {
 	struct start *s = arg;
 	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	/* not the probe's stdio: its reader sees EOF when the probe ends, whatever we do */
+	close(0);
+	close(1);
+	close(2);
 	for (int i = 0; i < g_nparents; i++) {
 		char path[4096];
 		snprintf(path, sizeof path, "%s/h%zu/cgroup.procs", g_parents[i], s->index);
@@ -129,6 +133,7 @@ static int add_one(char *err, size_t errlen)
 	int p[2];
 	if (pipe2(p, O_CLOEXEC) < 0) {
 		snprintf(err, errlen, "pipe: %s", strerror(errno));
+		rm_cgroups(g_count);
 		return -1;
 	}
 	struct start s = {p[1], g_count};
