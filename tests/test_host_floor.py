@@ -34,36 +34,44 @@ sys.path.insert(0, {repo!r})
 from bench.host_floor import Holders, cgroup_parents
 from bench.shrinkers import superblocks
 
-holders = Holders(Path({binary!r}), cgroup_parents({name!r}))
-holders.add(3)
-probe = holders.proc.pid
-pids = [int(p) for p in Path(f"/proc/{{probe}}/task/{{probe}}/children").read_text().split()]
 def ns(pid, kind):
     return os.readlink(f"/proc/{{pid}}/ns/{{kind}}")
-report = {{
-    "probe": probe,
-    "count": holders.count,
-    "holders": [
-        {{
-            "pid": pid,
-            "own": {{k: ns(pid, k) != ns("self", k) for k in ("net", "pid", "ipc", "uts", "mnt")}},
-            "cgroups": Path(f"/proc/{{pid}}/cgroup").read_text(),
-            "superblocks": superblocks(pid),
-        }}
-        for pid in pids
-    ],
-    "parents": [str(p) for p in holders.parents],
-    "limits": sorted(
-        (p / "h0" / f).read_text().strip()
-        for p in holders.parents
-        for f in ("memory.limit_in_bytes", "memory.max", "cpu.cfs_quota_us", "cpu.max", "pids.max")
-        if (p / "h0" / f).exists()
-    ),
-}}
-print(json.dumps(report), flush=True)
-if {mode!r} == "kill":
-    os.kill(probe, signal.SIGKILL)
-holders.close()
+
+def look(holders):
+    holders.add(3)
+    probe = holders.proc.pid
+    pids = [int(p) for p in Path(f"/proc/{{probe}}/task/{{probe}}/children").read_text().split()]
+    kinds = ("net", "pid", "ipc", "uts", "mnt")
+    files = ("memory.limit_in_bytes", "memory.max", "cpu.cfs_quota_us", "cpu.max", "pids.max")
+    return {{
+        "probe": probe,
+        "count": holders.count,
+        "holders": [
+            {{
+                "pid": pid,
+                "own": {{k: ns(pid, k) != ns("self", k) for k in kinds}},
+                "cgroups": Path(f"/proc/{{pid}}/cgroup").read_text(),
+                "superblocks": superblocks(pid),
+            }}
+            for pid in pids
+        ],
+        "parents": [str(p) for p in holders.parents],
+        "limits": sorted(
+            (p / "h0" / f).read_text().strip()
+            for p in holders.parents
+            for f in files
+            if (p / "h0" / f).exists()
+        ),
+    }}
+
+holders = Holders(Path({binary!r}), cgroup_parents({name!r}))
+try:
+    report = look(holders)
+    print(json.dumps(report), flush=True)
+    if {mode!r} == "kill":
+        os.kill(holders.proc.pid, signal.SIGKILL)
+finally:  # a failure here still ends every holder, and the probe is reaped by us
+    holders.close()
 """
 
 
