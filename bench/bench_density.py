@@ -67,7 +67,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import PlatformProcess, clean_leftovers, host_leaks  # noqa: E402
 
 from bench.exec_floor import cpu_seconds, exec_vs_floor  # noqa: E402
-from bench.probes import spin_capacity  # noqa: E402
+from bench.probes import empty_host_spin, spin_capacity  # noqa: E402
 from bench.shrinkers import probe as shrinker_probe  # noqa: E402
 from bench.shrinkers import superblocks  # noqa: E402
 from bench.stats import summary  # noqa: E402
@@ -331,10 +331,7 @@ async def run(opts: argparse.Namespace, plat: PlatformProcess) -> dict[str, Any]
             await (await client.run_container(spec())).stop()
         await asyncio.sleep(1.0)
         res["shrinker_map_start"] = shrinker_probe()
-        # what each core gives a busy loop with no sandbox, the best of 3 s (a shared
-        # host's noise only ever lowers it): idle_cpu's spin_per_core reads against it
-        tries = [await spin_capacity(1.0) for _ in range(3)]
-        res["spin_per_core_start"] = [round(max(core)) for core in zip(*tries, strict=True)]
+        res["spin_per_core_start"] = await empty_host_spin()
         base = meminfo()
         with RawCrun(blob) if blob is not None and why is None else _nothing() as raw:
             dens = Density(

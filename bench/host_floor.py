@@ -12,11 +12,12 @@ on the host), with proc, a /dev tmpfs and devpts mounted (4 superblocks with the
 namespace's mqueue; a sandbox has 5, its overlay root the fifth). At 0 and at every
 step, with nothing else of ours running:
 
-- host memory per holder: the drop of ``MemAvailable`` since the start, divided by the
-  count, and its unreclaimable kernel part (``SUnreclaim + Percpu + KernelStack +
-  PageTables``), plus the memory cgroups' shrinker map (bench/shrinkers.py);
-- what a busy loop pinned to each core still gets (``spin_per_core``, against the best
-  of three seconds at 0) and the host's pid 1's CPU over 3 s, in cores;
+- host memory per holder, in bench_density's columns (``memory_row``: the drop of
+  ``MemAvailable`` since the start over the count, named ``..._per_sandbox``, and its
+  kernel parts), plus the memory cgroups' shrinker map (bench/shrinkers.py);
+- bench_density's ``idle_cpu`` over 3 s: the host's pid 1's CPU in cores, and what a
+  busy loop pinned to each core still gets (``spin_per_core``, against the empty
+  host's ``spin_per_core_start``);
 - raw ``crun run --detach`` of the busybox layer with its own overlay and a default
   sandbox's limits (dsec.crun_baseline, the create baseline of bench_density), ``--raw``
   times: p50 and p99.
@@ -50,9 +51,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import platform_process  # noqa: E402
 
-from bench.bench_density import PINNED_KEYS, meminfo  # noqa: E402
-from bench.exec_floor import cpu_seconds  # noqa: E402
-from bench.probes import spin_capacity, static_binary  # noqa: E402
+from bench.bench_density import idle_cpu, meminfo, memory_row  # noqa: E402
+from bench.probes import empty_host_spin, static_binary  # noqa: E402
 from bench.shrinkers import probe as shrinker_probe  # noqa: E402
 from bench.stats import summary  # noqa: E402
 from dsec import DSecClient, linux  # noqa: E402
@@ -168,18 +168,10 @@ class Holders:
 
 async def measure(raw: RawCrun, rounds: int, base: dict[str, int], count: int) -> dict[str, Any]:
     row: dict[str, Any] = {"holders": count}
-    now = meminfo()
-    if count:
-        drop = base["MemAvailable"] - now["MemAvailable"]
-        row["host_mib_per_holder"] = round(drop / 1024 / count, 3)
-        pinned = sum(now[k] - base[k] for k in PINNED_KEYS)
-        row["kernel_unreclaimable_mib_per_holder"] = round(pinned / 1024 / count, 3)
+    if count:  # a holder stands in for a sandbox: bench_density's memory columns
+        row.update(memory_row(base, count))
     row["shrinker_map_kib_per_memcg"] = shrinker_probe(probes=20, rounds=3)["map_kib_per_memcg"]
-    pid1 = cpu_seconds(1)
-    t0 = time.perf_counter()
-    await asyncio.sleep(3.0)
-    row["pid1_cores"] = round((cpu_seconds(1) - pid1) / (time.perf_counter() - t0), 2)
-    row["spin_per_core"] = [round(v) for v in await spin_capacity(1.0)]
+    row["idle_cpu"] = await idle_cpu(None)
     row["raw_crun"] = summary(raw.measure_detached(rounds))
     return row
 
@@ -190,8 +182,7 @@ async def run(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     binary.write_bytes(static_binary("holder_probe.c", work))
     binary.chmod(0o755)
     res: dict[str, Any] = {"max": opts.max, "step": opts.step, "raw_rounds": opts.raw}
-    tries = [await spin_capacity(1.0) for _ in range(3)]
-    res["spin_per_core_start"] = [round(max(core)) for core in zip(*tries, strict=True)]
+    res["spin_per_core_start"] = await empty_host_spin()
     rows: list[dict[str, Any]] = []
     with RawCrun(blob) as raw:
         raw.measure_detached(3)  # warm the layer and crun's own files
@@ -226,9 +217,11 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
         "raw_crun_growth": round(last["raw_crun"]["p50_ms"] / first["raw_crun"]["p50_ms"], 2),
         "raw_crun_growth_from_holders": first["holders"],
         "raw_crun_p50_ms_empty": res["steps"][0]["raw_crun"]["p50_ms"],
-        "cpu_left_at_last_step": round(sum(last["spin_per_core"]) / max(1, sum(start)), 2),
-        "pid1_cores_at_last_step": last["pid1_cores"],
-        "host_mib_per_holder_at_last_step": last["host_mib_per_holder"],
+        "cpu_left_at_last_step": round(
+            sum(last["idle_cpu"]["spin_per_core"]) / max(1, sum(start)), 2
+        ),
+        "pid1_cores_at_last_step": last["idle_cpu"]["pid1_cores"],
+        "host_mib_per_holder_at_last_step": last["host_mib_per_sandbox"],
     }
 
 

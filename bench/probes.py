@@ -58,3 +58,11 @@ async def spin_capacity(seconds: float = 1.0) -> list[float]:
     ]
     outs = await asyncio.gather(*(proc.communicate() for proc in procs))
     return [float(out.decode().strip() or 0) for out, _ in outs]
+
+
+async def empty_host_spin() -> list[int]:
+    """``spin_capacity`` on the host before the run adds anything: the best of three
+    seconds per core (a shared host's noise only ever lowers it), the figure each
+    step's ``spin_per_core`` reads against."""
+    tries = [await spin_capacity(1.0) for _ in range(3)]
+    return [round(max(core)) for core in zip(*tries, strict=True)]
