@@ -21,6 +21,7 @@ from dsec.resources import capacity, cgroups, swap
 from dsec.resources.capacity import Pressure, SandboxCost
 from tests.conftest import PlatformProcess, platform_process
 from tests.hostprint import operator_swap_areas
+from tests.waiting import until
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -204,11 +205,19 @@ def _usage(edge_id: str, sandbox_id: str) -> int:
     return int((_mem(edge_id, sandbox_id) / "memory.usage_in_bytes").read_text())
 
 
-# A process holding 48 MiB of anonymous heap, in the background (busybox awk).
-HOLD_48M = (
-    '(awk \'BEGIN{s=sprintf("%50331648s","x"); system("sleep 100000")}\' '
-    ">/dev/null 2>&1 &) ; sleep 0.5"
-)
+# A process holding 48 MiB of anonymous heap, in the background (busybox awk). The
+# command returns at once; the heap is there only once awk has built its string (over
+# 0.5 s on a loaded host): wait for it with held_48m.
+HOLD_48M = '(awk \'BEGIN{s=sprintf("%50331648s","x"); system("sleep 100000")}\' >/dev/null 2>&1 &)'
+
+
+def held_48m(edge_id: str, sandbox_id: str) -> None:
+    until(
+        "the sandbox holds 48 MiB of anonymous memory",
+        lambda: _mstat(edge_id, sandbox_id)["total_rss"] >= 48 * MiB,
+        30,
+    )
+
 
 v1_memory = pytest.mark.skipif("memory" not in cgroups.detect().v1, reason="v1 memory controller")
 
@@ -230,7 +239,7 @@ async def test_pause_swaps_out_by_default_and_resume_prefetches(
     try:
         r = await sb.run_shell(HOLD_48M)
         assert r.exit_code == 0, r.stderr
-        assert _mstat(platform.edge_id, sb.id)["total_rss"] >= 48 * MiB
+        held_48m(platform.edge_id, sb.id)
         report = await client.pause_job(job)
         assert report.paused == 1 and report.swap_available, report
         (p,) = report.sandboxes
